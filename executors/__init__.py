@@ -1,0 +1,1 @@
+"""Engines and executors: run sub-DAGs, exchange OP-Data, remote autodiff."""

@@ -1,0 +1,193 @@
+"""OpGraph: the OP-DAG (FusionLLM §3.3).
+
+Operators are nodes, tensors are edges. Parameters are graph-level entities
+(:class:`ParamSpec`) that nodes reference by name, so a parameter used by two
+nodes (tied input/output embeddings) exists once in the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .errors import GraphError
+from .node import NodeKind, OpNode, PLACEHOLDER_KINDS, TensorMeta
+from .registry import REGISTRY, OpRegistry
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A named parameter or buffer of the model.
+
+    name: the original name in the user's module (``state_dict`` key), so
+          weights and optimizer state map back to it.
+    trainable: False for buffers (BatchNorm running statistics).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    trainable: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return TensorMeta(self.shape, self.dtype).nbytes
+
+
+@dataclass
+class OpGraph:
+    """The OP-DAG.
+
+    nodes:   name -> node, kept in a topological order once validated.
+    params:  name -> parameter spec (weights travel separately).
+    plugins: Python modules that register user-defined op types used here.
+    """
+
+    nodes: dict[str, OpNode] = field(default_factory=dict)
+    params: dict[str, ParamSpec] = field(default_factory=dict)
+    plugins: list[str] = field(default_factory=list)
+
+    # -- construction ---------------------------------------------------------
+    def add(self, node: OpNode) -> OpNode:
+        if node.name in self.nodes:
+            raise GraphError("duplicate node name", node.name)
+        self.nodes[node.name] = node
+        return node
+
+    def add_param(self, spec: ParamSpec) -> ParamSpec:
+        old = self.params.get(spec.name)
+        if old is not None and old != spec:
+            raise GraphError(f"parameter {spec.name!r} declared twice with different specs: {old} vs {spec}")
+        self.params[spec.name] = spec
+        return spec
+
+    # -- queries -----------------------------------------------------------------
+    def __getitem__(self, name: str) -> OpNode:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise GraphError("no such node", name) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.nodes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self):
+        return iter(self.nodes.values())
+
+    def users(self) -> dict[str, list[str]]:
+        """Node name -> names of the nodes that consume its output (FusionLLM "OP users")."""
+        out: dict[str, list[str]] = {n: [] for n in self.nodes}
+        for node in self.nodes.values():
+            for p in node.producers():
+                if p in out:
+                    out[p].append(node.name)
+        return out
+
+    def placeholders(self, kind: NodeKind | None = None) -> list[OpNode]:
+        kinds = (kind,) if kind else PLACEHOLDER_KINDS
+        return [n for n in self.nodes.values() if n.kind in kinds]
+
+    def loss_nodes(self) -> list[OpNode]:
+        return [n for n in self.nodes.values() if n.kind == NodeKind.LOSS]
+
+    def param_users(self) -> dict[str, list[str]]:
+        """Parameter name -> nodes that read it (more than one: a tied parameter)."""
+        out: dict[str, list[str]] = {p: [] for p in self.params}
+        for node in self.nodes.values():
+            for p in node.param_names():
+                out.setdefault(p, []).append(node.name)
+        return out
+
+    def topo_order(self) -> list[str]:
+        """Kahn's algorithm, stable in insertion order. Raises on cycles."""
+        indeg = {n: 0 for n in self.nodes}
+        users = self.users()
+        for node in self.nodes.values():
+            indeg[node.name] = len([p for p in node.producers() if p in self.nodes])
+        ready = [n for n in self.nodes if indeg[n] == 0]
+        order: list[str] = []
+        i = 0
+        while i < len(ready):
+            n = ready[i]
+            i += 1
+            order.append(n)
+            for u in users[n]:
+                indeg[u] -= 1
+                if indeg[u] == 0:
+                    ready.append(u)
+        if len(order) != len(self.nodes):
+            stuck = [n for n in self.nodes if indeg[n] > 0]
+            raise GraphError(f"the graph has a cycle through {stuck}", stuck[0])
+        return order
+
+    # -- validation ----------------------------------------------------------------
+    def validate(self, registry: OpRegistry = REGISTRY, check_targets: bool = True) -> "OpGraph":
+        """Check the DAG and reorder nodes topologically. Returns self.
+
+        Errors name the node: dangling argument, unknown op type, wrong arity,
+        placeholder with arguments, unknown parameter, cycle. (Duplicate
+        names are rejected by :meth:`add` and by deserialisation.)
+        """
+        for node in self.nodes.values():
+            self._check_node(node, registry, check_targets)
+        order = self.topo_order()
+        self.nodes = {n: self.nodes[n] for n in order}
+        return self
+
+    def _check_node(self, node: OpNode, registry: OpRegistry, check_targets: bool) -> None:
+        if not isinstance(node.kind, NodeKind):
+            raise GraphError(f"unknown node kind {node.kind!r}", node.name)
+        for ref in node.refs():
+            if ref.node not in self.nodes:
+                raise GraphError(f"argument refers to missing node {ref.node!r}", node.name)
+            if ref.node == node.name:
+                raise GraphError("node uses its own output (a cycle)", node.name)
+        for p in node.param_names():
+            if p not in self.params:
+                raise GraphError(f"uses unknown parameter {p!r}", node.name)
+        if node.kind in PLACEHOLDER_KINDS:
+            if node.args or node.kwargs or node.target:
+                raise GraphError(f"{node.kind.value} placeholder takes no target or arguments", node.name)
+            return
+        if node.kind == NodeKind.OUTPUT:
+            if len(node.args) != 1:
+                raise GraphError("an output node takes exactly one argument", node.name)
+            return
+        if not node.target:
+            raise GraphError(f"{node.kind.value} node has no target op", node.name)
+        if not check_targets:
+            return
+        spec = registry.lookup(node.target)
+        if spec is None:
+            raise GraphError(f"unknown op type {node.target!r} (register it with fusion.register_module/register_function)", node.name)
+        if node.kind == NodeKind.MODULE and spec.call != "module":
+            raise GraphError(f"target {node.target!r} is a {spec.call}, not a module type", node.name)
+        if node.kind == NodeKind.FUNCTION and spec.call == "module":
+            raise GraphError(f"target {node.target!r} is a module type; use a module node", node.name)
+        if spec.call != "module" and node.params:
+            raise GraphError("only module nodes own parameters; pass ParamRef arguments instead", node.name)
+        n = len(node.args)
+        if spec.min_args is not None and n < spec.min_args:
+            missing = spec.min_args - n
+            # keyword arguments may fill positional slots
+            if len(node.kwargs) < missing:
+                raise GraphError(f"wrong arity for {node.target!r}: takes at least {spec.min_args} arguments, got {n}", node.name)
+        if spec.max_args is not None and n > spec.max_args:
+            raise GraphError(f"wrong arity for {node.target!r}: takes at most {spec.max_args} arguments, got {n}", node.name)
+
+    # -- sub-DAGs -------------------------------------------------------------------
+    def subgraph(self, names: Iterable[str]):
+        """The sub-DAG on ``names`` with its boundary tables (FusionLLM Table 3).
+
+        See :func:`fusion.ir.boundary.subgraph`.
+        """
+        from .boundary import subgraph
+
+        return subgraph(self, names)
+
+    def copy(self) -> "OpGraph":
+        from .serialize import graph_from_dict, graph_to_dict
+
+        return graph_from_dict(graph_to_dict(self))

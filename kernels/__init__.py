@@ -1,0 +1,1 @@
+"""Top-K compression kernels: torch path (CPU/GPU) and CuPy CUDA path; sparse wire encoding."""
