@@ -1,0 +1,126 @@
+"""PartRuntime: one CompNode's sub-DAG seen from the outside — OpData in, OpData out.
+
+It wraps an engine part (torch, numpy, ...) that works on plain arrays, and
+does the bookkeeping of FusionLLM §3.3: which activations a part waits for,
+where its outputs go (and for which actual users), how gradients from several
+consumer parts are summed per tensor, and where input gradients are returned.
+The single-process reference executor and the distributed CompNode executor
+both drive this class; only how OpData travels differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from ..ir.boundary import SubGraph
+from ..ir.errors import GraphError
+from ..ir.graph import OpGraph
+from ..ir.opdata import OpData
+
+Key = tuple[str, "int | None"]
+
+
+class EnginePart(Protocol):
+    """What an engine provides for one sub-DAG (arrays in, arrays out)."""
+
+    engine: str
+
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]: ...
+
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]: ...
+
+    def state(self) -> dict[str, np.ndarray]: ...
+
+    def grads(self) -> dict[str, np.ndarray | None]: ...
+
+    def set_grad(self, name: str, grad: Any) -> None: ...
+
+
+@dataclass
+class Routes:
+    """Static message routing of one part, derived from the boundary tables.
+
+    send_to:     tensor key -> {dst part: actual users there}
+    recv_from:   tensor key -> src part (each required tensor has one producer part)
+    recv_users:  tensor key -> local actual users
+    grads_from:  tensor key -> parts that will return a gradient for it
+    grads_to:    tensor key -> src part to return a gradient to
+    """
+
+    send_to: dict[Key, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    recv_from: dict[Key, str] = field(default_factory=dict)
+    recv_users: dict[Key, tuple[str, ...]] = field(default_factory=dict)
+    grads_from: dict[Key, set[str]] = field(default_factory=dict)
+    grads_to: dict[Key, str] = field(default_factory=dict)
+
+
+def make_routes(sub: SubGraph, assignment: Mapping[str, str]) -> Routes:
+    r = Routes()
+    for e in sub.boundary.sent_acts:
+        dst = assignment[e.actual_user]
+        users = r.send_to.setdefault(e.key, {})
+        users[dst] = tuple(sorted(set(users.get(dst, ())) | {e.actual_user}))
+        if e.requires_grad:
+            r.grads_from.setdefault(e.key, set()).add(dst)
+    for e in sub.boundary.required_acts:
+        r.recv_from[e.key] = assignment[e.producer]
+        r.recv_users[e.key] = tuple(sorted(set(r.recv_users.get(e.key, ())) | {e.actual_user}))
+        if e.requires_grad:
+            r.grads_to[e.key] = assignment[e.producer]
+    return r
+
+
+class PartRuntime:
+    """A part's forward/backward in terms of OpData messages."""
+
+    def __init__(self, graph: OpGraph, name: str, sub: SubGraph, assignment: Mapping[str, str], engine: EnginePart):
+        self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
+        self.routes = make_routes(sub, assignment)
+        self._users = {n: tuple(u) for n, u in graph.users().items()}
+        self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
+        self.has_loss = any(graph[n].kind.value == "loss" for n in sub.nodes)
+
+    # -- what a part waits for -------------------------------------------------------
+    def needs_acts(self) -> set[Key]:
+        return set(self.routes.recv_from)
+
+    def needs_grads(self) -> dict[Key, set[str]]:
+        return self.routes.grads_from
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, it: int, mb: int, feeds: Mapping[str, Any], inbox: list[OpData]) -> tuple[list[OpData], float | None]:
+        inputs: dict[Key, Any] = {}
+        for msg in inbox:
+            if msg.is_grad or msg.key not in self.routes.recv_from:
+                raise GraphError(f"part {self.name} got an unexpected activation {msg.key} from {msg.src}", msg.name)
+            inputs[msg.key] = msg.payload
+        sent, loss = self.engine.forward((it, mb), inputs, {k: feeds[k] for k in self.placeholders if k in feeds})
+        out = []
+        for key, dsts in self.routes.send_to.items():
+            for dst, users in dsts.items():
+                out.append(OpData(
+                    name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=users,
+                    is_grad=False, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=sent[key],
+                    requires_grad=dst in self.routes.grads_from.get(key, ()),
+                ))
+        return out, loss
+
+    # -- backward -----------------------------------------------------------------
+    def backward(self, it: int, mb: int, inbox: list[OpData], loss_scale: float) -> list[OpData]:
+        """Sum received gradients per tensor (over actual users), run local BP, return input grads."""
+        summed: dict[Key, Any] = {}
+        for msg in inbox:
+            if not msg.is_grad or msg.key not in self.routes.grads_from:
+                raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
+            g = np.asarray(msg.payload)
+            summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
+        grads_in = self.engine.backward((it, mb), summed, loss_scale)
+        out = []
+        for key, g in grads_in.items():
+            out.append(OpData(
+                name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=self.routes.recv_users[key],
+                is_grad=True, local_iter=it, micro_batch=mb, src=self.name, dst=self.routes.grads_to[key], payload=g,
+            ))
+        return out

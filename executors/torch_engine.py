@@ -1,0 +1,303 @@
+"""The torch engine: runs one sub-DAG with torch autograd.
+
+An engine part takes framework-neutral inputs (NumPy arrays keyed by
+``(producer, index)``) and returns framework-neutral outputs, so parts on
+different engines can feed each other. Inside a part, torch autograd does the
+local backward; across parts, gradients arrive as arrays and are pushed into
+the part's autograd graph with ``torch.autograd.backward`` (remote autodiff).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..ir.boundary import SubGraph
+from ..ir.errors import GraphError
+from ..ir.graph import OpGraph
+from ..ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta
+from .torch_build import build_module, make_call, node_callable, set_module_tensor
+
+Key = tuple[str, "int | None"]
+
+TORCH_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def to_array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view (CPU) or copy (other devices) of a tensor, detached."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)  # raw bits; wire records the dtype
+    return t.numpy()
+
+
+def from_array(a: Any, device: torch.device | str = "cpu") -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a.to(device)
+    arr = np.asarray(a)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr).to(device)
+
+
+@dataclass
+class _Step:
+    name: str
+    kind: NodeKind
+    fn: Callable[..., Any] | None
+    args: tuple
+    kwargs: dict
+    fast: bool  # args/kwargs hold only top-level refs and literals
+
+
+@dataclass
+class _Stash:
+    """Autograd state of one in-flight micro-batch."""
+
+    leaves: dict[Key, torch.Tensor] = field(default_factory=dict)
+    sent: dict[Key, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+class TorchPart:
+    """One sub-DAG on the torch engine.
+
+    params: graph parameter name -> initial value for every parameter this
+            part's nodes read. Trainable ones become ``nn.Parameter``.
+    """
+
+    engine = "torch"
+
+    def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu"):
+        self.graph = graph
+        self.sub = sub
+        self.device = torch.device(device)
+        self.params: dict[str, torch.Tensor] = {}
+        for node_name in sub.nodes:
+            for pname in graph[node_name].param_names():
+                if pname in self.params:
+                    continue
+                spec = graph.params[pname]
+                if pname not in params and self.device.type != "meta":
+                    raise GraphError(f"no initial value for parameter {pname!r}", node_name)
+                t = from_array(params[pname], self.device).clone() if self.device.type != "meta" else \
+                    torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
+                if tuple(t.shape) != tuple(spec.shape):
+                    raise GraphError(f"parameter {pname!r} has shape {tuple(t.shape)}, graph says {spec.shape}", node_name)
+                self.params[pname] = nn.Parameter(t) if spec.trainable else t
+        self.modules: dict[str, nn.Module] = {}
+        self.steps = [self._make_step(n) for n in sub.nodes]
+        local = set(sub.nodes)
+        self.recv_keys: dict[Key, bool] = {}
+        for e in sub.boundary.required_acts:
+            self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
+        self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        self._local = local
+        self.stash: dict[Any, _Stash] = {}
+
+    # -- building ---------------------------------------------------------------
+    def _make_step(self, name: str) -> _Step:
+        node = self.graph[name]
+        call, obj = node_callable(node)
+        fn = None
+        if call == "module":
+            mod = build_module(node, obj)
+            for path, pname in node.params.items():
+                set_module_tensor(mod, path, self.params[pname], self.graph.params[pname].trainable)
+            leftovers = [n for n, t in list(mod.named_parameters()) + list(mod.named_buffers()) if t.device.type == "meta"]
+            if leftovers and self.device.type != "meta":
+                raise GraphError(f"module tensors {leftovers} have no graph parameter (node.params is incomplete)", name)
+            mod.to(self.device) if self.device.type != "meta" else None
+            self.modules[name] = mod
+            fn = make_call(call, obj, mod)
+        elif call in ("function", "method"):
+            fn = make_call(call, obj, None)
+        fast = all(not isinstance(a, (list, tuple, dict)) for a in node.args) and \
+            all(not isinstance(v, (list, tuple, dict)) for v in node.kwargs.values())
+        return _Step(name, node.kind, fn, node.args, dict(node.kwargs), fast)
+
+    # -- forward -----------------------------------------------------------------
+    def _resolver(self, env: dict[str, Any], leaves: dict[Key, torch.Tensor]):
+        params, local = self.params, self._local
+
+        def get(r):
+            if isinstance(r, ParamRef):
+                return params[r.name]
+            if r.node in local:
+                v = env[r.node]
+                return v if r.index is None else v[r.index]
+            return leaves[(r.node, r.index)]
+
+        return get
+
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any],
+                record: Callable[[str, Any], None] | None = None) -> tuple[dict[Key, Any], float | None]:
+        """Run the sub-DAG for one micro-batch.
+
+        inputs: activations from other parts, keyed by ``(producer, index)``.
+        feeds:  values of this part's input/label placeholders.
+        Returns the activations to send (arrays or values) and this part's
+        loss (None when the part has no loss node).
+        """
+        st = _Stash()
+        for key, needs_grad in self.recv_keys.items():
+            if key not in inputs:
+                raise GraphError(f"missing activation {key} from another part", key[0])
+            v = inputs[key]
+            if isinstance(v, (np.ndarray, torch.Tensor)):
+                v = from_array(v, self.device)
+                if needs_grad and v.is_floating_point():
+                    v = v.detach().requires_grad_(True)
+            st.leaves[key] = v
+        env: dict[str, Any] = {}
+        get = self._resolver(env, st.leaves)
+        losses = []
+        for s in self.steps:
+            if s.kind in (NodeKind.INPUT, NodeKind.LABEL):
+                if s.name not in feeds:
+                    raise GraphError("no data fed to this placeholder", s.name)
+                out = from_array(feeds[s.name], self.device)
+            else:
+                if s.fast:
+                    args = [get(a) if isinstance(a, (Ref, ParamRef)) else a for a in s.args]
+                    kwargs = {k: get(v) if isinstance(v, (Ref, ParamRef)) else v for k, v in s.kwargs.items()}
+                else:
+                    args = _deep(s.args, get)
+                    kwargs = _deep(s.kwargs, get)
+                out = args[0] if s.kind == NodeKind.OUTPUT else s.fn(*args, **kwargs)
+                if s.kind == NodeKind.LOSS:
+                    losses.append(out)
+            env[s.name] = out
+            if record is not None:
+                record(s.name, out)
+        for key in self.send_keys:
+            v = env[key[0]]
+            st.sent[key] = v if key[1] is None else v[key[1]]
+        st.loss = sum(losses[1:], losses[0]) if losses else None
+        self.stash[mb_key] = st
+        sent = {k: (to_array(v) if isinstance(v, torch.Tensor) else v) for k, v in st.sent.items()}
+        return sent, (float(st.loss.detach()) if st.loss is not None and self.device.type != "meta" else None)
+
+    # -- backward ----------------------------------------------------------------
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
+        """Backward for one micro-batch.
+
+        grads: gradients of this part's sent activations, already summed over
+               the actual users in other parts.
+        loss_scale: d(total loss)/d(this part's loss), e.g. 1/n_micro_batches.
+        Returns gradients of the received activations that require grad.
+        Parameter gradients accumulate in ``.grad`` across micro-batches.
+        """
+        st = self.stash.pop(mb_key)
+        roots, seeds = [], []
+        if st.loss is not None and st.loss.requires_grad:
+            roots.append(st.loss)
+            seeds.append(torch.full_like(st.loss, loss_scale))
+        for key, g in grads.items():
+            t = st.sent.get(key)
+            if t is None:
+                raise GraphError(f"gradient for {key} which this part did not send", key[0])
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                gt = from_array(g, self.device)
+                if tuple(gt.shape) != tuple(t.shape):
+                    raise GraphError(f"gradient shape {tuple(gt.shape)} != activation shape {tuple(t.shape)}", key[0])
+                roots.append(t)
+                seeds.append(gt.to(t.dtype))
+        if roots:
+            torch.autograd.backward(roots, seeds)
+        out: dict[Key, np.ndarray] = {}
+        for key, needs_grad in self.recv_keys.items():
+            leaf = st.leaves[key]
+            if not needs_grad or not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
+                continue
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            out[key] = to_array(g)
+        return out
+
+    # -- parameters ----------------------------------------------------------------
+    def trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.params.items() if isinstance(p, nn.Parameter)}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {n: to_array(p).copy() for n, p in self.params.items()}
+
+    def grads(self) -> dict[str, np.ndarray | None]:
+        return {n: (None if p.grad is None else to_array(p.grad)) for n, p in self.trainable().items()}
+
+    def set_grad(self, name: str, grad: Any) -> None:
+        p = self.params[name]
+        p.grad = from_array(grad, self.device).to(p.dtype).clone()
+
+
+def _deep(v: Any, get) -> Any:
+    if isinstance(v, (Ref, ParamRef)):
+        return get(v)
+    if isinstance(v, tuple):
+        return tuple(_deep(x, get) for x in v)
+    if isinstance(v, list):
+        return [_deep(x, get) for x in v]
+    if isinstance(v, dict):
+        return {k: _deep(x, get) for k, x in v.items()}
+    return v
+
+
+def output_meta(value: Any) -> tuple[tuple, bool]:
+    """``(outputs, multi)`` metadata of a node's runtime output."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return TensorMeta(tuple(int(s) for s in v.shape), dtype_name(v.dtype), bool(v.requires_grad))
+        if isinstance(v, torch.Size):
+            return ValueMeta(tuple(int(s) for s in v))
+        if isinstance(v, (int, float, bool, str, type(None))):
+            return ValueMeta(v)
+        if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float, bool)) for x in v):
+            return ValueMeta(tuple(v))
+        raise TypeError(type(v).__name__)
+
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size) and any(isinstance(x, torch.Tensor) for x in value):
+        return tuple(one(v) for v in value), True
+    return (one(value),), False
+
+
+def infer_meta(graph: OpGraph, feeds: Mapping[str, Any], device: str = "meta") -> OpGraph:
+    """Fill every node's ``meta.outputs`` by running the graph once.
+
+    Runs on the meta device by default: no memory is allocated and no weights
+    are needed, so GPT-2-XL-sized graphs are cheap. ``feeds`` may hold real
+    tensors or meta tensors of the micro-batch shape.
+    """
+    from ..ir.boundary import subgraph
+
+    sub = subgraph(graph, graph.nodes)
+    if device == "meta":
+        feeds = {k: (torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor)
+                     else torch.empty(v.shape, dtype=TORCH_DTYPES[str(v.dtype)], device="meta")) for k, v in feeds.items()}
+        params = {}
+    else:
+        params = {n: torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for n, p in graph.params.items()}
+    part = TorchPart(graph, sub, params, device=device)
+
+    def record(name: str, value: Any) -> None:
+        try:
+            outs, multi = output_meta(value)
+        except TypeError as e:
+            raise GraphError(f"output of type {e} is not supported (tensors, tuples of tensors, ints and shapes are)", name) from None
+        graph.nodes[name].meta.outputs = outs
+        graph.nodes[name].meta.multi = multi
+
+    part.forward("meta", {}, feeds, record=record)  # grad mode on: requires_grad is recorded
+    part.stash.clear()
+    return graph

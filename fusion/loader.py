@@ -1,0 +1,47 @@
+"""Load a model from ``file.py:function``.
+
+The function returns a :class:`~fusion.ir.model.Model`, an
+:class:`~fusion.ir.graph.OpGraph`, or ``(torch.nn.Module, example_inputs)``
+(traced with :func:`fusion.ir.trace.trace`). The file is the user's own code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from .ir.errors import FusionError
+from .ir.graph import OpGraph
+from .ir.model import Model
+
+
+def load_model(spec: str) -> Model:
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path or not func:
+        raise FusionError(f"model {spec!r}: expected file.py:function")
+    file = Path(path)
+    if not file.is_file():
+        raise FusionError(f"model {spec!r}: no such file {file}")
+    name = f"fusion_user_{file.stem}"
+    modspec = importlib.util.spec_from_file_location(name, file)
+    mod = importlib.util.module_from_spec(modspec)
+    sys.modules[name] = mod
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        modspec.loader.exec_module(mod)
+    except Exception as e:
+        raise FusionError(f"model {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, func, None)
+    if not callable(fn):
+        raise FusionError(f"model {spec!r}: {file} has no function {func!r}")
+    obj = fn()
+    if isinstance(obj, Model):
+        return obj
+    if isinstance(obj, OpGraph):
+        return Model(obj)
+    if isinstance(obj, tuple) and len(obj) == 2:
+        from .ir.trace import trace
+
+        module, example = obj
+        return trace(module, example)
+    raise FusionError(f"model {spec!r}: {func}() returned {type(obj).__name__}; expected Model, OpGraph or (module, example_inputs)")

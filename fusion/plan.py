@@ -1,0 +1,194 @@
+"""Plan: the one contract between compile time and run time.
+
+A plan is a directory::
+
+    plan.json         graph, cluster, assignment, compression, schedule, optimizer,
+                      seed, predictions (format "fusion.plan", versioned)
+    weights.safetensors   initial parameter values (optional: absent for meta plans)
+
+No pickle anywhere. An executor needs the plan, its part name and nothing else.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .ir.errors import FusionError
+from .ir.graph import OpGraph
+from .ir.serialize import graph_from_dict, graph_to_dict
+
+PLAN_FORMAT = "fusion.plan"
+PLAN_VERSION = 1
+
+
+class PlanError(FusionError):
+    """A malformed or inconsistent plan; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class EdgeCompression:
+    """Compression of one cut tensor (producer output) on one part-to-part link.
+
+    ratio: Top-K ratio r_i of FusionLLM Eq. (7) (1 = dense); k = ceil(numel / ratio).
+    directions: which directions are compressed: ``"fwd"`` activations, ``"bwd"`` gradients.
+    error_feedback: keep the unsent residual and add it to the next message.
+    """
+
+    producer: str
+    index: int | None
+    src: str
+    dst: str
+    ratio: float = 1.0
+    directions: tuple[str, ...] = ("fwd", "bwd")
+    error_feedback: bool = False
+
+
+@dataclass
+class Part:
+    """One CompNode: name (part id), the cluster device it runs on, its
+    address (``tcp://host:port``), its engine (``torch`` or ``numpy``), and
+    the estimator's predictions in seconds per micro-batch."""
+
+    name: str
+    device: str
+    address: str = ""
+    engine: str = "torch"
+    predicted_compute_s: float = 0.0
+    predicted_comm_s: float = 0.0
+    memory_bytes: float = 0.0
+
+
+@dataclass
+class Plan:
+    """Everything an executor needs.
+
+    graph:         the OP-DAG with shapes and costs.
+    cluster:       the cluster description as plain data (``Cluster.to_dict``).
+    parts:         part name -> Part.
+    assignment:    node name -> part name.
+    compression:   compressed cut edges (absent edges are dense).
+    schedule:      ``"gpipe"`` or ``"1f1b"``; micro_batches: n_b of Eq. (3).
+    optimizer:     ``OptimizerConfig.to_dict()``.
+    seed:          seed for anything random at run time.
+    predicted:     estimator outputs, e.g. ``{"iteration_s": ..., "links": {...}}``.
+    example:       placeholder name -> {"shape": [...], "dtype": ...} of one micro-batch.
+    strategy:      the partitioner that produced the assignment.
+    """
+
+    graph: OpGraph
+    cluster: dict[str, Any]
+    parts: dict[str, Part]
+    assignment: dict[str, str]
+    compression: list[EdgeCompression] = field(default_factory=list)
+    schedule: str = "gpipe"
+    micro_batches: int = 1
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    predicted: dict[str, Any] = field(default_factory=dict)
+    example: dict[str, dict[str, Any]] = field(default_factory=dict)
+    strategy: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION,
+            "graph": graph_to_dict(self.graph), "cluster": self.cluster,
+            "parts": {n: vars(p) for n, p in self.parts.items()},
+            "assignment": self.assignment,
+            "compression": [{**vars(c), "directions": list(c.directions)} for c in self.compression],
+            "schedule": self.schedule, "micro_batches": self.micro_batches,
+            "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
+            "example": self.example, "strategy": self.strategy,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source}: not a fusion plan (field 'format' must be {PLAN_FORMAT!r})")
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"{source}: unsupported plan version {d.get('version')!r} (this fusion reads {PLAN_VERSION})")
+        for key in ("graph", "cluster", "parts", "assignment"):
+            if key not in d:
+                raise PlanError(f"{source}: missing field {key!r}")
+        try:
+            graph = graph_from_dict(d["graph"], f"{source}: graph").validate(check_targets=False)
+            parts = {n: Part(**p) for n, p in d["parts"].items()}
+            comp = [EdgeCompression(**{**c, "directions": tuple(c.get("directions", ("fwd", "bwd")))}) for c in d.get("compression", [])]
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"{source}: malformed field ({e})") from None
+        plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
+                   int(d.get("micro_batches", 1)), dict(d.get("optimizer", {})), int(d.get("seed", 0)),
+                   dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")))
+        plan.check(source)
+        return plan
+
+    def check(self, source: str = "plan") -> None:
+        """Cross-field consistency; raises PlanError naming the field."""
+        for node, part in self.assignment.items():
+            if node not in self.graph.nodes:
+                raise PlanError(f"{source}: assignment names unknown node {node!r}")
+            if part not in self.parts:
+                raise PlanError(f"{source}: assignment puts node {node!r} on unknown part {part!r}")
+        missing = [n for n in self.graph.nodes if n not in self.assignment]
+        if missing:
+            raise PlanError(f"{source}: assignment misses node {missing[0]!r}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise PlanError(f"{source}: schedule must be 'gpipe' or '1f1b', got {self.schedule!r}")
+        if self.micro_batches < 1:
+            raise PlanError(f"{source}: micro_batches must be >= 1, got {self.micro_batches}")
+        for c in self.compression:
+            if c.src not in self.parts or c.dst not in self.parts:
+                raise PlanError(f"{source}: compression edge {c.producer} names unknown part {c.src!r}->{c.dst!r}")
+            if c.producer not in self.graph.nodes:
+                raise PlanError(f"{source}: compression names unknown node {c.producer!r}")
+            if not c.ratio >= 1:
+                raise PlanError(f"{source}: compression ratio of {c.producer} must be >= 1, got {c.ratio}")
+
+
+def save_plan(plan: Plan, path: str | Path, params: dict[str, Any] | None = None) -> Path:
+    """Write ``path/plan.json`` (and ``path/weights.safetensors`` when params are given)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "plan.json.tmp"
+    tmp.write_text(json.dumps(plan.to_dict(), indent=1))
+    tmp.replace(path / "plan.json")
+    if params:
+        save_weights(params, path / "weights.safetensors")
+    return path
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    f = path / "plan.json" if path.is_dir() else path
+    try:
+        data = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{f}: no such plan file") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{f}: cannot read plan ({e})") from None
+    return Plan.from_dict(data, str(f))
+
+
+def save_weights(params: dict[str, Any], path: str | Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({k: torch.as_tensor(v).contiguous() for k, v in params.items()}, str(path))
+
+
+def load_weights(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
+    """Parameter values by name (all, or only ``names``); safetensors never runs code."""
+    from safetensors import safe_open
+
+    out = {}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            keys = f.keys() if names is None else names
+            for k in keys:
+                out[k] = f.get_tensor(k)
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no weights file") from None
+    except Exception as e:  # safetensors raises its own error types
+        raise PlanError(f"{path}: cannot read weights ({e})") from None
+    return out
