@@ -115,14 +115,19 @@ def subgraph(graph, names: Iterable[str]) -> SubGraph:
     return SubGraph(order, boundary)
 
 
-def partition(graph, assignment: Mapping[str, PartId]) -> dict[PartId, SubGraph]:
-    """Split ``graph`` by ``assignment`` (node -> part). Every node must be assigned."""
+def check_assignment(graph, assignment: Mapping[str, PartId]) -> None:
+    """Every node assigned to a part, and no assignment for a node not in the graph."""
     missing = [n for n in graph.nodes if n not in assignment]
     if missing:
         raise GraphError("node is not assigned to any part", missing[0])
     unknown = [n for n in assignment if n not in graph.nodes]
     if unknown:
         raise GraphError("assignment names a node that is not in the graph", unknown[0])
+
+
+def partition(graph, assignment: Mapping[str, PartId]) -> dict[PartId, SubGraph]:
+    """Split ``graph`` by ``assignment`` (node -> part). Every node must be assigned."""
+    check_assignment(graph, assignment)
     parts: dict[PartId, list[str]] = {}
     for n in graph.nodes:
         parts.setdefault(assignment[n], []).append(n)
@@ -139,6 +144,7 @@ def part_order(graph, assignment: Mapping[str, PartId]) -> list[PartId]:
     """
     import networkx as nx
 
+    check_assignment(graph, assignment)
     q = nx.DiGraph()
     first_seen: dict[PartId, int] = {}
     for i, n in enumerate(graph.nodes):
