@@ -298,6 +298,13 @@ def infer_meta(graph: OpGraph, feeds: Mapping[str, Any], device: str = "meta") -
         graph.nodes[name].meta.outputs = outs
         graph.nodes[name].meta.multi = multi
 
-    part.forward("meta", {}, feeds, record=record)  # grad mode on: requires_grad is recorded
+    # grad mode on: requires_grad is recorded. On the meta device, factory ops in the
+    # graph (torch.ones, torch.arange, ... without a device argument) must make meta
+    # tensors too, or they would meet meta activations as CPU tensors.
+    if device == "meta":
+        with torch.device("meta"):
+            part.forward("meta", {}, feeds, record=record)
+    else:
+        part.forward("meta", {}, feeds, record=record)
     part.stash.clear()
     return graph

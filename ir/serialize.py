@@ -65,12 +65,21 @@ def decode_value(v: Any) -> Any:
     if len(v) == 1:
         (k, x), = v.items()
         if k == "$ref":
+            if not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                    and (x[1] is None or (isinstance(x[1], int) and not isinstance(x[1], bool)))):
+                raise ValueError(f"$ref must be [node name, index or null], got {x!r}")
             return Ref(x[0], x[1])
         if k == "$param":
+            if not isinstance(x, str):
+                raise ValueError(f"$param must be a parameter name, got {x!r}")
             return ParamRef(x)
         if k == "$tuple":
+            if not isinstance(x, list):
+                raise ValueError(f"$tuple must be a list, got {x!r}")
             return tuple(decode_value(y) for y in x)
         if k == "$slice":
+            if not (isinstance(x, list) and len(x) == 3):
+                raise ValueError(f"$slice must be [start, stop, step], got {x!r}")
             return slice(*(decode_value(y) for y in x))
         if k == "$ellipsis":
             return Ellipsis
@@ -153,9 +162,11 @@ def graph_from_dict(d: Any, source: str = "graph") -> OpGraph:
                 params={str(k): str(v) for k, v in nd.get("params", {}).items()},
                 label=str(nd.get("label", "")), meta=_meta_from_dict(nd.get("meta", {})),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, GraphError) as e:
             name = nd.get("name", f"#{i}") if isinstance(nd, dict) else f"#{i}"
             raise GraphError(f"{source}: nodes[{i}] ({name}) is malformed ({e!r})") from None
+        if node.name in g.nodes:
+            raise GraphError(f"{source}: nodes[{i}] ({node.name}) repeats the node name", node.name)
         g.add(node)
     return g
 
@@ -170,4 +181,10 @@ def load_graph(path: str | Path) -> OpGraph:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise GraphError(f"{path}: cannot read graph ({e})") from None
-    return graph_from_dict(data, str(path)).validate()
+    g = graph_from_dict(data, str(path))
+    try:
+        return g.validate()
+    except GraphError as e:  # name the file as well as the node
+        err = GraphError(f"{path}: {e}")
+        err.node = e.node
+        raise err from None
