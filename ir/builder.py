@@ -33,7 +33,7 @@ class GraphBuilder:
         self.registry = registry
         self._tensors: dict[str, Any] = {}  # explicitly declared parameter values
 
-    def _target_name(self, target: Any) -> str:
+    def _target_name(self, target: Any, node: str | None = None) -> str:
         if isinstance(target, str):
             return target
         name = self.registry.registered_name(target)
@@ -42,7 +42,7 @@ class GraphBuilder:
         mod = getattr(target, "__module__", "")
         if mod.startswith("torch.nn") and inspect.isclass(target):
             return f"torch.nn.{target.__name__}"
-        raise GraphError(f"{target!r} is not a registered op; register it with fusion.register_module/register_function")
+        raise GraphError(f"{target!r} is not a registered op; register it with fusion.register_module/register_function", node)
 
     def input(self, name: str, label: str = "") -> Ref:
         self.graph.add(OpNode(name, NodeKind.INPUT, label=label))
@@ -70,7 +70,7 @@ class GraphBuilder:
         """
         import torch
 
-        tname = self._target_name(target)
+        tname = self._target_name(target, name)
         found = self.registry.resolve(tname)
         if found is None or found[0] != "module":
             raise GraphError(f"unknown module type {tname!r}", name)
@@ -89,12 +89,12 @@ class GraphBuilder:
 
     def function(self, name: str, target: Any, *args: Any, label: str = "", **kwargs: Any) -> Ref:
         """A non-parametric op node: ``target(*args, **kwargs)``."""
-        self.graph.add(OpNode(name, NodeKind.FUNCTION, self._target_name(target), tuple(args), kwargs, label=label))
+        self.graph.add(OpNode(name, NodeKind.FUNCTION, self._target_name(target, name), tuple(args), kwargs, label=label))
         return Ref(name)
 
     def loss(self, name: str, target: Any, *args: Any, label: str = "", **kwargs: Any) -> Ref:
         """The loss node: a function (or a module type, built with no attrs) returning a scalar."""
-        tname = self._target_name(target)
+        tname = self._target_name(target, name)
         found = self.registry.resolve(tname)
         if found is not None and found[0] == "module":
             self.graph.add(OpNode(name, NodeKind.LOSS, tname, tuple(args), {}, kwargs, {}, label))
