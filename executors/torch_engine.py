@@ -201,7 +201,9 @@ class TorchPart:
         Returns gradients of the received activations that require grad.
         Parameter gradients accumulate in ``.grad`` across micro-batches.
         """
-        st = self.stash.pop(mb_key)
+        st = self.stash.pop(mb_key, None)
+        if st is None:
+            raise RuntimeError(f"backward of micro-batch {mb_key} before its forward (or twice); the schedule is wrong")
         roots, seeds = [], []
         if st.loss is not None and st.loss.requires_grad:
             roots.append(st.loss)
