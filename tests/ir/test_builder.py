@@ -69,7 +69,7 @@ def test_nodes_targets_params_labels_and_plugins():
         "x": "features", "y": "targets", "fc": "first layer", "act": "user function", "loss": "CE"}
     assert list(g.params) == ["fc.weight", "fc.bias", "scale.gain", "scale2.gain", "head.weight"]
     assert set(m.params) == set(g.params)
-    assert g.plugins == ["test_builder"]  # where the user ops live, for executors to import
+    assert g.plugins == [__name__]  # where the user ops live, for executors to import
     assert graph_to_dict(graph_from_dict(graph_to_dict(g))) == graph_to_dict(g)  # labels etc. survive saving
 
 
