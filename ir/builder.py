@@ -42,6 +42,12 @@ class GraphBuilder:
         mod = getattr(target, "__module__", "")
         if mod.startswith("torch.nn") and inspect.isclass(target):
             return f"torch.nn.{target.__name__}"
+        # a library function object (torch.tanh, F.gelu, operator.add): find the public name it resolves from
+        short = getattr(target, "__name__", "")
+        for prefix in ("torch.nn.functional.", "torch.", "operator.", "math."):
+            found = self.registry.resolve(prefix + short) if short else None
+            if found is not None and found[1] is target:
+                return prefix + short
         raise GraphError(f"{target!r} is not a registered op; register it with fusion.register_module/register_function", node)
 
     def input(self, name: str, label: str = "") -> Ref:

@@ -189,3 +189,16 @@ def test_module_type_loss_and_output_nodes():
     f = _feeds()
     want = F.cross_entropy(F.linear(f["x"], m.params["fc.weight"], m.params["fc.bias"]), f["y"], label_smoothing=0.2)
     np.testing.assert_allclose(loss, want.item(), rtol=1e-6)
+
+
+def test_library_function_objects_resolve_to_their_public_names():
+    import operator
+
+    b = GraphBuilder()
+    x = b.input("x")
+    h = b.function("t", torch.tanh, x)
+    h = b.function("g", F.gelu, h)
+    b.function("a", operator.add, h, x)
+    assert [n.target for n in b.graph][1:] == ["torch.tanh", "torch.nn.functional.gelu", "operator.add"]
+    with pytest.raises(GraphError, match="not a registered op"):
+        b.function("bad", lambda v: v, x)
