@@ -125,9 +125,10 @@ class TorchPart:
             fn = make_call(call, obj, mod)
         elif call in ("function", "method"):
             fn = make_call(call, obj, None)
-        fast = all(not isinstance(a, (list, tuple, dict)) for a in node.args) and \
-            all(not isinstance(v, (list, tuple, dict)) for v in node.kwargs.values())
-        return _Step(name, node.kind, fn, node.args, dict(node.kwargs), fast)
+        args, kwargs = _on_device(node.args, self.device), _on_device(dict(node.kwargs), self.device)
+        fast = all(not isinstance(a, (list, tuple, dict)) for a in args) and \
+            all(not isinstance(v, (list, tuple, dict)) for v in kwargs.values())
+        return _Step(name, node.kind, fn, args, kwargs, fast)
 
     # -- forward -----------------------------------------------------------------
     def _resolver(self, env: dict[str, Any], leaves: dict[Key, torch.Tensor]):
@@ -242,6 +243,20 @@ class TorchPart:
         p.grad = from_array(grad, self.device).to(p.dtype).clone()
 
 
+def _on_device(v: Any, device: torch.device) -> Any:
+    """Device literals in a graph mean "the device this part runs on" (graphs are device-neutral:
+    a traced ``torch.arange(T, device=x.device)`` must follow its part to a GPU or the meta device)."""
+    if isinstance(v, torch.device):
+        return device
+    if isinstance(v, tuple):
+        return tuple(_on_device(x, device) for x in v)
+    if isinstance(v, list):
+        return [_on_device(x, device) for x in v]
+    if isinstance(v, dict):
+        return {k: _on_device(x, device) for k, x in v.items()}
+    return v
+
+
 def _deep(v: Any, get) -> Any:
     if isinstance(v, (Ref, ParamRef)):
         return get(v)
@@ -261,8 +276,8 @@ def output_meta(value: Any) -> tuple[tuple, bool]:
             return TensorMeta(tuple(int(s) for s in v.shape), dtype_name(v.dtype), bool(v.requires_grad))
         if isinstance(v, torch.Size):
             return ValueMeta(tuple(int(s) for s in v))
-        if isinstance(v, (int, float, bool, str, type(None))):
-            return ValueMeta(v)
+        if isinstance(v, (int, float, bool, str, type(None), torch.device, torch.dtype)):
+            return ValueMeta(v)  # devices/dtypes: ``torch.arange(T, device=x.device)`` in traced models
         if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float, bool)) for x in v):
             return ValueMeta(tuple(v))
         raise TypeError(type(v).__name__)
