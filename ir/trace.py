@@ -38,7 +38,7 @@ METHODS = ("auto", "fx", "export")
 
 def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, ...] = (),
           loss_index: int | str | None = None, granularity: str = "module", method: str = "auto",
-          keep_outputs: bool = True, registry: OpRegistry = REGISTRY) -> Model:
+          keep_outputs: bool = True) -> Model:
     """Trace ``module`` into a :class:`Model` (OP-DAG, initial weights, example).
 
     example:     forward argument name -> one micro-batch value. Tensors become
@@ -56,6 +56,10 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
     method:      ``"fx"``, ``"export"`` or ``"auto"`` (fx, then export).
     keep_outputs: keep the non-loss outputs as OUTPUT nodes (else they are dropped,
                  with the nodes only they needed).
+
+    Leaf module types and functions are looked up in the process-wide op
+    registry (``fusion.register_module`` / ``fusion.register_function``), the
+    one the engines build nodes from.
 
     A module on the meta device traces without memory: ``Model.params`` is then
     empty (compile-only). Raises :class:`GraphError` naming the reason when the
@@ -75,6 +79,7 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
             raise GraphError("granularity 'op' (ATen operators) needs method 'export' or 'auto', not 'fx'")
         method = "export"
     _warn_eval_mode(module)
+    registry = REGISTRY
 
     traced: Traced | None = None
     fx_reason = None

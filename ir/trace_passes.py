@@ -58,19 +58,21 @@ def _out_of_place(node: OpNode, registry: OpRegistry) -> str | None:
 
 
 def functionalize(g: OpGraph, registry: OpRegistry = REGISTRY) -> None:
-    """Rewrite in-place ops out of place where nothing can observe the difference.
+    """Rewrite in-place ops out of place, keeping what every node reads.
 
     The graph must still be in program order (straight from a front end).
-    A mutation of a trainable parameter, or of a value (or a view of one)
-    that a later node reads, is an error naming the node. A buffer mutation
-    (a counter, running statistics) is dropped with a warning.
+    ``h.add_(1)`` becomes ``add(h, 1)`` and the nodes that read ``h`` after it
+    read the new node instead (an in-place op returns the tensor it changed).
+    Mutating a trainable parameter, or a value that a view aliases (so the
+    change would show through another name), is an error naming the node. A
+    buffer update (a counter, running statistics) is dropped with a warning.
     """
     order = {n: i for i, n in enumerate(g.nodes)}
     users = g.users()
-    for node in g.nodes.values():
+    for node in list(g.nodes.values()):
         if node.kind == NodeKind.MODULE:
             if node.attrs.get("inplace") is True:
-                _check_mutation(g, node, users, order)
+                users = _redirect_readers(g, node, users, order)
                 node.attrs["inplace"] = False
             continue
         if node.kind != NodeKind.FUNCTION:
@@ -81,34 +83,54 @@ def functionalize(g: OpGraph, registry: OpRegistry = REGISTRY) -> None:
             continue
         if new is None:
             raise GraphError(f"in-place op {node.target} has no out-of-place form; write it out of place", node.name)
-        _check_mutation(g, node, users, order)
+        users = _redirect_readers(g, node, users, order)
         if new:
             node.target = new
         if inplace_kw:
             node.kwargs["inplace"] = False
 
 
-def _check_mutation(g: OpGraph, node: OpNode, users: dict[str, list[str]], order: dict[str, int]) -> None:
+def _is_view(node: OpNode) -> bool:
+    return node.kind == NodeKind.FUNCTION and _op_name(node.target).rstrip("_") in _VIEW_OPS
+
+
+def _redirect_readers(g: OpGraph, node: OpNode, users: dict[str, list[str]], order: dict[str, int]) -> dict[str, list[str]]:
+    """Point later readers of the value ``node`` mutates at ``node``; returns the updated users map."""
     first = node.args[0] if node.args else None
     if isinstance(first, ParamRef):
-        spec = g.params[first.name]
-        if spec.trainable:
-            raise GraphError(f"modifies trainable parameter {first.name!r} in place", node.name)
-        log.warning("node %s updates buffer %s in place; fusion does not replay buffer updates", node.name, first.name)
-        return
-    seen = set()
-    while isinstance(first, Ref) and first.node not in seen:
-        seen.add(first.node)
-        later = [u for u in users[first.node] if order[u] > order[node.name] and u not in seen]
-        if later:
-            raise GraphError(f"in-place op {node.target} changes {first.node!r}, which {later[0]!r} reads later; "
+        _check_param_mutation(g, node, first)
+        return users
+    if not isinstance(first, Ref):
+        return users
+    here = order[node.name]
+    producer = g.nodes[first.node]
+    later = [u for u in users[first.node] if order[u] > here]
+    if _is_view(producer):  # the change shows through the base and its other views: refuse if anyone looks
+        base = producer.args[0] if producer.args else None
+        if isinstance(base, ParamRef):
+            _check_param_mutation(g, node, base)
+        if later or (isinstance(base, Ref) and any(order[u] > here for u in users[base.node])):
+            raise GraphError(f"in-place op {node.target} changes view {first.node!r} of a value read later; "
                              "write it out of place", node.name)
-        producer = g.nodes[first.node]
-        if producer.kind != NodeKind.FUNCTION or _op_name(producer.target).rstrip("_") not in _VIEW_OPS:
-            break
-        first = producer.args[0] if producer.args else None
-        if isinstance(first, ParamRef):
-            _check_mutation(g, OpNode(node.name, node.kind, node.target, (first,)), users, order)
+        return users
+    for alias in users[first.node]:
+        if order[alias] < here and _is_view(g.nodes[alias]) and any(order[u] > here for u in users[alias]):
+            raise GraphError(f"in-place op {node.target} changes {first.node!r}, which view {alias!r} shows to a "
+                             "later node; write it out of place", node.name)
+    if not later:
+        return users
+    new_ref = Ref(node.name)
+    for u in later:
+        reader = g.nodes[u]
+        fn = lambda r: new_ref if r == first else r  # noqa: E731
+        reader.args, reader.kwargs = map_refs(reader.args, fn), map_refs(reader.kwargs, fn)
+    return g.users()
+
+
+def _check_param_mutation(g: OpGraph, node: OpNode, ref: ParamRef) -> None:
+    if g.params[ref.name].trainable:
+        raise GraphError(f"modifies trainable parameter {ref.name!r} in place", node.name)
+    log.warning("node %s updates buffer %s in place; fusion does not replay buffer updates", node.name, ref.name)
 
 
 def _identifier(path: str) -> str:
@@ -150,7 +172,7 @@ def mark_outputs(g: OpGraph, returned: Any, loss_index: int | str | None, keep_o
             raise GraphError(f"loss_index {loss_index!r} names no output: forward returns keys {keys}")
         loss, others = returned[key], {k: v for k, v in returned.items() if k != key}
     else:
-        raise GraphError(f"loss_index={loss_index!r} given but forward returns a single {type(returned).__name__}")
+        raise GraphError(f"loss_index={loss_index!r} given but forward returns a single value, not a tuple, list or dict")
     if loss is not None:
         if not isinstance(loss, Ref) or loss.index is not None:
             raise GraphError(f"the loss must be a tensor computed by the model, got {loss!r}")
@@ -165,7 +187,7 @@ def mark_outputs(g: OpGraph, returned: Any, loss_index: int | str | None, keep_o
     from torch.utils import _pytree as pytree
 
     leaves = pytree.tree_flatten_with_path(others)[0] if others is not None else []
-    single = len(leaves) == 1 and loss is None
+    single = isinstance(others, Ref)
     for path, value in leaves:
         if not isinstance(value, Ref):
             log.info("forward returns the constant %r at %s; it is not part of the graph", value, pytree.keystr(path))

@@ -37,6 +37,7 @@ class GPTConfig:
     seq_len: int = 16  #: context length (positional embedding rows)
     dropout: float = 0.0
     tie_embeddings: bool = True  #: output layer reuses the token embedding weight
+    bias: bool = True  #: biases in Linear and LayerNorm layers (GPT-2 has them)
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -47,8 +48,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.attn_p = cfg.dropout
 
@@ -66,8 +67,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +78,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ class GPT(nn.Module):
             wpe=nn.Embedding(cfg.seq_len, cfg.d_model),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.d_model),
+            ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
