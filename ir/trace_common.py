@@ -14,9 +14,10 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from .errors import GraphError
@@ -42,6 +43,26 @@ class Traced:
     returned: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     method: str = ""
+
+
+def convert_arg(value: Any, env: Mapping[fx.Node, Any]) -> Any:
+    """fx argument -> OpNode argument (fx nodes become Ref/ParamRef/literal)."""
+    if isinstance(value, fx.Node):
+        return env[value]
+    if isinstance(value, tuple):
+        return tuple(convert_arg(v, env) for v in value)
+    if isinstance(value, list):  # includes fx's immutable_list
+        return [convert_arg(v, env) for v in value]
+    if isinstance(value, dict):  # includes fx's immutable_dict
+        return {k: convert_arg(v, env) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(convert_arg(value.start, env), convert_arg(value.stop, env), convert_arg(value.step, env))
+    return value
+
+
+def describe(fn: Any) -> str:
+    mod = getattr(fn, "__module__", None) or ""
+    return f"{mod}.{getattr(fn, '__name__', repr(fn))}".lstrip(".")
 
 
 def dtype_str(dt: torch.dtype) -> str:

@@ -30,8 +30,7 @@ from .errors import GraphError
 from .graph import OpGraph
 from .node import NodeKind, OpNode, ParamRef, Ref
 from .registry import REGISTRY, OpRegistry
-from .trace_common import ParamTable, Traced, function_target, is_assert, leaf_spec, module_node
-from .trace_fx import _convert, _describe
+from .trace_common import ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +109,11 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
         # device (or the meta device) may lay tensors out differently, so views become reshapes
         target = _STRIDE_AGNOSTIC.get(target, target)
         if target is None:
-            raise GraphError(f"operator {_describe(node.target)} has no registry name (only aten ops and "
+            raise GraphError(f"operator {describe(node.target)} has no registry name (only aten ops and "
                              "registered functions are supported)", node.name)
         name = unique(node.name)
         label = next(iter(reversed(node.meta.get("nn_module_stack", {}).values())), ("",))[0]
-        g.add(OpNode(name, NodeKind.FUNCTION, target, _convert(node.args, env), _convert(node.kwargs, env), label=label))
+        g.add(OpNode(name, NodeKind.FUNCTION, target, convert_arg(node.args, env), convert_arg(node.kwargs, env), label=label))
         env[node] = Ref(name)
 
     outs = list(out_node.args[0]) if out_node is not None else []
@@ -122,7 +121,7 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
     for spec, value in zip(ep.graph_signature.output_specs, outs):
         kind = spec.kind.name
         if kind == "USER_OUTPUT":
-            user_outs.append(_convert(value, env) if isinstance(value, fx.Node) else value)
+            user_outs.append(convert_arg(value, env) if isinstance(value, fx.Node) else value)
         elif kind == "BUFFER_MUTATION":
             log.warning("buffer %s is updated in the forward; the update is not replayed by fusion", spec.target)
         else:

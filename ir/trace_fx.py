@@ -23,7 +23,7 @@ from .errors import GraphError
 from .graph import OpGraph
 from .node import NodeKind, OpNode, ParamRef, Ref
 from .registry import REGISTRY, OpRegistry
-from .trace_common import ParamTable, Traced, function_target, is_assert, leaf_spec, module_node
+from .trace_common import ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +42,6 @@ class _LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.specs.get(id(m)) is not None
-
-
-def _convert(value: Any, env: Mapping[fx.Node, Any]) -> Any:
-    """fx argument -> OpNode argument (fx nodes become Ref/ParamRef/literal)."""
-    if isinstance(value, fx.Node):
-        return env[value]
-    if isinstance(value, tuple):
-        return tuple(_convert(v, env) for v in value)
-    if isinstance(value, list):  # includes fx's immutable_list
-        return [_convert(v, env) for v in value]
-    if isinstance(value, dict):  # includes fx's immutable_dict
-        return {k: _convert(v, env) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_convert(value.start, env), _convert(value.stop, env), _convert(value.step, env))
-    return value
 
 
 def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, ...],
@@ -119,28 +104,28 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
             if spec is None:  # pragma: no cover - fx only emits call_module for leaves
                 raise GraphError(f"module {node.target} is not a leaf", node.name)
             name = unique(node.name)
-            g.add(module_node(name, str(node.target), mod, spec, _convert(node.args, env), _convert(node.kwargs, env), table))
+            g.add(module_node(name, str(node.target), mod, spec, convert_arg(node.args, env), convert_arg(node.kwargs, env), table))
             env[node] = Ref(name)
         elif node.op == "call_function":
             if is_assert(node.target):
                 continue
             target = function_target(node.target, registry)
             if target is None:
-                raise GraphError(f"function {_describe(node.target)} is not a known op; register it with "
+                raise GraphError(f"function {describe(node.target)} is not a known op; register it with "
                                  "fusion.register_function", node.name)
             name = unique(node.name)
-            g.add(OpNode(name, NodeKind.FUNCTION, target, _convert(node.args, env), _convert(node.kwargs, env),
-                         label=_describe(node.target)))
+            g.add(OpNode(name, NodeKind.FUNCTION, target, convert_arg(node.args, env), convert_arg(node.kwargs, env),
+                         label=describe(node.target)))
             env[node] = Ref(name)
         elif node.op == "call_method":
             if not hasattr(torch.Tensor, str(node.target)):
                 raise GraphError(f"method {node.target!r} is not a torch.Tensor method", node.name)
             name = unique(node.name)
-            g.add(OpNode(name, NodeKind.FUNCTION, f"torch.Tensor.{node.target}", _convert(node.args, env),
-                         _convert(node.kwargs, env), label=f"Tensor.{node.target}"))
+            g.add(OpNode(name, NodeKind.FUNCTION, f"torch.Tensor.{node.target}", convert_arg(node.args, env),
+                         convert_arg(node.kwargs, env), label=f"Tensor.{node.target}"))
             env[node] = Ref(name)
         elif node.op == "output":
-            returned = _convert(node.args[0], env)
+            returned = convert_arg(node.args[0], env)
     return Traced(g, returned, table.tensors, "fx")
 
 
@@ -149,8 +134,3 @@ def _fetch_attr(module: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _describe(fn: Any) -> str:
-    mod = getattr(fn, "__module__", None) or ""
-    return f"{mod}.{getattr(fn, '__name__', repr(fn))}".lstrip(".")

@@ -4,7 +4,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _trace_models import AttnNet, HFStyle, TiedLM, contiguous_parts, load_gpt, plain_step
@@ -61,6 +60,8 @@ def test_gpt_fx_module_granularity(fx_model):
     assert {"torch.nn.functional.gelu", "operator.add", "torch.Tensor.view", "torch.Tensor.split"} <= funcs
     # shapes are static: x.size() and its arithmetic are folded away, so are getitems on split
     assert "torch.Tensor.size" not in funcs and "operator.floordiv" not in funcs and "operator.getitem" not in funcs
+    # idx.device folds to a device literal, which an engine reads as "the device this part runs on"
+    assert "builtins.getattr" not in funcs and g["arange"].kwargs["device"] == torch.device("cpu")
     views = [n for n in g if n.target == "torch.Tensor.view" and isinstance(n.args[0], Ref) and n.args[0].node == "split"]
     assert sorted(n.args[0].index for n in views) == [0, 1, 2]
     assert g["split"].meta.multi and len(g["split"].meta.outputs) == 3
