@@ -117,10 +117,7 @@ def _finish(traced: Traced, example: Mapping[str, Any], loss_index, keep_outputs
     indexed = index_multi_outputs(g)
     dropped = eliminate_dead(g)
     g.plugins = registry.plugin_modules({n.target for n in g})
-    g.validate(registry)
-    for node in g:
-        node.meta.outputs, node.meta.multi = (), False
-    infer_meta(g, feeds)
+    g.validate(registry)  # the passes change arguments, never the shapes inferred above
     log.info("traced with %s: %d nodes, %d parameters, loss %s (%d static values folded, %d tuple items indexed, "
              "%d dead nodes dropped)", traced.method, len(g), len(g.params), loss, folded, indexed, dropped)
     tensors = {n: traced.tensors[n] for n in g.params}

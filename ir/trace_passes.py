@@ -196,7 +196,10 @@ def mark_outputs(g: OpGraph, returned: Any, loss_index: int | str | None, keep_o
         name, k = base, 1
         while name in g.nodes:
             name, k = f"{base}_{k}", k + 1
-        g.add(OpNode(name, NodeKind.OUTPUT, args=(value,)))
+        out = g.add(OpNode(name, NodeKind.OUTPUT, args=(value,)))
+        src = g[value.node].meta
+        out.meta.outputs = src.outputs if value.index is None else (src.outputs[value.index],)
+        out.meta.multi = src.multi and value.index is None
     if loss is None and not any(n.kind == NodeKind.OUTPUT for n in g):
         raise GraphError("forward returns no tensor: nothing to train or output")
     return loss.node if loss is not None else None

@@ -169,6 +169,7 @@ def test_inference_graph_has_outputs_and_no_loss():
     kinds = _kinds(model.graph)
     assert NodeKind.LOSS not in kinds
     assert [n.name for n in kinds[NodeKind.OUTPUT]] == ["output_logits"]
+    assert kinds[NodeKind.OUTPUT][0].meta.outputs[0].shape == (2, 6, 16)
     ex_ = ReferenceExecutor(model)
     out = {}
     part = ex_.engines["p0"]
