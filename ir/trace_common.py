@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -102,24 +103,20 @@ class ParamTable:
 # -- function targets ---------------------------------------------------------------
 _SAFE_BUILTIN_NAMES = {getattr: "builtins.getattr", len: "builtins.len", int: "builtins.int", float: "builtins.float",
                        min: "builtins.min", max: "builtins.max", abs: "builtins.abs"}
-_REVERSE: dict[int, str] | None = None
-
-
+@functools.lru_cache(maxsize=1)
 def _reverse_table() -> dict[int, str]:
-    global _REVERSE  # a lazily built, read-only cache of this module
-    if _REVERSE is None:
-        import torch.nn.functional as F
+    """id(callable) -> its public name under torch.nn.functional, torch, ... (first namespace wins)."""
+    import torch.nn.functional as F
 
-        table: dict[int, str] = {}
-        spaces = [("torch.nn.functional", F), ("torch", torch), ("torch.special", torch.special),
-                  ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("operator", operator), ("math", math)]
-        for prefix, ns in spaces:
-            for name, obj in vars(ns).items():
-                if name.startswith("_") or not callable(obj) or isinstance(obj, type):
-                    continue
-                table.setdefault(id(obj), f"{prefix}.{name}")
-        _REVERSE = table
-    return _REVERSE
+    table: dict[int, str] = {}
+    spaces = [("torch.nn.functional", F), ("torch", torch), ("torch.special", torch.special),
+              ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("operator", operator), ("math", math)]
+    for prefix, ns in spaces:
+        for name, obj in vars(ns).items():
+            if name.startswith("_") or not callable(obj) or isinstance(obj, type):
+                continue
+            table.setdefault(id(obj), f"{prefix}.{name}")
+    return table
 
 
 def function_target(fn: Callable, registry: OpRegistry = REGISTRY) -> str | None:
