@@ -55,12 +55,26 @@ def from_array(a: Any, device: torch.device | str = "cpu") -> torch.Tensor:
 
 @dataclass
 class _Step:
+    """One node, prepared for the forward loop.
+
+    args/kwargs are templates: literals, and parameters already resolved to
+    their tensors; ``arg_refs``/``kw_refs`` list the slots that take values
+    computed in this run as ``(slot, env key, index)``. The env holds local
+    outputs under the node name and received activations under their
+    ``(producer, index)`` key, so one lookup serves both.
+    """
+
     name: str
     kind: NodeKind
     fn: Callable[..., Any] | None
     args: tuple
     kwargs: dict
     fast: bool  # args/kwargs hold only top-level refs and literals
+    arg_refs: tuple = ()
+    kw_refs: tuple = ()
+    placeholder: bool = False
+    output: bool = False
+    loss: bool = False
 
 
 @dataclass
@@ -99,13 +113,12 @@ class TorchPart:
                     raise GraphError(f"parameter {pname!r} has shape {tuple(t.shape)}, graph says {spec.shape}", node_name)
                 self.params[pname] = nn.Parameter(t) if spec.trainable else t
         self.modules: dict[str, nn.Module] = {}
+        self._local = set(sub.nodes)
         self.steps = [self._make_step(n) for n in sub.nodes]
-        local = set(sub.nodes)
         self.recv_keys: dict[Key, bool] = {}
         for e in sub.boundary.required_acts:
             self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
         self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
-        self._local = local
         self.stash: dict[Any, _Stash] = {}
 
     # -- building ---------------------------------------------------------------
@@ -123,26 +136,48 @@ class TorchPart:
             mod.to(self.device) if self.device.type != "meta" else None
             self.modules[name] = mod
             fn = make_call(call, obj, mod)
+        elif call == "method" and self._tensor_arg(node):
+            fn = getattr(torch.Tensor, obj)  # the receiver is a tensor: call the unbound method, no wrapper
         elif call in ("function", "method"):
             fn = make_call(call, obj, None)
-        fast = all(not isinstance(a, (list, tuple, dict)) for a in node.args) and \
-            all(not isinstance(v, (list, tuple, dict)) for v in node.kwargs.values())
-        return _Step(name, node.kind, fn, node.args, dict(node.kwargs), fast)
+        args, kwargs = _on_device(node.args, self.device), _on_device(dict(node.kwargs), self.device)
+        fast = all(not isinstance(a, (list, tuple, dict)) for a in args) and \
+            all(not isinstance(v, (list, tuple, dict)) for v in kwargs.values())
+        step = _Step(name, node.kind, fn, args, kwargs, fast, placeholder=node.kind in (NodeKind.INPUT, NodeKind.LABEL),
+                     output=node.kind == NodeKind.OUTPUT, loss=node.kind == NodeKind.LOSS)
+        if fast:  # resolve parameters now, leave slots for values computed per run
+            arg_refs, kw_refs = [], []
+            targs = list(args)
+            for i, a in enumerate(args):
+                if isinstance(a, ParamRef):
+                    targs[i] = self.params[a.name]
+                elif isinstance(a, Ref):
+                    arg_refs.append((i, *self._env_key(a)))
+            for k, v in kwargs.items():
+                if isinstance(v, ParamRef):
+                    kwargs[k] = self.params[v.name]
+                elif isinstance(v, Ref):
+                    kw_refs.append((k, *self._env_key(v)))
+            step.args, step.kwargs, step.arg_refs, step.kw_refs = tuple(targs), kwargs, tuple(arg_refs), tuple(kw_refs)
+        return step
+
+    def _tensor_arg(self, node) -> bool:
+        """Whether shape inference says the node's first argument is a tensor."""
+        a = node.args[0] if node.args else None
+        if isinstance(a, ParamRef):
+            return True
+        if not isinstance(a, Ref) or a.node not in self.graph.nodes:
+            return False
+        outs = self.graph[a.node].meta.outputs
+        i = a.index or 0
+        return i < len(outs) and isinstance(outs[i], TensorMeta) and (a.index is not None or len(outs) == 1)
+
+    def _env_key(self, r: Ref) -> tuple[Any, int | None]:
+        """Where a Ref's value lives in the forward env: ``(name, index)`` for a local
+        output, ``((producer, index), None)`` for an activation received from another part."""
+        return (r.node, r.index) if r.node in self._local else ((r.node, r.index), None)
 
     # -- forward -----------------------------------------------------------------
-    def _resolver(self, env: dict[str, Any], leaves: dict[Key, torch.Tensor]):
-        params, local = self.params, self._local
-
-        def get(r):
-            if isinstance(r, ParamRef):
-                return params[r.name]
-            if r.node in local:
-                v = env[r.node]
-                return v if r.index is None else v[r.index]
-            return leaves[(r.node, r.index)]
-
-        return get
-
     def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any],
                 record: Callable[[str, Any], None] | None = None) -> tuple[dict[Key, Any], float | None]:
         """Run the sub-DAG for one micro-batch.
@@ -153,6 +188,7 @@ class TorchPart:
         loss (None when the part has no loss node).
         """
         st = _Stash()
+        env: dict[Any, Any] = {}
         for key, needs_grad in self.recv_keys.items():
             if key not in inputs:
                 raise GraphError(f"missing activation {key} from another part", key[0])
@@ -161,25 +197,39 @@ class TorchPart:
                 v = from_array(v, self.device)
                 if needs_grad and v.is_floating_point():
                     v = v.detach().requires_grad_(True)
-            st.leaves[key] = v
-        env: dict[str, Any] = {}
-        get = self._resolver(env, st.leaves)
+            st.leaves[key] = env[key] = v
+        get = None
         losses = []
         for s in self.steps:
-            if s.kind in (NodeKind.INPUT, NodeKind.LABEL):
+            if s.placeholder:
                 if s.name not in feeds:
                     raise GraphError("no data fed to this placeholder", s.name)
                 out = from_array(feeds[s.name], self.device)
             else:
                 if s.fast:
-                    args = [get(a) if isinstance(a, (Ref, ParamRef)) else a for a in s.args]
-                    kwargs = {k: get(v) if isinstance(v, (Ref, ParamRef)) else v for k, v in s.kwargs.items()}
+                    args = s.args
+                    if s.arg_refs:
+                        args = list(args)
+                        for i, key, idx in s.arg_refs:
+                            v = env[key]
+                            args[i] = v if idx is None else v[idx]
+                    kwargs = s.kwargs
+                    if s.kw_refs:
+                        kwargs = dict(kwargs)
+                        for k, key, idx in s.kw_refs:
+                            v = env[key]
+                            kwargs[k] = v if idx is None else v[idx]
                 else:
+                    if get is None:
+                        get = self._resolver(env)
                     args = _deep(s.args, get)
                     kwargs = _deep(s.kwargs, get)
-                out = args[0] if s.kind == NodeKind.OUTPUT else s.fn(*args, **kwargs)
-                if s.kind == NodeKind.LOSS:
-                    losses.append(out)
+                if s.output:
+                    out = args[0]
+                else:
+                    out = s.fn(*args, **kwargs)
+                    if s.loss:
+                        losses.append(out)
             env[s.name] = out
             if record is not None:
                 record(s.name, out)
@@ -190,6 +240,19 @@ class TorchPart:
         self.stash[mb_key] = st
         sent = {k: (to_array(v) if isinstance(v, torch.Tensor) else v) for k, v in st.sent.items()}
         return sent, (float(st.loss.detach()) if st.loss is not None and self.device.type != "meta" else None)
+
+    def _resolver(self, env: dict[Any, Any]):
+        """Ref/ParamRef -> value, for arguments nested in lists, tuples or dicts."""
+        params = self.params
+
+        def get(r):
+            if isinstance(r, ParamRef):
+                return params[r.name]
+            key, idx = self._env_key(r)
+            v = env[key]
+            return v if idx is None else v[idx]
+
+        return get
 
     # -- backward ----------------------------------------------------------------
     def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
@@ -244,6 +307,20 @@ class TorchPart:
         p.grad = from_array(grad, self.device).to(p.dtype).clone()
 
 
+def _on_device(v: Any, device: torch.device) -> Any:
+    """Device literals in a graph mean "the device this part runs on" (graphs are device-neutral:
+    a traced ``torch.arange(T, device=x.device)`` must follow its part to a GPU or the meta device)."""
+    if isinstance(v, torch.device):
+        return device
+    if isinstance(v, tuple):
+        return tuple(_on_device(x, device) for x in v)
+    if isinstance(v, list):
+        return [_on_device(x, device) for x in v]
+    if isinstance(v, dict):
+        return {k: _on_device(x, device) for k, x in v.items()}
+    return v
+
+
 def _deep(v: Any, get) -> Any:
     if isinstance(v, (Ref, ParamRef)):
         return get(v)
@@ -263,8 +340,8 @@ def output_meta(value: Any) -> tuple[tuple, bool]:
             return TensorMeta(tuple(int(s) for s in v.shape), dtype_name(v.dtype), bool(v.requires_grad))
         if isinstance(v, torch.Size):
             return ValueMeta(tuple(int(s) for s in v))
-        if isinstance(v, (int, float, bool, str, type(None))):
-            return ValueMeta(v)
+        if isinstance(v, (int, float, bool, str, type(None), torch.device, torch.dtype)):
+            return ValueMeta(v)  # devices/dtypes: ``torch.arange(T, device=x.device)`` in traced models
         if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float, bool)) for x in v):
             return ValueMeta(tuple(v))
         raise TypeError(type(v).__name__)
