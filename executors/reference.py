@@ -133,7 +133,9 @@ class ReferenceExecutor:
         """One iteration: forward/backward over micro-batches, then the optimizer step."""
         loss = self.forward_backward(batch)
         self.sync_shared_grads()
-        grads = self.grads()
+        # views, not copies: zero_grad(set_to_none=True) below drops the tensors,
+        # so the arrays stay valid and unchanged (the optimizers do not write grads)
+        grads = self.grads(copy=False)
         for opt in self.optimizers.values():
             if opt is not None:
                 opt.step()
@@ -142,12 +144,13 @@ class ReferenceExecutor:
         return StepResult(loss, grads)
 
     # -- state -----------------------------------------------------------------------
-    def grads(self) -> dict[str, np.ndarray]:
+    def grads(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """Current parameter gradients by name (shared ones from their first owner)."""
         out: dict[str, np.ndarray] = {}
         for e in self.engines.values():
             for n, g in e.grads().items():
                 if g is not None and n not in out:
-                    out[n] = g.copy()
+                    out[n] = g.copy() if copy else g
         return out
 
     def state(self) -> dict[str, np.ndarray]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from _trace_models import AttnNet, HFStyle, TiedLM, contiguous_parts, load_gpt, plain_step
+from tests.ir._trace_models import AttnNet, HFStyle, TiedLM, contiguous_parts, load_gpt, plain_step
 from fusion.executors.optim import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir import GraphError, NodeKind, Ref, register_module

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from _trace_models import contiguous_parts, load_gpt, plain_step
+from tests.ir._trace_models import contiguous_parts, load_gpt, plain_step
 from fusion.executors.optim import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.trace import trace
