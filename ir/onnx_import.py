@@ -266,7 +266,7 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     if problems:
         raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
     builder = _GraphBuild(path, types, consts, train, inits)
-    return builder.build(runtime, graph_inputs, graph_outputs, loss, label, labels)
+    return builder.build(runtime, graph_inputs, graph_outputs, loss, label, labels, engine)
 
 
 class _GraphBuild:
@@ -288,7 +288,7 @@ class _GraphBuild:
         return TensorMeta(shape, dtype, value in self.rg and np.issubdtype(np.dtype(dtype), np.floating))
 
     def _param(self, name: str, value: np.ndarray, trainable: bool) -> ParamRef:
-        value = np.ascontiguousarray(value)
+        value = np.array(value, copy=True, order="C")  # writable, owned (initializers may be read-only views)
         self.g.add_param(ParamSpec(name, tuple(value.shape), value.dtype.name, trainable))
         self.params[name] = value
         return ParamRef(name)
@@ -356,7 +356,7 @@ class _GraphBuild:
         rg = n.outputs[0] in self.rg
         return tuple(TensorMeta(shape[:axis] + (s,) + shape[axis + 1:], dtype, rg) for s in sizes)
 
-    def build(self, runtime, inputs, outputs, loss, label, labels) -> Model:
+    def build(self, runtime, inputs, outputs, loss, label, labels, engine: str) -> Model:
         g = self.g
         for name in inputs:
             g.add(OpNode(name, NodeKind.INPUT, meta=NodeMeta(outputs=(self._tensor_meta(name, name),))))
@@ -372,7 +372,7 @@ class _GraphBuild:
             example[name] = np.zeros(m.shape, dtype=m.dtype)
         if self.problems:
             raise GraphError(f"{self.path}: cannot import: " + "; ".join(self.problems))
-        g.validate()
+        g.validate(check_targets=engine == "torch")  # other engines' support was checked above
         log.info("imported %s: %d nodes, %d parameters", self.path, len(g.nodes), len(g.params))
         return Model(g, self.params, example)
 

@@ -248,15 +248,33 @@ def _run_two_processes(model, assignment, cfg, module, batches, feed, torch_loss
         log.close()
 
 
-def test_child_process_cannot_import_torch(tmp_path):
-    probe = CHILD.split("import zmq")[0] + textwrap.dedent('''
+def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
+    """In the blocked process: import torch fails, while an ONNX file imports for the numpy engine and runs."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    w = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1), helper.make_node("Relu", ["h"], ["out"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 3])], [numpy_helper.from_array(w, "w")])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    probe = CHILD.split("import zmq")[0] + textwrap.dedent(f'''
         print("blocked" if torch_blocked else "imported")
-        import fusion.executors.numpy_engine, fusion.executors.part, fusion.ir.serialize
+        import numpy as np
+        from fusion.ir.onnx_import import load_onnx
+        from fusion.executors.engines import make_engine_part
+        model = load_onnx({str(tmp_path / "m.onnx")!r}, loss="mse", engine="numpy")
+        part = make_engine_part("numpy", model.graph, model.graph.subgraph(model.graph.nodes), model.params)
+        x = np.ones((2, 4), np.float32)
+        _, loss = part.forward(0, {{}}, {{"x": x, "y": np.zeros((2, 3), np.float32)}})
+        part.backward(0, {{}})
+        h = np.maximum(x @ model.params["w"].T, 0)
+        assert abs(loss - float((h ** 2).mean())) < 1e-5 and part.grads()["w"] is not None
         assert "torch" not in sys.modules
+        print("trained")
     ''')
     out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "blocked"
+    assert out.stdout.split() == ["blocked", "trained"]
 
 
 def test_onnx_transformer_torch_part_and_numpy_process_train_like_pytorch(tmp_path):
