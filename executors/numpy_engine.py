@@ -276,7 +276,7 @@ class NumpyPart:
         for key, needs in self.recv_keys.items():
             if needs and tape.leaf_grad.get(key):
                 g = leaf_out.get(key)
-                out[key] = np.zeros_like(self._leaf_like(key, tape)) if g is None else np.ascontiguousarray(g)
+                out[key] = np.zeros_like(self._leaf_like(key, tape)) if g is None else np.array(g, order="C")  # keeps 0-d shapes
         return out
 
     def _leaf_like(self, key: Key, tape: _Tape) -> np.ndarray:

@@ -45,7 +45,7 @@ import msgpack, numpy as np
 
 def enc_value(v):
     if isinstance(v, np.ndarray) or type(v).__module__ == "numpy":
-        a = np.ascontiguousarray(np.asarray(v))
+        a = np.array(v, order="C")  # (np.ascontiguousarray would turn 0-d arrays into 1-d)
         return {"__nd__": True, "dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
     if isinstance(v, dict):
         return {"__map__": [[enc_value(k), enc_value(x)] for k, x in v.items()]}
@@ -83,9 +83,14 @@ def dec_opdata(d, OpData):
 def send(sock, obj):
     sock.send(msgpack.packb(enc_value(obj), use_bin_type=True))
 
-def recv(sock, timeout_ms, peer):
-    if not sock.poll(timeout_ms):
-        raise TimeoutError(f"{peer} did not answer within {timeout_ms} ms")
+def recv(sock, timeout_ms, peer, alive=None):
+    waited = 0
+    while not sock.poll(200):
+        waited += 200
+        if alive is not None and not alive():
+            raise RuntimeError(f"{peer} exited without answering")
+        if waited >= timeout_ms:
+            raise TimeoutError(f"{peer} did not answer within {timeout_ms} ms")
     return dec_value(msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False))
 '''
 
@@ -162,16 +167,16 @@ exec(CODEC, _codec)  # the parent uses the very same codec text as the child
 class RemotePart:
     """Part B as seen by the driver: PartRuntime, engine and optimizer calls forwarded to the child process."""
 
-    def __init__(self, sock, graph, name, sub, assignment, trainable_names):
+    def __init__(self, sock, child, name, sub, assignment, trainable_names):
         from fusion.ir.opdata import OpData
 
-        self.sock, self.name, self._OpData = sock, name, OpData
+        self.sock, self.child, self.name, self._OpData = sock, child, name, OpData
         self.routes = make_routes(sub, assignment)
         self._trainable = list(trainable_names)
 
     def _call(self, **cmd):
         _codec["send"](self.sock, cmd)
-        return _codec["recv"](self.sock, TIMEOUT_MS, f"part {self.name}")
+        return _codec["recv"](self.sock, TIMEOUT_MS, f"part {self.name}", lambda: self.child.poll() is None)
 
     # PartRuntime
     def needs_acts(self):
@@ -222,10 +227,10 @@ def _run_two_processes(model, assignment, cfg, module, batches, feed, torch_loss
         names_b = sorted({p for n, part in assignment.items() if part == "B" for p in model.graph[n].param_names()})
         _codec["send"](sock, {"graph": graph_to_dict(model.graph), "part": "B", "assignment": assignment, "engine": "numpy",
                               "params": {k: np.asarray(model.params[k]) for k in names_b}, "optimizer": cfg.to_dict()})
-        hello = _codec["recv"](sock, TIMEOUT_MS, "part B")
+        hello = _codec["recv"](sock, TIMEOUT_MS, "part B", lambda: child.poll() is None)
         assert hello == {"engine": "numpy", "torch_blocked": True}
         local_b = ex.engines["B"]
-        remote = RemotePart(sock, model.graph, "B", ex.parts["B"].sub, assignment, local_b.trainable())
+        remote = RemotePart(sock, child, "B", ex.parts["B"].sub, assignment, local_b.trainable())
         ex.parts["B"] = ex.engines["B"] = ex.optimizers["B"] = remote  # B now lives only in the child
         onnx_models.assert_trains_like(ex, module, batches, feed, torch_loss, 2, opt)
         final = ex.state()
