@@ -198,7 +198,9 @@ def LayerNormalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type
 @_op
 def BatchNormalization(x, scale, bias, mean, var, *, epsilon=1e-5, momentum=0.9, training_mode=0, outputs=1):
     """Eval mode normalises with the running statistics; training mode with the
-    batch's (running statistics are returned as outputs 1-2, not written back)."""
+    batch's (running statistics are returned as outputs 1-2, not written back).
+    No gradient flows into the statistics (as in torch, where they are buffers)."""
+    mean, var = mean.detach(), var.detach()
     if not training_mode:
         return F.batch_norm(x, mean, var, scale, bias, False, 0.0, epsilon)
     rm, rv = mean.detach().clone(), var.detach().clone()

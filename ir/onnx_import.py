@@ -244,8 +244,28 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
         if unknown:
             raise GraphError(f"{path}: trainable names {unknown} are not initializers of the model")
         train = set(trainable)
-    consts.update({k: v for k, v in inits.items() if k not in train})
+    base = {**consts, **{k: v for k, v in inits.items() if k not in train}}
+    # Fold constants, then infer shapes again on the folded graph (shape inference cannot see
+    # through computed shape arguments, e.g. Slice bounds built by Unsqueeze of Constants);
+    # repeat while new static shapes enable more folding (Shape of a now-known tensor).
+    for _ in range(4):
+        consts = dict(base)
+        runtime, problems = _fold_all(nodes, consts, types, engine)
+        unknown = [v for n in runtime for v in n.outputs if types.get(v, (None,))[0] is None]
+        if problems or not unknown:
+            break
+        more = _value_types(_reinfer(path, mp, runtime, consts, inits, train))
+        if all(more.get(v, (None,))[0] is None for v in unknown):
+            break
+        types.update({k: v for k, v in more.items() if v[0] is not None})
+    if problems:
+        raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
+    builder = _GraphBuild(path, types, consts, train, inits)
+    return builder.build(runtime, graph_inputs, graph_outputs, loss, label, labels, engine)
 
+
+def _fold_all(nodes: list[_Node], consts: dict[str, np.ndarray], types, engine: str) -> tuple[list[_Node], list[str]]:
+    """Evaluate constants into ``consts``; return the nodes left to run and the unsupported ones."""
     from ..executors.engines import supports
 
     runtime: list[_Node] = []
@@ -263,10 +283,26 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
             problems.append(f"node {n.name!r} ({dom}{n.op})")
             continue
         runtime.append(n)
-    if problems:
-        raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
-    builder = _GraphBuild(path, types, consts, train, inits)
-    return builder.build(runtime, graph_inputs, graph_outputs, loss, label, labels, engine)
+    return runtime, problems
+
+
+def _reinfer(path: Path, mp, runtime: list[_Node], consts: dict[str, np.ndarray], inits, train: set[str]):
+    """Shape inference on the graph of the runtime nodes with every constant as an initializer."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    keep = {n.name for n in runtime}
+    protos = [p for i, p in enumerate(mp.graph.node) if (p.name or f"{p.op_type}_{i}") in keep]
+    used = {v for p in protos for v in p.input if v}
+    init = [numpy_helper.from_array(np.asarray(consts[v]), v) for v in sorted(used) if v in consts]
+    init += [numpy_helper.from_array(np.asarray(inits[v]), v) for v in sorted(used & train)]
+    inputs = [i for i in mp.graph.input if i.name not in inits]
+    g = helper.make_graph(protos, mp.graph.name or "g", inputs, list(mp.graph.output), init)
+    m2 = helper.make_model(g, opset_imports=list(mp.opset_import), ir_version=mp.ir_version)
+    try:
+        return onnx.shape_inference.infer_shapes(m2, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        raise GraphError(f"{path}: ONNX shape inference failed after folding constants ({type(e).__name__}: {e})") from None
 
 
 class _GraphBuild:

@@ -223,3 +223,23 @@ def test_loader_and_cli_accept_onnx_files(exported, tmp_path, capsys):
     bad.write_bytes(b"\x08\x07garbage")
     assert cli_main(["graph", str(bad)]) == 2
     assert "bad.onnx" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_legacy_torchscript_export_of_the_cnn_trains_like_the_module(exported, tmp_path):
+    """The deprecated TorchScript exporter computes Slice bounds with Unsqueeze/Constant nodes, which ONNX
+    shape inference cannot see through; the importer folds them and infers shapes again."""
+    import contextlib
+    import io
+
+    cnn = exported["cnn"][0]
+    path = tmp_path / "legacy.onnx"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        torch.onnx.export(cnn, (torch.randn(2, 3, 8, 8),), str(path), dynamo=False, do_constant_folding=False, input_names=["x"])
+    model = load_onnx(path, loss="cross_entropy")
+    assert "onnx.Slice" in {n.target for n in model.graph.nodes.values()}
+    module = _fresh(exported, "cnn", model)
+    ex = ReferenceExecutor(model, two_part_assignment(model.graph), OptimizerConfig("sgd", lr=0.05), micro_batches=2)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    assert_trains_like(ex, module, _batches("cnn", 4), lambda b: {"x": b[0], "y": b[1]},
+                       lambda x, y: F.cross_entropy(module(x), y), 2, opt)
