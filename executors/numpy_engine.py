@@ -20,7 +20,8 @@ from ..ir.boundary import SubGraph
 from ..ir.errors import GraphError
 from ..ir.graph import OpGraph
 from ..ir.node import NodeKind, OpNode, ParamRef, Ref
-from .numpy_ops import TORCH_STYLE, NpOp
+from .numpy_ops import NpOp
+from .numpy_torch_ops import TORCH_STYLE
 from .numpy_onnx_ops import ONNX_NUMPY
 from .numpy_optim import NumpyOptimizer
 

@@ -29,7 +29,6 @@ means.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
@@ -39,9 +38,8 @@ from .errors import GraphError
 from .graph import OpGraph, ParamSpec
 from .model import Model
 from .node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta
-from .onnx_ops import (
-    ATTR_TO_INPUT, LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs,
-)
+from .onnx_ops import LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs
+from .onnx_read import OnnxNode, fold_all, literal, normalise_nodes, read_model, reinfer, value_types
 
 log = logging.getLogger(__name__)
 
@@ -49,113 +47,7 @@ log = logging.getLogger(__name__)
 APPENDED_LOSSES = {"cross_entropy": "torch.nn.functional.cross_entropy", "mse": "torch.nn.functional.mse_loss"}
 
 
-@dataclass
-class _Node:
-    """An ONNX node, normalised: attributes decoded, attribute-inputs of old opsets moved to inputs."""
-
-    name: str
-    op: str
-    domain: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any]
-
-
-def _read(path: Path, example: Mapping[str, Any] | None):
-    import onnx
-
-    if not path.is_file():
-        raise GraphError(f"{path}: no such ONNX file")
-    try:
-        mp = onnx.load(str(path))
-        onnx.checker.check_model(mp)
-    except Exception as e:  # protobuf DecodeError, ValidationError, ... : all mean a bad file
-        raise GraphError(f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'empty'})") from None
-    inits = {i.name for i in mp.graph.initializer}
-    for inp in mp.graph.input:
-        if example and inp.name in example and inp.name not in inits:
-            dims = inp.type.tensor_type.shape.dim
-            shape = np.shape(example[inp.name])
-            if len(dims) != len(shape):
-                raise GraphError(f"{path}: example for input {inp.name!r} has rank {len(shape)}, the model expects {len(dims)}")
-            for d, s in zip(dims, shape):
-                d.ClearField("dim_param")
-                d.dim_value = int(s)
-    try:
-        mp = onnx.shape_inference.infer_shapes(mp, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as e:
-        raise GraphError(f"{path}: ONNX shape inference failed ({type(e).__name__}: {e})") from None
-    return mp
-
-
-def _value_types(mp) -> dict[str, tuple[tuple[int, ...] | None, str]]:
-    """value name -> (static shape or None, dtype name) from the graph and shape inference."""
-    import onnx
-
-    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
-    for vi in list(mp.graph.input) + list(mp.graph.value_info) + list(mp.graph.output):
-        t = vi.type
-        if not t.HasField("tensor_type"):
-            continue
-        tt = t.tensor_type
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).name if tt.elem_type else "float32"
-        shape = None
-        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
-            shape = tuple(int(d.dim_value) for d in tt.shape.dim)
-        out[vi.name] = (shape, dtype)
-    for init in mp.graph.initializer:
-        out[init.name] = (tuple(int(d) for d in init.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).name)
-    return out
-
-
-def _attr_value(a) -> Any:
-    import onnx
-    from onnx import numpy_helper
-
-    if a.type == onnx.AttributeProto.TENSOR:
-        return numpy_helper.to_array(a.t)
-    v = onnx.helper.get_attribute_value(a)
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, list):
-        return [x.decode() if isinstance(x, bytes) else x for x in v]
-    return v
-
-
-def _normalise(mp, consts: dict[str, np.ndarray]) -> list[_Node]:
-    opset = next((o.version for o in mp.opset_import if o.domain in ("", "ai.onnx")), 0)
-    nodes, used = [], set()
-    for i, n in enumerate(mp.graph.node):
-        name = n.name or f"{n.op_type}_{i}"
-        while name in used:
-            name = f"{name}_{i}"
-        used.add(name)
-        attrs = {a.name: _attr_value(a) for a in n.attribute}
-        inputs = list(n.input)
-        moved = ATTR_TO_INPUT.get(n.op_type)
-        if moved and opset < moved[2] and moved[0] in attrs:
-            cname = f"{name}.{moved[0]}"
-            consts[cname] = np.asarray(attrs.pop(moved[0]), dtype=np.int64)
-            inputs += [""] * (moved[1] + 1 - len(inputs))
-            inputs[moved[1]] = cname
-        outputs = list(n.output)
-        while outputs and outputs[-1] == "":
-            outputs.pop()
-        nodes.append(_Node(name, n.op_type, n.domain, inputs, outputs, attrs))
-    return nodes
-
-
-def _constant_value(node: _Node) -> np.ndarray:
-    a = node.attrs
-    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32), ("value_int", np.int64), ("value_ints", np.int64)):
-        if key in a:
-            return np.asarray(a[key], dtype=dtype)
-    if "value" in a:
-        return np.asarray(a["value"])
-    raise GraphError(f"Constant attribute {sorted(a)} is not supported", node.name)
-
-
-def _trainable(nodes: list[_Node], sinks: list[str], inits: dict[str, np.ndarray]) -> set[str]:
+def _trainable(nodes: list[OnnxNode], sinks: list[str], inits: dict[str, np.ndarray]) -> set[str]:
     """Float initializers a gradient reaches from the graph outputs through differentiable inputs."""
     producer = {o: n for n in nodes for o in n.outputs}
     reached, stack = set(sinks), list(sinks)
@@ -169,46 +61,6 @@ def _trainable(nodes: list[_Node], sinks: list[str], inits: dict[str, np.ndarray
                 reached.add(v)
                 stack.append(v)
     return {k for k, v in inits.items() if k in reached and np.issubdtype(v.dtype, np.floating)}
-
-
-def _fold(node: _Node, consts: dict[str, np.ndarray], types) -> tuple | None:
-    """Output values of ``node`` when it can be evaluated now, else None."""
-    from ..executors.numpy_onnx_ops import ONNX_NUMPY
-
-    ins = [v for v in node.inputs if v]
-    if node.op == "Shape" and types.get(node.inputs[0], (None,))[0] is not None:
-        shape = types[node.inputs[0]][0]
-        return (np.asarray(shape[node.attrs.get("start", 0):node.attrs.get("end")], dtype=np.int64),)
-    if node.op == "Size" and types.get(node.inputs[0], (None,))[0] is not None:
-        return (np.asarray(int(np.prod(types[node.inputs[0]][0])), dtype=np.int64),)
-    if node.op == "CastLike" and node.inputs[0] in consts and types.get(node.inputs[1]):
-        return (consts[node.inputs[0]].astype(types[node.inputs[1]][1]),)
-    if not ins or not all(v in consts for v in ins) or f"onnx.{node.op}" not in ONNX_NUMPY:
-        return None
-    args = [consts[v] if v else None for v in node.inputs]
-    for i in static_inputs(node.op):
-        if i < len(args) and args[i] is not None:
-            args[i] = _literal(args[i])
-    kwargs = dict(node.attrs)
-    if node.op == "ConstantOfShape" and "value" in kwargs:
-        v = np.asarray(kwargs.pop("value")).reshape(-1)
-        kwargs.update(value=v[0].item(), dtype=_onnx_dtype(v.dtype))
-    try:
-        out, _ = ONNX_NUMPY[f"onnx.{node.op}"].fwd(*args, **kwargs)
-    except Exception as e:
-        raise GraphError(f"cannot evaluate constant {node.op} ({type(e).__name__}: {e})", node.name) from None
-    return tuple(np.asarray(o) for o in out) if isinstance(out, tuple) else (np.asarray(out),)
-
-
-def _onnx_dtype(dt) -> int:
-    import onnx
-
-    return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt)))
-
-
-def _literal(a: np.ndarray) -> Any:
-    a = np.asarray(a)
-    return a.item() if a.ndim == 0 else a.tolist()
 
 
 def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", labels: Collection[str] | None = None,
@@ -230,11 +82,11 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     from onnx import numpy_helper
 
     path = Path(path)
-    mp = _read(path, example)
-    types = _value_types(mp)
+    mp = read_model(path, example)
+    types = value_types(mp)
     inits = {i.name: numpy_helper.to_array(i) for i in mp.graph.initializer}
     consts: dict[str, np.ndarray] = {}
-    nodes = _normalise(mp, consts)
+    nodes = normalise_nodes(mp, consts)
     graph_inputs = [i.name for i in mp.graph.input if i.name not in inits]
     graph_outputs = [o.name for o in mp.graph.output]
     if trainable is None:
@@ -250,11 +102,11 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     # repeat while new static shapes enable more folding (Shape of a now-known tensor).
     for _ in range(4):
         consts = dict(base)
-        runtime, problems = _fold_all(nodes, consts, types, engine)
+        runtime, problems = fold_all(nodes, consts, types, engine)
         unknown = [v for n in runtime for v in n.outputs if types.get(v, (None,))[0] is None]
         if problems or not unknown:
             break
-        more = _value_types(_reinfer(path, mp, runtime, consts, inits, train))
+        more = value_types(reinfer(path, mp, runtime, consts, inits, train))
         if all(more.get(v, (None,))[0] is None for v in unknown):
             break
         types.update({k: v for k, v in more.items() if v[0] is not None})
@@ -262,47 +114,6 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
         raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
     builder = _GraphBuild(path, types, consts, train, inits)
     return builder.build(runtime, graph_inputs, graph_outputs, loss, label, labels, engine)
-
-
-def _fold_all(nodes: list[_Node], consts: dict[str, np.ndarray], types, engine: str) -> tuple[list[_Node], list[str]]:
-    """Evaluate constants into ``consts``; return the nodes left to run and the unsupported ones."""
-    from ..executors.engines import supports
-
-    runtime: list[_Node] = []
-    problems: list[str] = []
-    for n in nodes:
-        if n.op == "Constant" and n.domain in ("", "ai.onnx"):
-            consts[n.outputs[0]] = _constant_value(n)
-            continue
-        folded = _fold(n, consts, types) if n.domain in ("", "ai.onnx") else None
-        if folded is not None:
-            consts.update(zip(n.outputs, folded))
-            continue
-        if n.domain not in ("", "ai.onnx") or not supports(engine, f"onnx.{n.op}"):
-            dom = f"{n.domain}." if n.domain not in ("", "ai.onnx") else ""
-            problems.append(f"node {n.name!r} ({dom}{n.op})")
-            continue
-        runtime.append(n)
-    return runtime, problems
-
-
-def _reinfer(path: Path, mp, runtime: list[_Node], consts: dict[str, np.ndarray], inits, train: set[str]):
-    """Shape inference on the graph of the runtime nodes with every constant as an initializer."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    keep = {n.name for n in runtime}
-    protos = [p for i, p in enumerate(mp.graph.node) if (p.name or f"{p.op_type}_{i}") in keep]
-    used = {v for p in protos for v in p.input if v}
-    init = [numpy_helper.from_array(np.asarray(consts[v]), v) for v in sorted(used) if v in consts]
-    init += [numpy_helper.from_array(np.asarray(inits[v]), v) for v in sorted(used & train)]
-    inputs = [i for i in mp.graph.input if i.name not in inits]
-    g = helper.make_graph(protos, mp.graph.name or "g", inputs, list(mp.graph.output), init)
-    m2 = helper.make_model(g, opset_imports=list(mp.opset_import), ir_version=mp.ir_version)
-    try:
-        return onnx.shape_inference.infer_shapes(m2, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as e:
-        raise GraphError(f"{path}: ONNX shape inference failed after folding constants ({type(e).__name__}: {e})") from None
 
 
 class _GraphBuild:
@@ -336,7 +147,7 @@ class _GraphBuild:
             if v not in self.consts:
                 self.problems.append(f"node {n.name!r}: input {i} ({v!r}) of {n.op} must be a constant (static shapes)")
                 return None
-            return _literal(self.consts[v])
+            return literal(self.consts[v])
         if v in self.train:
             return self._param(v, self.inits[v], True)
         if v in self.consts:
@@ -387,7 +198,7 @@ class _GraphBuild:
             self.problems.append(f"node {n.name!r}: input of SplitToSequence has no static shape")
             return ()
         axis = kwargs.get("axis", 0) % len(shape)
-        split = _literal(self.consts[n.inputs[1]]) if len(n.inputs) > 1 and n.inputs[1] in self.consts else None
+        split = literal(self.consts[n.inputs[1]]) if len(n.inputs) > 1 and n.inputs[1] in self.consts else None
         sizes = split_sizes(shape[axis], 1 if split is None else split)
         rg = n.outputs[0] in self.rg
         return tuple(TensorMeta(shape[:axis] + (s,) + shape[axis + 1:], dtype, rg) for s in sizes)

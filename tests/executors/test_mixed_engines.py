@@ -21,7 +21,6 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 import zmq

@@ -7,8 +7,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from fusion.executors.numpy_engine import OPS, NumpyPart, supports
 from fusion.executors.numpy_optim import NumpyOptimizer
@@ -18,7 +16,7 @@ from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.errors import GraphError
 from fusion.ir.registry import REGISTRY
 
-from opnode_models import ASSIGN, D, T, V, Plain, opnode_model
+from opnode_models import ASSIGN, T, V, Plain, opnode_model
 
 
 def test_numpy_engine_import_chain_has_no_torch():
