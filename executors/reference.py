@@ -21,10 +21,10 @@ from ..ir.boundary import partition, part_links, part_order
 from ..ir.errors import FusionError
 from ..ir.model import Model
 from ..ir.opdata import OpData
-from .optim import OptimizerConfig, torch_optimizer
+from .engines import check_engines, make_engine_part, make_optimizer
+from .optim import OptimizerConfig
 from .part import PartRuntime
 from .schedule import Action, make_schedule
-from .torch_engine import TorchPart
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,14 @@ class StepResult:
 
 
 class ReferenceExecutor:
-    """Train a :class:`Model` in one process, optionally as partitioned."""
+    """Train a :class:`Model` in one process, optionally as partitioned.
+
+    engines: part -> engine name (``"torch"``, ``"numpy"``); parts not named run torch.
+    """
 
     def __init__(self, model: Model, assignment: Mapping[str, str] | None = None,
                  optimizer: OptimizerConfig = OptimizerConfig(), micro_batches: int = 1,
-                 schedule: str = "gpipe"):
+                 schedule: str = "gpipe", engines: Mapping[str, str] | None = None):
         g = model.graph
         self.graph = g
         self.assignment = dict(assignment) if assignment else {n: "p0" for n in g.nodes}
@@ -64,9 +67,11 @@ class ReferenceExecutor:
         links = part_links(g, self.assignment)
         self.micro_batches = micro_batches
         self.schedule = make_schedule(schedule, self.order, links, micro_batches)
-        self.engines = {p: TorchPart(g, subs[p], model.params) for p in self.order}
+        names = dict(engines or {})
+        check_engines(g, self.assignment, names)
+        self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params) for p in self.order}
         self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p]) for p in self.order}
-        self.optimizers = {p: torch_optimizer(optimizer, e.trainable().values()) for p, e in self.engines.items()}
+        self.optimizers = {p: make_optimizer(e, optimizer) for p, e in self.engines.items()}
         owners: dict[str, list[str]] = {}
         for p, e in self.engines.items():
             for name in e.trainable():

@@ -3,6 +3,9 @@
 The function returns a :class:`~fusion.ir.model.Model`, an
 :class:`~fusion.ir.graph.OpGraph`, or ``(torch.nn.Module, example_inputs)``
 (traced with :func:`fusion.ir.trace.trace`). The file is the user's own code.
+
+``model.onnx`` imports an ONNX file (:func:`fusion.ir.onnx_import.load_onnx`);
+``model.onnx:cross_entropy`` (or ``:mse``) appends that loss to its output.
 """
 from __future__ import annotations
 
@@ -16,6 +19,11 @@ from .ir.model import Model
 
 
 def load_model(spec: str) -> Model:
+    onnx_path, _, loss = spec.partition(".onnx")
+    if onnx_path and (not loss or loss.startswith(":")):
+        from .ir.onnx_import import load_onnx
+
+        return load_onnx(onnx_path + ".onnx", loss=loss[1:] or None)
     path, sep, func = spec.rpartition(":")
     if not sep or not path or not func:
         raise FusionError(f"model {spec!r}: expected file.py:function")

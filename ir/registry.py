@@ -7,6 +7,8 @@ A target name is resolved in this order:
 2. ``torch.nn.<Module>`` module types;
 3. ``torch.Tensor.<method>`` tensor methods;
 4. ``aten.<op>.<overload>`` ATen operators (``torch.ops.aten``);
+   ``onnx.<OpType>`` ONNX operators (the torch engine's implementations in
+   ``fusion.executors.onnx_torch_ops``);
 5. functions reachable under ``torch.``, ``operator.``, ``math.`` and a few
    harmless builtins.
 
@@ -94,7 +96,7 @@ class OpRegistry:
             return "module", self._modules[target]
         if target in self._functions:
             return "function", self._functions[target]
-        if not target.startswith(_FUNCTION_ROOTS + ("aten.",)):
+        if not target.startswith(_FUNCTION_ROOTS + ("aten.", "onnx.")):
             return None
         try:
             return _resolve_builtin(target)
@@ -121,6 +123,11 @@ def _resolve_builtin(target: str) -> tuple[str, Any] | None:
     if head in ("operator", "math"):
         fn = getattr(operator if head == "operator" else math, rest, None)
         return ("function", fn) if callable(fn) and "." not in rest else None
+    if head == "onnx":
+        from ..executors.onnx_torch_ops import ONNX_OPS  # needs torch, like every torch name
+
+        fn = ONNX_OPS.get(rest)
+        return ("function", fn) if fn else None
     import torch
 
     if head == "aten":

@@ -1,0 +1,202 @@
+"""Reading an ONNX file for the importer: validation, shape inference,
+normalised nodes, and constant folding (evaluating nodes whose inputs are all
+constants with the NumPy engine's kernels, so shape arithmetic becomes
+literals). See :mod:`fusion.ir.onnx_import`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import GraphError
+from .onnx_ops import ATTR_TO_INPUT, static_inputs
+
+
+@dataclass
+class OnnxNode:
+    """An ONNX node, normalised: attributes decoded, attribute-inputs of old opsets moved to inputs."""
+
+    name: str
+    op: str
+    domain: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any]
+
+
+def read_model(path: Path, example: Mapping[str, Any] | None):
+    import onnx
+
+    if not path.is_file():
+        raise GraphError(f"{path}: no such ONNX file")
+    try:
+        mp = onnx.load(str(path))
+        onnx.checker.check_model(mp)
+    except Exception as e:  # protobuf DecodeError, ValidationError, ... : all mean a bad file
+        raise GraphError(f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'empty'})") from None
+    inits = {i.name for i in mp.graph.initializer}
+    for inp in mp.graph.input:
+        if example and inp.name in example and inp.name not in inits:
+            dims = inp.type.tensor_type.shape.dim
+            shape = np.shape(example[inp.name])
+            if len(dims) != len(shape):
+                raise GraphError(f"{path}: example for input {inp.name!r} has rank {len(shape)}, the model expects {len(dims)}")
+            for d, s in zip(dims, shape):
+                d.ClearField("dim_param")
+                d.dim_value = int(s)
+    try:
+        mp = onnx.shape_inference.infer_shapes(mp, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        raise GraphError(f"{path}: ONNX shape inference failed ({type(e).__name__}: {e})") from None
+    return mp
+
+
+def value_types(mp) -> dict[str, tuple[tuple[int, ...] | None, str]]:
+    """value name -> (static shape or None, dtype name) from the graph and shape inference."""
+    import onnx
+
+    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
+    for vi in list(mp.graph.input) + list(mp.graph.value_info) + list(mp.graph.output):
+        t = vi.type
+        if not t.HasField("tensor_type"):
+            continue
+        tt = t.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).name if tt.elem_type else "float32"
+        shape = None
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            shape = tuple(int(d.dim_value) for d in tt.shape.dim)
+        out[vi.name] = (shape, dtype)
+    for init in mp.graph.initializer:
+        out[init.name] = (tuple(int(d) for d in init.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).name)
+    return out
+
+
+def attr_value(a) -> Any:
+    import onnx
+    from onnx import numpy_helper
+
+    if a.type == onnx.AttributeProto.TENSOR:
+        return numpy_helper.to_array(a.t)
+    v = onnx.helper.get_attribute_value(a)
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, list):
+        return [x.decode() if isinstance(x, bytes) else x for x in v]
+    return v
+
+
+def normalise_nodes(mp, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
+    opset = next((o.version for o in mp.opset_import if o.domain in ("", "ai.onnx")), 0)
+    nodes, used = [], set()
+    for i, n in enumerate(mp.graph.node):
+        name = n.name or f"{n.op_type}_{i}"
+        while name in used:
+            name = f"{name}_{i}"
+        used.add(name)
+        attrs = {a.name: attr_value(a) for a in n.attribute}
+        inputs = list(n.input)
+        moved = ATTR_TO_INPUT.get(n.op_type)
+        if moved and opset < moved[2] and moved[0] in attrs:
+            cname = f"{name}.{moved[0]}"
+            consts[cname] = np.asarray(attrs.pop(moved[0]), dtype=np.int64)
+            inputs += [""] * (moved[1] + 1 - len(inputs))
+            inputs[moved[1]] = cname
+        outputs = list(n.output)
+        while outputs and outputs[-1] == "":
+            outputs.pop()
+        nodes.append(OnnxNode(name, n.op_type, n.domain, inputs, outputs, attrs))
+    return nodes
+
+
+def constant_value(node: OnnxNode) -> np.ndarray:
+    a = node.attrs
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32), ("value_int", np.int64), ("value_ints", np.int64)):
+        if key in a:
+            return np.asarray(a[key], dtype=dtype)
+    if "value" in a:
+        return np.asarray(a["value"])
+    raise GraphError(f"Constant attribute {sorted(a)} is not supported", node.name)
+
+
+def fold_node(node: OnnxNode, consts: dict[str, np.ndarray], types) -> tuple | None:
+    """Output values of ``node`` when it can be evaluated now, else None."""
+    from ..executors.numpy_onnx_ops import ONNX_NUMPY
+
+    ins = [v for v in node.inputs if v]
+    if node.op == "Shape" and types.get(node.inputs[0], (None,))[0] is not None:
+        shape = types[node.inputs[0]][0]
+        return (np.asarray(shape[node.attrs.get("start", 0):node.attrs.get("end")], dtype=np.int64),)
+    if node.op == "Size" and types.get(node.inputs[0], (None,))[0] is not None:
+        return (np.asarray(int(np.prod(types[node.inputs[0]][0])), dtype=np.int64),)
+    if node.op == "CastLike" and node.inputs[0] in consts and types.get(node.inputs[1]):
+        return (consts[node.inputs[0]].astype(types[node.inputs[1]][1]),)
+    if not ins or not all(v in consts for v in ins) or f"onnx.{node.op}" not in ONNX_NUMPY:
+        return None
+    args = [consts[v] if v else None for v in node.inputs]
+    for i in static_inputs(node.op):
+        if i < len(args) and args[i] is not None:
+            args[i] = literal(args[i])
+    kwargs = dict(node.attrs)
+    if node.op == "ConstantOfShape" and "value" in kwargs:
+        v = np.asarray(kwargs.pop("value")).reshape(-1)
+        kwargs.update(value=v[0].item(), dtype=onnx_dtype(v.dtype))
+    try:
+        out, _ = ONNX_NUMPY[f"onnx.{node.op}"].fwd(*args, **kwargs)
+    except Exception as e:
+        raise GraphError(f"cannot evaluate constant {node.op} ({type(e).__name__}: {e})", node.name) from None
+    return tuple(np.asarray(o) for o in out) if isinstance(out, tuple) else (np.asarray(out),)
+
+
+def onnx_dtype(dt) -> int:
+    import onnx
+
+    return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt)))
+
+
+def literal(a: np.ndarray) -> Any:
+    a = np.asarray(a)
+    return a.item() if a.ndim == 0 else a.tolist()
+
+
+def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types, engine: str) -> tuple[list[OnnxNode], list[str]]:
+    """Evaluate constants into ``consts``; return the nodes left to run and the unsupported ones."""
+    from ..executors.engines import supports
+
+    runtime: list[OnnxNode] = []
+    problems: list[str] = []
+    for n in nodes:
+        if n.op == "Constant" and n.domain in ("", "ai.onnx"):
+            consts[n.outputs[0]] = constant_value(n)
+            continue
+        folded = fold_node(n, consts, types) if n.domain in ("", "ai.onnx") else None
+        if folded is not None:
+            consts.update(zip(n.outputs, folded))
+            continue
+        if n.domain not in ("", "ai.onnx") or not supports(engine, f"onnx.{n.op}"):
+            dom = f"{n.domain}." if n.domain not in ("", "ai.onnx") else ""
+            problems.append(f"node {n.name!r} ({dom}{n.op})")
+            continue
+        runtime.append(n)
+    return runtime, problems
+
+
+def reinfer(path: Path, mp, runtime: list[OnnxNode], consts: dict[str, np.ndarray], inits, train: set[str]):
+    """Shape inference on the graph of the runtime nodes with every constant as an initializer."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    keep = {n.name for n in runtime}
+    protos = [p for i, p in enumerate(mp.graph.node) if (p.name or f"{p.op_type}_{i}") in keep]
+    used = {v for p in protos for v in p.input if v}
+    init = [numpy_helper.from_array(np.asarray(consts[v]), v) for v in sorted(used) if v in consts]
+    init += [numpy_helper.from_array(np.asarray(inits[v]), v) for v in sorted(used & train)]
+    inputs = [i for i in mp.graph.input if i.name not in inits]
+    g = helper.make_graph(protos, mp.graph.name or "g", inputs, list(mp.graph.output), init)
+    m2 = helper.make_model(g, opset_imports=list(mp.opset_import), ir_version=mp.ir_version)
+    try:
+        return onnx.shape_inference.infer_shapes(m2, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        raise GraphError(f"{path}: ONNX shape inference failed after folding constants ({type(e).__name__}: {e})") from None
