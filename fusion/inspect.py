@@ -126,18 +126,19 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
         for n in names:
             ax1.annotate(n, xy[n], fontsize=6, xytext=(2, 3), textcoords="offset points")
     handles = [plt.Line2D([], [], marker="o", ls="", color=color[p], label=f"{p} on {plan.parts[p].device}") for p in order]
-    ax1.legend(handles=handles[:30], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.legend(handles=handles[:32], fontsize=8, loc="lower center", ncol=min(8, len(handles)), frameon=False)
     ax1.set_title(f"OP-DAG, {len(names)} nodes in {len(order)} parts (cut edges red; topological order, snake rows)")
     ax1.axis("off")
     # -- the devices by Louvain cluster --------------------------------------------------
     devs = [d["name"] for d in plan.cluster.get("devices", [])]
     clusters = plan.predicted.get("clusters") or [devs]
     pos = {}
-    big = max(1.0, len(clusters) / 3)
+    radii = [0.3 + 0.12 * math.sqrt(len(m)) for m in clusters]
+    big = max(1.0, sum(2 * r + 0.3 for r in radii) / (2 * math.pi))
     for c, members in enumerate(clusters):
         ang = 2 * math.pi * c / max(1, len(clusters))
         cx, cy = (big * math.cos(ang), big * math.sin(ang)) if len(clusters) > 1 else (0.0, 0.0)
-        r = 0.15 + 0.03 * math.sqrt(len(members))
+        r = radii[c]
         for k, d in enumerate(members):
             a = 2 * math.pi * k / max(1, len(members))
             pos[d] = (cx + r * math.cos(a), cy + r * math.sin(a))
@@ -162,7 +163,7 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters; used devices coloured, data flow in red")
     ax2.set_aspect("equal")
     ax2.axis("off")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

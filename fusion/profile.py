@@ -60,9 +60,17 @@ def fit_speed(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
     return 1.0 / slope, float(t0), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
 
 
-def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] = (128, 256, 384, 512, 768),
-                 batch: int = 64, repeats: int = 3, dtype: str = "float32") -> Profile:
-    """Time fwd+bwd of ``Linear(n, n)`` on a (batch, n) input for each n; fit lambda against ``peak_flops``."""
+def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] = (256, 512, 768, 1024),
+                 batch: int = 64, repeats: int = 5, dtype: str = "float32", min_time: float = 0.5,
+                 threads: int | None = None) -> Profile:
+    """Time fwd+bwd of ``Linear(n, n)`` on a (batch, n) input for each n; fit lambda against ``peak_flops``.
+
+    The workloads run round-robin, at least ``repeats`` rounds and at least
+    ``min_time`` seconds in all; each keeps its fastest run (on a shared host
+    the minimum is the least disturbed measurement, and round-robin spreads a
+    disturbed moment over all sizes). ``threads`` sets torch's CPU threads
+    for the measurement (None: leave as is).
+    """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -70,28 +78,37 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
         raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
     dt = getattr(torch, dtype)
     dev = torch.device(device)
-    samples: list[tuple[float, float]] = []
-    for n in sizes:
-        layer = torch.nn.Linear(n, n, device=dev, dtype=dt)
-        x = torch.randn(batch, n, device=dev, dtype=dt, requires_grad=True)
-
-        def step():
-            layer(x).sum().backward()
-
-        with FlopCounterMode(display=False) as fc:
-            step()
-        flops = float(fc.get_total_flops())
-        step()  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t = time.perf_counter()
-            step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            best = min(best, time.perf_counter() - t)
-        samples.append((flops, best))
-        log.info("profile n=%d: %.3g FLOP in %.3g s", n, flops, best)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        steps, flops = [], []
+        for n in sizes:
+            layer = torch.nn.Linear(n, n, device=dev, dtype=dt)
+            x = torch.randn(batch, n, device=dev, dtype=dt, requires_grad=True)
+            step = (lambda layer=layer, x=x: layer(x).sum().backward())
+            with FlopCounterMode(display=False) as fc:
+                step()
+            steps.append(step)
+            flops.append(float(fc.get_total_flops()))
+        best = [float("inf")] * len(sizes)
+        spent, rounds = 0.0, 0
+        while rounds < repeats or spent < min_time:
+            for k, step in enumerate(steps):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t = time.perf_counter()
+                step()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                el = time.perf_counter() - t
+                best[k] = min(best[k], el)
+                spent += el
+            rounds += 1
+    finally:
+        torch.set_num_threads(old_threads)
+    samples = list(zip(flops, best))
+    for n, (f, t) in zip(sizes, samples):
+        log.info("profile n=%d: %.3g FLOP in %.3g s", n, f, t)
     speed, t0, r2 = fit_speed(samples)
     return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples)

@@ -12,9 +12,10 @@ def add_parser(sub) -> None:
     p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
                                         "default: the --name device's peak_flops")
     p.add_argument("--device", default="cpu", help="torch device to time (default cpu)")
-    p.add_argument("--sizes", default="128,256,384,512,768", help="Linear widths to time (comma-separated)")
+    p.add_argument("--sizes", default="256,512,768,1024", help="Linear widths to time (comma-separated)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="at least this many timed rounds (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing (default: unchanged)")
     p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
     p.add_argument("--name", help="device name in --cluster")
     p.add_argument("-o", "--output", help="where to write the updated cluster (.json)")
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("profile: give --peak-flops, or --cluster and --name to take the device's peak_flops")
     try:
         sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-        prof = profile_host(peak, args.device, sizes, args.batch, args.repeats)
+        prof = profile_host(peak, args.device, sizes, args.batch, args.repeats, threads=args.threads)
     except ValueError as e:
         raise FusionError(f"profile: {e}") from None
     print(json.dumps(prof.to_dict()))
