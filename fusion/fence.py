@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chain import Chain, DPResult, build_chain, candidate_positions, chain_dp
+from .chain import Chain, build_chain, candidate_positions, chain_dp
 from .estimate import CostModel
 from .ir.errors import FusionError
 from .topology import cluster_bandwidth, cluster_path, device_clusters, device_order, start_candidates
@@ -260,4 +260,4 @@ def layout_partition(cm: CostModel, ch: Chain, cuts: list[int], devices: list[in
     return Partition(node_part, list(devices), float(t), dict(info or {}))
 
 
-__all__ = ["op_fence", "Partition", "NoFitError", "layout_partition", "DPResult"]
+__all__ = ["op_fence", "Partition", "NoFitError", "layout_partition"]

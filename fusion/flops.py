@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .ir.graph import OpGraph
-from .ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta, ValueMeta, map_refs
+from .ir.node import NodeKind, OpNode, ParamRef, TensorMeta, ValueMeta, map_refs
 
 log = logging.getLogger(__name__)
 
