@@ -75,6 +75,9 @@ class Plan:
     predicted:     estimator outputs, e.g. ``{"iteration_s": ..., "links": {...}}``.
     example:       placeholder name -> {"shape": [...], "dtype": ...} of one micro-batch.
     strategy:      the partitioner that produced the assignment.
+    boundaries:    part -> its boundary tables (FusionLLM Table 3) as written by
+                   :func:`boundary_tables`; optional (derivable from graph and
+                   assignment), checked against them on load when present.
     """
 
     graph: OpGraph
@@ -89,6 +92,7 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     example: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = ""
+    boundaries: dict[str, dict[str, list]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -99,7 +103,7 @@ class Plan:
             "compression": [{**vars(c), "directions": list(c.directions)} for c in self.compression],
             "schedule": self.schedule, "micro_batches": self.micro_batches,
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
-            "example": self.example, "strategy": self.strategy,
+            "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
         }
 
     @classmethod
@@ -119,7 +123,8 @@ class Plan:
             raise PlanError(f"{source}: malformed field ({e})") from None
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
                    int(d.get("micro_batches", 1)), dict(d.get("optimizer", {})), int(d.get("seed", 0)),
-                   dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")))
+                   dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
+                   dict(d.get("boundaries", {})))
         plan.check(source)
         return plan
 
@@ -144,6 +149,37 @@ class Plan:
                 raise PlanError(f"{source}: compression names unknown node {c.producer!r}")
             if not c.ratio >= 1:
                 raise PlanError(f"{source}: compression ratio of {c.producer} must be >= 1, got {c.ratio}")
+        devices = self.cluster.get("devices") if isinstance(self.cluster, dict) else None
+        if isinstance(devices, list) and devices:
+            names = {e.get("name") for e in devices if isinstance(e, dict)}
+            for p in self.parts.values():
+                if p.device not in names:
+                    raise PlanError(f"{source}: parts.{p.name}.device names unknown device {p.device!r} (not in cluster.devices)")
+        from .ir.boundary import part_order
+        from .ir.errors import GraphError
+
+        try:
+            part_order(self.graph, self.assignment)
+        except GraphError as e:
+            raise PlanError(f"{source}: assignment: {e}") from None
+        if self.boundaries:
+            want = boundary_tables(self.graph, self.assignment)
+            for part in sorted(set(want) | set(self.boundaries)):
+                if self.boundaries.get(part) != want.get(part):
+                    raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
+
+
+def boundary_tables(graph: OpGraph, assignment: dict[str, str]) -> dict[str, dict[str, list]]:
+    """Each part's boundary (FusionLLM Table 3) as plain data:
+    ``{column: [[producer, index, actual_user, requires_grad], ...]}``."""
+    from .ir.boundary import partition
+
+    out = {}
+    for part, sg in partition(graph, assignment).items():
+        b = sg.boundary
+        out[part] = {col: [[e.producer, e.index, e.actual_user, e.requires_grad] for e in getattr(b, col)]
+                     for col in ("required_acts", "sent_acts", "required_grads", "sent_grads")}
+    return out
 
 
 def save_plan(plan: Plan, path: str | Path, params: dict[str, Any] | None = None) -> Path:

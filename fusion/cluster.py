@@ -1,0 +1,235 @@
+"""The cluster model: devices and directed links (FusionLLM §3.5).
+
+A device p has a peak speed S*(p) (FLOP/s), a fitted factor lambda_p (the
+actual speed is S(p) = lambda_p * S*(p)), a memory D^p, a memory bandwidth
+for memory-bound operators, and an address. A directed link i -> j follows
+the alpha-beta model ``T_comm^{ij}(M) = alpha_ij + beta_ij * M`` with alpha in
+seconds and beta in seconds per byte.
+
+Two file formats load into a :class:`Cluster` (see ``docs/compiler.md``):
+
+- the readable YAML format of ``examples/clusters/*.yaml`` (devices with
+  units, links given by default / group / pair rules), read by
+  :mod:`fusion.cluster_yaml`;
+- the scenario JSON format of ``../shared/scenarios`` (``devices``,
+  ``delay_s[i][j]``, ``bandwidth_bps[i][j]``), which is also what
+  :meth:`Cluster.to_dict` writes into a plan.
+
+Every error is a :class:`ClusterError` whose message names the file and field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .ir.errors import FusionError
+
+#: FLOP per byte assumed when a device gives no ``memory_bandwidth``: the
+#: roofline ridge point of current GPUs (V100 ~139, A100 fp16 ~150, RTX 4090
+#: ~165). Only memory-bound operators (norms, element-wise, embeddings) use it.
+DEFAULT_FLOPS_PER_BYTE = 100.0
+
+
+class ClusterError(FusionError):
+    """A malformed cluster description; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One CompNode's hardware.
+
+    name:             unique device name.
+    peak_flops:       S*(p), peak FLOP/s.
+    memory_bytes:     D^p, memory usable by the part placed here.
+    lam:              lambda_p of §3.5, fitted by ``fusion profile`` (1.0 = peak).
+    memory_bandwidth: bytes/s for memory-bound operators; None means
+                      ``peak_flops / DEFAULT_FLOPS_PER_BYTE``.
+    address:          where its executor listens (``tcp://host:port``), may be empty.
+    group:            a label from the file (machine, region); informational only,
+                      OP-Fence finds its own clusters with Louvain.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    lam: float = 1.0
+    memory_bandwidth: float | None = None
+    address: str = ""
+    group: str = ""
+
+    @property
+    def speed(self) -> float:
+        """S(p) = lambda_p * S*(p), FLOP/s."""
+        return self.lam * self.peak_flops
+
+    @property
+    def memory_speed(self) -> float:
+        """Effective bytes/s for memory-bound work, scaled by lambda_p like FLOPs."""
+        bw = self.memory_bandwidth if self.memory_bandwidth else self.peak_flops / DEFAULT_FLOPS_PER_BYTE
+        return self.lam * bw
+
+
+@dataclass
+class Cluster:
+    """Devices plus a dense directed link matrix.
+
+    alpha[i, j]: latency of link i -> j in seconds (alpha_ij).
+    beta[i, j]:  seconds per byte of link i -> j (beta_ij = 8 / bandwidth in bit/s).
+    The diagonal is unused (a device does not talk to itself) and kept at 0.
+    source:      the file the cluster came from, for error messages.
+    """
+
+    name: str
+    devices: list[Device]
+    alpha: np.ndarray
+    beta: np.ndarray
+    source: str = "cluster"
+
+    def __post_init__(self) -> None:
+        self._index = {d.name: i for i, d in enumerate(self.devices)}
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def index(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ClusterError(f"{self.source}: unknown device {name!r}") from None
+
+    def comm_time(self, i: int, j: int, nbytes: float) -> float:
+        """T_comm^{ij}(M) = alpha_ij + beta_ij * M (0 on the same device)."""
+        if i == j:
+            return 0.0
+        return float(self.alpha[i, j] + self.beta[i, j] * nbytes)
+
+    def bandwidth_bps(self, i: int, j: int) -> float:
+        return 8.0 / float(self.beta[i, j]) if i != j else math.inf
+
+    def subset(self, names: list[str]) -> "Cluster":
+        idx = [self.index(n) for n in names]
+        return Cluster(self.name, [self.devices[i] for i in idx], self.alpha[np.ix_(idx, idx)].copy(),
+                       self.beta[np.ix_(idx, idx)].copy(), self.source)
+
+    # -- plain data (the scenario JSON format plus per-device extras) -------------
+    def to_dict(self) -> dict[str, Any]:
+        n = len(self.devices)
+        bw = np.zeros((n, n))
+        off = ~np.eye(n, dtype=bool)
+        bw[off] = 8.0 / self.beta[off]
+        devs = []
+        for d in self.devices:
+            e: dict[str, Any] = {"name": d.name, "group": d.group, "peak_flops": d.peak_flops, "memory_bytes": d.memory_bytes}
+            if d.lam != 1.0:
+                e["lambda"] = d.lam
+            if d.memory_bandwidth:
+                e["memory_bandwidth"] = d.memory_bandwidth
+            if d.address:
+                e["address"] = d.address
+            devs.append(e)
+        alpha = self.alpha.copy()
+        np.fill_diagonal(alpha, 0.0)
+        return {"name": self.name, "devices": devs, "delay_s": alpha.tolist(), "bandwidth_bps": bw.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "cluster") -> "Cluster":
+        """Read the scenario format; every problem names ``source`` and the field."""
+        if not isinstance(d, dict):
+            raise ClusterError(f"{source}: expected a mapping with fields 'devices', 'delay_s', 'bandwidth_bps'")
+        for key in ("devices", "delay_s", "bandwidth_bps"):
+            if key not in d:
+                raise ClusterError(f"{source}: missing field {key!r}")
+        raw = d["devices"]
+        if not isinstance(raw, list) or not raw:
+            raise ClusterError(f"{source}: field 'devices' must be a non-empty list")
+        devices = [device_from_dict(e, f"{source}: devices[{i}]") for i, e in enumerate(raw)]
+        check_unique(devices, source)
+        n = len(devices)
+        delay = _matrix(d["delay_s"], n, f"{source}: delay_s")
+        bw = _matrix(d["bandwidth_bps"], n, f"{source}: bandwidth_bps")
+        off = ~np.eye(n, dtype=bool)
+        for i, j in zip(*np.nonzero(off & ~(bw > 0))):
+            raise ClusterError(f"{source}: bandwidth_bps[{i}][{j}] ({devices[i].name} -> {devices[j].name}) "
+                               f"must be > 0, got {bw[i, j]!r}")
+        for i, j in zip(*np.nonzero(off & ~(delay >= 0))):
+            raise ClusterError(f"{source}: delay_s[{i}][{j}] ({devices[i].name} -> {devices[j].name}) "
+                               f"must be >= 0, got {delay[i, j]!r}")
+        beta = np.zeros((n, n))
+        beta[off] = 8.0 / bw[off]
+        alpha = np.where(off, delay, 0.0)
+        return cls(str(d.get("name", Path(source).stem)), devices, alpha, beta, source)
+
+
+def device_from_dict(e: Any, where: str) -> Device:
+    """One device of the scenario format (numbers in base units)."""
+    if not isinstance(e, dict):
+        raise ClusterError(f"{where}: expected a mapping, got {type(e).__name__}")
+    for key in ("name", "peak_flops", "memory_bytes"):
+        if key not in e:
+            raise ClusterError(f"{where}: missing field {key!r}")
+    name = e["name"]
+    if not isinstance(name, str) or not name:
+        raise ClusterError(f"{where}.name: must be a non-empty string, got {name!r}")
+    vals = {}
+    for key in ("peak_flops", "memory_bytes", "lambda", "memory_bandwidth"):
+        if key in e and e[key] is not None:
+            v = e[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ClusterError(f"{where}.{key} ({name}): must be a positive number, got {v!r}")
+            vals[key] = float(v)
+    return Device(name, vals["peak_flops"], vals["memory_bytes"], vals.get("lambda", 1.0),
+                  vals.get("memory_bandwidth"), str(e.get("address", "") or ""), str(e.get("group", "") or ""))
+
+
+def check_unique(devices: list[Device], source: str) -> None:
+    seen: set[str] = set()
+    for i, dv in enumerate(devices):
+        if dv.name in seen:
+            raise ClusterError(f"{source}: devices[{i}].name: duplicate device name {dv.name!r}")
+        seen.add(dv.name)
+
+
+def _matrix(v: Any, n: int, where: str) -> np.ndarray:
+    if not isinstance(v, list) or len(v) != n or not all(isinstance(r, list) and len(r) == n for r in v):
+        raise ClusterError(f"{where}: must be a {n} x {n} list of lists (one row and column per device)")
+    try:
+        m = np.array(v, dtype=float)
+    except (TypeError, ValueError):
+        raise ClusterError(f"{where}: entries must be numbers") from None
+    if not np.all(np.isfinite(m)):
+        i, j = map(int, np.argwhere(~np.isfinite(m))[0])
+        raise ClusterError(f"{where}[{i}][{j}]: must be a finite number, got {m[i, j]!r}")
+    return m
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Load a cluster from YAML (readable format or scenario format) or scenario JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ClusterError(f"{path}: no such cluster file") from None
+    except OSError as e:
+        raise ClusterError(f"{path}: cannot read cluster file ({e})") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"{path}: not valid JSON ({e})") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ClusterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if isinstance(data, dict) and "bandwidth_bps" in data:
+        return Cluster.from_dict(data, str(path))
+    from .cluster_yaml import cluster_from_yaml
+
+    return cluster_from_yaml(data, str(path))

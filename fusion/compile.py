@@ -1,0 +1,174 @@
+"""``compile_model``: a model plus a cluster become a plan (FusionLLM §3.5-3.6, §4, §5.2).
+
+Stages, each reading only what the previous one produced::
+
+    Model.graph --measure_costs--> node costs --CostModel--> arrays
+        --op_fence | equal-count | equal-flops--> node -> part, part -> device
+        --adatopk--> compression per cut edge --> Plan (with predictions)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from .adatopk import adatopk
+from .baselines import BASELINES
+from .chain import build_chain
+from .cluster import Cluster
+from .estimate import CostModel, Estimate, optimizer_slots, samples_per_micro_batch
+from .executors.optim import OptimizerConfig
+from .fence import NoFitError, Partition, op_fence
+from .flops import measure_costs
+from .ir.errors import FusionError
+from .ir.model import Model
+from .ir.node import TensorMeta
+from .plan import Part, Plan, boundary_tables
+from .topology import device_clusters
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("opfence", "equal-count", "equal-flops")
+COST_MODEL = "fusion.estimate/1"
+
+
+class CompileError(FusionError):
+    """The model cannot be compiled for this cluster; the message says why."""
+
+
+def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", micro_batches: int = 1,
+                  compress_ratio: float | None = None, schedule: str = "gpipe",
+                  optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0) -> Plan:
+    """Partition ``model`` over ``cluster`` and return the plan executors run.
+
+    strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
+    micro_batches:  n_b of Eq. (3); the example in ``model`` is one micro-batch.
+    compress_ratio: AdaTopK's r of Eq. (7); None or 1 compresses nothing.
+    schedule:       ``gpipe`` or ``1f1b`` (changes the activation memory in flight).
+    Raises CompileError (naming the cluster file and field) when nothing fits.
+    """
+    t0 = time.perf_counter()
+    if strategy not in STRATEGIES:
+        raise CompileError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise CompileError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if schedule not in ("gpipe", "1f1b"):
+        raise CompileError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    if compress_ratio is not None and not compress_ratio >= 1:
+        raise CompileError(f"compress_ratio must be >= 1, got {compress_ratio!r}")
+    graph = model.graph
+    _ensure_shapes(model)
+    costs = measure_costs(graph, progress=len(graph) > 200)
+    cm = CostModel.build(graph, costs, cluster, micro_batches, schedule,
+                         optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
+    _check_fits(cm, cluster)
+    clusters = device_clusters(cluster, seed)
+    if strategy == "opfence":
+        try:
+            part = op_fence(cm, clusters, seed=seed, progress=len(cluster) > 128)
+        except NoFitError:
+            raise CompileError(_no_fit_message(cm, cluster)) from None
+    else:
+        part = BASELINES[strategy](cm, build_chain(cm))
+    dense = cm.evaluate(part.node_part, part.part_device)
+    if dense.violations:
+        raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit: {dense.violations[0]}")
+    names = [f"part{k}" for k in range(len(part.part_device))]
+    compression, wire = [], {}
+    if compress_ratio is not None and compress_ratio > 1:
+        compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
+    est = cm.evaluate(part.node_part, part.part_device, wire) if wire else dense
+    plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
+                     micro_batches, optimizer, seed)
+    plan.predicted["compile_s"] = round(time.perf_counter() - t0, 4)
+    log.info("compiled %d nodes onto %d of %d devices with %s: predicted %.4g s/iteration",
+             len(graph), len(names), len(cluster), strategy, est.iteration_s)
+    return plan
+
+
+def _ensure_shapes(model: Model) -> None:
+    missing = [n.name for n in model.graph.nodes.values() if not n.meta.outputs and n.kind.value not in ("output",)]
+    if not missing:
+        return
+    if not model.example:
+        raise CompileError(f"node {missing[0]!r} has no shape metadata and the model has no example inputs")
+    from .executors.torch_engine import infer_meta
+
+    infer_meta(model.graph, model.example)
+
+
+def _check_fits(cm: CostModel, cluster: Cluster) -> None:
+    """Fail early, naming the field, when the model cannot fit even spread over every device."""
+    need_state = float(cm.p_state.sum())
+    need_act = float(cm.saved.sum()) * (cm.micro_batches if cm.schedule == "gpipe" else 1)
+    have = float(cm.mem_cap.sum())
+    if need_state + need_act > have:
+        raise CompileError(
+            f"{cluster.source}: devices[].memory_bytes: the model needs {(need_state + need_act) / 1e9:.3f} GB "
+            f"(parameters, gradients and optimizer state {need_state / 1e9:.3f} GB + activations {need_act / 1e9:.3f} GB "
+            f"for {cm.micro_batches} micro-batch(es)) but all {len(cluster)} devices hold {have / 1e9:.3f} GB")
+    per_node = cm.saved * cm.micro_batches
+    biggest = int(np.argmax(per_node + np.bincount(cm.pn_node, weights=cm.p_state[cm.pn_param], minlength=len(cm.names))))
+    node_need = float(per_node[biggest] + cm.p_state[cm.pn_param[cm.pn_node == biggest]].sum())
+    if node_need > cm.mem_cap.max():
+        raise CompileError(f"{cluster.source}: devices[].memory_bytes: node {cm.names[biggest]!r} alone needs "
+                           f"{node_need / 1e9:.3f} GB but the largest device holds {cm.mem_cap.max() / 1e9:.3f} GB")
+
+
+def _no_fit_message(cm: CostModel, cluster: Cluster) -> str:
+    return (f"{cluster.source}: devices[].memory_bytes: no split of the model over the devices fits their memory "
+            f"({cm.p_state.sum() / 1e9:.3f} GB of parameter state + {cm.saved.sum() / 1e9:.3f} GB of activations per "
+            f"micro-batch x {cm.micro_batches}; devices hold {cm.mem_cap.sum() / 1e9:.3f} GB in total)")
+
+
+def _assemble(model: Model, cluster: Cluster, cm: CostModel, part: Partition, names: list[str], est: Estimate,
+              dense: Estimate, compression, clusters, strategy, schedule, micro_batches, optimizer, seed) -> Plan:
+    graph = model.graph
+    dev_names = [d.name for d in cluster.devices]
+    assignment = {n: names[int(p)] for n, p in zip(cm.names, part.node_part)}
+    parts = {}
+    for k, pe in enumerate(est.parts):
+        d = cluster.devices[part.part_device[k]]
+        parts[names[k]] = Part(names[k], d.name, d.address, "torch", pe.compute_s, pe.comm_s, pe.memory_bytes)
+    links = {}
+    for le in est.links:
+        a, b = part.part_device[le.src], part.part_device[le.dst]
+        links[f"{names[le.src]}->{names[le.dst]}"] = {
+            "src_device": dev_names[a], "dst_device": dev_names[b], "tensors": le.tensors,
+            "fwd_bytes": le.fwd_bytes, "bwd_bytes": le.bwd_bytes, "fwd_s": le.fwd_s, "bwd_s": le.bwd_s,
+            "bandwidth_bps": cluster.bandwidth_bps(a, b), "latency_s": float(cluster.alpha[a, b])}
+    predicted: dict[str, Any] = {
+        "cost_model": COST_MODEL,
+        "iteration_s": est.iteration_s, "pipeline_s": est.pipeline_s, "sync_s": est.sync_s,
+        "throughput_samples_s": est.throughput, "dense_iteration_s": dense.iteration_s,
+        "samples_per_micro_batch": cm.samples_per_micro_batch,
+        "parts": {names[k]: {"device": pe.device, "compute_s": pe.compute_s, "comm_s": pe.comm_s,
+                             "comm_fwd_s": pe.comm_fwd_s, "comm_bwd_s": pe.comm_bwd_s, "flops": pe.flops,
+                             "memory_bytes": pe.memory_bytes, "param_state_bytes": pe.param_state_bytes,
+                             "activation_bytes": pe.activation_bytes, "in_flight": pe.in_flight,
+                             "memory_limit": pe.memory_limit} for k, pe in enumerate(est.parts)},
+        "links": links,
+        "clusters": [[dev_names[i] for i in c] for c in clusters],
+        "partitioner": {k: v for k, v in part.info.items()},
+    }
+    example = {}
+    for n in graph.placeholders():
+        o = n.meta.outputs[0] if n.meta.outputs else None
+        if isinstance(o, TensorMeta):
+            example[n.name] = {"shape": list(o.shape), "dtype": o.dtype}
+    return Plan(graph, cluster.to_dict(), parts, assignment, list(compression), schedule, micro_batches,
+                optimizer.to_dict(), seed, predicted, example, strategy, boundary_tables(graph, assignment))
+
+
+def compare_strategies(model: Model, cluster: Cluster, **kw) -> dict[str, float | None]:
+    """Predicted iteration time of every strategy (None where it does not fit)."""
+    out: dict[str, float | None] = {}
+    for s in STRATEGIES:
+        try:
+            out[s] = compile_model(model, cluster, strategy=s, **kw).predicted["iteration_s"]
+        except CompileError as e:
+            log.info("%s: %s", s, e)
+            out[s] = None
+    return out

@@ -1,0 +1,138 @@
+"""`fusion compile` / `fusion inspect` / `fusion profile` through the real CLI; bad input exits 2 with one line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion.cli import main
+from fusion.plan import load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
+
+MODEL = '''
+from fusion.testing_models import gpt_model
+
+
+def model():
+    return gpt_model(2, 32, 4, 64, 8, 2, device="cpu")
+
+
+def meta():
+    return gpt_model(4, 64, 4, 128, 16, 2, device="meta")
+
+
+def wrong():
+    return 42
+'''
+
+
+@pytest.fixture()
+def model_file(tmp_path):
+    p = tmp_path / "mymodel.py"
+    p.write_text(MODEL)
+    return p
+
+
+def _err(capsys):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_compile_then_inspect(tmp_path, model_file, capsys):
+    out = tmp_path / "tiny.plan"
+    rc = main(["compile", f"{model_file}:model", "--cluster", LOCAL, "--micro-batches", "2", "--compress-ratio", "10",
+               "--optimizer", "adamw", "--lr", "1e-3", "-o", str(out)])
+    assert rc == 0
+    assert (out / "plan.json").is_file() and (out / "weights.safetensors").is_file()
+    assert "wrote" in capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.optimizer["name"] == "adamw" and plan.micro_batches == 2
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "part0" in text and "cut edges" in text and "predicted iteration" in text
+    png = out / "plan.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compile_meta_model_writes_no_weights(tmp_path, model_file):
+    out = tmp_path / "meta.plan"
+    assert main(["compile", f"{model_file}:meta", "--cluster", LOCAL, "--strategy", "equal-flops", "-o", str(out)]) == 0
+    assert (out / "plan.json").is_file() and not (out / "weights.safetensors").exists()
+    assert load_plan(out).strategy == "equal-flops"
+
+
+def _bad_cluster(tmp_path, text):
+    p = tmp_path / "broken-cluster.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+DEV = "devices:\n  - {name: a, peak_flops: 1 TFLOPS, memory: 1 GB}\n  - {name: b, peak_flops: 1 TFLOPS, memory: 1 GB}\n"
+
+
+@pytest.mark.parametrize("cluster_text, words", [
+    (DEV, ["broken-cluster.yaml", "missing field 'links'"]),
+    (DEV.replace("peak_flops: 1 TFLOPS, ", "", 1) + "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}}\n",
+     ["broken-cluster.yaml", "devices[0]", "peak_flops"]),
+    (DEV + "links: {default: {latency: 1 ms, bandwidth: 0 Mbps}}\n", ["broken-cluster.yaml", "links.default.bandwidth", "> 0"]),
+    (DEV + "links: {default: {latency: 1 ms, bandwidth: -3 Gbps}}\n", ["broken-cluster.yaml", "links.default.bandwidth"]),
+    (DEV + "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}, pairs: [{src: a, dst: gpu9, latency: 1 ms, bandwidth: 1 Gbps}]}\n",
+     ["broken-cluster.yaml", "links.pairs[0].dst", "unknown device 'gpu9'"]),
+    (DEV.replace("1 GB", "1 kB") + "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}}\n",
+     ["broken-cluster.yaml", "memory_bytes", "needs"]),
+])
+def test_bad_cluster_files_exit_2(tmp_path, model_file, capsys, cluster_text, words):
+    rc = main(["compile", f"{model_file}:model", "--cluster", _bad_cluster(tmp_path, cluster_text), "-o", str(tmp_path / "x")])
+    assert rc == 2
+    err = _err(capsys)
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("{file}:nope", ["mymodel.py", "no function 'nope'"]),
+    ("{dir}/missing.py:model", ["missing.py", "no such file"]),
+    ("{file}", ["expected file.py:function"]),
+    ("{file}:wrong", ["wrong()", "returned int"]),
+])
+def test_bad_model_specs_exit_2(tmp_path, model_file, capsys, spec, words):
+    spec = spec.format(file=model_file, dir=tmp_path)
+    rc = main(["compile", spec, "--cluster", LOCAL, "-o", str(tmp_path / "x")])
+    assert rc == 2
+    err = _err(capsys)
+    for w in words:
+        assert w in err, err
+
+
+def test_inspect_bad_plan_exits_2(tmp_path, capsys):
+    (tmp_path / "plan.json").write_text(json.dumps({"format": "something-else"}))
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "plan.json" in _err(capsys)
+
+
+def test_subprocess_exit_status_and_one_line(tmp_path, model_file):
+    bad = _bad_cluster(tmp_path, DEV + "links: {default: {latency: 1 ms, bandwidth: 0 Mbps}}\n")
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{model_file}:model", "--cluster", bad,
+                        "-o", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "broken-cluster.yaml" in lines[0] and "bandwidth" in lines[0], r.stderr
+
+
+def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
+    out = tmp_path / "profiled.json"
+    rc = main(["profile", "--cluster", LOCAL, "--name", "cpu-1", "--sizes", "256,512,1024",
+               "--threads", "1", "-o", str(out)])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert result["lambda"] > 0 and result["peak_flops"] == 50e9 and len(result["samples"]) == 3
+    data = json.loads(out.read_text())
+    assert data["devices"][1]["lambda"] == pytest.approx(result["lambda"])
+    assert "lambda" not in data["devices"][0]
+    assert main(["profile"]) == 2
+    assert "--peak-flops" in _err(capsys)
