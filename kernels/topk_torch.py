@@ -8,7 +8,9 @@ Selection rule (shared with the CuPy path, so both pick the same set):
 * NaN ranks below every number (it is only sent when fewer than k elements
   are not NaN); ``inf`` ranks above every finite number.
 
-Indices come out ascending. The selection is *threshold select*, not a sort:
+Indices come out ascending. CPU tensors are selected by ``topk_host`` in
+single-threaded NumPy (zero-copy); tensors on other devices by the torch code
+below. Both are *threshold select*, not a sort:
 
 1. estimate the k-th magnitude from a fixed-seed random sample of n/32
    elements (4Ki..32Ki), erring low by ~4 standard deviations;
@@ -37,19 +39,14 @@ from fusion.ir.errors import FusionError
 from .dtypes import (VALUE_DTYPES, dtype_name, index_dtype_for, torch_dtype, values_from_numpy,
                      values_to_numpy)
 from .sparse import SparsePayload
+from .topk_host import EXACT_BELOW, MARGIN_SIGMAS, SAMPLE_MAX, SAMPLE_MIN, SAMPLE_SEED, Wide
+from .topk_host import select as host_select
 
 log = logging.getLogger(__name__)
 
-#: Elements sampled to estimate the threshold: n/32, clamped to [SAMPLE_MIN, SAMPLE_MAX].
-SAMPLE_MIN, SAMPLE_MAX = 1 << 12, 1 << 15
-#: Below this many elements the exact path is cheaper than sampling.
-EXACT_BELOW = 1 << 15
-#: Elements per chunk in the candidate pass on CPU (bounds temporary memory).
+#: Elements per chunk when the torch code runs on a CPU tensor (tests); on an
+#: accelerator the candidate pass is one chunk, since every chunk would sync.
 CHUNK = 1 << 20
-#: Safety margin of the threshold estimate, in standard deviations.
-MARGIN_SIGMAS = 4.0
-#: Fixed seed of the sampling generator (results never depend on it).
-SAMPLE_SEED = 0x5EED
 
 
 def _key_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +104,7 @@ def _estimate_threshold(flat: torch.Tensor, k: int) -> float | None:
 def _above(flat: torch.Tensor, thr: float) -> torch.Tensor:
     """Ascending int64 positions with ``|x| > thr`` (never NaN), one chunked pass."""
     n = flat.numel()
-    step = n if flat.is_cuda else CHUNK  # chunks bound temporaries; on GPU each one would sync
+    step = CHUNK if flat.device.type == "cpu" else n
     buf = torch.empty(min(step, n), dtype=flat.dtype, device=flat.device)
     out = []
     for start in range(0, n, step):
@@ -120,7 +117,7 @@ def _above(flat: torch.Tensor, thr: float) -> torch.Tensor:
 def _first_equal(flat: torch.Tensor, thr: float, need: int) -> torch.Tensor | None:
     """The ``need`` lowest positions with ``|x| == thr``, stopping early; None if fewer exist."""
     n = flat.numel()
-    step = n if flat.is_cuda else CHUNK
+    step = CHUNK if flat.device.type == "cpu" else n
     got, found = [], 0
     for start in range(0, n, step):
         hit = torch.nonzero(flat[start:start + step].abs() == thr).squeeze(1)
@@ -131,18 +128,17 @@ def _first_equal(flat: torch.Tensor, thr: float, need: int) -> torch.Tensor | No
     return None
 
 
-def select(t: torch.Tensor, k: int) -> torch.Tensor:
-    """Flat indices (int64, ascending, on ``t.device``) of the k largest ``|t|``.
+def _host_view(flat: torch.Tensor) -> Wide:
+    """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 bits)."""
+    flat = flat.contiguous()
+    if flat.dtype == torch.bfloat16:
+        return Wide(flat.view(torch.int16).numpy().view(np.uint16), bf16=True)
+    return Wide(flat.numpy())
 
-    Ties go to the lower flat index; NaN ranks lowest (see module docstring).
-    """
-    _check_input(t, k)
-    flat = t.detach().reshape(-1)
+
+def select_device(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The torch implementation on a flat tensor of any device (0 < k < numel)."""
     n = flat.numel()
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=flat.device)
-    if k == n:
-        return torch.arange(n, device=flat.device)
     if n < EXACT_BELOW:
         return _exact(flat, k)
     thr = _estimate_threshold(flat, k)
@@ -160,6 +156,23 @@ def select(t: torch.Tensor, k: int) -> torch.Tensor:
     return _exact(flat, k)
 
 
+def select(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices (int64, ascending, on ``t.device``) of the k largest ``|t|``.
+
+    Ties go to the lower flat index; NaN ranks lowest (see module docstring).
+    """
+    _check_input(t, k)
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=flat.device)
+    if k == n:
+        return torch.arange(n, device=flat.device)
+    if flat.device.type == "cpu":
+        return torch.from_numpy(host_select(_host_view(flat), k))
+    return select_device(flat, k)
+
+
 def compress(t: torch.Tensor, k: int, value_dtype: str | None = None) -> SparsePayload:
     """Keep the k largest-magnitude elements of ``t`` as a :class:`SparsePayload`.
 
@@ -171,10 +184,19 @@ def compress(t: torch.Tensor, k: int, value_dtype: str | None = None) -> SparseP
     vdt = dtype if value_dtype is None else value_dtype
     if vdt not in VALUE_DTYPES:
         raise FusionError(f"topk: unknown value_dtype {vdt!r}; known: {sorted(VALUE_DTYPES)}")
+    index_np_dt = np.int32 if index_dtype_for(t.numel()) == "int32" else np.int64
+    flat = t.detach().reshape(-1)
+    if flat.device.type == "cpu":  # gather and cast in NumPy: no multi-threaded torch ops
+        w = _host_view(flat)
+        idx = host_select(w, k)
+        values = w.raw[idx]  # the tensor's own dtype (bfloat16 as uint16 bits)
+        if vdt != dtype:  # rounding by torch, as on the device path
+            values = values_to_numpy(values_from_numpy(values, dtype), vdt)
+        return SparsePayload(values, idx.astype(index_np_dt), tuple(t.shape), dtype, vdt)
     idx = select(t, k)
-    values = values_to_numpy(t.detach().reshape(-1)[idx], vdt)
-    index_np = idx.to(torch.int32 if index_dtype_for(t.numel()) == "int32" else torch.int64)
-    return SparsePayload(values, index_np.cpu().numpy(), tuple(t.shape), dtype, vdt)
+    values = values_to_numpy(flat[idx], vdt)
+    index_np = idx.to(torch.int32 if index_np_dt == np.int32 else torch.int64).cpu().numpy()
+    return SparsePayload(values, index_np, tuple(t.shape), dtype, vdt)
 
 
 def decompress(p: SparsePayload, device=None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.kernels import (CODECS, CodecRegistry, ErrorFeedback, SparsePayload, TopKCodec, compress,
                             decompress, dense_nbytes, index_dtype_for, ratio_to_k, sparse_nbytes,
                             topk_cost_factor)
-from fusion.kernels import radix, topk_cupy, topk_torch
+from fusion.kernels import radix, topk_cupy, topk_host, topk_torch
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -66,7 +66,7 @@ def check_round_trip(x: torch.Tensor, k: int, value_dtype=None):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "special"])
-@pytest.mark.parametrize("n", [1000, 200_003])  # exact path, threshold path
+@pytest.mark.parametrize("n", [1000, 100_003])  # exact path, threshold path
 def test_round_trip_keeps_exactly_the_k_largest(dtype, kind, n):
     x = make(kind, n, dtype, seed=n)
     for k in (1, max(1, n // 100), n // 3):
@@ -114,22 +114,36 @@ def test_selection_is_deterministic_and_sign_blind():
     np.testing.assert_array_equal(compress(-x, 1234).indices, a.indices)
 
 
-def test_threshold_path_handles_normal_data_without_fallback(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "special"])
+def test_torch_device_code_matches_reference(dtype, kind):
+    """The torch implementation used for non-CPU tensors, run here on CPU tensors."""
+    x = make(kind, 100_003, dtype, seed=6)
+    for k in (1, 1000, 33_334):
+        np.testing.assert_array_equal(topk_torch.select_device(x, k).numpy(), reference_indices(x, k))
+
+
+@pytest.mark.parametrize("impl", ["host", "device"])
+def test_threshold_path_handles_normal_data_without_fallback(monkeypatch, impl):
     def no_exact(flat, k):
         raise AssertionError("exact fallback used")
+    monkeypatch.setattr(topk_host, "_exact", no_exact)
     monkeypatch.setattr(topk_torch, "_exact", no_exact)
+    sel = topk_torch.select if impl == "host" else lambda x, k: topk_torch.select_device(x, k)
     for n in (100_000, 1_000_000):
         x = make("normal", n, torch.float32, seed=n)
-        np.testing.assert_array_equal(topk_torch.select(x, n // 100).numpy(),
-                                      reference_indices(x, n // 100))
+        np.testing.assert_array_equal(np.asarray(sel(x, n // 100)), reference_indices(x, n // 100))
     x = torch.full((100_000,), 7.0)
-    np.testing.assert_array_equal(topk_torch.select(x, 100).numpy(), np.arange(100))
+    np.testing.assert_array_equal(np.asarray(sel(x, 100)), np.arange(100))
 
 
-def test_exact_fallback_when_sample_misleads(monkeypatch):
+@pytest.mark.parametrize("impl", ["host", "device"])
+def test_exact_fallback_when_sample_misleads(monkeypatch, impl):
+    monkeypatch.setattr(topk_host, "_estimate_threshold", lambda w, k: np.float32(1e30))
     monkeypatch.setattr(topk_torch, "_estimate_threshold", lambda flat, k: 1e30)
+    sel = topk_torch.select if impl == "host" else topk_torch.select_device
     x = make("normal", 50_000, torch.float32, seed=11)
-    np.testing.assert_array_equal(topk_torch.select(x, 500).numpy(), reference_indices(x, 500))
+    np.testing.assert_array_equal(np.asarray(sel(x, 500)), reference_indices(x, 500))
 
 
 def test_rejects_bad_inputs():
