@@ -206,6 +206,14 @@ def decompress(p: SparsePayload, device=None) -> torch.Tensor:
     """
     p.validate()
     dense_dt = torch_dtype(p.dtype)
+    if device is None or torch.device(device).type == "cpu":  # scatter in NumPy on the host
+        values = p.values
+        if p.value_dtype != p.dtype:
+            values = values_to_numpy(values_from_numpy(values, p.value_dtype).to(dense_dt), p.dtype)
+        out_np = np.zeros(p.numel, dtype=values.dtype)
+        out_np[p.indices] = values
+        out = torch.from_numpy(out_np)
+        return (out.view(torch.bfloat16) if p.dtype == "bfloat16" else out).reshape(p.shape)
     out = torch.zeros(p.numel, dtype=dense_dt, device=device)
     if p.k:
         idx = torch.from_numpy(p.indices.astype(np.int64, copy=False)).to(out.device)
