@@ -24,30 +24,23 @@ from __future__ import annotations
 import math
 
 from .estimate import CostModel
-from .ir.node import TensorMeta, dtype_size
+from .ir.node import TensorMeta
+from .kernels.sparse import index_dtype_for, sparse_nbytes, topk_cost_factor
 from .plan import EdgeCompression
-
-#: Flat indices are int32 below this many elements (matches the kernels' wire encoding).
-INT32_INDEX_LIMIT = 2**31
-
-
-def index_dtype_for(numel: int) -> str:
-    return "int32" if numel < INT32_INDEX_LIMIT else "int64"
 
 
 def wire_cost_factor(numel: int, value_dtype: str) -> float:
-    """c: bytes on the wire per kept element over bytes per dense element.
+    """c of Eq. (7) for one tensor, from the kernels' wire encoding
+    (:func:`fusion.kernels.sparse.topk_cost_factor`).
 
     float32 with int32 indices -> 2.0; float16 -> 3.0; float32 over 2**31 elements -> 3.0.
     """
-    v = dtype_size(value_dtype)
-    return (v + dtype_size(index_dtype_for(numel))) / v
+    return topk_cost_factor(value_dtype, index_dtype_for(numel))
 
 
 def sparse_wire_bytes(numel: int, value_dtype: str, ratio: float) -> float:
     """Bytes of a Top-K payload keeping ``ceil(numel / ratio)`` elements."""
-    k = math.ceil(numel / ratio)
-    return float(k * (dtype_size(value_dtype) + dtype_size(index_dtype_for(numel))))
+    return float(sparse_nbytes(numel, math.ceil(numel / ratio), value_dtype))
 
 
 def _tensor_meta(cm: CostModel, t: int) -> TensorMeta | None:

@@ -10,6 +10,7 @@ The function returns a :class:`~fusion.ir.model.Model`, an
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -18,12 +19,23 @@ from .ir.graph import OpGraph
 from .ir.model import Model
 
 
+_ONNX_SPEC = re.compile(r"^(?P<path>.+\.onnx)(?::(?P<loss>\w+))?$")
+
+
 def load_model(spec: str) -> Model:
-    onnx_path, _, loss = spec.partition(".onnx")
-    if onnx_path and (not loss or loss.startswith(":")):
+    m = _ONNX_SPEC.match(spec)
+    if m:
         from .ir.onnx_import import load_onnx
 
-        return load_onnx(onnx_path + ".onnx", loss=loss[1:] or None)
+        return load_onnx(m["path"], loss=m["loss"])
+    model = _load_python(spec)
+    # user op types registered by the model file: executors import it by path
+    name = f"fusion_user_{Path(spec.rpartition(':')[0]).stem}"
+    model.graph.plugins = [str(Path(spec.rpartition(":")[0]).resolve()) if p == name else p for p in model.graph.plugins]
+    return model
+
+
+def _load_python(spec: str) -> Model:
     path, sep, func = spec.rpartition(":")
     if not sep or not path or not func:
         raise FusionError(f"model {spec!r}: expected file.py:function")

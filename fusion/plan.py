@@ -184,10 +184,23 @@ def boundary_tables(graph: OpGraph, assignment: dict[str, str]) -> dict[str, dic
 
 def save_plan(plan: Plan, path: str | Path, params: dict[str, Any] | None = None) -> Path:
     """Write ``path/plan.json`` (and ``path/weights.safetensors`` when params are given)."""
+    import shutil
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    data = plan.to_dict()
+    # user op files travel inside the plan: an executor needs nothing else
+    plugins = []
+    for entry in plan.graph.plugins:
+        src = Path(entry)
+        if entry.endswith(".py") and src.is_absolute():
+            (path / "plugins").mkdir(exist_ok=True)
+            shutil.copyfile(src, path / "plugins" / src.name)
+            entry = f"plugins/{src.name}"
+        plugins.append(entry)
+    data["graph"]["plugins"] = plugins
     tmp = path / "plan.json.tmp"
-    tmp.write_text(json.dumps(plan.to_dict(), indent=1))
+    tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path / "plan.json")
     if params:
         save_weights(params, path / "weights.safetensors")

@@ -186,7 +186,29 @@ register_module = REGISTRY.register_module
 register_function = REGISTRY.register_function
 
 
-def import_plugins(modules: list[str]) -> None:
-    """Import the user modules that register custom ops (listed in a graph or plan)."""
+def import_plugins(modules: list[str], base: str | None = None) -> None:
+    """Import the user modules that register custom ops (listed in a graph or plan).
+
+    An entry is a module name (``mypkg.ops``) or the path of a ``.py`` file the
+    user wrote (relative paths resolve against ``base``, e.g. the plan folder).
+    """
+    import importlib.util
+    import os
+    import sys
+
+    from .errors import FusionError
+
     for m in modules:
-        importlib.import_module(m)
+        if not m.endswith(".py"):
+            importlib.import_module(m)
+            continue
+        path = m if os.path.isabs(m) or base is None else os.path.join(base, m)
+        name = "fusion_user_" + os.path.splitext(os.path.basename(path))[0]
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or not os.path.isfile(path):
+            raise FusionError(f"plugin {m!r}: no such file {path}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)

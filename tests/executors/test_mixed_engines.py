@@ -31,9 +31,7 @@ from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.onnx_import import load_onnx
 from fusion.ir.serialize import graph_to_dict
 
-_spec = importlib.util.spec_from_file_location("fusion_test_onnx_models", Path(__file__).parents[1] / "ir" / "onnx_models.py")
-onnx_models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(onnx_models)
+import tests.ir.onnx_models as onnx_models
 
 TIMEOUT_MS = 60_000
 
@@ -301,7 +299,7 @@ def test_onnx_transformer_torch_part_and_numpy_process_train_like_pytorch(tmp_pa
 
 def test_tied_embedding_across_processes_trains_like_pytorch(tmp_path):
     """The op-node model ties the embedding (part A, torch) to the LM head (part B, numpy process)."""
-    from opnode_models import ASSIGN, Plain, opnode_model
+    from tests.executors.opnode_models import ASSIGN, Plain, opnode_model
 
     model = opnode_model()
     ref = Plain()

@@ -16,7 +16,7 @@ from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.errors import GraphError
 from fusion.ir.registry import REGISTRY
 
-from opnode_models import ASSIGN, T, V, Plain, opnode_model
+from tests.executors.opnode_models import ASSIGN, T, V, Plain, opnode_model
 
 
 def test_numpy_engine_import_chain_has_no_torch():

@@ -20,7 +20,7 @@ from fusion.ir.onnx_import import load_onnx
 from fusion.loader import load_model
 from fusion.ir.serialize import graph_from_dict, graph_to_dict
 
-from onnx_models import MLP, BranchCNN, assert_trains_like, export, tiny_transformer_module, two_part_assignment
+from tests.ir.onnx_models import MLP, BranchCNN, assert_trains_like, export, tiny_transformer_module, two_part_assignment
 
 
 @pytest.fixture(scope="module")
