@@ -161,6 +161,12 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
             ax2.annotate("", xy=pos[b], xytext=pos[a], zorder=3,
                          arrowprops=dict(arrowstyle="->", color="red", lw=1.2, shrinkA=4, shrinkB=4))
     ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters; used devices coloured, data flow in red")
+    # a square extent: collinear layouts (two clusters of two) would give a zero-height axis
+    xs, ys = [q[0] for q in pos.values()] or [0.0], [q[1] for q in pos.values()] or [0.0]
+    half = max(max(xs) - min(xs), max(ys) - min(ys), 1.0) / 2 + 0.5
+    mx, my = (max(xs) + min(xs)) / 2, (max(ys) + min(ys)) / 2
+    ax2.set_xlim(mx - half, mx + half)
+    ax2.set_ylim(my - half, my + half)
     ax2.set_aspect("equal")
     ax2.axis("off")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
