@@ -17,6 +17,9 @@ from .ir.errors import FusionError
 #: subcommand modules, in the order ``fusion --help`` lists them
 COMMANDS = [
     "fusion.commands.graph",
+    "fusion.commands.run",
+    "fusion.commands.executor",
+    "fusion.commands.coordinator",
 ]
 
 

@@ -1,0 +1,432 @@
+"""The CompNode executor: one process that runs one part of a plan (FusionLLM §3.3).
+
+It loads its part of the plan (sub-DAG, parameters, engine), then runs
+iterations when the coordinator says so. Within an iteration it follows its
+schedule (a list of F/B actions, :mod:`fusion.executors.schedule`) in one
+engine loop: an action runs as soon as everything it needs has arrived —
+activations from producer parts for a forward, gradients from every consumer
+part for a backward. Outputs go to remote users as OP-Data through the
+transport's sender threads, so sends overlap the next action's compute.
+Parameter gradients accumulate over micro-batches; gradients of parameters
+held by several parts (tied weights) are exchanged between their owners and
+summed in plan order, then the optimizer steps locally (synchronous
+semantics). Received messages are checked against the part's boundary
+tables before they are accepted; a bad one is logged and dropped.
+
+Nothing here imports torch: the engine module is imported through
+:mod:`fusion.executors.engines` only when the part's engine needs it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ir.boundary import part_links, part_order, partition
+from ..ir.errors import FusionError, WireError
+from ..ir.node import TensorMeta
+from ..ir.opdata import OpData
+from ..ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, encode_opdata, opdata_from_message
+from . import checkpoint
+from .control import Control, decode_ctrl, encode_ctrl
+from .engines import make_engine_part, make_optimizer
+from .linkemu import EmulatedLink, link_model
+from .optim import OptimizerConfig
+from .part import PartRuntime
+from .schedule import make_schedule
+from .trace_events import Tracer, now_us
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "coordinator"
+
+
+class ExecutorAbort(FusionError):
+    """The executor stops: told to abort, coordinator gone, or a wait timed out."""
+
+
+@dataclass
+class ExecutorConfig:
+    """How one CompNode process runs.
+
+    part:            the part (CompNode) name in the plan.
+    coordinator:     the coordinator's address, e.g. ``tcp://10.0.0.1:5555``.
+    bind:            the address to bind (``tcp://127.0.0.1:*`` picks a free port).
+    advertise:       the address peers should connect to (default: the bound one).
+    device:          engine device, e.g. ``cpu`` or ``cuda:0``.
+    heartbeat_s:     seconds between heartbeats to the coordinator.
+    peer_timeout_s:  the coordinator silent this long means it is gone: exit.
+    data_timeout_s:  the longest wait for one action's inputs before giving up.
+    trace_path:      where to write the Chrome trace at exit (None: no trace).
+    """
+
+    part: str
+    coordinator: str
+    bind: str = "tcp://127.0.0.1:*"
+    advertise: str | None = None
+    device: str = "cpu"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 10.0
+    data_timeout_s: float = 300.0
+    startup_timeout_s: float = 120.0
+    trace_path: str | None = None
+
+
+class CompNode:
+    """One part of a plan, driven by control messages from the coordinator."""
+
+    def __init__(self, plan, plan_dir: str | Path, cfg: ExecutorConfig):
+        if cfg.part not in plan.parts:
+            raise FusionError(f"plan has no part {cfg.part!r} (parts: {sorted(plan.parts)})")
+        self.plan, self.plan_dir, self.cfg, self.me = plan, Path(plan_dir), cfg, cfg.part
+        g = plan.graph
+        self.graph = g
+        self.order = part_order(g, plan.assignment)
+        self.n_micro = plan.micro_batches
+        self.actions = make_schedule(plan.schedule, self.order, part_links(g, plan.assignment), self.n_micro)[self.me]
+        self.engine_name = plan.parts[self.me].engine
+        subs = partition(g, plan.assignment)
+        self.sub = subs[self.me]
+        owners: dict[str, list[str]] = {}
+        for p in self.order:
+            for n in subs[p].nodes:
+                for pname in g[n].param_names():
+                    if g.params[pname].trainable and p not in owners.setdefault(pname, []):
+                        owners[pname].append(p)
+        self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
+        self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
+        self.tracer = Tracer(f"CompNode {self.me}", self.order.index(self.me), enabled=cfg.trace_path is not None)
+        self.runtime: PartRuntime | None = None
+        self.opt = None
+        self._cv = threading.Condition()
+        self._ctrl: deque[Control] = deque()
+        self._data: dict[tuple[int, str, int], list[OpData]] = {}
+        self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
+        self._expected_iter = 0
+        self._aborted: str | None = None
+        self._last_coord = time.monotonic()
+        self._peers = self._peer_parts()
+        self.transport = Transport(self.me, cfg.bind, set(plan.parts) | {COORDINATOR}, self._on_message,
+                                   max_message_bytes=cfg.max_message_bytes, tracer=self.tracer,
+                                   on_error=self._on_send_error)
+        self._hb_stop = threading.Event()
+        self._prev_sent: dict[str, tuple[int, int, float]] = {}
+
+    def _peer_parts(self) -> set[str]:
+        """Parts this one exchanges OP-Data with: producers, consumers, co-owners of tied parameters."""
+        b, a = self.sub.boundary, self.plan.assignment
+        peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
+        for owners in self.shared.values():
+            peers.update(owners)
+        peers.discard(self.me)
+        return peers
+
+    # -- receiving (transport thread) -------------------------------------------------
+    def _on_message(self, sender: str, msg: Message) -> None:
+        if sender == COORDINATOR:
+            self._last_coord = time.monotonic()
+        if msg.kind == "ctrl":
+            if sender != COORDINATOR:
+                raise WireError(f"control message from {sender!r}; only the coordinator sends those")
+            c = decode_ctrl(msg)
+            if c.op == "hb":
+                return
+            with self._cv:
+                if c.op == "abort":
+                    self._aborted = f"aborted by the coordinator: {c.fields['reason']}"
+                self._ctrl.append(c)
+                self._cv.notify_all()
+            return
+        od = opdata_from_message(msg)
+        if od.src != sender:
+            raise WireError(f"message claims to come from {od.src!r} but was sent by {sender!r}")
+        if od.dst != self.me:
+            raise WireError(f"message for {od.dst!r} arrived at {self.me!r}")
+        with self._cv:
+            if od.local_iter != self._expected_iter:
+                raise WireError(f"{od.key} for iteration {od.local_iter}, this part is at iteration {self._expected_iter}")
+            if msg.kind == "pgrad":
+                self._accept_pgrad(sender, od)
+            else:
+                self._accept_data(sender, od)
+            self._cv.notify_all()
+
+    def _accept_data(self, sender: str, od: OpData) -> None:
+        r = self.runtime.routes if self.runtime is not None else None
+        if r is None:
+            raise WireError("OP-Data before this part is set up")
+        if not 0 <= od.micro_batch < self.n_micro:
+            raise WireError(f"micro-batch {od.micro_batch} out of range [0, {self.n_micro})")
+        if od.is_grad:
+            if sender not in r.grads_from.get(od.key, ()):
+                raise WireError(f"unexpected gradient of {od.key} (this part takes gradients of {sorted(r.grads_from)} from their consumers)")
+        elif r.recv_from.get(od.key) != sender:
+            raise WireError(f"unexpected activation {od.key} (this part takes {sorted(r.recv_from)} from their producer parts)")
+        self._check_payload(od)
+        box = self._data.setdefault((od.local_iter, "B" if od.is_grad else "F", od.micro_batch), [])
+        if any(m.key == od.key and m.src == od.src for m in box):
+            raise WireError(f"duplicate {'gradient' if od.is_grad else 'activation'} {od.key} micro-batch {od.micro_batch}")
+        box.append(od)
+
+    def _check_payload(self, od: OpData) -> None:
+        if od.compress_cfg is not None or not isinstance(od.payload, np.ndarray):
+            if isinstance(self._meta(od), TensorMeta) and od.compress_cfg is None:
+                raise WireError(f"{od.key}: expected a tensor payload, got {type(od.payload).__name__}")
+            return
+        m = self._meta(od)
+        if not isinstance(m, TensorMeta):
+            return
+        want_dtype = "uint16" if m.dtype == "bfloat16" else m.dtype
+        if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype.name != want_dtype:
+            raise WireError(f"{od.key}: payload {od.payload.dtype.name}{list(od.payload.shape)} does not match "
+                            f"the graph's {m.dtype}{list(m.shape)}")
+
+    def _meta(self, od: OpData):
+        outs = self.graph[od.name].meta.outputs
+        i = od.index if od.index is not None else 0
+        return outs[i] if i < len(outs) and (od.index is not None or len(outs) == 1) else None
+
+    def _accept_pgrad(self, sender: str, od: OpData) -> None:
+        owners = self.shared.get(od.name)
+        if owners is None or sender not in owners:
+            raise WireError(f"unexpected gradient of parameter {od.name!r} from {sender!r}")
+        spec = self.graph.params[od.name]
+        if od.payload is not None and (not isinstance(od.payload, np.ndarray) or tuple(od.payload.shape) != tuple(spec.shape)):
+            raise WireError(f"gradient of parameter {od.name!r} has the wrong shape (expected {list(spec.shape)})")
+        got = self._pgrads.setdefault((od.local_iter, od.name), {})
+        if sender in got:
+            raise WireError(f"duplicate gradient of parameter {od.name!r}")
+        got[sender] = od.payload
+
+    def _on_send_error(self, peer: str, reason: str) -> None:
+        with self._cv:
+            self._aborted = self._aborted or reason
+            self._cv.notify_all()
+
+    # -- waiting (engine thread) ------------------------------------------------------
+    def _wait(self, ready, what: str, timeout_s: float):
+        """Wait (under the condition) until ``ready()`` returns non-None; abort/timeout raise."""
+        deadline = time.monotonic() + timeout_s
+        t0 = now_us()
+        with self._cv:
+            while True:
+                v = ready()
+                if v is not None:
+                    break
+                if self._aborted:
+                    raise ExecutorAbort(self._aborted)
+                now = time.monotonic()
+                if now - self._last_coord > self.cfg.peer_timeout_s:
+                    raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s")
+                if now > deadline:
+                    raise ExecutorAbort(f"timed out after {timeout_s:.0f} s waiting for {what}")
+                self._cv.wait(min(0.1, deadline - now))
+        t1 = now_us()
+        if t1 - t0 > 50:
+            self.tracer.add(f"idle: {what}", "idle", t0, t1)
+        return v, (t1 - t0) / 1e6
+
+    def _next_ctrl(self, timeout_s: float) -> Control:
+        c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s)
+        if c.op == "abort":
+            raise ExecutorAbort(f"aborted by the coordinator: {c.fields['reason']}")
+        return c
+
+    # -- setup --------------------------------------------------------------------------
+    def _setup(self, c: Control) -> None:
+        from ..ir.registry import import_plugins
+
+        import_plugins(self.graph.plugins)
+        f = c.fields
+        resume = f["resume_step"]
+        if resume is not None:
+            params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
+            self._expected_iter = int(resume)
+        else:
+            params, opt_arrays, opt_meta = self._plan_weights(), None, None
+        engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device)
+        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine)
+        self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
+        if opt_arrays is not None:
+            self.opt.load_state(opt_arrays, opt_meta)
+        self.checkpoint_dir = f["checkpoint_dir"]
+        peers = f["peers"]
+        for p in sorted(self._peers):
+            if p not in peers:
+                raise FusionError(f"setup gives no address for peer {p!r}")
+            link = None
+            if f["emulate_links"]:
+                m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
+                link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
+            self.transport.connect(p, peers[p], link)
+
+    def _plan_weights(self) -> dict[str, np.ndarray]:
+        from ..plan import load_weights
+
+        return load_weights(self.plan_dir / "weights.safetensors", self.param_names) if self.param_names else {}
+
+    # -- one iteration ----------------------------------------------------------------
+    def _iteration(self, c: Control) -> None:
+        it = int(c.fields["it"])
+        if it != self._expected_iter:
+            raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self._expected_iter}")
+        feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]
+        for name, arr in c.arrays.items():
+            mb, _, ph = name.partition("/")
+            feeds[int(mb)][ph] = arr
+        rt, scale = self.runtime, 1.0 / self.n_micro
+        losses: list[list] = []
+        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0}
+        t_start = time.time()
+        for a in self.actions:
+            key = (it, a.kind, a.micro_batch)
+            if a.kind == "F":
+                need = rt.needs_acts()
+                box, idle = self._wait(lambda: self._data.get(key, []) if {m.key for m in self._data.get(key, [])} == need else None,
+                                       f"activations of F{a.micro_batch}", self.cfg.data_timeout_s)
+                t0 = now_us()
+                out, loss = rt.forward(it, a.micro_batch, feeds[a.micro_batch], box)
+                if loss is not None:
+                    losses.append([a.micro_batch, loss])
+            else:
+                want = rt.needs_grads()
+
+                def ready():
+                    box = self._data.get(key, [])
+                    have: dict = {}
+                    for m in box:
+                        have.setdefault(m.key, set()).add(m.src)
+                    return box if have == want else None
+
+                box, idle = self._wait(ready, f"gradients of B{a.micro_batch}", self.cfg.data_timeout_s)
+                t0 = now_us()
+                out = rt.backward(it, a.micro_batch, box, scale)
+            t1 = now_us()
+            with self._cv:
+                self._data.pop(key, None)
+            self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
+            stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
+            stats["idle_s"] += idle
+            for msg in out:
+                self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
+        with self.tracer.span("grad-sync", "sync"):
+            self._sync_shared(it)
+        engine = rt.engine
+        grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
+        grads = {n: np.array(g) for n, g in grads.items()}
+        with self.tracer.span("optimizer", "optimizer"):
+            self.opt.step()
+            self.opt.zero_grad()
+        if c.fields["checkpoint"]:
+            with self.tracer.span("checkpoint", "checkpoint"):
+                checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state())
+        with self._cv:
+            self._expected_iter = it + 1
+            for k in [k for k in self._pgrads if k[0] <= it]:
+                del self._pgrads[k]
+        sent = {}
+        for p, s in self.transport.stats().items():
+            prev = self._prev_sent.get(p, (0, 0, 0.0))
+            sent[p] = {"bytes": s.bytes - prev[0], "messages": s.messages - prev[1], "busy_s": s.busy_s - prev[2]}
+            self._prev_sent[p] = (s.bytes, s.messages, s.busy_s)
+        stats.update(t_start=t_start, t_end=time.time(), rejected=self.transport.rejected, sent=sent)
+        self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=losses, stats=stats))
+
+    def _sync_shared(self, it: int) -> None:
+        """Sum gradients of parameters held by several parts, in plan part order (same bits on every owner)."""
+        if not self.shared:
+            return
+        engine = self.runtime.engine
+        mine = engine.grads()
+        users = self.graph.param_users()
+        for name, owners in sorted(self.shared.items()):
+            local = tuple(n for n in users.get(name, ()) if n in self.sub.nodes)
+            for o in owners:
+                if o != self.me:
+                    od = OpData(name=name, index=None, op_users=tuple(users.get(name, ())), actual_user=local, is_grad=True,
+                                local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=mine.get(name))
+                    self.transport.send(o, encode_opdata(od, kind="pgrad"), label=f"grad {name}")
+
+        def ready():
+            for name, owners in self.shared.items():
+                got = self._pgrads.get((it, name), {})
+                if len(got) < len(owners) - 1:
+                    return None
+            return True
+
+        self._wait(ready, "tied-parameter gradients", self.cfg.data_timeout_s)
+        for name, owners in self.shared.items():
+            got = self._pgrads[(it, name)]
+            gs = [mine.get(name) if o == self.me else got[o] for o in owners]
+            gs = [np.asarray(g) for g in gs if g is not None]
+            if gs:
+                total = gs[0].copy()
+                for g in gs[1:]:
+                    total = total + g
+                engine.set_grad(name, total)
+
+    # -- the process ------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+            self.transport.send(COORDINATOR, encode_ctrl("hb"))
+
+    def run(self) -> int:
+        """Serve the coordinator until told to stop. Returns the process exit status."""
+        status = 1
+        try:
+            address = self.transport.start()
+            self.transport.connect(COORDINATOR, self.cfg.coordinator)
+            self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
+                                                         pid=os.getpid(), engine=self.engine_name))
+            threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+            log.info("%s: listening on %s, coordinator %s", self.me, address, self.cfg.coordinator)
+            c = self._next_ctrl(self.cfg.startup_timeout_s)
+            if c.op != "setup":
+                raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
+            self._setup(c)
+            self.transport.send(COORDINATOR, encode_ctrl("ready", part=self.me))
+            while True:
+                c = self._next_ctrl(float("inf"))
+                if c.op == "step":
+                    self._iteration(c)
+                elif c.op == "fetch":
+                    self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
+                elif c.op == "stop":
+                    status = 0
+                    break
+                else:
+                    log.warning("%s: ignoring control op %r", self.me, c.op)
+        except ExecutorAbort as e:
+            log.error("%s: stopping: %s", self.me, e)
+            if not str(e).startswith("aborted by the coordinator") and COORDINATOR in self.transport.senders:
+                self.transport.send(COORDINATOR, encode_ctrl("error", reason=str(e)))
+        except Exception as e:
+            log.exception("%s: failed", self.me)
+            if COORDINATOR in self.transport.senders:
+                self.transport.send(COORDINATOR, encode_ctrl("error", reason=f"{type(e).__name__}: {e}"))
+        finally:
+            self._hb_stop.set()
+            if self.cfg.trace_path:
+                try:
+                    self.tracer.write(self.cfg.trace_path)
+                except OSError as e:
+                    log.error("%s: cannot write trace %s: %s", self.me, self.cfg.trace_path, e)
+            self.transport.close(timeout_s=5.0 if status == 0 else 1.0)
+            log.info("%s: exiting with status %d", self.me, status)
+        return status
+
+
+def run_executor(plan_dir: str | Path, cfg: ExecutorConfig) -> int:
+    """Load the plan at ``plan_dir`` and serve part ``cfg.part``; returns the exit status."""
+    from ..plan import load_plan
+
+    return CompNode(load_plan(plan_dir), plan_dir, cfg).run()
