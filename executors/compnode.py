@@ -115,7 +115,8 @@ class CompNode:
         self._aborted: str | None = None
         self._last_coord = time.monotonic()
         self._peers = self._peer_parts()
-        self.transport = Transport(self.me, cfg.bind, set(plan.parts) | {COORDINATOR}, self._on_message,
+        # only the coordinator and the parts this one exchanges OP-Data with may send to it
+        self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=cfg.max_message_bytes, tracer=self.tracer,
                                    on_error=self._on_send_error)
         self._hb_stop = threading.Event()

@@ -109,7 +109,7 @@ class Coordinator:
     def __init__(self, plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None):
         self.plan, self.cfg = plan, cfg
         self.parts = list(plan.parts)
-        self.processes = dict(processes or {})
+        self.processes = processes if processes is not None else {}  # by reference: a launcher may fill it later
         g = plan.graph
         self.feeds_of = {p: [n for n, q in plan.assignment.items() if q == p and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
                          for p in self.parts}

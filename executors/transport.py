@@ -199,7 +199,8 @@ class Transport:
         for s in self.senders.values():
             s.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
-        self._recv.join(max(0.5, deadline - time.monotonic()))
+        if self._recv.ident is not None:
+            self._recv.join(max(0.5, deadline - time.monotonic()))
         if not any(s.is_alive() for s in self.senders.values()) and not self._recv.is_alive():
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 

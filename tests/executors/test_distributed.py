@@ -50,3 +50,15 @@ def test_processes_match_single_process_pytorch(tmp_path, name, n_parts, schedul
         trace = json.loads((tmp_path / "run" / "trace" / f"{p}.json").read_text())
         cats = {e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
         assert {"forward", "backward"} <= cats
+
+
+def test_compnode_side_imports_no_torch():
+    """A CompNode on a non-torch engine must run without torch: nothing it imports may pull torch in."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import fusion.cli, fusion.ir.wire, fusion.executors.transport, fusion.executors.compnode, "
+            "fusion.executors.coordinator, fusion.executors.launcher, fusion.executors.checkpoint, fusion.data, "
+            "fusion.commands.run, fusion.commands.executor, fusion.commands.coordinator; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
