@@ -20,26 +20,26 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..ir.boundary import part_links, part_order, partition
 from ..ir.errors import FusionError, WireError
-from ..ir.node import TensorMeta
 from ..ir.opdata import OpData
 from ..ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, encode_opdata, opdata_from_message
 from . import checkpoint
 from .control import Control, decode_ctrl, encode_ctrl
 from .engines import make_engine_part, make_optimizer
 from .linkemu import EmulatedLink, link_model
+from .inbox import Inbox
 from .optim import OptimizerConfig
-from .part import PartRuntime
+from .part import PartRuntime, make_routes
 from .schedule import make_schedule
 from .trace_events import Tracer, now_us
 from .transport import Transport
@@ -109,11 +109,10 @@ class CompNode:
         self.opt = None
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
-        self._data: dict[tuple[int, str, int], list[OpData]] = {}
-        self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
-        self._expected_iter = 0
+        self.inbox = Inbox(g, self.me, make_routes(self.sub, plan.assignment), self.n_micro, self.shared)
         self._aborted: str | None = None
         self._last_coord = time.monotonic()
+        self._heard_coord = False  # before first contact only the startup timeout applies
         self._peers = self._peer_parts()
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
@@ -135,6 +134,7 @@ class CompNode:
     def _on_message(self, sender: str, msg: Message) -> None:
         if sender == COORDINATOR:
             self._last_coord = time.monotonic()
+            self._heard_coord = True
         if msg.kind == "ctrl":
             if sender != COORDINATOR:
                 raise WireError(f"control message from {sender!r}; only the coordinator sends those")
@@ -148,65 +148,9 @@ class CompNode:
                 self._cv.notify_all()
             return
         od = opdata_from_message(msg)
-        if od.src != sender:
-            raise WireError(f"message claims to come from {od.src!r} but was sent by {sender!r}")
-        if od.dst != self.me:
-            raise WireError(f"message for {od.dst!r} arrived at {self.me!r}")
         with self._cv:
-            if od.local_iter != self._expected_iter:
-                raise WireError(f"{od.key} for iteration {od.local_iter}, this part is at iteration {self._expected_iter}")
-            if msg.kind == "pgrad":
-                self._accept_pgrad(sender, od)
-            else:
-                self._accept_data(sender, od)
+            self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
             self._cv.notify_all()
-
-    def _accept_data(self, sender: str, od: OpData) -> None:
-        r = self.runtime.routes if self.runtime is not None else None
-        if r is None:
-            raise WireError("OP-Data before this part is set up")
-        if not 0 <= od.micro_batch < self.n_micro:
-            raise WireError(f"micro-batch {od.micro_batch} out of range [0, {self.n_micro})")
-        if od.is_grad:
-            if sender not in r.grads_from.get(od.key, ()):
-                raise WireError(f"unexpected gradient of {od.key} (this part takes gradients of {sorted(r.grads_from)} from their consumers)")
-        elif r.recv_from.get(od.key) != sender:
-            raise WireError(f"unexpected activation {od.key} (this part takes {sorted(r.recv_from)} from their producer parts)")
-        self._check_payload(od)
-        box = self._data.setdefault((od.local_iter, "B" if od.is_grad else "F", od.micro_batch), [])
-        if any(m.key == od.key and m.src == od.src for m in box):
-            raise WireError(f"duplicate {'gradient' if od.is_grad else 'activation'} {od.key} micro-batch {od.micro_batch}")
-        box.append(od)
-
-    def _check_payload(self, od: OpData) -> None:
-        if od.compress_cfg is not None or not isinstance(od.payload, np.ndarray):
-            if isinstance(self._meta(od), TensorMeta) and od.compress_cfg is None:
-                raise WireError(f"{od.key}: expected a tensor payload, got {type(od.payload).__name__}")
-            return
-        m = self._meta(od)
-        if not isinstance(m, TensorMeta):
-            return
-        want_dtype = "uint16" if m.dtype == "bfloat16" else m.dtype
-        if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype.name != want_dtype:
-            raise WireError(f"{od.key}: payload {od.payload.dtype.name}{list(od.payload.shape)} does not match "
-                            f"the graph's {m.dtype}{list(m.shape)}")
-
-    def _meta(self, od: OpData):
-        outs = self.graph[od.name].meta.outputs
-        i = od.index if od.index is not None else 0
-        return outs[i] if i < len(outs) and (od.index is not None or len(outs) == 1) else None
-
-    def _accept_pgrad(self, sender: str, od: OpData) -> None:
-        owners = self.shared.get(od.name)
-        if owners is None or sender not in owners:
-            raise WireError(f"unexpected gradient of parameter {od.name!r} from {sender!r}")
-        spec = self.graph.params[od.name]
-        if od.payload is not None and (not isinstance(od.payload, np.ndarray) or tuple(od.payload.shape) != tuple(spec.shape)):
-            raise WireError(f"gradient of parameter {od.name!r} has the wrong shape (expected {list(spec.shape)})")
-        got = self._pgrads.setdefault((od.local_iter, od.name), {})
-        if sender in got:
-            raise WireError(f"duplicate gradient of parameter {od.name!r}")
-        got[sender] = od.payload
 
     def _on_send_error(self, peer: str, reason: str) -> None:
         with self._cv:
@@ -226,7 +170,7 @@ class CompNode:
                 if self._aborted:
                     raise ExecutorAbort(self._aborted)
                 now = time.monotonic()
-                if now - self._last_coord > self.cfg.peer_timeout_s:
+                if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
                     raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s")
                 if now > deadline:
                     raise ExecutorAbort(f"timed out after {timeout_s:.0f} s waiting for {what}")
@@ -251,7 +195,6 @@ class CompNode:
         resume = f["resume_step"]
         if resume is not None:
             params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
-            self._expected_iter = int(resume)
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device)
@@ -259,6 +202,9 @@ class CompNode:
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
+        with self._cv:
+            self.inbox.expected_iter = int(resume or 0)
+            self.inbox.open = True
         self.checkpoint_dir = f["checkpoint_dir"]
         peers = f["peers"]
         for p in sorted(self._peers):
@@ -278,8 +224,8 @@ class CompNode:
     # -- one iteration ----------------------------------------------------------------
     def _iteration(self, c: Control) -> None:
         it = int(c.fields["it"])
-        if it != self._expected_iter:
-            raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self._expected_iter}")
+        if it != self.inbox.expected_iter:
+            raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self.inbox.expected_iter}")
         feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
@@ -289,51 +235,42 @@ class CompNode:
         stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0}
         t_start = time.time()
         for a in self.actions:
-            key = (it, a.kind, a.micro_batch)
+            mb = a.micro_batch
             if a.kind == "F":
-                need = rt.needs_acts()
-                box, idle = self._wait(lambda: self._data.get(key, []) if {m.key for m in self._data.get(key, [])} == need else None,
-                                       f"activations of F{a.micro_batch}", self.cfg.data_timeout_s)
+                box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
                 t0 = now_us()
-                out, loss = rt.forward(it, a.micro_batch, feeds[a.micro_batch], box)
+                out, loss = rt.forward(it, mb, feeds[mb], box)
                 if loss is not None:
-                    losses.append([a.micro_batch, loss])
+                    losses.append([mb, loss])
             else:
-                want = rt.needs_grads()
-
-                def ready():
-                    box = self._data.get(key, [])
-                    have: dict = {}
-                    for m in box:
-                        have.setdefault(m.key, set()).add(m.src)
-                    return box if have == want else None
-
-                box, idle = self._wait(ready, f"gradients of B{a.micro_batch}", self.cfg.data_timeout_s)
+                box, idle = self._wait(lambda: self.inbox.gradients(it, mb), f"gradients of B{mb}", self.cfg.data_timeout_s)
                 t0 = now_us()
-                out = rt.backward(it, a.micro_batch, box, scale)
+                out = rt.backward(it, mb, box, scale)
             t1 = now_us()
             with self._cv:
-                self._data.pop(key, None)
+                self.inbox.consume(it, a.kind, mb)
             self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
             stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
             stats["idle_s"] += idle
             for msg in out:
                 self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
+        t_sync = time.perf_counter()
         with self.tracer.span("grad-sync", "sync"):
             self._sync_shared(it)
+        stats["sync_s"] = time.perf_counter() - t_sync
         engine = rt.engine
         grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
         grads = {n: np.array(g) for n, g in grads.items()}
+        t_opt = time.perf_counter()
         with self.tracer.span("optimizer", "optimizer"):
             self.opt.step()
             self.opt.zero_grad()
+        stats["optimizer_s"] = time.perf_counter() - t_opt
         if c.fields["checkpoint"]:
             with self.tracer.span("checkpoint", "checkpoint"):
                 checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state())
         with self._cv:
-            self._expected_iter = it + 1
-            for k in [k for k in self._pgrads if k[0] <= it]:
-                del self._pgrads[k]
+            self.inbox.finish(it)
         sent = {}
         for p, s in self.transport.stats().items():
             prev = self._prev_sent.get(p, (0, 0, 0.0))
@@ -357,16 +294,9 @@ class CompNode:
                                 local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=mine.get(name))
                     self.transport.send(o, encode_opdata(od, kind="pgrad"), label=f"grad {name}")
 
-        def ready():
-            for name, owners in self.shared.items():
-                got = self._pgrads.get((it, name), {})
-                if len(got) < len(owners) - 1:
-                    return None
-            return True
-
-        self._wait(ready, "tied-parameter gradients", self.cfg.data_timeout_s)
+        got_all, _ = self._wait(lambda: self.inbox.param_grads(it), "tied-parameter gradients", self.cfg.data_timeout_s)
         for name, owners in self.shared.items():
-            got = self._pgrads[(it, name)]
+            got = got_all[name]
             gs = [mine.get(name) if o == self.me else got[o] for o in owners]
             gs = [np.asarray(g) for g in gs if g is not None]
             if gs:
@@ -383,6 +313,9 @@ class CompNode:
     def run(self) -> int:
         """Serve the coordinator until told to stop. Returns the process exit status."""
         status = 1
+        # the receive and send threads need the GIL for a few microseconds per message; by default a thread waits up to
+        # 5 ms for a busy compute thread to hand it over, which would add that much to every hop of the pipeline
+        sys.setswitchinterval(2e-4)
         try:
             address = self.transport.start()
             self.transport.connect(COORDINATOR, self.cfg.coordinator)
