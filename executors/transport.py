@@ -227,18 +227,14 @@ class Transport:
             sock.close()
             return
         self._bound.set()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        sock.setsockopt(zmq.RCVTIMEO, 100)  # wake up now and then to notice close()
         try:
             while not self._stop.is_set():
-                if not poller.poll(50):
+                try:
+                    frames = sock.recv_multipart(copy=False)
+                except zmq.Again:
                     continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                self._handle(frames)
         finally:
             sock.close()
 
