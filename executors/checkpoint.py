@@ -77,6 +77,16 @@ def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.nd
     return d
 
 
+def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
+    """Delete ``part``'s files except its ``keep`` newest saves (an executor on its own host cleans up after itself)."""
+    mine = sorted(p for p in Path(root).glob("step-*") if (p / f"{part}.json").exists())
+    for d in mine[:-keep] if keep > 0 else []:
+        for suffix in (".params.safetensors", ".optim.safetensors", ".json"):
+            (d / f"{part}{suffix}").unlink(missing_ok=True)
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
 def load_part(root: str | Path, step: int, part: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
     """``(params, optimizer arrays, optimizer meta)`` of ``part`` at ``step``."""
     d = step_dir(root, step)
@@ -91,12 +101,19 @@ def load_part(root: str | Path, step: int, part: str) -> tuple[dict[str, np.ndar
     return _load_arrays(d / f"{part}.params.safetensors"), _load_arrays(d / f"{part}.optim.safetensors"), meta["optimizer"]
 
 
-def commit(root: str | Path, step: int, parts: list[str], extra: Mapping[str, Any] | None = None, keep: int = 2) -> None:
-    """Mark ``step`` complete (every part saved) and make it the latest; keep the newest ``keep``."""
+def commit(root: str | Path, step: int, parts: list[str], extra: Mapping[str, Any] | None = None, keep: int = 2,
+           check_files: bool = True) -> None:
+    """Mark ``step`` complete (every part saved) and make it the latest; keep the newest ``keep``.
+
+    check_files: verify every part's files are here; a coordinator whose
+    executors run on other hosts (each writes its own disk) passes False and
+    relies on their confirmations instead.
+    """
     d = step_dir(root, step)
-    missing = [p for p in parts if not (d / f"{p}.json").exists()]
+    missing = [p for p in parts if not (d / f"{p}.json").exists()] if check_files else []
     if missing:
         raise CheckpointError(f"{d}: parts {missing} did not save step {step}")
+    d.mkdir(parents=True, exist_ok=True)
     _atomic_json(d / COMPLETE, {"step": step, "parts": parts, **(extra or {})})
     _atomic_json(Path(root) / LATEST, {"step": step})
     complete = sorted(int(p.name[5:]) for p in Path(root).glob("step-*") if (p / COMPLETE).exists())

@@ -269,6 +269,8 @@ class CompNode:
         if c.fields["checkpoint"]:
             with self.tracer.span("checkpoint", "checkpoint"):
                 checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state())
+                checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
+            stats["checkpoint_step"] = it + 1
         with self._cv:
             self.inbox.finish(it)
         sent = {}

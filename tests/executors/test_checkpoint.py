@@ -58,3 +58,11 @@ def test_optimizer_state_round_trip_continues_identically(tmp_path, cfg):
     train(b, ob, 2)
     for k, v in a.state().items():
         np.testing.assert_array_equal(b.state()[k], v, err_msg=k)
+
+
+def test_each_part_prunes_its_own_files(tmp_path):
+    w = {"a": np.zeros(2, np.float32)}
+    for step in (3, 6, 9):
+        checkpoint.save_part(tmp_path, step, "p0", w, {}, {})
+        checkpoint.prune_part(tmp_path, "p0", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009"]
