@@ -5,8 +5,10 @@ iterations when the coordinator says so. Within an iteration it follows its
 schedule (a list of F/B actions, :mod:`fusion.executors.schedule`) in one
 engine loop: an action runs as soon as everything it needs has arrived —
 activations from producer parts for a forward, gradients from every consumer
-part for a backward. Outputs go to remote users as OP-Data through the
-transport's sender threads, so sends overlap the next action's compute.
+part for a backward. Outputs go to remote users as OP-Data: the engine loop
+hands them to ZeroMQ, whose I/O thread transmits them while the next action
+computes (with link emulation, a sender thread per link holds them for
+alpha + beta * M first); while it waits, the engine loop receives.
 Parameter gradients accumulate over micro-batches; gradients of parameters
 held by several parts (tied weights) are exchanged between their owners and
 summed in plan order, then the optimizer steps locally (synchronous
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -117,7 +118,7 @@ class CompNode:
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=cfg.max_message_bytes, tracer=self.tracer,
-                                   on_error=self._on_send_error)
+                                   on_error=self._on_send_error, recv_thread=False)  # the engine loop receives
         self._hb_stop = threading.Event()
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
 
@@ -130,7 +131,7 @@ class CompNode:
         peers.discard(self.me)
         return peers
 
-    # -- receiving (transport thread) -------------------------------------------------
+    # -- receiving (called by the transport from the engine loop's waits) ----------------
     def _on_message(self, sender: str, msg: Message) -> None:
         if sender == COORDINATOR:
             self._last_coord = time.monotonic()
@@ -157,24 +158,26 @@ class CompNode:
             self._aborted = self._aborted or reason
             self._cv.notify_all()
 
-    # -- waiting (engine thread) ------------------------------------------------------
+    # -- waiting (engine loop) ---------------------------------------------------------
     def _wait(self, ready, what: str, timeout_s: float):
-        """Wait (under the condition) until ``ready()`` returns non-None; abort/timeout raise."""
+        """Receive messages until ``ready()`` returns non-None; abort, silence and timeout raise."""
         deadline = time.monotonic() + timeout_s
         t0 = now_us()
-        with self._cv:
-            while True:
+        while True:
+            with self._cv:
                 v = ready()
                 if v is not None:
                     break
                 if self._aborted:
                     raise ExecutorAbort(self._aborted)
-                now = time.monotonic()
-                if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
-                    raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s")
-                if now > deadline:
-                    raise ExecutorAbort(f"timed out after {timeout_s:.0f} s waiting for {what}")
-                self._cv.wait(min(0.1, deadline - now))
+            if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
+                continue
+            now = time.monotonic()
+            if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
+                raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s")
+            if now > deadline:
+                raise ExecutorAbort(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            self.transport.pump(min(0.1, deadline - now))
         t1 = now_us()
         if t1 - t0 > 50:
             self.tracer.add(f"idle: {what}", "idle", t0, t1)
@@ -214,7 +217,7 @@ class CompNode:
             if f["emulate_links"]:
                 m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
                 link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
-            self.transport.connect(p, peers[p], link)
+            self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
 
     def _plan_weights(self) -> dict[str, np.ndarray]:
         from ..plan import load_weights
@@ -315,9 +318,6 @@ class CompNode:
     def run(self) -> int:
         """Serve the coordinator until told to stop. Returns the process exit status."""
         status = 1
-        # the receive and send threads need the GIL for a few microseconds per message; by default a thread waits up to
-        # 5 ms for a busy compute thread to hand it over, which would add that much to every hop of the pipeline
-        sys.setswitchinterval(2e-4)
         try:
             address = self.transport.start()
             self.transport.connect(COORDINATOR, self.cfg.coordinator)

@@ -65,6 +65,16 @@ class _Pending:
     tx: tuple[float, float] = field(compare=False)
 
 
+def _dealer(t: "Transport", address: str):
+    sock = t.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, t.name.encode())
+    sock.setsockopt(zmq.LINGER, int(t.linger_s * 1000))
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.SNDTIMEO, int(t.send_timeout_s * 1000))
+    sock.connect(address)
+    return sock
+
+
 class _Sender(threading.Thread):
     """Owns the DEALER socket to one peer; emulates the link when given one."""
 
@@ -75,13 +85,14 @@ class _Sender(threading.Thread):
         self.stats = LinkStats()
         self._seq = itertools.count()
 
+    def put(self, frames: list, label: str) -> None:
+        self.q.put((frames, label))
+
+    def stop(self, linger_s: float) -> None:
+        self.q.put(_Stop(linger_s))
+
     def run(self) -> None:
-        sock = self.t.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.t.name.encode())
-        sock.setsockopt(zmq.LINGER, int(self.t.linger_s * 1000))
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.SNDTIMEO, int(self.t.send_timeout_s * 1000))
-        sock.connect(self.address)
+        sock = _dealer(self.t, self.address)
         heap: list[_Pending] = []
         stopping: _Stop | None = None
         try:
@@ -133,20 +144,53 @@ class _Sender(threading.Thread):
                               bytes=p.nbytes, delivered_ms=round((p.deliver_at - s) * 1e3, 3))
 
 
+class _Direct(_Sender):
+    """A link without emulation used by one thread only: the caller's thread sends (ZeroMQ's I/O thread still
+    moves the bytes in the background), saving a thread hand-off per message. Created and used by that thread."""
+
+    def __init__(self, transport: "Transport", peer: str, address: str):
+        super().__init__(transport, peer, address, None)
+        self._sock = None
+
+    def start(self) -> None:  # no thread
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def put(self, frames: list, label: str) -> None:
+        if self._sock is None:
+            self._sock = _dealer(self.t, self.address)
+        now = time.monotonic()
+        self._send(self._sock, _Pending(now, 0, frames, frames_nbytes(frames), label, (now, now)))
+
+    def stop(self, linger_s: float) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=int(linger_s * 1000))
+            self._sock = None
+
+
 class Transport:
     """One process's messaging endpoint.
 
     name:        this process's identity (a part name or ``"coordinator"``).
     bind:        ZeroMQ endpoint to bind, e.g. ``tcp://127.0.0.1:*`` (ephemeral port) or ``tcp://*:5555``.
     allowed:     names whose messages are accepted; others are logged and dropped.
-    on_message:  ``fn(sender, Message)`` called on the receive thread for each good message.
+    on_message:  ``fn(sender, Message)`` called for each good message.
     on_reject:   ``fn(sender, reason)`` called for each dropped message (after logging).
+    recv_thread: receive on a thread of the transport (``on_message`` runs there); False: the thread that
+                 called :meth:`start` receives by calling :meth:`pump` while it waits (a CompNode's engine
+                 loop, which saves a thread hand-off per message; ZeroMQ's I/O thread still receives the
+                 bytes in the background).
     """
 
     def __init__(self, name: str, bind: str, allowed: Iterable[str], on_message: Callable[[str, Message], None],
                  *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tracer: Tracer | None = None,
                  on_reject: Callable[[str, str], None] | None = None, on_error: Callable[[str, str], None] | None = None,
-                 send_timeout_s: float = 30.0, linger_s: float = 2.0):
+                 send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True):
         self.name, self.bind_addr = name, bind
         self.allowed = set(allowed)
         self.on_message, self.on_reject, self.on_error = on_message, on_reject, on_error
@@ -159,11 +203,17 @@ class Transport:
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: str | None = None
-        self._recv = threading.Thread(target=self._recv_loop, name=f"recv-{name}", daemon=True)
+        self._recv = threading.Thread(target=self._recv_loop, name=f"recv-{name}", daemon=True) if recv_thread else None
+        self._sock = None  # the ROUTER socket when pumped by the caller
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> str:
         """Bind and start receiving; returns the bound address (ephemeral port resolved)."""
+        if self._recv is None:
+            self._sock = self._bind()
+            if self._sock is None:
+                raise TransportError(f"{self.name}: cannot bind {self.bind_addr}: {self._bind_error}")
+            return self.address
         self._recv.start()
         if not self._bound.wait(timeout_s):
             raise TransportError(f"{self.name}: binding {self.bind_addr} did not finish within {timeout_s} s")
@@ -171,20 +221,25 @@ class Transport:
             raise TransportError(f"{self.name}: cannot bind {self.bind_addr}: {self._bind_error}")
         return self.address
 
-    def connect(self, peer: str, address: str, link: EmulatedLink | None = None) -> None:
-        """Open the outbound link to ``peer`` (idempotent)."""
+    def connect(self, peer: str, address: str, link: EmulatedLink | None = None, direct: bool = False) -> None:
+        """Open the outbound link to ``peer`` (idempotent).
+
+        direct: the link is used by one thread only and not emulated; that
+        thread then hands messages to ZeroMQ itself instead of through a
+        sender thread (ZeroMQ's own I/O thread still sends in the background).
+        """
         if peer in self.senders:
             return
-        s = _Sender(self, peer, address, link)
+        s = _Direct(self, peer, address) if direct and link is None else _Sender(self, peer, address, link)
         self.senders[peer] = s
         s.start()
 
     def send(self, peer: str, frames: list, label: str = "") -> None:
-        """Queue a message for ``peer``; returns at once. ``label`` names its trace span."""
+        """Send a message to ``peer`` without waiting for it to leave. ``label`` names its trace span."""
         s = self.senders.get(peer)
         if s is None:
             raise TransportError(f"{self.name}: no link to {peer!r}")
-        s.q.put((frames, label))
+        s.put(frames, label)
 
     def close(self, timeout_s: float = 5.0, linger_s: float | None = None) -> None:
         """Flush queued sends (up to ``timeout_s``), stop threads, release sockets.
@@ -194,14 +249,17 @@ class Transport:
         peers may be gone already.
         """
         for s in self.senders.values():
-            s.q.put(_Stop(self.linger_s if linger_s is None else linger_s))
+            s.stop(self.linger_s if linger_s is None else linger_s)
         deadline = time.monotonic() + timeout_s
         for s in self.senders.values():
             s.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
-        if self._recv.ident is not None:
+        if self._recv is not None and self._recv.ident is not None:
             self._recv.join(max(0.5, deadline - time.monotonic()))
-        if not any(s.is_alive() for s in self.senders.values()) and not self._recv.is_alive():
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if not any(s.is_alive() for s in self.senders.values()) and not (self._recv is not None and self._recv.is_alive()):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
     def stats(self) -> dict[str, LinkStats]:
@@ -212,7 +270,8 @@ class Transport:
             self.on_error(peer, reason)
 
     # -- receiving --------------------------------------------------------------------
-    def _recv_loop(self) -> None:
+    def _bind(self):
+        """The bound ROUTER socket, or None (``_bind_error`` says why)."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -223,10 +282,31 @@ class Transport:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._bind_error = str(e)
-            self._bound.set()
             sock.close()
-            return
+            return None
+        return sock
+
+    def pump(self, timeout_s: float) -> int:
+        """Handle what has arrived, waiting up to ``timeout_s`` for the first message (caller-receives mode)."""
+        if self._sock is None:
+            time.sleep(timeout_s)
+            return 0
+        n = 0
+        if self._sock.poll(max(0, int(timeout_s * 1000))):
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                n += 1
+        return n
+
+    def _recv_loop(self) -> None:
+        sock = self._bind()
         self._bound.set()
+        if sock is None:
+            return
         sock.setsockopt(zmq.RCVTIMEO, 100)  # wake up now and then to notice close()
         try:
             while not self._stop.is_set():
