@@ -3,17 +3,21 @@
 Each process (a CompNode executor or the coordinator) binds one ROUTER socket
 at its address; everything it receives arrives there, tagged by ZeroMQ with
 the sender's identity (its part name). To talk to a peer it opens one DEALER
-socket connected to that peer's address, owned by a sender thread with a
-queue, so ``send`` returns at once and sends overlap compute. Per-link
-emulation (:mod:`fusion.executors.linkemu`) runs inside the sender thread.
+socket connected to that peer's address. ZeroMQ's own I/O thread moves the
+bytes, so a send returns at once and overlaps the sender's compute. A link
+is either *threaded* (a sender thread with a queue owns the socket; needed
+for per-link emulation, :mod:`fusion.executors.linkemu`, and for sockets
+shared by several threads) or *direct* (the one thread that uses it sends
+itself, saving a thread hand-off per message).
 
-Receiving runs on its own thread: each message is decoded and checked
+Receiving, likewise, runs on a receive thread or in the caller's thread via
+:meth:`Transport.pump`. Either way each message is decoded and checked
 (:func:`fusion.ir.wire.decode`), then the sender identity is checked against
 the allowed names; a message that fails is logged with the reason and
 dropped, never raised. Good messages go to the ``on_message`` callback.
 
 Every wait has a timeout: sends give up after ``send_timeout_s`` on a peer
-that does not take data, and the receive loop polls so it can stop.
+that does not take data, and receive loops wake up to notice ``close``.
 """
 from __future__ import annotations
 
