@@ -27,9 +27,9 @@ is registered by name in ``fusion.executors.engines.ENGINES`` and provides:
 4. **Parameter update** — ``trainable()`` (name -> parameter), ``grads()``,
    ``set_grad(name, grad)`` (tied parameters get the sum over owners before
    the step), ``state()`` (name -> array copy), and an optimizer:
-   ``engines.make_optimizer(part, cfg)`` uses ``part.make_optimizer(cfg)``
-   when the part has one (NumPy) and ``torch.optim`` otherwise; it returns an
-   object with ``step()`` and ``zero_grad(set_to_none=True)``. Every engine
+   ``engines.make_optimizer(engine, part, cfg)`` builds the engine's registered
+   :class:`~fusion.executors.engines.LocalOptimizer` (``step()``,
+   ``zero_grad()``, and ``state()``/``load_state()`` for checkpoints). Every engine
    implements SGD (momentum, weight decay) and AdamW with torch's formulas,
    so a mixed-engine run is one synchronous training run.
 5. **Dense tensors in and out** — everything crossing the part boundary is a
@@ -48,18 +48,10 @@ from .part import EnginePart
 Key = tuple[str, "int | None"]
 
 
-class Optimizer(Protocol):
-    """What ``engines.make_optimizer`` returns."""
-
-    def step(self) -> None: ...
-
-    def zero_grad(self, set_to_none: bool = True) -> None: ...
-
-
 class TrainablePart(EnginePart, Protocol):
     """An ``EnginePart`` that can also be trained by the executors."""
 
     def trainable(self) -> Mapping[str, Any]: ...
 
 
-__all__ = ["EnginePart", "Optimizer", "TrainablePart", "Key"]
+__all__ = ["EnginePart", "TrainablePart", "Key"]

@@ -1,32 +1,105 @@
-"""Engine factory: engine name -> part constructor, op support and optimizer.
+"""Engine factory: which engine runs a part, and its local optimizer.
 
-``make_engine_part("torch" | "numpy", graph, sub, params, device)`` builds
-one CompNode's sub-DAG on the named engine; ``check_engines`` verifies at
-compile time that every node can run on the engine of its part. Engines are
-imported lazily, so a process that only uses the NumPy engine never imports
-torch.
+A CompNode imports an engine only when its part uses it, so a part on the
+``numpy`` engine runs in a process that never imports torch. ``check_engines``
+verifies at compile time that every node can run on the engine of its part. Engines are
+registered by name with import paths (resolved lazily) or callables:
+
+    register_engine("numpy", "fusion.executors.numpy_engine:NumpyPart",
+                    "fusion.executors.numpy_engine:NumpyOptimizer")
+
+A part factory is called as ``factory(graph, subgraph, params, device)`` and
+returns an :class:`~fusion.executors.part.EnginePart`. An optimizer factory
+is called as ``factory(part, OptimizerConfig)`` and returns a
+:class:`LocalOptimizer`.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
 
-from ..ir.errors import GraphError
+import numpy as np
+
+from ..ir.boundary import SubGraph
+from ..ir.errors import FusionError, GraphError
+from ..ir.graph import OpGraph
 from ..ir.node import NodeKind
+from .optim import OptimizerConfig
+from .part import EnginePart
 
-#: engine name -> "module:class" of its part (imported on first use)
-ENGINES: dict[str, str] = {
-    "torch": "fusion.executors.torch_engine:TorchPart",
-    "numpy": "fusion.executors.numpy_engine:NumpyPart",
+
+class LocalOptimizer(Protocol):
+    """The optimizer of one part: steps on the part's own parameters.
+
+    ``state()`` returns ``(arrays, meta)``: optimizer tensors by name and a
+    JSON-able map (step counts, hyper-parameters) — what a checkpoint stores.
+    ``load_state`` restores them.
+    """
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def state(self) -> tuple[dict[str, np.ndarray], dict]: ...
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None: ...
+
+
+Factory = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """part: factory (or ``"module:attr"``) of the engine part; optimizer: factory of its optimizer."""
+
+    part: Factory | str
+    optimizer: Factory | str
+
+
+_ENGINES: dict[str, EngineSpec] = {
+    "torch": EngineSpec("fusion.executors.torch_engine:TorchPart", "fusion.executors.torch_optimizer:TorchOptimizer"),
+    "numpy": EngineSpec("fusion.executors.numpy_engine:NumpyPart", "fusion.executors.numpy_optim:NumpyOptimizer.for_part"),
 }
 
 
-def _load(engine: str):
+def register_engine(name: str, part: Factory | str, optimizer: Factory | str) -> None:
+    """Make engine ``name`` available to CompNodes."""
+    _ENGINES[name] = EngineSpec(part, optimizer)
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def _resolve(f: Factory | str, engine: str) -> Factory:
+    if callable(f):
+        return f
+    mod, _, attr = f.partition(":")
     try:
-        mod, _, cls = ENGINES[engine].partition(":")
+        obj = importlib.import_module(mod)
+        for a in attr.split("."):
+            obj = getattr(obj, a)
+        return obj
+    except (ImportError, AttributeError) as e:
+        raise FusionError(f"engine {engine!r}: cannot load {f} ({e})") from None
+
+
+def _spec(engine: str) -> EngineSpec:
+    try:
+        return _ENGINES[engine]
     except KeyError:
-        raise GraphError(f"unknown engine {engine!r}; known engines: {sorted(ENGINES)}") from None
-    return getattr(importlib.import_module(mod), cls)
+        raise FusionError(f"unknown engine {engine!r}; known engines: {engine_names()}") from None
+
+
+def make_engine_part(engine: str, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str = "cpu") -> EnginePart:
+    """The engine part running ``sub`` on ``device``, initialised from ``params`` (arrays by name)."""
+    return _resolve(_spec(engine).part, engine)(graph, sub, params, device)
+
+
+def make_optimizer(engine: str, part: EnginePart, cfg: OptimizerConfig) -> LocalOptimizer:
+    """The local optimizer of ``part`` (may step nothing when the part has no trainable parameters)."""
+    return _resolve(_spec(engine).optimizer, engine)(part, cfg)
 
 
 def supports(engine: str, target: str) -> bool:
@@ -39,26 +112,11 @@ def supports(engine: str, target: str) -> bool:
         from .numpy_engine import supports as np_supports
 
         return np_supports(target)
-    _load(engine)  # raises for unknown engines
+    _spec(engine)  # raises for unknown engines
     return False
 
 
-def make_engine_part(engine: str, graph, sub, params: Mapping[str, Any], device: str = "cpu"):
-    """Build the engine part (an ``EnginePart``, see ``fusion.executors.engine``) for one sub-DAG."""
-    return _load(engine)(graph, sub, params, device)
-
-
-def make_optimizer(part, cfg):
-    """The optimizer of one part: an object with ``step()`` and ``zero_grad(set_to_none=True)``, or None."""
-    own = getattr(part, "make_optimizer", None)
-    if own is not None:
-        return own(cfg)
-    from .optim import torch_optimizer
-
-    return torch_optimizer(cfg, part.trainable().values())
-
-
-def check_engines(graph, assignment: Mapping[str, str], engines: Mapping[str, str]) -> None:
+def check_engines(graph: OpGraph, assignment: Mapping[str, str], engines: Mapping[str, str]) -> None:
     """Raise GraphError naming every node whose op the engine of its part lacks.
 
     assignment: node -> part; engines: part -> engine name (absent parts run torch).

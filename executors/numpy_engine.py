@@ -23,7 +23,6 @@ from ..ir.node import NodeKind, OpNode, ParamRef, Ref
 from .numpy_ops import NpOp
 from .numpy_torch_ops import TORCH_STYLE
 from .numpy_onnx_ops import ONNX_NUMPY
-from .numpy_optim import NumpyOptimizer
 
 Key = tuple[str, "int | None"]
 
@@ -307,7 +306,3 @@ class NumpyPart:
     def zero_grad(self) -> None:
         for n in self._grads:
             self._grads[n] = None
-
-    def make_optimizer(self, cfg) -> NumpyOptimizer | None:
-        """SGD/AdamW on this part's trainable parameters, with torch's update formulas."""
-        return NumpyOptimizer(cfg, self) if self.trainable_names else None

@@ -23,7 +23,12 @@ class NumpyOptimizer:
         if cfg.name not in ("sgd", "adamw"):
             raise ValueError(f"the numpy engine has no optimizer {cfg.name!r}")
         self.cfg, self.part = cfg, part
-        self.state: dict[str, dict[str, Any]] = {}
+        self.slots: dict[str, dict[str, Any]] = {}  #: per-parameter state (momentum, exp_avg, step, ...)
+
+    @classmethod
+    def for_part(cls, part: Any, cfg: Any) -> "NumpyOptimizer":
+        """The engine-factory signature ``(part, cfg)`` (see ``fusion.executors.engines``)."""
+        return cls(cfg, part)
 
     def step(self) -> None:
         grads = self.part.grads()
@@ -32,7 +37,7 @@ class NumpyOptimizer:
             if g is None:  # torch skips parameters without a gradient
                 continue
             p = self.part.params[name]
-            st = self.state.setdefault(name, {})
+            st = self.slots.setdefault(name, {})
             if self.cfg.name == "sgd":
                 self._sgd(p, g, st)
             else:
@@ -69,3 +74,22 @@ class NumpyOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.part.zero_grad()
+
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """``(arrays, meta)`` for checkpoints: ``"<param>::<key>"`` -> array, as the torch engine's."""
+        arrays = {f"{n}::{k}": np.asarray(v).copy() for n, st in self.slots.items() for k, v in st.items()}
+        return arrays, {"optimizer": self.cfg.to_dict(), "params": list(self.part.trainable_names)}
+
+    def load_state(self, arrays: Any, meta: Any) -> None:
+        from ..ir.errors import FusionError
+
+        saved = meta.get("optimizer")
+        if saved is not None and saved.get("name") != self.cfg.name:
+            raise FusionError(f"checkpoint holds {saved.get('name')} optimizer state, the plan uses {self.cfg.name}")
+        self.slots = {}
+        for key, v in arrays.items():
+            name, sep, slot = key.rpartition("::")
+            if not sep or name not in self.part.trainable_names:
+                raise FusionError(f"checkpoint optimizer entry {key!r} names no parameter of this part")
+            arr = np.array(v)
+            self.slots.setdefault(name, {})[slot] = int(arr) if slot == "step" else arr

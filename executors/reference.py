@@ -71,7 +71,7 @@ class ReferenceExecutor:
         check_engines(g, self.assignment, names)
         self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params) for p in self.order}
         self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p]) for p in self.order}
-        self.optimizers = {p: make_optimizer(e, optimizer) for p, e in self.engines.items()}
+        self.optimizers = {p: make_optimizer(names.get(p, "torch"), e, optimizer) for p, e in self.engines.items()}
         owners: dict[str, list[str]] = {}
         for p, e in self.engines.items():
             for name in e.trainable():
@@ -144,7 +144,7 @@ class ReferenceExecutor:
         for opt in self.optimizers.values():
             if opt is not None:
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
         self.iteration += 1
         return StepResult(loss, grads)
 

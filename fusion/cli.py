@@ -20,6 +20,9 @@ COMMANDS = [
     "fusion.commands.compile",
     "fusion.commands.inspect",
     "fusion.commands.profile",
+    "fusion.commands.run",
+    "fusion.commands.executor",
+    "fusion.commands.coordinator",
 ]
 
 

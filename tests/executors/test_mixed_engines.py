@@ -125,7 +125,7 @@ name, assignment = setup["part"], setup["assignment"]
 sub = partition(graph, assignment)[name]
 engine = make_engine_part(setup["engine"], graph, sub, setup["params"])
 runtime = PartRuntime(graph, name, sub, assignment, engine)
-opt = make_optimizer(engine, OptimizerConfig.from_dict(setup["optimizer"]))
+opt = make_optimizer("numpy", engine, OptimizerConfig.from_dict(setup["optimizer"]))
 calls = {"F": 0, "B": 0, "step": 0}
 send(sock, {"engine": engine.engine, "torch_blocked": torch_blocked})
 while True:

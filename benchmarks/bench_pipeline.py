@@ -1,0 +1,327 @@
+"""Pipeline benchmark: fusion's CompNode processes against torch.distributed.pipelining, and against its own plan.
+
+All measured in one run, on this host, loopback only:
+
+1. ``throughput_vs_torch_pipelining``: the same model (a stack of pre-norm MLP
+   blocks with a classifier head), the same split into 2 and 4 stages, the
+   same 8 micro-batches, GPipe, SGD, one thread per process; samples/s of
+   fusion's executors divided by samples/s of ``ScheduleGPipe`` on gloo.
+   Both train from the same weights on the same batches, and their losses
+   are checked against each other. The two alternate for ``--rounds``
+   rounds and each side's best round counts (the host may be shared). CPU
+   seconds per iteration (median over rounds, torch/fusion) are reported too,
+   as ``cpu_efficiency_vs_torch_pipelining_{2,4}``: less sensitive to load
+   from other work on the host. Reported for 2 and 4 stages, and
+   the smaller of the two as the headline.
+2. ``predicted_over_measured``: a 4-part plan on ``local-4-two-sites`` (two
+   sites, 1 Gbit/s inside, 20 Mbit/s and 30 ms between) run with emulated
+   links. The plan's prediction is the schedule replay
+   (:mod:`fusion.executors.replay`) with alpha-beta links and per-part
+   compute times from a warm-up profile without emulation (FusionLLM fits
+   its lambda the same way); measured is the median iteration time.
+3. ``bottleneck_link_utilization``: bytes moved over the slowest link (both
+   directions of the 20 Mbit/s pair, which GPipe uses in turn: activations
+   forward, then gradients back) divided by its capacity times the measured
+   iteration time.
+
+Prints human lines, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CLASSES = 16
+SCENARIO = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "local-4-two-sites.json"
+SHARED_SCENARIO = Path("/work/shared/scenarios/local-4-two-sites.json")
+
+
+# -- the model, twice: op-node graph (fusion) and nn.Module stages (torch) -------------------------
+
+def build_model(d: int, hidden: int, blocks: int, rows: int, seed: int = 0):
+    import torch
+
+    from fusion.ir.builder import GraphBuilder
+
+    b = GraphBuilder()
+    h, y = b.input("x"), b.label("y")
+    for i in range(blocks):
+        n = b.module(f"ln{i}", "torch.nn.LayerNorm", h, normalized_shape=d)
+        m = b.module(f"fc1_{i}", "torch.nn.Linear", n, in_features=d, out_features=hidden)
+        m = b.function(f"gelu{i}", "torch.nn.functional.gelu", m)
+        m = b.module(f"fc2_{i}", "torch.nn.Linear", m, in_features=hidden, out_features=d)
+        h = b.function(f"res{i}", "operator.add", h, m)
+    h = b.module("lnf", "torch.nn.LayerNorm", h, normalized_shape=d)
+    o = b.module("head", "torch.nn.Linear", h, in_features=d, out_features=CLASSES)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    return b.build(example={"x": torch.randn(rows, d), "y": torch.randint(0, CLASSES, (rows,))}, seed=seed)
+
+
+def split(blocks: int, stages: int) -> dict[str, str]:
+    per = blocks // stages
+    a = {"x": "p0"}
+    for i in range(blocks):
+        for n in (f"ln{i}", f"fc1_{i}", f"gelu{i}", f"fc2_{i}", f"res{i}"):
+            a[n] = f"p{min(i // per, stages - 1)}"
+    for n in ("y", "lnf", "head", "loss"):
+        a[n] = f"p{stages - 1}"
+    return a
+
+
+def batch(step: int, rows: int, d: int) -> dict[str, np.ndarray]:
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((rows, d)).astype(np.float32), "y": g.integers(0, CLASSES, rows).astype(np.int64)}
+
+
+def torch_stage(weights: dict, d: int, hidden: int, blocks: int, stage: int, stages: int):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+            for mod, name in ((self.ln, f"ln{i}"), (self.fc1, f"fc1_{i}"), (self.fc2, f"fc2_{i}")):
+                mod.load_state_dict({k: torch.from_numpy(weights[f"{name}.{k}"].copy()) for k in ("weight", "bias")})
+
+        def forward(self, x):
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+    per = blocks // stages
+    mods = [Block(i) for i in range(stage * per, (stage + 1) * per)]
+    if stage == stages - 1:
+        lnf, head = nn.LayerNorm(d), nn.Linear(d, CLASSES)
+        lnf.load_state_dict({k: torch.from_numpy(weights[f"lnf.{k}"].copy()) for k in ("weight", "bias")})
+        head.load_state_dict({k: torch.from_numpy(weights[f"head.{k}"].copy()) for k in ("weight", "bias")})
+        mods += [lnf, head]
+    return nn.Sequential(*mods)
+
+
+def torch_worker(args) -> None:
+    """One rank of the torch.distributed.pipelining anchor."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.numpy import load_file
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    r, n = args.rank, args.world
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r, world_size=n)
+    weights = load_file(str(Path(args.plan) / "weights.safetensors"))
+    module = torch_stage(weights, args.d, args.hidden, args.blocks, r, n)
+    stage = PipelineStage(module, r, n, torch.device("cpu"))
+    sched = ScheduleGPipe(stage, args.micro, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y))
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+        b = batch(step, args.rows * args.micro, args.d)
+        if r == 0:
+            sched.step(torch.from_numpy(b["x"]))
+        elif r == n - 1:
+            mb_losses: list = []
+            sched.step(target=torch.from_numpy(b["y"]), losses=mb_losses)
+            losses.append(float(sum(float(v.detach()) for v in mb_losses) / len(mb_losses)))
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+    cpu = (time.process_time() - c0) / args.steps
+    dist.barrier()
+    dt = (time.perf_counter() - t0) / args.steps
+    Path(f"{args.out}.cpu{r}").write_text(json.dumps(cpu))
+    if r == n - 1:
+        Path(args.out).write_text(json.dumps({"iteration_s": dt, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path) -> dict:
+    port, out = free_port(), tmp / f"torch-{stages}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--torch-worker", "--rank", str(r), "--world", str(stages),
+                               "--port", str(port), "--plan", str(plan_dir), "--out", str(out), "--d", str(cfg.d),
+                               "--hidden", str(cfg.hidden), "--blocks", str(cfg.blocks), "--rows", str(cfg.rows),
+                               "--micro", str(cfg.micro), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup)], env=env)
+             for r in range(stages)]
+    try:
+        for p in procs:
+            if p.wait(600) != 0:
+                raise RuntimeError(f"torch pipelining rank exited with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    res = json.loads(out.read_text())
+    res["cpu_per_iteration_s"] = sum(json.loads(Path(f"{out}.cpu{r}").read_text()) for r in range(stages)) / stages
+    return res
+
+
+def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int, d: int, emulate: bool = False,
+               cpu: dict | None = None) -> list:
+    """Steps of a local run (after ``warmup``); ``cpu`` gets the executors' CPU seconds per measured iteration."""
+    from fusion.executors.coordinator import CoordinatorConfig
+    from fusion.executors.launcher import LocalCluster
+
+    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=emulate, peer_timeout_s=60), threads=1,
+                      trace=True, verbose=0) as lc:
+        lc.start()
+        reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup)]
+        c0 = {p: _proc_cpu_s(pr.pid) for p, pr in lc.processes.items()}
+        reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup, warmup + steps)]
+        if cpu is not None:
+            cpu["per_iteration_s"] = sum(_proc_cpu_s(pr.pid) - c0[p] for p, pr in lc.processes.items()) / steps / len(c0)
+    return reports
+
+
+def save_plan_for(model, stages: int, blocks: int, micro: int, tmp: Path, name: str, cluster=None) -> Path:
+    from fusion.executors.launcher import hand_plan
+    from fusion.executors.optim import OptimizerConfig
+    from fusion.plan import save_plan
+
+    devices = {f"p{i}": f"cpu-{i}" for i in range(stages)} if cluster else None
+    plan = hand_plan(model, split(blocks, stages), schedule="gpipe", micro_batches=micro,
+                     optimizer=OptimizerConfig("sgd", lr=0.01), cluster=cluster, devices=devices)
+    return save_plan(plan, tmp / name, params=model.params)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(cfg, tmp: Path) -> dict:
+    """Alternate fusion and torch rounds; each side's best round counts (the host is shared, load comes and goes)."""
+    model = build_model(cfg.d, cfg.hidden, cfg.blocks, cfg.rows)
+    rows = cfg.rows * cfg.micro
+    out = {}
+    for stages in (2, 4):
+        plan_dir = save_plan_for(model, stages, cfg.blocks, cfg.micro, tmp, f"plan-{stages}")
+        ours_it, theirs_it, ours_cpu, theirs_cpu = [], [], [], []
+        for rnd in range(cfg.rounds):
+            cpu: dict = {}
+            ours = run_fusion(plan_dir, tmp / f"run-{stages}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu)
+            theirs = run_torch(plan_dir, stages, cfg, tmp)
+            np.testing.assert_allclose([r.loss for r in ours], theirs["losses"][cfg.warmup:], rtol=1e-4,
+                                       err_msg="fusion and torch pipelining trained differently")
+            ours_it.append(sum(r.iteration_s for r in ours) / len(ours))
+            theirs_it.append(theirs["iteration_s"])
+            ours_cpu.append(cpu["per_iteration_s"])
+            theirs_cpu.append(theirs["cpu_per_iteration_s"])
+            print(f"[throughput] {stages} stages, round {rnd}: fusion {rows / ours_it[-1]:7.1f} samples/s "
+                  f"({ours_cpu[-1]:.3f} CPU-s/iteration), torch.distributed.pipelining ScheduleGPipe/gloo "
+                  f"{rows / theirs_it[-1]:7.1f} samples/s ({theirs_cpu[-1]:.3f} CPU-s/iteration)", flush=True)
+        out[stages] = (min(theirs_it) / min(ours_it), statistics.median(theirs_cpu) / statistics.median(ours_cpu))
+        print(f"[throughput] {stages} stages: best rounds fusion {rows / min(ours_it):.1f} vs torch {rows / min(theirs_it):.1f} "
+              f"samples/s, ratio {out[stages][0]:.3f}; CPU-s per iteration (median) torch/fusion {out[stages][1]:.3f}; "
+              "losses agree to 1e-4", flush=True)
+    return out
+
+
+def load_scenario() -> dict:
+    for f in (SCENARIO, SHARED_SCENARIO):
+        if f.exists():
+            return json.loads(f.read_text())
+    raise SystemExit(f"no local-4-two-sites scenario at {SCENARIO} or {SHARED_SCENARIO}")
+
+
+def emulated(cfg, tmp: Path) -> tuple[float, float, dict]:
+    from fusion.executors.replay import replay
+    from fusion.plan import load_plan
+
+    cluster = load_scenario()
+    model = build_model(cfg.emu_d, cfg.emu_d, 4, cfg.emu_rows)
+    plan_dir = save_plan_for(model, 4, 4, cfg.emu_micro, tmp, "plan-emu", cluster=cluster)
+    plan = load_plan(plan_dir)
+    rows = cfg.emu_rows * cfg.emu_micro
+    # warm-up profile without emulation: compute time of each part's F and B, and its tail (sync + optimizer)
+    prof = run_fusion(plan_dir, tmp / "run-profile", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d)
+    compute, tail = {}, {}
+    for p in plan.parts:
+        compute[p] = {"F": statistics.median(x for r in prof for x in r.parts[p]["forward_s"]),
+                      "B": statistics.median(x for r in prof for x in r.parts[p]["backward_s"])}
+        tail[p] = statistics.median(r.parts[p]["sync_s"] + r.parts[p]["optimizer_s"] for r in prof)
+    pred = replay(plan, compute, tail_s=tail)
+    plan.predicted["iteration_s"] = pred.iteration_s
+    meas = run_fusion(plan_dir, tmp / "run-emulated", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
+    measured = statistics.median(r.iteration_s for r in meas)
+    # the slowest link among the part pairs that carry traffic (both directions)
+    devs = [d["name"] for d in cluster["devices"]]
+    bw = lambda a, b: cluster["bandwidth_bps"][devs.index(plan.parts[a].device)][devs.index(plan.parts[b].device)]  # noqa: E731
+    used = {tuple(sorted(k)) for k in pred.link_bytes}
+    slow = min(used, key=lambda k: bw(*k))
+    moved = sum(r.parts[a]["sent"].get(b, {}).get("bytes", 0) for r in meas for a, b in (slow, slow[::-1])) / len(meas)
+    capacity = bw(*slow) / 8
+    util = moved / (capacity * measured)
+    print(f"[emulated] local-4-two-sites, 4 parts, GPipe x{cfg.emu_micro}: predicted {pred.iteration_s * 1e3:.1f} ms, "
+          f"measured {measured * 1e3:.1f} ms (median of {len(meas)}), ratio {pred.iteration_s / measured:.3f}", flush=True)
+    print(f"[emulated] slowest link {slow[0]}<->{slow[1]} ({bw(*slow) / 1e6:.0f} Mbit/s): {moved / 1e3:.1f} kB per iteration, "
+          f"utilization {util:.3f}; compute per micro-batch {json.dumps({p: {k: round(v * 1e3, 2) for k, v in c.items()} for p, c in compute.items()})} ms",
+          flush=True)
+    return pred.iteration_s / measured, util, {"predicted_s": pred.iteration_s, "measured_s": measured,
+                                               "slow_link": list(slow), "bytes_per_iteration": moved}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--plan", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--d", type=int, default=512, help="model width (throughput part)")
+    ap.add_argument("--hidden", type=int, default=2048, help="MLP width (throughput part)")
+    ap.add_argument("--blocks", type=int, default=8, help="blocks (throughput part; divisible by 4)")
+    ap.add_argument("--rows", type=int, default=16, help="rows per micro-batch (throughput part)")
+    ap.add_argument("--micro", type=int, default=8, help="micro-batches")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps (throughput part)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured first steps")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating fusion/torch rounds (best round counts)")
+    ap.add_argument("--emu-d", type=int, default=1024, help="model width (emulated part)")
+    ap.add_argument("--emu-rows", type=int, default=16, help="rows per micro-batch (emulated part)")
+    ap.add_argument("--emu-steps", type=int, default=5, help="measured steps (emulated part)")
+    ap.add_argument("--emu-micro", type=int, default=16, help="micro-batches (emulated part)")
+    ap.add_argument("--quick", action="store_true", help="small and short (a smoke run, not a measurement)")
+    cfg = ap.parse_args()
+    if cfg.torch_worker:
+        return torch_worker(cfg)
+    if cfg.quick:
+        cfg.d, cfg.hidden, cfg.steps, cfg.emu_d, cfg.emu_steps, cfg.warmup, cfg.rounds = 128, 256, 2, 256, 2, 1, 1
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="fusion-bench-") as tmp:
+        ratios = throughput(cfg, Path(tmp))
+        pom, util, detail = emulated(cfg, Path(tmp))
+    print(f"total {time.time() - t0:.0f} s on {os.cpu_count()} cores", flush=True)
+    print(json.dumps({
+        "throughput_vs_torch_pipelining": round(min(r[0] for r in ratios.values()), 3),
+        "throughput_vs_torch_pipelining_2": round(ratios[2][0], 3),
+        "throughput_vs_torch_pipelining_4": round(ratios[4][0], 3),
+        "cpu_efficiency_vs_torch_pipelining_2": round(ratios[2][1], 3),
+        "cpu_efficiency_vs_torch_pipelining_4": round(ratios[4][1], 3),
+        "predicted_over_measured": round(pom, 3),
+        "bottleneck_link_utilization": round(util, 3),
+        "emulated": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in detail.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

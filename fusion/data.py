@@ -1,0 +1,181 @@
+"""Training data for ``fusion run``: a generated text corpus and synthetic batches.
+
+Nothing is downloaded. The text corpus is generated locally from a fixed
+grammar and a seeded generator (small stories with consistent arithmetic,
+so a language model has something to learn), tokenized byte-level (vocab
+256) or character-level (vocab = the corpus's characters) to fit the
+model's vocabulary. Every batch is a pure function of ``(seed, step)``, so a
+resumed run sees exactly the batches an uninterrupted one would.
+
+:func:`make_batches` looks at a plan's placeholders: one integer input of
+shape ``[mb, T]`` plus one integer label of shape ``[mb, T]`` (or ``[mb*T]``)
+is a language model and gets text; anything else gets synthetic batches of
+the right shapes and dtypes (normal floats; integer labels within the
+classes of the loss they feed; integer inputs within the embedding they feed).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .ir.errors import FusionError
+from .ir.node import NodeKind, TensorMeta
+
+_NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]
+_ITEMS = ["apple", "book", "coin", "shell", "stone", "card", "key", "cup"]
+_NUMS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+
+
+def corpus_text(n_chars: int = 200_000, seed: int = 0) -> str:
+    """A deterministic English-like corpus of about ``n_chars`` characters."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_chars:
+        a, b = rng.sample(_NAMES, 2)
+        item = rng.choice(_ITEMS)
+        n = rng.randint(2, 12)
+        m = rng.randint(1, n)
+        k = rng.randint(0, 12 - (n - m))
+        s = (f"{a} has {_NUMS[n]} {item}s. {a} gives {_NUMS[m]} to {b}, so {a} has {_NUMS[n - m]} left. "
+             f"Then {a} finds {_NUMS[k]} more and has {_NUMS[n - m + k]} {item}s.\n")
+        if rng.random() < 0.3:
+            x, y = rng.randint(0, 6), rng.randint(0, 6)
+            s += f"{_NUMS[x]} plus {_NUMS[y]} is {_NUMS[x + y]}.\n"
+        out.append(s)
+        size += len(s)
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """Byte-level (``chars`` empty, vocab 256) or character-level (vocab ``len(chars)``)."""
+
+    chars: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) if self.chars else 256
+
+    def encode(self, text: str) -> np.ndarray:
+        if not self.chars:
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        index = {c: i for i, c in enumerate(self.chars)}
+        return np.array([index[c] for c in text], dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        if not self.chars:
+            return bytes(int(i) for i in ids).decode("utf-8", "replace")
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+def tokenizer_for(vocab_size: int, text: str) -> Tokenizer:
+    """Byte-level when the model has at least 256 tokens, else character-level if it fits."""
+    if vocab_size >= 256:
+        return Tokenizer()
+    chars = "".join(sorted(set(text)))
+    if len(chars) > vocab_size:
+        raise FusionError(f"the model's vocabulary ({vocab_size}) is smaller than the corpus's {len(chars)} characters; "
+                          "use a vocabulary of at least 256 (byte-level) or --data synthetic")
+    return Tokenizer(chars)
+
+
+class TextBatches:
+    """Next-token batches: ``batch(step)`` gives random windows of ``seq_len + 1`` tokens."""
+
+    def __init__(self, tokens: np.ndarray, rows: int, seq_len: int, seed: int = 0):
+        if len(tokens) <= seq_len + 1:
+            raise FusionError(f"corpus of {len(tokens)} tokens is too short for sequences of {seq_len}")
+        self.tokens, self.rows, self.seq_len, self.seed = tokens, rows, seq_len, seed
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        g = np.random.default_rng([self.seed, step])
+        starts = g.integers(0, len(self.tokens) - self.seq_len - 1, self.rows)
+        w = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+        return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
+
+
+def _shape(spec: dict) -> tuple[int, ...]:
+    return tuple(int(s) for s in spec["shape"])
+
+
+def _is_int(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def _int_high(graph, name: str) -> int:
+    """Exclusive upper bound for an integer placeholder: classes of the loss or rows of the embedding it feeds."""
+    users = graph.users()
+    seen, frontier = set(), [name]
+    while frontier:  # follow shape-only ops (view, reshape, flatten) to the real consumer
+        n = frontier.pop()
+        for u in users.get(n, []):
+            if u in seen:
+                continue
+            seen.add(u)
+            node = graph[u]
+            t = node.target
+            if "cross_entropy" in t or "nll_loss" in t or "CrossEntropyLoss" in t:
+                logits = node.args[0]
+                meta = graph[logits.node].meta.outputs
+                out = meta[logits.index or 0] if meta else None
+                if isinstance(out, TensorMeta) and len(out.shape) >= 2:
+                    return int(out.shape[1])
+            if "embedding" in t.lower():
+                pnames = node.param_names()
+                if pnames:
+                    return int(graph.params[pnames[0]].shape[0])
+            if any(k in t for k in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze")):
+                frontier.append(u)
+    return 2
+
+
+def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
+    """``step -> batch`` (placeholder -> array of all micro-batches) for ``plan``."""
+    g, nm = plan.graph, plan.micro_batches
+    specs = {n: plan.example.get(n) for n in g.nodes if g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)}
+    for n, s in specs.items():
+        if s is None:
+            raise FusionError(f"plan: field 'example' has no shape for placeholder {n!r}")
+    ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
+    labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
+    lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
+          and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
+    if kind == "text" and not lm:
+        raise FusionError("--data text needs one integer input [micro_batch, T] and one integer label of the same size")
+    if kind not in ("auto", "text", "synthetic"):
+        raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic)")
+    if lm and kind != "synthetic":
+        x, y = ins[0], labs[0]
+        mb, T = _shape(specs[x])
+        text = corpus_text(seed=0)
+        tok = tokenizer_for(_int_high(g, x), text)
+        src = TextBatches(tok.encode(text), mb * nm, T, seed)
+        lshape = (mb * nm, *_shape(specs[y])[1:]) if len(_shape(specs[y])) > 1 else (mb * nm * T,)
+
+        def text_batch(step: int) -> dict[str, np.ndarray]:
+            a, b = src.batch(step)
+            return {x: a.astype(specs[x]["dtype"]), y: b.reshape(lshape).astype(specs[y]["dtype"])}
+
+        text_batch.tokenizer = tok  # type: ignore[attr-defined]
+        return text_batch
+    highs = {n: _int_high(g, n) for n, s in specs.items() if _is_int(s["dtype"])}
+
+    def synthetic_batch(step: int) -> dict[str, np.ndarray]:
+        r = np.random.default_rng([seed, step])
+        out: dict[str, Any] = {}
+        for n, s in specs.items():
+            shape = (_shape(s)[0] * nm, *_shape(s)[1:])
+            if _is_int(s["dtype"]):
+                out[n] = r.integers(0, highs[n], shape).astype(s["dtype"])
+            elif s["dtype"] == "bool":
+                out[n] = r.random(shape) < 0.5
+            else:
+                out[n] = r.standard_normal(shape).astype(s["dtype"])
+        return out
+
+    return synthetic_batch

@@ -1,0 +1,270 @@
+"""The wire codec: messages as one msgpack header frame plus raw tensor frames.
+
+Every message between fusion processes (OP-Data between CompNodes, control
+messages between the coordinator and the executors) has the same shape::
+
+    frame 0   msgpack map {"v": PROTOCOL_VERSION, "k": kind, "h": header, "t": [tensor descriptors]}
+    frame i   raw little-endian bytes of tensor i-1, exactly prod(shape) * itemsize long
+
+A tensor descriptor is ``{"d": dtype name, "s": shape}``. Nothing is pickled
+and nothing framework-specific crosses the wire: dtypes are NumPy names from a
+closed list, shapes are lists of ints, headers are plain msgpack maps. Tensor
+frames are handed to the transport as the arrays themselves (zero-copy send
+where the transport allows) and decoded with ``np.frombuffer`` over the
+received buffer (zero-copy receive; the arrays are read-only).
+
+Decoding checks, in order, and raises :class:`~fusion.ir.errors.WireError`
+with the reason: total size against a maximum, header size, msgpack
+well-formedness, protocol version, kind, tensor count (truncated messages),
+dtype, shape and frame size. :func:`decode_opdata` then checks every OP-Data
+field's type. A receiver logs the reason and drops the message.
+
+Payloads other than dense arrays and small values (e.g. the Top-K sparse
+triple) are carried by a :class:`PayloadCodec` registered under a type name
+with :func:`register_payload_codec`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import WireError
+from .opdata import OpData
+
+PROTOCOL_VERSION = 1
+#: default upper bound on one message (header + tensor frames), bytes
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+#: upper bound on the msgpack header frame, bytes
+MAX_HEADER_BYTES = 1 << 20
+#: upper bound on the number of tensor frames in one message
+MAX_TENSORS = 1 << 16
+#: dtypes allowed on the wire (NumPy names; bfloat16 travels as raw uint16 bits)
+WIRE_DTYPES = frozenset({
+    "float64", "float32", "float16", "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128",
+})
+MAX_NDIM = 32
+
+#: message kinds: OP-Data between parts, tied-parameter gradients between owners, control
+KINDS = frozenset({"opdata", "pgrad", "ctrl"})
+
+
+@dataclass
+class Message:
+    """A decoded message: ``kind``, its msgpack ``header`` map and its tensors."""
+
+    kind: str
+    header: dict
+    arrays: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def _wire_array(a: Any) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.name not in WIRE_DTYPES:
+        raise WireError(f"dtype {arr.dtype.name!r} cannot travel on the wire (allowed: {sorted(WIRE_DTYPES)})")
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.require(arr, requirements="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+
+
+def encode(kind: str, header: dict, arrays: Sequence[Any] = ()) -> list[Any]:
+    """Frames of one message: the msgpack header, then each array (contiguous, not copied when already so)."""
+    if kind not in KINDS:
+        raise WireError(f"unknown message kind {kind!r}")
+    arrs = [_wire_array(a) for a in arrays]
+    head = {"v": PROTOCOL_VERSION, "k": kind, "h": header,
+            "t": [{"d": a.dtype.name, "s": list(a.shape)} for a in arrs]}
+    try:
+        raw = msgpack.packb(head, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise WireError(f"header cannot be encoded: {e}") from None
+    return [raw, *arrs]
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """Bytes of a frame list as :func:`encode` returns it."""
+    return sum(f.nbytes if isinstance(f, np.ndarray) else memoryview(f).nbytes for f in frames)
+
+
+def _buffer(f: Any) -> memoryview:
+    """A flat byte view of a frame (zmq.Frame, bytes, or an array as :func:`encode` returns it)."""
+    if isinstance(f, np.ndarray):
+        return memoryview(np.require(f, requirements="C").reshape(-1).view(np.uint8))
+    buf = getattr(f, "buffer", None)  # zmq.Frame
+    mv = memoryview(buf if buf is not None else f)
+    if mv.nbytes == 0:
+        return memoryview(b"")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Check and decode one message. Raises WireError naming what is wrong."""
+    if not frames:
+        raise WireError("empty message")
+    bufs = [_buffer(f) for f in frames]
+    total = sum(b.nbytes for b in bufs)
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the maximum of {max_bytes} bytes")
+    if bufs[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header of {bufs[0].nbytes} bytes exceeds the maximum of {MAX_HEADER_BYTES} bytes")
+    try:
+        head = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, use_list=True,
+                               max_array_len=MAX_TENSORS, max_map_len=1 << 16, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"malformed header ({type(e).__name__}: {e})") from None
+    if not isinstance(head, dict):
+        raise WireError(f"header is a {type(head).__name__}, not a map")
+    if head.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {head.get('v')!r} (this process speaks {PROTOCOL_VERSION})")
+    kind = head.get("k")
+    if kind not in KINDS:
+        raise WireError(f"unknown message kind {kind!r}")
+    header, descs = head.get("h"), head.get("t")
+    if not isinstance(header, dict):
+        raise WireError("field 'h' (header) must be a map")
+    if not isinstance(descs, list):
+        raise WireError("field 't' (tensor descriptors) must be a list")
+    if len(descs) != len(bufs) - 1:
+        raise WireError(f"header declares {len(descs)} tensor frames, message has {len(bufs) - 1} (truncated or padded)")
+    arrays = []
+    for i, (d, buf) in enumerate(zip(descs, bufs[1:])):
+        arrays.append(_decode_tensor(i, d, buf))
+    return Message(kind, header, arrays)
+
+
+def _decode_tensor(i: int, d: Any, buf: memoryview) -> np.ndarray:
+    if not isinstance(d, dict) or not isinstance(d.get("d"), str) or not isinstance(d.get("s"), list):
+        raise WireError(f"tensor {i}: descriptor must be a map with 'd' (dtype) and 's' (shape)")
+    dtype, shape = d["d"], d["s"]
+    if dtype not in WIRE_DTYPES:
+        raise WireError(f"tensor {i}: dtype {dtype!r} is not allowed on the wire")
+    if len(shape) > MAX_NDIM or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise WireError(f"tensor {i}: shape {shape!r} is not a list of non-negative ints")
+    dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
+    want = math.prod(shape) * dt.itemsize
+    if want != buf.nbytes:
+        raise WireError(f"tensor {i}: shape {shape} of {dtype} needs {want} bytes, frame has {buf.nbytes}")
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+# -- payload codecs ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PayloadCodec:
+    """How a non-dense payload type travels.
+
+    name:    the ``payload.type`` tag in the header.
+    matches: whether a payload object is of this type.
+    encode:  object -> (JSON-able meta map, list of arrays).
+    decode:  (meta, arrays) -> object; raises WireError on bad input.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    encode: Callable[[Any], tuple[dict, list[np.ndarray]]]
+    decode: Callable[[dict, list[np.ndarray]], Any]
+
+
+_CODECS: dict[str, PayloadCodec] = {}
+
+
+def register_payload_codec(codec: PayloadCodec) -> PayloadCodec:
+    """Register a payload type (e.g. the Top-K sparse payload); ``dense`` and ``value`` are built in."""
+    if codec.name in ("dense", "value"):
+        raise ValueError(f"payload type {codec.name!r} is built in")
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def _encode_payload(p: Any) -> tuple[dict, list[np.ndarray]]:
+    for c in _CODECS.values():
+        if c.matches(p):
+            meta, arrays = c.encode(p)
+            return {"type": c.name, **meta}, list(arrays)
+    if isinstance(p, np.ndarray) or (hasattr(p, "__array__") and not isinstance(p, (int, float, bool))):
+        return {"type": "dense"}, [np.asarray(p)]
+    if isinstance(p, np.generic):
+        return {"type": "value", "value": p.item(), "tuple": False}, []
+    if p is None or isinstance(p, (bool, int, float, str, list, tuple)):
+        return {"type": "value", "value": list(p) if isinstance(p, tuple) else p, "tuple": isinstance(p, tuple)}, []
+    raise WireError(f"payload of type {type(p).__name__} cannot travel on the wire")
+
+
+def _decode_payload(meta: Any, arrays: list[np.ndarray]) -> Any:
+    if not isinstance(meta, dict) or not isinstance(meta.get("type"), str):
+        raise WireError("field 'payload' must be a map with a 'type'")
+    t = meta["type"]
+    if t == "dense":
+        if len(arrays) != 1:
+            raise WireError(f"dense payload needs 1 tensor frame, got {len(arrays)}")
+        return arrays[0]
+    if t == "value":
+        if arrays:
+            raise WireError("value payload carries no tensor frames")
+        v = meta.get("value")
+        return tuple(v) if meta.get("tuple") and isinstance(v, list) else v
+    codec = _CODECS.get(t)
+    if codec is None:
+        raise WireError(f"unknown payload type {t!r}")
+    return codec.decode(meta, arrays)
+
+
+# -- OP-Data ------------------------------------------------------------------------------------
+
+def encode_opdata(od: OpData, kind: str = "opdata") -> list[Any]:
+    """Frames of one OP-Data message (``kind`` ``"pgrad"`` for tied-parameter gradients)."""
+    meta, arrays = _encode_payload(od.payload)
+    header = {
+        "name": od.name, "index": od.index, "op_users": list(od.op_users), "actual_user": list(od.actual_user),
+        "is_grad": bool(od.is_grad), "is_loss": bool(od.is_loss), "requires_grad": bool(od.requires_grad),
+        "local_iter": int(od.local_iter), "micro_batch": int(od.micro_batch), "src": od.src, "dst": od.dst,
+        "compress": od.compress_cfg, "payload": meta,
+    }
+    return encode(kind, header, arrays)
+
+
+def _field(h: dict, name: str, types: tuple, nullable: bool = False) -> Any:
+    if name not in h:
+        raise WireError(f"OP-Data field {name!r} is missing")
+    v = h[name]
+    if v is None and nullable:
+        return v
+    if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+        raise WireError(f"OP-Data field {name!r} has type {type(v).__name__}, expected {'/'.join(t.__name__ for t in types)}")
+    return v
+
+
+def _names(h: dict, name: str) -> tuple[str, ...]:
+    v = _field(h, name, (list,))
+    if not all(isinstance(x, str) for x in v):
+        raise WireError(f"OP-Data field {name!r} must be a list of node names")
+    return tuple(v)
+
+
+def opdata_from_message(msg: Message) -> OpData:
+    """The OP-Data of an ``opdata``/``pgrad`` message, every field type-checked."""
+    if msg.kind not in ("opdata", "pgrad"):
+        raise WireError(f"message kind {msg.kind!r} is not OP-Data")
+    h = msg.header
+    comp = _field(h, "compress", (dict,), nullable=True)
+    return OpData(
+        name=_field(h, "name", (str,)), index=_field(h, "index", (int,), nullable=True),
+        op_users=_names(h, "op_users"), actual_user=_names(h, "actual_user"),
+        is_grad=_field(h, "is_grad", (bool,)), is_loss=_field(h, "is_loss", (bool,)),
+        requires_grad=_field(h, "requires_grad", (bool,)), local_iter=_field(h, "local_iter", (int,)),
+        micro_batch=_field(h, "micro_batch", (int,)), src=_field(h, "src", (str,)), dst=_field(h, "dst", (str,)),
+        payload=_decode_payload(h.get("payload"), msg.arrays), compress_cfg=comp,
+    )
+
+
+def decode_opdata(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> OpData:
+    """:func:`decode` then :func:`opdata_from_message`."""
+    return opdata_from_message(decode(frames, max_bytes))
