@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from .errors import GraphError
-from .node import NodeKind, PLACEHOLDER_KINDS, TensorMeta
+from .node import PLACEHOLDER_KINDS, TensorMeta
 
 PartId = str
 
