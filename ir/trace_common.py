@@ -61,6 +61,20 @@ def convert_arg(value: Any, env: Mapping[fx.Node, Any]) -> Any:
     return value
 
 
+def name_allocator(reserved: set[str]) -> Callable[[str], str]:
+    """``unique(base)``: ``base``, or ``base_1``, ``base_2``, ... if taken; the result is reserved."""
+    used = set(reserved)
+
+    def unique(base: str) -> str:
+        name, i = base, 1
+        while name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        return name
+
+    return unique
+
+
 def describe(fn: Any) -> str:
     mod = getattr(fn, "__module__", None) or ""
     return f"{mod}.{getattr(fn, '__name__', repr(fn))}".lstrip(".")

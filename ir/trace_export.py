@@ -30,7 +30,8 @@ from .errors import GraphError
 from .graph import OpGraph
 from .node import NodeKind, OpNode, ParamRef, Ref
 from .registry import REGISTRY, OpRegistry
-from .trace_common import ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node
+from .trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
+                           name_allocator)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
     env: dict[fx.Node, Any] = {}
     placeholders = {n.name: n for n in gm_graph.nodes if n.op == "placeholder"}
     user_values = _user_input_values(ep, example)
-    used = {k for k, v in example.items() if isinstance(v, torch.Tensor)}
+    unique = name_allocator({k for k, v in example.items() if isinstance(v, torch.Tensor)})
     tensor_of: dict[fx.Node, torch.Tensor] = {}  # parameter/buffer/constant placeholder -> tensor
 
     for spec in ep.graph_signature.input_specs:
@@ -79,12 +80,6 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
 
     groups = _module_groups(module, gm_graph, registry, tensor_of) if granularity == "module" else {}
 
-    def unique(base: str) -> str:
-        name, i = base, 1
-        while name in used:
-            name, i = f"{base}_{i}", i + 1
-        used.add(name)
-        return name
 
     out_node = None
     for node in gm_graph.nodes:

@@ -23,7 +23,8 @@ from .errors import GraphError
 from .graph import OpGraph
 from .node import NodeKind, OpNode, ParamRef, Ref
 from .registry import REGISTRY, OpRegistry
-from .trace_common import ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node
+from .trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
+                           name_allocator)
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,9 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
     if len(placeholders) != len(arg_names):
         raise GraphError(f"torch.fx made {len(placeholders)} placeholders for forward arguments {arg_names}")
     arg_of = dict(zip(placeholders, arg_names))
-    used = {n for n in example if isinstance(example[n], torch.Tensor)}  # placeholder names are reserved
+    unique = name_allocator({n for n in example if isinstance(example[n], torch.Tensor)})  # placeholder names are reserved
     returned: Any = None
 
-    def unique(base: str) -> str:
-        name, i = base, 1
-        while name in used:
-            name, i = f"{base}_{i}", i + 1
-        used.add(name)
-        return name
 
     for node in fx_graph.nodes:
         if node.op == "placeholder":

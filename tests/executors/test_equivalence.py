@@ -25,9 +25,6 @@ Models:
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,31 +37,11 @@ from fusion.executors.optim import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.node import Ref
+from tests.examples import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 3
 BATCH = 6  # divisible into 1, 2 and 3 micro-batches
 RTOL_LOSS, RTOL_GRAD, ATOL = 1e-5, 1e-4, 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: with 2 intra-op threads, OpenMP spin-waiting on a
-    shared, loaded 2-core machine made this file 10-20x slower (120 s vs 6 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _load_example(name: str):
-    mod_name = f"fusion_example_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, EXAMPLES / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]
 
 
 # -- tied_mlp: user function, tied head, free parameter on two parts ----------------
@@ -165,16 +142,16 @@ def _vectors(n, seed):
 
 CASES = {
     "fig7": dict(
-        model=lambda: _load_example("cnn_fig7").build(seed=0),
-        twin=lambda: _load_example("cnn_fig7").TwoLayerNet(),
+        model=lambda: load_example("cnn_fig7").build(seed=0),
+        twin=lambda: load_example("cnn_fig7").TwoLayerNet(),
         data=_images,
         splits={
             2: _parts({"p0": ["x", "conv1", "myrelu"]}, "p1"),
             4: _parts({"p0": ["x", "y", "conv1"], "p1": ["myrelu", "conv2"], "p2": ["relu2", "pool", "flat"]}, "p3"),
         }),
     "branching": dict(
-        model=lambda: _load_example("branching_cnn").build(seed=0),
-        twin=lambda: _load_example("branching_cnn").BranchingCNN(),
+        model=lambda: load_example("branching_cnn").build(seed=0),
+        twin=lambda: load_example("branching_cnn").BranchingCNN(),
         data=_images,
         splits={
             2: _parts({"p0": ["x", "stem", "stem_act", "a_conv1", "a_act", "a_conv2"]}, "p1"),

@@ -1,7 +1,5 @@
 """OpGraph: validation errors name the node; topological order; users; output metadata."""
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +8,8 @@ from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph, ParamSpec
 from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta, ValueMeta
+from tests.examples import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _mlp_graph() -> OpGraph:
@@ -172,20 +170,8 @@ def test_users_and_param_users():
     assert pu["fc.weight"] == ["fc", "scaled"] and pu["fc.bias"] == ["fc"]
 
 
-def _load_example(name: str):
-    import importlib.util
-
-    mod_name = f"fusion_example_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, EXAMPLES / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]
-
-
 def test_output_shapes_dtypes_and_requires_grad_after_build():
-    fig7 = _load_example("cnn_fig7")
+    fig7 = load_example("cnn_fig7")
     g = fig7.build(channels=8, batch=4).graph
     expect = {
         "x": ((4, 3, 8, 8), "float32", False),

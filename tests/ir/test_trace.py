@@ -17,15 +17,6 @@ from fusion.ir.trace import trace
 gpt = load_gpt()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: extra intra-op threads only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return gpt.tiny()

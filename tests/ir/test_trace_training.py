@@ -38,15 +38,6 @@ def _torch_optimizer(cfg: OptimizerConfig, params):
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: extra intra-op threads only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def traced():
     """Traced once per method; each test builds a fresh module with the same seed as the reference."""
