@@ -11,6 +11,9 @@ are named in each docstring.
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import math
 from typing import Any, Callable
 
@@ -104,26 +107,17 @@ def Where(cond, a, b):
 
 @_op
 def Max(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = torch.maximum(out, x)
-    return out
+    return functools.reduce(torch.maximum, xs)
 
 
 @_op
 def Min(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = torch.minimum(out, x)
-    return out
+    return functools.reduce(torch.minimum, xs)
 
 
 @_op
 def Sum(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = out + x
-    return out
+    return functools.reduce(operator.add, xs)
 
 
 @_op
