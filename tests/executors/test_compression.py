@@ -181,3 +181,24 @@ def test_bad_compression_tables_are_rejected():
         CompressionTable.build("p1", [EdgeCompression("relu_a", None, "p1", "p3", 10.0, ("up",))])
     with pytest.raises(FusionError, match="ratio 0.5 < 1"):
         CompressionTable.build("p1", [EdgeCompression("relu_a", None, "p1", "p3", 0.5)])
+
+
+def test_distributed_run_compresses_like_the_reference(tmp_path):
+    """Real executor processes over loopback: the plan's compression gives the reference executor's training."""
+    from tests.executors.dist_models import run_distributed
+    from fusion.executors.launcher import hand_plan
+    from fusion.plan import save_plan
+
+    model = branching_cnn(mb=2)
+    comp = [EdgeCompression("relu_a", None, "p1", "p3", 10.0, ("fwd", "bwd"), True),
+            EdgeCompression("conv1", None, "p0", "p2", 4.0, ("fwd",))]
+    plan = hand_plan(model, SPLIT, micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    plan.compression = comp
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    batches = [cnn_batch(s, 4) for s in range(3)]
+    reports, state = run_distributed(plan_dir, tmp_path / "run", batches, want_grads=False)
+    ref = ReferenceExecutor(branching_cnn(mb=2), SPLIT, OptimizerConfig("sgd", lr=0.1), micro_batches=2, compression=comp)
+    for r, b in zip(reports, batches):
+        np.testing.assert_allclose(r.loss, ref.step(b).loss, rtol=1e-5)
+    for n, v in ref.state().items():
+        np.testing.assert_allclose(state[n], v, rtol=1e-4, atol=1e-6)
