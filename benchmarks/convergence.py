@@ -168,7 +168,8 @@ def ema(x: np.ndarray, beta: float = 0.9) -> np.ndarray:
 
 def study(name: str, model, batches_fn, steps: int, ratio: float, mb: int, lr: float, out: Path):
     plan = compile_model(model, load_cluster(CLUSTER), strategy="equal-flops", micro_batches=2, compress_ratio=ratio)
-    runs = {"dense": None, "uniform": uniform_edges(model, plan.assignment, ratio), "adatopk": plan.compression}
+    runs = {"dense": None, "uniform": uniform_edges(model, plan.assignment, ratio), "adatopk": plan.compression,
+            "adatopk+ef": [dataclasses.replace(c, error_feedback=True) for c in plan.compression]}
     log.info("%s: parts %s; AdaTopK ratios %s", name, {p.name: p.device for p in plan.parts.values()},
              {f"{c.producer}:{c.src}->{c.dst}": round(c.ratio, 1) for c in plan.compression})
     res = {}
@@ -179,33 +180,37 @@ def study(name: str, model, batches_fn, steps: int, ratio: float, mb: int, lr: f
                     "compute_s": clock["compute"], "wall_s": time.perf_counter() - t0}
         log.info("%s %-8s final loss %.3f (ema %.3f)  simulated %.1f s (comm %.1f s, %.2f MB)  wall %.1f s", name, run,
                  losses[-1], ema(losses)[-1], times[-1], clock["comm"], clock["bytes"] / 1e6, res[run]["wall_s"])
-    # target: the loss the dense run's smoothed curve reaches at 80 % of the steps
+    # targets: the loss the dense run's smoothed curve reaches at 25 % ("early") and 80 % ("late") of the steps
     dense_ema = ema(res["dense"]["losses"])
-    target = float(dense_ema[int(0.8 * steps) - 1])
+    targets = {"early": float(dense_ema[int(0.25 * steps) - 1]), "late": float(dense_ema[int(0.8 * steps) - 1])}
     for run, r in res.items():
         e = ema(r["losses"])
-        hit = np.nonzero(e <= target)[0]
-        r["steps_to_target"] = int(hit[0]) + 1 if hit.size else None
-        r["time_to_target_s"] = float(r["times"][hit[0]]) if hit.size else None
+        for tname, target in targets.items():
+            hit = np.nonzero(e <= target)[0]
+            r[f"steps_to_{tname}"] = int(hit[0]) + 1 if hit.size else None
+            r[f"time_to_{tname}_s"] = float(r["times"][hit[0]]) if hit.size else None
         r["final_ema"] = float(e[-1])
-    plot(name, res, target, ratio, out / f"convergence_{name}.png")
-    return res, target
+    target = targets["late"]
+    plot(name, res, targets, ratio, out / f"convergence_{name}.png")
+    return res, targets
 
 
-def plot(name, res, target, ratio, path: Path):
+def plot(name, res, targets, ratio, path: Path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    label = {"dense": "dense", "uniform": f"uniform Top-K (r={ratio:g})", "adatopk": f"AdaTopK (r={ratio:g})"}
+    label = {"dense": "dense", "uniform": f"uniform Top-K (r={ratio:g})", "adatopk": f"AdaTopK (r={ratio:g})",
+             "adatopk+ef": f"AdaTopK + error feedback (r={ratio:g})"}
     for run, r in res.items():
         e = ema(r["losses"])
         axes[0].plot(np.arange(1, len(e) + 1), e, label=label[run])
         axes[1].plot(r["times"], e, label=label[run])
     for ax, xl in zip(axes, ("iteration", "simulated time (s)")):
-        ax.axhline(target, color="grey", ls=":", lw=1, label="target")
+        for tname, target in targets.items():
+            ax.axhline(target, color="grey", ls=":" if tname == "late" else "--", lw=1, label=f"{tname} target")
         ax.set_xlabel(xl)
         ax.set_ylabel("training loss (EMA 0.9)")
         ax.grid(alpha=0.3)
@@ -227,8 +232,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
-    summary, table = {}, ["| model | run | final loss (EMA) | steps to target | simulated time to target (s) | MB sent | speed-up vs dense |",
-                          "|---|---|---|---|---|---|---|"]
+    summary, table = {}, ["| model | run | final loss (EMA) | steps to early / late target | simulated s to early / late target "
+                          "| MB sent | speed-up vs dense (early / late) |", "|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         if name == "gpt":
             tokens = text_corpus()
@@ -240,18 +245,21 @@ def main(argv=None) -> None:
             model = cnn(mb=16)
             res, target = study("cnn", model, lambda: cnn_batches(args.steps, 32, 1, 10, 8), args.steps,
                                 args.ratio, 16, 3e-3, args.out)
-        d = res["dense"]["time_to_target_s"]
-        summary[name] = {"target": round(target, 4)}
+        summary[name] = {"targets": {k: round(v, 4) for k, v in target.items()}}
+        fmt = lambda v, f: "not reached" if v is None else f % v  # noqa: E731
         for run, r in res.items():
-            t = r["time_to_target_s"]
-            sp = (d / t) if (t and d) else None
-            table.append(f"| {name} | {run} | {r['final_ema']:.3f} | {r['steps_to_target'] or 'not reached'} | "
-                         f"{'%.1f' % t if t else 'not reached'} | {r['bytes'] / 1e6:.2f} | {'%.2fx' % sp if sp else '-'} |")
-            summary[name][run] = {"final_ema": round(r["final_ema"], 4), "steps_to_target": r["steps_to_target"],
-                                  "time_to_target_s": None if t is None else round(t, 2),
-                                  "speedup_vs_dense": None if sp is None else round(sp, 3),
-                                  "mbytes": round(r["bytes"] / 1e6, 3)}
-        log.info("%s: target loss %.3f", name, target)
+            row = {"final_ema": round(r["final_ema"], 4), "mbytes": round(r["bytes"] / 1e6, 3)}
+            for t in ("early", "late"):
+                d, x = res["dense"][f"time_to_{t}_s"], r[f"time_to_{t}_s"]
+                row[f"steps_to_{t}"] = r[f"steps_to_{t}"]
+                row[f"time_to_{t}_s"] = None if x is None else round(x, 2)
+                row[f"speedup_{t}"] = None if (x is None or d is None) else round(d / x, 3)
+            table.append(f"| {name} | {run} | {r['final_ema']:.3f} | {fmt(row['steps_to_early'], '%d')} / "
+                         f"{fmt(row['steps_to_late'], '%d')} | {fmt(row['time_to_early_s'], '%.1f')} / "
+                         f"{fmt(row['time_to_late_s'], '%.1f')} | {row['mbytes']:.2f} | "
+                         f"{fmt(row['speedup_early'], '%.2fx')} / {fmt(row['speedup_late'], '%.2fx')} |")
+            summary[name][run] = row
+        log.info("%s: target losses %s", name, target)
     print("\n".join(table))
     print(json.dumps({"benchmark": "convergence", "ratio": args.ratio, "steps": args.steps, **summary}))
 
