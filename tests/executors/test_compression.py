@@ -202,3 +202,21 @@ def test_distributed_run_compresses_like_the_reference(tmp_path):
         np.testing.assert_allclose(r.loss, ref.step(b).loss, rtol=1e-5)
     for n, v in ref.state().items():
         np.testing.assert_allclose(state[n], v, rtol=1e-4, atol=1e-6)
+
+
+def test_encode_and_densify_do_not_import_torch():
+    """A NumPy-engine CompNode compresses and decodes without torch (error feedback aside)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "import fusion.executors.part, fusion.executors.inbox, fusion.ir.wire\n"
+            "from fusion.executors.compression import CompressionTable, densify\n"
+            "from fusion.plan import EdgeCompression\n"
+            "t = CompressionTable.build('p0', [EdgeCompression('a', None, 'p0', 'p1', 4.0)])\n"
+            "p, cfg = t.encode(np.arange(20, dtype=np.float32), ('a', None), 'p1', False, 0)\n"
+            "assert cfg['k'] == 5 and densify(p)[-5:].tolist() == [15, 16, 17, 18, 19]\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
