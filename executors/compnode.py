@@ -201,7 +201,7 @@ class CompNode:
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device)
-        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine)
+        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine, self.plan.compression)
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)

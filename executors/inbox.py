@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..ir.errors import WireError
+from ..kernels.sparse import SparsePayload
 from ..ir.graph import OpGraph
 from ..ir.node import TensorMeta
 from ..ir.opdata import OpData
@@ -74,6 +75,12 @@ class Inbox:
 
     def _check_payload(self, od: OpData) -> None:
         m = self._meta(od)
+        if isinstance(od.payload, SparsePayload) and isinstance(m, TensorMeta):
+            # indices/lengths/dtypes were checked by the wire codec; here: the tensor it describes
+            if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype != m.dtype:
+                raise WireError(f"{od.key}: sparse payload of {od.payload.dtype}{list(od.payload.shape)} does not match "
+                                f"the graph's {m.dtype}{list(m.shape)}")
+            return
         if od.compress_cfg is not None or not isinstance(m, TensorMeta):
             return  # compressed payloads are checked by their codec; values have no static shape
         if not isinstance(od.payload, np.ndarray):

@@ -10,7 +10,7 @@ both drive this class; only how OpData travels differs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from ..ir.boundary import SubGraph
 from ..ir.errors import GraphError
 from ..ir.graph import OpGraph
 from ..ir.opdata import OpData
+from .compression import dense_payload, table_for
 
 Key = tuple[str, "int | None"]
 
@@ -75,8 +76,11 @@ def make_routes(sub: SubGraph, assignment: Mapping[str, str]) -> Routes:
 class PartRuntime:
     """A part's forward/backward in terms of OpData messages."""
 
-    def __init__(self, graph: OpGraph, name: str, sub: SubGraph, assignment: Mapping[str, str], engine: EnginePart):
+    def __init__(self, graph: OpGraph, name: str, sub: SubGraph, assignment: Mapping[str, str], engine: EnginePart,
+                 compression: "Iterable[Any] | None" = None):
+        """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
+        self.compression = table_for(name, compression, graph)
         self.routes = make_routes(sub, assignment)
         self._users = {n: tuple(u) for n, u in graph.users().items()}
         self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
@@ -95,15 +99,18 @@ class PartRuntime:
         for msg in inbox:
             if msg.is_grad or msg.key not in self.routes.recv_from:
                 raise GraphError(f"part {self.name} got an unexpected activation {msg.key} from {msg.src}", msg.name)
-            inputs[msg.key] = msg.payload
+            inputs[msg.key] = dense_payload(msg.payload)
         sent, loss = self.engine.forward((it, mb), inputs, {k: feeds[k] for k in self.placeholders if k in feeds})
         out = []
         for key, dsts in self.routes.send_to.items():
             for dst, users in dsts.items():
+                payload, cfg = sent[key], None
+                if self.compression is not None:
+                    payload, cfg = self.compression.encode(payload, key, dst, False, mb)
                 out.append(OpData(
                     name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=users,
-                    is_grad=False, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=sent[key],
-                    requires_grad=dst in self.routes.grads_from.get(key, ()),
+                    is_grad=False, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=payload,
+                    requires_grad=dst in self.routes.grads_from.get(key, ()), compress_cfg=cfg,
                 ))
         return out, loss
 
@@ -114,13 +121,16 @@ class PartRuntime:
         for msg in inbox:
             if not msg.is_grad or msg.key not in self.routes.grads_from:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
-            g = np.asarray(msg.payload)
+            g = np.asarray(dense_payload(msg.payload))
             summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
         grads_in = self.engine.backward((it, mb), summed, loss_scale)
         out = []
         for key, g in grads_in.items():
+            dst, cfg = self.routes.grads_to[key], None
+            if self.compression is not None:  # straight-through: dL/dy itself, Top-K'd on its own (compression.py)
+                g, cfg = self.compression.encode(g, key, dst, True, mb)
             out.append(OpData(
                 name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=self.routes.recv_users[key],
-                is_grad=True, local_iter=it, micro_batch=mb, src=self.name, dst=self.routes.grads_to[key], payload=g,
+                is_grad=True, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=g, compress_cfg=cfg,
             ))
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from ..ir.boundary import partition, part_links, part_order
 from ..ir.errors import FusionError
 from ..ir.model import Model
 from ..ir.opdata import OpData
+from .compression import check_edges
 from .engines import check_engines, make_engine_part, make_optimizer
 from .optim import OptimizerConfig
 from .part import PartRuntime
@@ -54,11 +55,14 @@ class ReferenceExecutor:
     """Train a :class:`Model` in one process, optionally as partitioned.
 
     engines: part -> engine name (``"torch"``, ``"numpy"``); parts not named run torch.
+    compression: the plan's ``EdgeCompression`` list (part names as in ``assignment``);
+                 those edges carry Top-K sparse payloads as in a distributed run.
     """
 
     def __init__(self, model: Model, assignment: Mapping[str, str] | None = None,
                  optimizer: OptimizerConfig = OptimizerConfig(), micro_batches: int = 1,
-                 schedule: str = "gpipe", engines: Mapping[str, str] | None = None):
+                 schedule: str = "gpipe", engines: Mapping[str, str] | None = None,
+                 compression: Sequence[Any] | None = None):
         g = model.graph
         self.graph = g
         self.assignment = dict(assignment) if assignment else {n: "p0" for n in g.nodes}
@@ -70,7 +74,8 @@ class ReferenceExecutor:
         names = dict(engines or {})
         check_engines(g, self.assignment, names)
         self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params) for p in self.order}
-        self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p]) for p in self.order}
+        check_edges(compression or (), self.assignment)
+        self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p], compression) for p in self.order}
         self.optimizers = {p: make_optimizer(names.get(p, "torch"), e, optimizer) for p, e in self.engines.items()}
         owners: dict[str, list[str]] = {}
         for p, e in self.engines.items():

@@ -268,3 +268,32 @@ def opdata_from_message(msg: Message) -> OpData:
 def decode_opdata(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> OpData:
     """:func:`decode` then :func:`opdata_from_message`."""
     return opdata_from_message(decode(frames, max_bytes))
+
+
+# -- the Top-K sparse payload (kernels.sparse) ------------------------------------------------
+
+def _register_sparse() -> None:
+    """Register ``"sparse"``: header ``{shape, dtype, value_dtype, k}``, frames ``[values, indices]``.
+
+    Decoding rebuilds the payload with :meth:`SparsePayload.from_msg`, which checks
+    the dtypes, the frame lengths against k, the shape, indices in range and
+    unique, and raises WireError otherwise, so a malformed sparse OP-Data is
+    rejected (and logged) by the receiving transport before any part sees it.
+    """
+    from ..kernels.sparse import SparsePayload
+
+    def enc(p: SparsePayload) -> tuple[dict, list[np.ndarray]]:
+        head, _ = p.to_msg()
+        return head, [np.ascontiguousarray(p.values), np.ascontiguousarray(p.indices)]
+
+    def dec(meta: dict, arrays: list[np.ndarray]) -> SparsePayload:
+        if len(arrays) != 2:
+            raise WireError(f"sparse payload needs 2 tensor frames (values, indices), got {len(arrays)}")
+        if any(a.ndim != 1 for a in arrays):
+            raise WireError(f"sparse payload frames must be 1-D, got shapes {[list(a.shape) for a in arrays]}")
+        return SparsePayload.from_msg(meta, [memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays])
+
+    register_payload_codec(PayloadCodec("sparse", lambda p: isinstance(p, SparsePayload), enc, dec))
+
+
+_register_sparse()

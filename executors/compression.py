@@ -1,0 +1,204 @@
+"""Per-edge Top-K compression of OP-Data payloads (FusionLLM §5, AdaTopK).
+
+A plan lists :class:`~fusion.plan.EdgeCompression` entries: one cut tensor
+``(producer, index)`` on one link ``src -> dst`` with a ratio, the directions
+it applies to (``"fwd"``: the activation ``src -> dst``; ``"bwd"``: its
+gradient ``dst -> src``) and whether error feedback is on. One
+:class:`CompressionTable` per part turns that list into what the part's
+:class:`~fusion.executors.part.PartRuntime` needs: for each outgoing message,
+encode it or not; for each incoming message, densify it if it is sparse.
+Engines never see a sparse payload.
+
+Backward of a compressed activation edge (straight-through). The receiver
+computes with ``y = decompress(topk(x))`` and its engine returns ``dL/dy``.
+That gradient is sent back to the producer *as is* — the selection is treated
+as the identity in backward — and, when ``"bwd"`` is in the edge's
+directions, it is Top-K compressed independently with the edge's ratio
+(its own selection, not the forward mask). This is what FusionLLM does
+(activations and gradients are sparsified separately); masking ``dL/dy``
+with the forward selection would starve every element not sent in forward
+of gradient (99 % of them at r = 100) and would need the forward mask kept
+per micro-batch. See ``docs/compression.md``.
+
+Everything here is NumPy: selection is ``kernels.topk_host`` (the same code
+the torch codec runs for CPU tensors, so payloads are byte-identical to
+``kernels.codec.compress``) and decoding is a NumPy scatter, so NumPy-engine
+processes stay torch-free. Only error feedback uses torch
+(``kernels.error_feedback.ErrorFeedback``), imported when an edge asks for it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..ir.errors import FusionError
+from ..ir.graph import OpGraph
+from ..kernels.dtypes import VALUE_DTYPES, index_dtype_for
+from ..kernels.sparse import SparsePayload
+from ..kernels.topk_host import Wide
+from ..kernels.topk_host import select as host_select
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, "int | None"]
+
+#: dense NumPy dtypes a payload may have to be compressed (bfloat16 travels as
+#: uint16 bits and is sent dense: NumPy cannot tell it from a real uint16)
+COMPRESSIBLE = frozenset({"float16", "float32", "float64"})
+
+
+@dataclass(frozen=True)
+class EdgeRule:
+    """How one direction of one cut edge is compressed.
+
+    ratio:          Top-K ratio r (k = ceil(numel / r), ``kernels.codec.ratio_to_k``).
+    error_feedback: add the stream's unsent residual to the next message.
+    """
+
+    ratio: float
+    error_feedback: bool = False
+
+    def cfg(self, k: int) -> dict:
+        """The ``OpData.compress_cfg`` of a message encoded under this rule."""
+        return {"algo": "topk", "ratio": float(self.ratio), "k": int(k)}
+
+
+def ratio_k(numel: int, ratio: float) -> int:
+    """``kernels.codec.ratio_to_k`` without importing torch: ``max(1, ceil(numel / ratio))``, exact."""
+    if not ratio >= 1:
+        raise FusionError(f"topk: compression ratio must be >= 1, got {ratio!r}")
+    if numel == 0:
+        return 0
+    if math.isinf(ratio):
+        return 1
+    return min(numel, max(1, math.ceil(Fraction(numel) / Fraction(ratio))))
+
+
+def topk_numpy(arr: np.ndarray, k: int) -> SparsePayload:
+    """Top-k of a float NumPy array as a :class:`SparsePayload` (same bytes as ``kernels.codec.compress``)."""
+    a = np.ascontiguousarray(arr)
+    flat = a.reshape(-1)
+    idx = host_select(Wide(flat), k)
+    it = np.int32 if index_dtype_for(flat.size) == "int32" else np.int64
+    return SparsePayload(flat[idx], idx.astype(it), tuple(a.shape), a.dtype.name, a.dtype.name)
+
+
+def densify(p: SparsePayload) -> np.ndarray:
+    """The dense NumPy array of a sparse payload (zeros where nothing was sent); validates first.
+
+    bfloat16 values/tensors are handled as their uint16 bits, as everywhere in fusion.
+    """
+    p.validate()
+    vals = p.values
+    if p.value_dtype != p.dtype:
+        if p.value_dtype == "bfloat16":
+            vals = (vals.astype(np.uint32) << 16).view(np.float32)
+        if p.dtype == "bfloat16":
+            raise FusionError("sparse payload: a bfloat16 tensor must carry bfloat16 values")
+        vals = vals.astype(VALUE_DTYPES[p.dtype].numpy)
+    out = np.zeros(p.numel, dtype=VALUE_DTYPES[p.dtype].numpy)
+    out[p.indices] = vals
+    return out.reshape(p.shape)
+
+
+def dense_payload(payload: Any) -> Any:
+    """What an engine gets for a received payload: sparse ones densified, others unchanged."""
+    return densify(payload) if isinstance(payload, SparsePayload) else payload
+
+
+@dataclass
+class CompressionTable:
+    """One part's compression rules, from the plan's ``EdgeCompression`` list.
+
+    fwd:  (tensor key, dst part) -> rule for activations this part sends.
+    bwd:  (tensor key, src part) -> rule for gradients this part sends back.
+    """
+
+    part: str
+    fwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    bwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    _ef: Any = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None) -> "CompressionTable":
+        """Rules of ``part``; ratio-1 entries, and tensors of loss/label/input nodes, are dropped."""
+        t = cls(part)
+        for e in edges:
+            bad = set(e.directions) - {"fwd", "bwd"}
+            if bad:
+                raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: unknown directions {sorted(bad)}")
+            if not e.ratio >= 1:
+                raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: ratio {e.ratio!r} < 1")
+            if e.ratio == 1:
+                continue
+            if graph is not None:
+                if e.producer not in graph.nodes:
+                    raise FusionError(f"compression names unknown node {e.producer!r}")
+                if graph[e.producer].kind.value in ("loss", "label", "input"):
+                    log.info("compression of %s (%s) ignored: losses, labels and inputs are sent dense",
+                             e.producer, graph[e.producer].kind.value)
+                    continue
+            rule = EdgeRule(float(e.ratio), bool(e.error_feedback))
+            key = (e.producer, e.index)
+            if e.src == part and "fwd" in e.directions:
+                t.fwd[(key, e.dst)] = rule
+            if e.dst == part and "bwd" in e.directions:
+                t.bwd[(key, e.src)] = rule
+        return t
+
+    def __bool__(self) -> bool:
+        return bool(self.fwd or self.bwd)
+
+    def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int) -> tuple[Any, dict | None]:
+        """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed."""
+        rule = (self.bwd if is_grad else self.fwd).get((key, peer))
+        if rule is None or not isinstance(payload, np.ndarray) or payload.dtype.name not in COMPRESSIBLE:
+            if rule is not None:
+                log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
+            return payload, None
+        k = ratio_k(payload.size, rule.ratio)
+        if rule.error_feedback:
+            sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload), k)
+        else:
+            sp = topk_numpy(payload, k)
+        return sp, rule.cfg(k)
+
+    def _feedback(self):
+        if self._ef is None:
+            from ..kernels.error_feedback import ErrorFeedback
+
+            self._ef = ErrorFeedback(enabled=True)
+        return self._ef
+
+    def residual(self, key: Key, peer: str, direction: str, mb: int):
+        """Error-feedback residual of one stream (None when there is none yet)."""
+        return None if self._ef is None else self._ef.residual((key, peer, direction, mb))
+
+
+def _as_torch(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None) -> CompressionTable | None:
+    """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
+    t = CompressionTable.build(part, edges or (), graph)
+    return t if t else None
+
+
+def check_edges(edges: Iterable[Any], assignment: Mapping[str, str]) -> None:
+    """Every entry names a node on its ``src`` part and a part that exists."""
+    parts = set(assignment.values())
+    for e in edges:
+        if e.producer not in assignment:
+            raise FusionError(f"compression names unknown node {e.producer!r}")
+        if assignment[e.producer] != e.src:
+            raise FusionError(f"compression of {e.producer!r}: src {e.src!r} but the node runs on {assignment[e.producer]!r}")
+        if e.dst not in parts:
+            raise FusionError(f"compression of {e.producer!r}: unknown dst part {e.dst!r}")
