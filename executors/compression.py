@@ -29,9 +29,7 @@ processes stay torch-free. Only error feedback uses torch
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -39,7 +37,7 @@ import numpy as np
 from ..ir.errors import FusionError
 from ..ir.graph import OpGraph
 from ..kernels.dtypes import VALUE_DTYPES, index_dtype_for
-from ..kernels.sparse import SparsePayload
+from ..kernels.sparse import SparsePayload, ratio_to_k
 from ..kernels.topk_host import Wide
 from ..kernels.topk_host import select as host_select
 
@@ -56,7 +54,7 @@ COMPRESSIBLE = frozenset({"float16", "float32", "float64"})
 class EdgeRule:
     """How one direction of one cut edge is compressed.
 
-    ratio:          Top-K ratio r (k = ceil(numel / r), ``kernels.codec.ratio_to_k``).
+    ratio:          Top-K ratio r (k = ceil(numel / r), ``kernels.sparse.ratio_to_k``).
     error_feedback: add the stream's unsent residual to the next message.
     """
 
@@ -68,15 +66,6 @@ class EdgeRule:
         return {"algo": "topk", "ratio": float(self.ratio), "k": int(k)}
 
 
-def ratio_k(numel: int, ratio: float) -> int:
-    """``kernels.codec.ratio_to_k`` without importing torch: ``max(1, ceil(numel / ratio))``, exact."""
-    if not ratio >= 1:
-        raise FusionError(f"topk: compression ratio must be >= 1, got {ratio!r}")
-    if numel == 0:
-        return 0
-    if math.isinf(ratio):
-        return 1
-    return min(numel, max(1, math.ceil(Fraction(numel) / Fraction(ratio))))
 
 
 def topk_numpy(arr: np.ndarray, k: int) -> SparsePayload:
@@ -161,7 +150,7 @@ class CompressionTable:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
             return payload, None
-        k = ratio_k(payload.size, rule.ratio)
+        k = ratio_to_k(payload.size, rule.ratio)
         if rule.error_feedback:
             sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload), k)
         else:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES, index_dtype_for
-from .sparse import SparsePayload, dense_nbytes, sparse_nbytes, topk_cost_factor
+from .sparse import SparsePayload, dense_nbytes, ratio_to_k, sparse_nbytes, topk_cost_factor
 
 _LAZY = {
     "CODECS": "codec", "Codec": "codec", "CodecRegistry": "codec", "TopKCodec": "codec",
-    "compress": "codec", "decompress": "codec", "ratio_to_k": "codec",
+    "compress": "codec", "decompress": "codec",
     "ErrorFeedback": "error_feedback",
 }
 

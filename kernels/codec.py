@@ -10,10 +10,8 @@ the codec by ``algo``; the codec reads the rest of the dict.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -23,22 +21,9 @@ from fusion.ir.errors import FusionError
 
 from . import topk_cupy, topk_torch
 from .dtypes import VALUE_DTYPES
-from .sparse import SparsePayload, sparse_nbytes
+from .sparse import SparsePayload, ratio_to_k, sparse_nbytes
 
 
-def ratio_to_k(numel: int, ratio: float) -> int:
-    """Elements kept at compression ratio ``ratio``: ``max(1, ceil(numel / ratio))``.
-
-    Computed exactly (no float rounding), capped at ``numel`` (so 0 for an
-    empty tensor). ``ratio`` must be >= 1.
-    """
-    if not ratio >= 1:  # also rejects NaN
-        raise FusionError(f"topk: compression ratio must be >= 1, got {ratio!r}")
-    if numel == 0:
-        return 0
-    if math.isinf(ratio):
-        return 1
-    return min(numel, max(1, math.ceil(Fraction(numel) / Fraction(ratio))))
 
 
 def _use_cupy(t: torch.Tensor) -> bool:

@@ -13,12 +13,13 @@ kept element costs 3x a dense float32 element; with int32 indices it is 2x.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fusion.ir.errors import WireError
+from fusion.ir.errors import FusionError, WireError
 
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES, dtype_size, index_dtype_for
 
@@ -169,3 +170,18 @@ def topk_cost_factor(value_dtype: str = "float32", index_dtype: str = "int32",
     """
     dense = value_dtype if dense_dtype is None else dense_dtype
     return (dtype_size(value_dtype) + dtype_size(index_dtype)) / dtype_size(dense)
+
+
+def ratio_to_k(numel: int, ratio: float) -> int:
+    """Elements kept at compression ratio ``ratio``: ``max(1, ceil(numel / ratio))``.
+
+    Computed exactly (no float rounding), capped at ``numel`` (so 0 for an
+    empty tensor). ``ratio`` must be >= 1.
+    """
+    if not ratio >= 1:  # also rejects NaN
+        raise FusionError(f"topk: compression ratio must be >= 1, got {ratio!r}")
+    if numel == 0:
+        return 0
+    if math.isinf(ratio):
+        return 1
+    return min(numel, max(1, math.ceil(Fraction(numel) / Fraction(ratio))))

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch
-from fusion.executors.compression import CompressionTable, densify, ratio_k, topk_numpy
+from fusion.executors.compression import CompressionTable, densify, topk_numpy
 from fusion.executors.optim import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.errors import FusionError
-from fusion.kernels.codec import compress, ratio_to_k
+from fusion.kernels.codec import compress
+from fusion.kernels.sparse import ratio_to_k
 from fusion.plan import EdgeCompression
 
 SPLIT = CNN_SPLITS[4]  # p0: conv1 -> p1: relu_a, p2: tanh_b -> p3: add, fc, loss
@@ -64,9 +65,7 @@ def _edge(ratio=10.0, directions=("fwd",), ef=False):
     return [EdgeCompression("relu_a", None, "p1", "p3", ratio, directions, ef)]
 
 
-def test_ratio_k_matches_the_kernel_and_numpy_topk_matches_the_codec():
-    for n, r in [(1, 100), (144, 100), (144, 1), (1000, 3.5), (0, 2), (7, float("inf"))]:
-        assert ratio_k(n, r) == ratio_to_k(n, r)
+def test_numpy_topk_matches_the_codec():
     x = np.random.default_rng(0).standard_normal((4, 9, 11)).astype(np.float32)
     a, b = topk_numpy(x, 17), compress(torch.from_numpy(x), 17)
     assert np.array_equal(a.values, b.values) and np.array_equal(a.indices, b.indices)
@@ -82,7 +81,7 @@ def test_uncompressed_messages_are_byte_identical_and_the_receiver_sees_topk():
     for m in fwd_dense:
         c = _msg(comp, m.key, False, m.src, m.dst)
         if m.key == EDGE and m.dst == "p3":
-            k = ratio_k(m.payload.size, 10.0)
+            k = ratio_to_k(m.payload.size, 10.0)
             assert c.compress_cfg == {"algo": "topk", "ratio": 10.0, "k": k}
             want = topk_numpy(m.payload, k)
             assert np.array_equal(c.payload.indices, want.indices) and np.array_equal(c.payload.values, want.values)
@@ -115,7 +114,7 @@ def test_gradient_of_a_compressed_activation_is_straight_through(directions):
     g = _msg(msgs, EDGE, True, "p3", "p1")
     want = _plain_grad_wrt_y(ex.state(), cnn_batch(0, 2), y)  # lr=0: state == initial weights
     if "bwd" in directions:
-        k = ratio_k(want.size, 10.0)
+        k = ratio_to_k(want.size, 10.0)
         assert g.compress_cfg == {"algo": "topk", "ratio": 10.0, "k": k}
         assert g.payload.k == k
         got = densify(g.payload)
@@ -134,7 +133,7 @@ def test_bwd_compression_is_topk_of_the_dense_gradient():
     _, (b,), _ = _run(_edge(10.0, ("fwd", "bwd")))
     dense_g = _msg(a, EDGE, True, "p3", "p1").payload
     sp = _msg(b, EDGE, True, "p3", "p1").payload
-    want = topk_numpy(dense_g, ratio_k(dense_g.size, 10.0))
+    want = topk_numpy(dense_g, ratio_to_k(dense_g.size, 10.0))
     assert np.array_equal(sp.indices, want.indices) and np.array_equal(sp.values, want.values)
 
 
@@ -164,7 +163,7 @@ def test_error_feedback_carries_the_residual_per_micro_batch_stream():
         sent = [densify(next(m for m in log if m.key == EDGE and not m.is_grad and m.micro_batch == mb).payload)
                 for log in logs]
         x = next(m for m in dense[0] if m.key == EDGE and not m.is_grad and m.micro_batch == mb and m.dst == "p3").payload
-        k = ratio_k(x.size, 10.0)
+        k = ratio_to_k(x.size, 10.0)
         np.testing.assert_array_equal(sent[0], densify(topk_numpy(x, k)))  # first message: plain Top-K
         res = table.residual(EDGE, "p3", "fwd", mb).numpy()
         np.testing.assert_allclose(sent[0] + sent[1] + res, 2 * x, rtol=1e-6, atol=1e-7)
