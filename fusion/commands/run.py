@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="run directory (default: runs/<model or plan name>)")
     p.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="when compiling a MODEL")
     p.add_argument("--micro-batches", type=int, default=4, help="when compiling a MODEL")
-    p.add_argument("--strategy", default="opfence", help="partitioner, when compiling a MODEL")
+    p.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
+                   help="partitioner, when compiling a MODEL (OP-Fence may put a small model on one device; "
+                        "equal-count/equal-flops use every device of the cluster file, blind to links)")
     p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
     add_common(p)
     p.set_defaults(run=run)
