@@ -236,17 +236,19 @@ def throughput(cfg, tmp: Path) -> dict:
 
 
 def fitted_cluster(cfg):
-    """local-4-two-sites with every device's lambda fitted on this host (``fusion profile --threads 1``):
-    the four CPU "devices" are this host's cores, each executor runs one thread."""
+    """local-4-two-sites with every device's lambda fitted on this host
+    (``fusion profile --threads 1 --batch ROWS``, ROWS = the micro-batch's rows: small GEMMs run slower
+    than the default batch of 64 suggests): the four CPU "devices" are this host's cores, each
+    executor runs one thread."""
     from dataclasses import replace
 
     from fusion.cluster import load_cluster
     from fusion.profile import profile_host
 
     cluster = load_cluster(str(CLUSTER_YAML))
-    prof = profile_host(cluster.devices[0].peak_flops, "cpu", threads=1)
+    prof = profile_host(cluster.devices[0].peak_flops, "cpu", batch=cfg.emu_rows, threads=1)
     cluster.devices = [replace(d, lam=prof.lam) for d in cluster.devices]
-    print(f"[emulated] fusion profile --threads 1: {prof.fitted_flops / 1e9:.2f} GFLOP/s of a nominal "
+    print(f"[emulated] fusion profile --threads 1 --batch {cfg.emu_rows}: {prof.fitted_flops / 1e9:.2f} GFLOP/s of a nominal "
           f"{prof.peak_flops / 1e9:.0f} GFLOPS, lambda {prof.lam:.3f} (R^2 {prof.r2:.4f}, t0 {prof.overhead_s * 1e6:.0f} us)",
           flush=True)
     return cluster, prof
