@@ -72,11 +72,14 @@ class LocalCluster:
     plan_dir:  a saved plan (``plan.json`` + ``weights.safetensors``).
     run_dir:   logs, traces, checkpoints (``run_dir/checkpoints`` unless the config names one).
     threads:   intra-op threads per executor (default: cores / parts, at least 1).
+    part_env:  extra environment variables for the executor of a part (part -> {name: value}),
+               e.g. a PYTHONPATH that changes what that process can import.
     """
 
     def __init__(self, plan_dir: str | Path, run_dir: str | Path, cfg: CoordinatorConfig | None = None, *,
                  threads: int | None = None, trace: bool = True, python: str = sys.executable,
-                 executor_args: list[str] | None = None, verbose: int = 1):
+                 executor_args: list[str] | None = None, verbose: int = 1,
+                 part_env: Mapping[str, Mapping[str, str]] | None = None):
         from ..plan import load_plan
 
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
@@ -88,6 +91,7 @@ class LocalCluster:
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.trace, self.python, self.verbose = trace, python, verbose
         self.executor_args = list(executor_args or [])
+        self.part_env = {p: dict(e) for p, e in (part_env or {}).items()}
         self.processes: dict[str, subprocess.Popen] = {}
         self.coordinator: Coordinator | None = None
         self._logs: list = []
@@ -109,7 +113,8 @@ class LocalCluster:
                 cmd += ["--trace", str(self.run_dir / "trace" / f"{p}.json")]
             f = open(self.run_dir / "logs" / f"{p}.log", "ab")
             self._logs.append(f)
-            self.processes[p] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.processes[p] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **self.part_env.get(p, {})},
+                                                 start_new_session=True)
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
         return self.coordinator.start(resume=resume)
 

@@ -20,8 +20,41 @@ def add_parser(sub) -> None:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    add_engine_arg(p)
     p.add_argument("-o", "--output", required=True, help="plan directory to write")
     p.set_defaults(run=run)
+
+
+def add_engine_arg(p) -> None:
+    p.add_argument("--engine", action="append", default=[], metavar="[PART=]ENGINE",
+                   help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); repeatable, "
+                        "later ones win; parts are named part0, part1, ... in pipeline order (default: torch)")
+
+
+def assign_engines(plan, specs: list[str]) -> dict[str, str]:
+    """Set ``Part.engine`` from ``--engine`` specs and check every node's op against its part's engine.
+
+    Raises FusionError naming the unknown engine or part, or (``check_engines``) every node and op its
+    part's engine lacks.
+    """
+    from ..executors.engines import check_engines, engine_names
+    from ..ir.errors import FusionError
+
+    engines = {p: part.engine for p, part in plan.parts.items()}
+    for spec in specs:
+        part, sep, engine = spec.rpartition("=")
+        if engine not in engine_names():
+            raise FusionError(f"--engine {spec}: unknown engine {engine!r} (known: {', '.join(engine_names())})")
+        if not sep:
+            engines = dict.fromkeys(engines, engine)
+        elif part not in engines:
+            raise FusionError(f"--engine {spec}: the plan has no part {part!r} (parts: {', '.join(engines)})")
+        else:
+            engines[part] = engine
+    check_engines(plan.graph, plan.assignment, engines)
+    for p, engine in engines.items():
+        plan.parts[p].engine = engine
+    return engines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError(f"--optimizer/--lr: {e}") from None
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=args.micro_batches,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed)
+    engines = assign_engines(plan, args.engine)
     out = save_plan(plan, args.output, model.params or None)
     pr = plan.predicted
     print(f"wrote {out}: {len(plan.parts)} parts on {len({p.device for p in plan.parts.values()})} of "
-          f"{len(cluster)} devices ({args.strategy}), {len(plan.compression)} compressed edges; predicted "
+          f"{len(cluster)} devices ({args.strategy}), {len(plan.compression)} compressed edges; engines "
+          f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted "
           f"{pr['iteration_s']:.4g} s/iteration ({pr['throughput_samples_s']:.4g} samples/s)")
     return 0

@@ -28,7 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="run directory (default: runs/<model or plan name>)")
     p.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="when compiling a MODEL")
     p.add_argument("--micro-batches", type=int, default=4, help="when compiling a MODEL")
-    p.add_argument("--strategy", default="opfence", help="partitioner, when compiling a MODEL")
+    p.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
+                   help="partitioner, when compiling a MODEL (OP-Fence may put a small model on one device; "
+                        "equal-count/equal-flops use every device of the cluster file, blind to links)")
+    from .compile import add_engine_arg
+
+    add_engine_arg(p)
     p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
     add_common(p)
     p.set_defaults(run=run)
@@ -49,6 +54,9 @@ def _compile(args: argparse.Namespace, out: Path) -> Path:
     model = load_model(args.target)
     plan = compile_model(model, load_cluster(args.cluster), micro_batches=args.micro_batches, schedule=args.schedule,
                          strategy=args.strategy)
+    from .compile import assign_engines
+
+    assign_engines(plan, args.engine)
     return save_plan(plan, out / "plan", params=model.params)
 
 

@@ -146,3 +146,86 @@ def test_inspect_draws_every_layout_of_the_two_site_cluster(tmp_path, strategy):
     assert main(["compile", f"{gpt}:tiny", "--cluster", LOCAL, "--strategy", strategy, "--micro-batches", "4", "-o", str(out)]) == 0
     assert main(["inspect", str(out)]) == 0
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- engines per part (--engine), checked at compile time ----------------------------------------------
+
+NUMPY_OK = '''
+from tests.executors.opnode_models import opnode_model
+
+
+def model():
+    return opnode_model()
+'''
+
+
+def test_compile_assigns_engines_per_part(tmp_path, capsys):
+    (tmp_path / "m.py").write_text(NUMPY_OK)
+    out = tmp_path / "mixed.plan"
+    rc = main(["compile", f"{tmp_path / 'm.py'}:model", "--cluster", LOCAL, "--strategy", "equal-count",
+               "--engine", "numpy", "--engine", "part0=torch", "-o", str(out)])
+    assert rc == 0
+    parts = load_plan(out).parts
+    assert len(parts) == 4
+    assert {p: part.engine for p, part in parts.items()} == {"part0": "torch", "part1": "numpy", "part2": "numpy",
+                                                              "part3": "numpy"}
+    assert "part1=numpy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("engine_args,words", [
+    (["--engine", "numpy"], ["node 'scaled_dot_product_attention'", "op torch.nn.functional.scaled_dot_product_attention",
+                             "part 'part0'"]),
+    (["--engine", "part7=numpy"], ["no part 'part7'", "part0"]),
+    (["--engine", "jax"], ["unknown engine 'jax'", "numpy, torch"]),
+])
+def test_compile_rejects_engines_that_cannot_run_the_part(tmp_path, capsys, engine_args, words):
+    rc = main(["compile", str(ROOT / "examples/models/gpt.py") + ":tiny", "--cluster", LOCAL, *engine_args,
+               "-o", str(tmp_path / "p")])
+    err = _err(capsys)
+    assert rc == 2 and err.startswith("fusion compile: error:"), err
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "p").exists()
+
+
+# -- fusion compile on the traced GPT and on an ONNX file ------------------------------------------
+
+def test_compile_traced_gpt_example(tmp_path, capsys):
+    import numpy as np
+    from fusion.plan import load_weights
+
+    out = tmp_path / "gpt.plan"
+    rc = main(["compile", str(ROOT / "examples/models/gpt.py") + ":tiny", "--cluster", LOCAL, "--strategy", "equal-flops",
+               "--micro-batches", "4", "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    plan = load_plan(out)
+    assert len(plan.parts) == 4 and plan.predicted["iteration_s"] > 0
+    w = load_weights(out / "weights.safetensors")
+    assert w["transformer.wte.weight"].shape == (64, 32) and isinstance(w["transformer.wte.weight"], np.ndarray)
+    assert "lm_head.weight" not in w  # tied: one parameter, held by two parts
+    owners = {plan.assignment[n] for n in plan.graph.param_users()["transformer.wte.weight"]}
+    assert owners == {"part0", "part3"}
+
+
+def test_compile_onnx_file_with_numpy_weights(tmp_path, capsys):
+    import numpy as np
+    import torch
+    from fusion.ir.onnx_import import load_onnx
+    from fusion.plan import load_weights
+    from tests.ir.onnx_models import export
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    path = export(mlp, (torch.randn(4, 8),), tmp_path / "mlp.onnx")
+    model = load_onnx(path, loss="cross_entropy")
+    assert model.params and all(isinstance(v, np.ndarray) for v in model.params.values())
+    out = tmp_path / "onnx.plan"
+    rc = main(["compile", f"{path}:cross_entropy", "--cluster", LOCAL, "--strategy", "equal-count",
+               "--engine", "part1=numpy", "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    plan = load_plan(out)
+    assert len(plan.parts) >= 2 and plan.parts["part1"].engine == "numpy"
+    w = load_weights(out / "weights.safetensors")
+    assert set(w) == set(model.params)
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(w[k], v)

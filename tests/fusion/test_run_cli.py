@@ -1,11 +1,8 @@
 """`fusion run` on a MODEL (compiled first) and its error messages."""
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 MODEL_SRC = '''
 import torch
@@ -41,10 +38,44 @@ def test_run_compiles_a_model_then_trains_it(tmp_path):
     out = tmp_path / "run"
     r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--steps", "2",
                 "--micro-batches", "2", "--no-progress", timeout=240)
-    if importlib.util.find_spec("fusion.compile") is None:
-        assert r.returncode == 2 and "this fusion has no compiler" in r.stderr
-        pytest.skip("fusion.compile is not in this tree")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "plan" / "plan.json").exists() and (out / "final.safetensors").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["loss"] > 0
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_readme_main_job_gpt_on_four_compnodes(tmp_path):
+    """The README main job (fewer steps): the traced tiny GPT compiled with equal-flops onto all
+    four CPUs of local-4-two-sites, trained on the generated corpus, with progress bar, metrics and traces."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", "examples/models/gpt.py:tiny",
+                        "--cluster", "examples/clusters/local-4-two-sites.yaml", "--strategy", "equal-flops",
+                        "--steps", "4", "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train:" in r.stderr and "4/4" in r.stderr  # the tqdm progress bar
+    plan = json.loads((out / "plan" / "plan.json").read_text())
+    assert plan["strategy"] == "equal-flops"
+    assert sorted(p["device"] for p in plan["parts"].values()) == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert all(set(m["parts"]) == set(plan["parts"]) for m in lines)
+    for part in plan["parts"]:
+        events = json.loads((out / "trace" / f"{part}.json").read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        assert any(e.get("name", "").startswith(("forward", "F")) for e in events)
+    # trained on the generated text corpus (character-level: the corpus has fewer characters than the vocab)
+    from fusion.data import corpus_text, make_batches
+    from fusion.plan import load_plan
+    batches = make_batches(load_plan(out / "plan"))
+    text = batches.tokenizer.decode(batches(0)["idx"][0])
+    assert batches.tokenizer.chars and text in corpus_text()
+    assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+def test_run_rejects_an_unknown_strategy(tmp_path):
+    r = _fusion("run", "examples/models/gpt.py:tiny", "--cluster", "x.yaml", "--strategy", "bogus",
+                "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "--strategy" in r.stderr
