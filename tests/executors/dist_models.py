@@ -175,3 +175,19 @@ def run_distributed(plan_dir, run_dir, batches, want_grads=True, cfg=None, **kw)
         reports = [lc.coordinator.step(b, want_grads=want_grads) for b in batches]
         state = lc.coordinator.fetch_state()
     return reports, state
+
+
+def assert_matches_plain(reports, state, expected) -> None:
+    """A distributed run equals plain PyTorch: losses (rtol 1e-5) and gradients
+    (rtol 1e-4) every step, parameters (rtol 1e-4) after the last one.
+
+    reports/state: from :func:`run_distributed`; expected: from :func:`plain_training`.
+    """
+    assert len(reports) == len(expected)
+    for step, (r, (loss, grads, _)) in enumerate(zip(reports, expected)):
+        np.testing.assert_allclose(r.loss, loss, rtol=1e-5, err_msg=f"loss of step {step}")
+        assert set(r.grads) == set(grads)
+        for k, g in grads.items():
+            np.testing.assert_allclose(r.grads[k], g, rtol=1e-4, atol=1e-6, err_msg=f"grad {k} at step {step}")
+    for k, v in expected[-1][2].items():
+        np.testing.assert_allclose(state[k], v, rtol=1e-4, atol=1e-6, err_msg=f"parameter {k} after {len(expected)} steps")
