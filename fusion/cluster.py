@@ -141,9 +141,7 @@ class Cluster:
         """Read the scenario format; every problem names ``source`` and the field."""
         if not isinstance(d, dict):
             raise ClusterError(f"{source}: expected a mapping with fields 'devices', 'delay_s', 'bandwidth_bps'")
-        for key in ("devices", "delay_s", "bandwidth_bps"):
-            if key not in d:
-                raise ClusterError(f"{source}: missing field {key!r}")
+        require_fields(d, ("devices", "delay_s", "bandwidth_bps"), source)
         raw = d["devices"]
         if not isinstance(raw, list) or not raw:
             raise ClusterError(f"{source}: field 'devices' must be a non-empty list")
@@ -165,13 +163,18 @@ class Cluster:
         return cls(str(d.get("name", Path(source).stem)), devices, alpha, beta, source)
 
 
+def require_fields(d: dict, keys: tuple[str, ...], where: str) -> None:
+    """Raise ClusterError naming ``where`` and the first of ``keys`` missing from ``d``."""
+    for key in keys:
+        if key not in d:
+            raise ClusterError(f"{where}: missing field {key!r}")
+
+
 def device_from_dict(e: Any, where: str) -> Device:
     """One device of the scenario format (numbers in base units)."""
     if not isinstance(e, dict):
         raise ClusterError(f"{where}: expected a mapping, got {type(e).__name__}")
-    for key in ("name", "peak_flops", "memory_bytes"):
-        if key not in e:
-            raise ClusterError(f"{where}: missing field {key!r}")
+    require_fields(e, ("name", "peak_flops", "memory_bytes"), where)
     name = e["name"]
     if not isinstance(name, str) or not name:
         raise ClusterError(f"{where}.name: must be a non-empty string, got {name!r}")

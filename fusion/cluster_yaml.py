@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import Cluster, ClusterError, Device, check_unique
+from .cluster import Cluster, ClusterError, Device, check_unique, require_fields
 from .units import UnitError, parse_quantity
 
 _DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address"}
@@ -36,10 +36,7 @@ _LINK_KEYS = {"latency", "bandwidth"}
 def cluster_from_yaml(data: Any, source: str) -> Cluster:
     if not isinstance(data, dict):
         raise ClusterError(f"{source}: expected a mapping with fields 'devices' and 'links'")
-    if "devices" not in data:
-        raise ClusterError(f"{source}: missing field 'devices'")
-    if "links" not in data:
-        raise ClusterError(f"{source}: missing field 'links'")
+    require_fields(data, ("devices", "links"), source)
     raw = data["devices"]
     if not isinstance(raw, list) or not raw:
         raise ClusterError(f"{source}: field 'devices' must be a non-empty list")
@@ -74,8 +71,7 @@ def _devices(e: Any, where: str) -> list[Device]:
     unknown = sorted(set(e) - _DEVICE_KEYS)
     if unknown:
         raise ClusterError(f"{where}: unknown field {unknown[0]!r} (known: {sorted(_DEVICE_KEYS)})")
-    if "name" not in e:
-        raise ClusterError(f"{where}: missing field 'name'")
+    require_fields(e, ("name",), where)
     name = e["name"]
     if not isinstance(name, str) or not name:
         raise ClusterError(f"{where}.name: must be a non-empty string, got {name!r}")
