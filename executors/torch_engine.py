@@ -18,7 +18,7 @@ from torch import nn
 from ..ir.boundary import SubGraph
 from ..ir.errors import GraphError
 from ..ir.graph import OpGraph
-from ..ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta
+from ..ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
 from .torch_build import build_module, make_call, node_callable, set_module_tensor
 
 Key = tuple[str, "int | None"]
@@ -222,8 +222,8 @@ class TorchPart:
                 else:
                     if get is None:
                         get = self._resolver(env)
-                    args = _deep(s.args, get)
-                    kwargs = _deep(s.kwargs, get)
+                    args = map_refs(s.args, get)
+                    kwargs = map_refs(s.kwargs, get)
                 if s.output:
                     out = args[0]
                 else:
@@ -310,27 +310,7 @@ class TorchPart:
 def _on_device(v: Any, device: torch.device) -> Any:
     """Device literals in a graph mean "the device this part runs on" (graphs are device-neutral:
     a traced ``torch.arange(T, device=x.device)`` must follow its part to a GPU or the meta device)."""
-    if isinstance(v, torch.device):
-        return device
-    if isinstance(v, tuple):
-        return tuple(_on_device(x, device) for x in v)
-    if isinstance(v, list):
-        return [_on_device(x, device) for x in v]
-    if isinstance(v, dict):
-        return {k: _on_device(x, device) for k, x in v.items()}
-    return v
-
-
-def _deep(v: Any, get) -> Any:
-    if isinstance(v, (Ref, ParamRef)):
-        return get(v)
-    if isinstance(v, tuple):
-        return tuple(_deep(x, get) for x in v)
-    if isinstance(v, list):
-        return [_deep(x, get) for x in v]
-    if isinstance(v, dict):
-        return {k: _deep(x, get) for k, x in v.items()}
-    return v
+    return map_nested(v, lambda x: device if isinstance(x, torch.device) else x)
 
 
 def output_meta(value: Any) -> tuple[tuple, bool]:

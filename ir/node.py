@@ -171,14 +171,17 @@ def _walk(value: Any, cls: type) -> Iterator[Any]:
             yield from _walk(v, cls)
 
 
+def map_nested(value: Any, fn) -> Any:
+    """Rebuild nested tuples, lists and dict values with every other leaf replaced by ``fn(leaf)``."""
+    if isinstance(value, tuple):
+        return tuple(map_nested(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_nested(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: map_nested(v, fn) for k, v in value.items()}
+    return fn(value)
+
+
 def map_refs(value: Any, fn) -> Any:
     """Rebuild ``value`` with every Ref/ParamRef replaced by ``fn(ref)``."""
-    if isinstance(value, (Ref, ParamRef)):
-        return fn(value)
-    if isinstance(value, tuple):
-        return tuple(map_refs(v, fn) for v in value)
-    if isinstance(value, list):
-        return [map_refs(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: map_refs(v, fn) for k, v in value.items()}
-    return value
+    return map_nested(value, lambda v: fn(v) if isinstance(v, (Ref, ParamRef)) else v)
