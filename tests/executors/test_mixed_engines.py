@@ -29,24 +29,6 @@ from fusion.ir.onnx_import import load_onnx
 
 import tests.ir.onnx_models as onnx_models
 
-BLOCKER = '''
-import sys
-
-class BlockTorch:
-    """Makes every import of torch fail in this process."""
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"torch is blocked in this CompNode process ({name})")
-        return None
-
-sys.meta_path.insert(0, BlockTorch())
-try:
-    import torch  # noqa: F401
-    torch_blocked = False
-except ImportError:
-    torch_blocked = True
-'''
-
 # sitecustomize for B's process: the blocker plus a record of what happened (os._exit skips atexit,
 # and the executor leaves through os._exit, so the record is written by a wrapper around it)
 SITECUSTOMIZE = '''
@@ -174,8 +156,13 @@ def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 3])], [numpy_helper.from_array(w, "w")])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
-    probe = BLOCKER + textwrap.dedent(f'''
-        print("blocked" if torch_blocked else "imported")
+    probe = textwrap.dedent(f'''
+        import sys
+        try:
+            import torch  # noqa: F401
+            print("imported")
+        except ImportError:
+            print("blocked")
         import numpy as np
         from fusion.ir.onnx_import import load_onnx
         from fusion.executors.engines import make_engine_part
@@ -189,6 +176,9 @@ def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
         assert "torch" not in sys.modules
         print("trained")
     ''')
-    out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+    env, record = _blocked_env(tmp_path)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["blocked", "trained"]
+    assert json.loads(record.read_text())["torch_modules"] == []
