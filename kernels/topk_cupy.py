@@ -6,7 +6,10 @@ raises :class:`fusion.ir.errors.FusionError` with the reason when it cannot.
 
 Selection (same set as ``topk_torch``, same tie rule):
 
-1. one elementwise kernel maps each element to an unsigned magnitude key
+All device code is :data:`CUDA_SOURCE` (raw CUDA C, compiled by CuPy with
+NVRTC at first use; the tests compile it for sm_80/sm_90 without a GPU).
+
+1. one kernel maps each element to an unsigned magnitude key
    (``radix.float_keys_np`` is its NumPy twin): float16/bfloat16/float32 give
    32-bit keys, float64 64-bit keys;
 2. :func:`fusion.kernels.radix.radix_select` finds the k-th largest key with
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,18 +48,39 @@ except Exception as e:  # ImportError, or a CuPy build that cannot load CUDA lib
     _cp = None
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-#: Threads per block and the most blocks of the histogram kernel (grid-stride loop).
+#: Threads per block and the most blocks of a launch (every kernel is a grid-stride loop).
 THREADS, MAX_BLOCKS = 256, 1024
 
-_HIST_SRC = r"""
-extern "C" __global__ void fusion_radix_hist_KEYNAME(
+_PRELUDE = r"""
+#define FUSION_GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (long long)blockDim.x * gridDim.x)
+
+extern "C" __global__ void fusion_topk_keys_f32(
+        const float* __restrict__ x, unsigned int* __restrict__ keys, const long long n) {
+    FUSION_GRID_STRIDE(i, n) {
+        const unsigned int b = __float_as_uint(x[i]) & 0x7fffffffu;
+        keys[i] = (b > 0x7f800000u) ? 0u : b + 1u;  /* NaN -> 0, else |x| bits + 1 */
+    }
+}
+
+extern "C" __global__ void fusion_topk_keys_f64(
+        const double* __restrict__ x, unsigned long long* __restrict__ keys, const long long n) {
+    FUSION_GRID_STRIDE(i, n) {
+        const unsigned long long b = ((unsigned long long)__double_as_longlong(x[i])) & 0x7fffffffffffffffULL;
+        keys[i] = (b > 0x7ff0000000000000ULL) ? 0ULL : b + 1ULL;
+    }
+}
+"""
+
+_PER_KEY = r"""
+extern "C" __global__ void fusion_radix_hist_SUFFIX(
         const KEY* __restrict__ keys, const long long n, const KEY prefix, const KEY mask,
         const int shift, unsigned long long* __restrict__ hist) {
     __shared__ unsigned int local[256];
     for (int b = threadIdx.x; b < 256; b += blockDim.x) local[b] = 0u;
     __syncthreads();
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    FUSION_GRID_STRIDE(i, n) {
         const KEY key = keys[i];
         if ((key & mask) == prefix) {
             atomicAdd(&local[(unsigned int)(key >> shift) & 0xffu], 1u);
@@ -66,7 +92,36 @@ extern "C" __global__ void fusion_radix_hist_KEYNAME(
         if (c) atomicAdd(&hist[b], (unsigned long long)c);
     }
 }
+
+extern "C" __global__ void fusion_topk_keep_SUFFIX(
+        const KEY* __restrict__ keys, const long long n, const KEY kth, const long long last,
+        bool* __restrict__ keep) {
+    FUSION_GRID_STRIDE(i, n) {
+        const KEY key = keys[i];
+        keep[i] = (key > kth) || (key == kth && i <= last);  /* ties: the lowest indices */
+    }
+}
 """
+
+#: All device code of the CUDA path, one NVRTC translation unit with no headers.
+#: CuPy compiles it at first use; ``tests/kernels/test_cuda_source.py`` compiles
+#: it with NVRTC for sm_80 and sm_90 on any machine, GPU or not.
+CUDA_SOURCE = _PRELUDE + "".join(_PER_KEY.replace("SUFFIX", suf).replace("KEY", ctype)
+                                 for suf, ctype in (("u32", "unsigned int"), ("u64", "unsigned long long")))
+
+#: Host-side type of each kernel parameter, in order: ``"ptr"`` for a device
+#: array, else the NumPy scalar type the launch casts the value to. A RawKernel
+#: passes scalars by their NumPy size, so a mismatch with the C signature would
+#: corrupt arguments silently; the NVRTC test checks this table against the
+#: parameter sizes in the compiled PTX.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "fusion_topk_keys_f32": ("ptr", "ptr", "int64"),
+    "fusion_topk_keys_f64": ("ptr", "ptr", "int64"),
+    "fusion_radix_hist_u32": ("ptr", "int64", "uint32", "uint32", "int32", "ptr"),
+    "fusion_radix_hist_u64": ("ptr", "int64", "uint64", "uint64", "int32", "ptr"),
+    "fusion_topk_keep_u32": ("ptr", "int64", "uint32", "int64", "ptr"),
+    "fusion_topk_keep_u64": ("ptr", "int64", "uint64", "int64", "ptr"),
+}
 
 
 def available() -> bool:
@@ -90,36 +145,60 @@ def _require():
 
 
 @functools.lru_cache(maxsize=None)
-def _key_kernel(bits: int):
-    cp = _require()
-    if bits == 32:
-        return cp.ElementwiseKernel(
-            "float32 x", "uint32 key",
-            "unsigned int b = __float_as_uint(x) & 0x7fffffffu;"
-            " key = (b > 0x7f800000u) ? 0u : b + 1u;",
-            "fusion_topk_key32")
-    return cp.ElementwiseKernel(
-        "float64 x", "uint64 key",
-        "unsigned long long b = ((unsigned long long)__double_as_longlong(x)) & 0x7fffffffffffffffULL;"
-        " key = (b > 0x7ff0000000000000ULL) ? 0ULL : b + 1ULL;",
-        "fusion_topk_key64")
+def _module():
+    return _require().RawModule(code=CUDA_SOURCE)
 
 
-@functools.lru_cache(maxsize=None)
-def _hist_kernel(bits: int):
-    cp = _require()
-    ctype, name = ("unsigned int", "u32") if bits == 32 else ("unsigned long long", "u64")
-    src = _HIST_SRC.replace("KEYNAME", name).replace("KEY", ctype)
-    return cp.RawKernel(src, f"fusion_radix_hist_{name}")
+def _launch(name: str, n: int, *args) -> None:
+    """Launch kernel ``name`` over ``n`` elements, casting scalars as :data:`SIGNATURES` says."""
+    sig = SIGNATURES[name]
+    if len(args) != len(sig):
+        raise RuntimeError(f"topk_cupy: {name} takes {len(sig)} arguments, got {len(args)}")
+    cast = tuple(a if t == "ptr" else np.dtype(t).type(a) for a, t in zip(args, sig))
+    blocks = max(1, min(MAX_BLOCKS, (n + THREADS - 1) // THREADS))
+    _module().get_function(name)((blocks,), (THREADS,), cast)
 
 
-@functools.lru_cache(maxsize=None)
-def _keep_kernel():
-    cp = _require()
-    return cp.ElementwiseKernel(
-        "T key, T kth, int64 last", "bool keep",
-        "keep = (key > kth) || (key == kth && (long long)i <= last);",
-        "fusion_topk_keep")
+@dataclass(frozen=True)
+class KernelRunner:
+    """What the selection driver needs to run :data:`CUDA_SOURCE`.
+
+    xp:      the array module of the device arrays (``cupy``; ``numpy`` for a CPU
+             emulation of the kernels, as in ``tests/kernels/cuda_emu.py``).
+    launch:  ``launch(name, n, *args)`` runs kernel ``name`` over ``n`` elements.
+    to_host: device array -> NumPy array (waits for the device).
+    """
+
+    xp: Any
+    launch: Callable[..., None]
+    to_host: Callable[[Any], np.ndarray]
+
+
+def select_with(run: KernelRunner, flat, k: int):
+    """Ascending int64 indices of the k largest ``|flat|`` (1-D float32/float64, 1 <= k <= n), by radix select."""
+    xp, n = run.xp, int(flat.size)
+    bits = 64 if flat.dtype == xp.float64 else 32
+    key_t, suffix = (xp.uint64, "u64") if bits == 64 else (xp.uint32, "u32")
+    keys = xp.empty(n, dtype=key_t)
+    run.launch(f"fusion_topk_keys_f{bits}", n, flat, keys, n)
+    hist_dev = xp.zeros(BINS, dtype=xp.uint64)
+
+    def hist(prefix: int, mask: int, shift: int) -> np.ndarray:
+        hist_dev.fill(0)
+        run.launch(f"fusion_radix_hist_{suffix}", n, keys, n, prefix, mask, shift, hist_dev)
+        return run.to_host(hist_dev).astype(np.int64)
+
+    res = radix_select(hist, k, bits)
+    if res.all_ties:
+        last = n - 1
+    else:
+        last = int(xp.flatnonzero(keys == key_t(res.kth_key))[res.take_ties - 1])
+    keep = xp.empty(n, dtype=xp.bool_)
+    run.launch(f"fusion_topk_keep_{suffix}", n, keys, n, res.kth_key, last, keep)
+    idx = xp.flatnonzero(keep)
+    if int(idx.size) != k:  # would be a bug in the kernels, not a user error
+        raise RuntimeError(f"topk_cupy: selected {int(idx.size)} elements, expected k={k}")
+    return idx.astype(xp.int64, copy=False)
 
 
 def select_cupy(x, k: int):
@@ -139,29 +218,7 @@ def select_cupy(x, k: int):
         flat = flat.astype(cp.float32)  # exact; keys are built from float32 bits
     if flat.dtype not in (cp.float32, cp.float64):
         raise FusionError(f"topk: dtype {flat.dtype} is not supported on the CuPy path")
-    bits = 64 if flat.dtype == cp.float64 else 32
-    key_t = np.uint64 if bits == 64 else np.uint32
-    keys = _key_kernel(bits)(flat)
-    hist_dev = cp.zeros(BINS, dtype=cp.uint64)
-    blocks = max(1, min(MAX_BLOCKS, (n + THREADS - 1) // THREADS))
-    kernel = _hist_kernel(bits)
-
-    def hist(prefix: int, mask: int, shift: int) -> np.ndarray:
-        hist_dev.fill(0)
-        kernel((blocks,), (THREADS,),
-               (keys, np.int64(n), key_t(prefix), key_t(mask), np.int32(shift), hist_dev))
-        return cp.asnumpy(hist_dev).astype(np.int64)
-
-    res = radix_select(hist, k, bits)
-    kth = key_t(res.kth_key)
-    if res.all_ties:
-        last = n - 1
-    else:
-        last = int(cp.flatnonzero(keys == kth)[res.take_ties - 1])
-    idx = cp.flatnonzero(_keep_kernel()(keys, kth, np.int64(last)))
-    if int(idx.size) != k:  # would be a bug in the kernels, not a user error
-        raise RuntimeError(f"topk_cupy: selected {int(idx.size)} elements, expected k={k}")
-    return idx
+    return select_with(KernelRunner(cp, _launch, cp.asnumpy), cp.ascontiguousarray(flat), k)
 
 
 def _stream_ctx(t):
