@@ -134,21 +134,78 @@ def _int_high(graph, name: str) -> int:
     return 2
 
 
-def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
-    """``step -> batch`` (placeholder -> array of all micro-batches) for ``plan``."""
-    g, nm = plan.graph, plan.micro_batches
+def _placeholder_specs(plan) -> dict[str, dict]:
+    g = plan.graph
     specs = {n: plan.example.get(n) for n in g.nodes if g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)}
     for n, s in specs.items():
         if s is None:
             raise FusionError(f"plan: field 'example' has no shape for placeholder {n!r}")
+    return specs
+
+
+def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
+    """``step -> batch`` from the user's ``file.py:function``; every batch is checked against the plan.
+
+    The function takes the step number and returns a mapping placeholder name ->
+    array holding all micro-batches of the iteration (dim 0 = micro-batch size x
+    ``plan.micro_batches``); it should be a pure function of the step so that a
+    resumed run sees the batches an uninterrupted one would. Arrays are cast to the
+    plan's dtype when the kind (float, integer, bool) agrees; anything else is a
+    :class:`FusionError` naming the function, the step and the field.
+    """
+    from .loader import load_function
+
+    fn = load_function(spec, "data")
+    specs, nm = _placeholder_specs(plan), plan.micro_batches
+    want = {n: (_shape(s)[0] * nm, *_shape(s)[1:]) for n, s in specs.items()}
+
+    def batch(step: int) -> dict[str, np.ndarray]:
+        try:
+            got = fn(step)
+        except Exception as e:
+            raise FusionError(f"data {spec!r}: step {step}: {type(e).__name__}: {e}") from None
+        if not isinstance(got, dict):
+            raise FusionError(f"data {spec!r}: step {step}: returned {type(got).__name__}, expected a dict "
+                              f"of placeholder -> array ({', '.join(want)})")
+        missing, extra = [n for n in want if n not in got], [n for n in got if n not in want]
+        if missing or extra:
+            raise FusionError(f"data {spec!r}: step {step}: " + "; ".join(
+                ([f"missing field(s) {missing}"] if missing else []) + ([f"unknown field(s) {extra}"] if extra else []))
+                + f" (the plan's placeholders: {list(want)})")
+        out = {}
+        for n, shape in want.items():
+            a = np.asarray(got[n])
+            dt = np.dtype(specs[n]["dtype"])
+            if a.dtype.kind != dt.kind and not (a.dtype.kind in "iu" and dt.kind in "iu"):
+                raise FusionError(f"data {spec!r}: step {step}: field {n!r} has dtype {a.dtype}, the plan expects {dt}")
+            if a.shape != shape:
+                raise FusionError(f"data {spec!r}: step {step}: field {n!r} has shape {list(a.shape)}, the plan expects "
+                                  f"{list(shape)} ({nm} micro-batch(es) of {list(_shape(specs[n]))})")
+            out[n] = np.ascontiguousarray(a, dtype=dt)
+        return out
+
+    batch(0)  # fail before any process starts
+    return batch
+
+
+def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
+    """``step -> batch`` (placeholder -> array of all micro-batches) for ``plan``.
+
+    ``kind``: ``auto``, ``text``, ``synthetic``, or the user's ``file.py:function``
+    (:func:`user_batches`).
+    """
+    if kind not in ("auto", "text", "synthetic"):
+        if ":" in kind:
+            return user_batches(plan, kind)
+        raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic, or file.py:function)")
+    g, nm = plan.graph, plan.micro_batches
+    specs = _placeholder_specs(plan)
     ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
     labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
     lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
           and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
     if kind == "text" and not lm:
         raise FusionError("--data text needs one integer input [micro_batch, T] and one integer label of the same size")
-    if kind not in ("auto", "text", "synthetic"):
-        raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic)")
     if lm and kind != "synthetic":
         x, y = ins[0], labs[0]
         mb, T = _shape(specs[x])

@@ -13,6 +13,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from .ir.errors import FusionError
 from .ir.graph import OpGraph
@@ -35,13 +36,14 @@ def load_model(spec: str) -> Model:
     return model
 
 
-def _load_python(spec: str) -> Model:
+def load_function(spec: str, what: str = "model") -> Callable[..., Any]:
+    """The function named by ``file.py:function`` (the user's own file, imported by path)."""
     path, sep, func = spec.rpartition(":")
     if not sep or not path or not func:
-        raise FusionError(f"model {spec!r}: expected file.py:function")
+        raise FusionError(f"{what} {spec!r}: expected file.py:function")
     file = Path(path)
     if not file.is_file():
-        raise FusionError(f"model {spec!r}: no such file {file}")
+        raise FusionError(f"{what} {spec!r}: no such file {file}")
     name = f"fusion_user_{file.stem}"
     modspec = importlib.util.spec_from_file_location(name, file)
     mod = importlib.util.module_from_spec(modspec)
@@ -50,10 +52,16 @@ def _load_python(spec: str) -> Model:
     try:
         modspec.loader.exec_module(mod)
     except Exception as e:
-        raise FusionError(f"model {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from None
+        raise FusionError(f"{what} {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from None
     fn = getattr(mod, func, None)
     if not callable(fn):
-        raise FusionError(f"model {spec!r}: {file} has no function {func!r}")
+        raise FusionError(f"{what} {spec!r}: {file} has no function {func!r}")
+    return fn
+
+
+def _load_python(spec: str) -> Model:
+    path, _, func = spec.rpartition(":")
+    fn = load_function(spec)
     obj = fn()
     if isinstance(obj, Model):
         return obj

@@ -25,8 +25,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="delay and rate-limit every link by the plan's alpha/beta (rehearse a plan on one host)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
-    p.add_argument("--data", default="auto", choices=["auto", "text", "synthetic"],
-                   help="training data: generated text corpus for language models, synthetic otherwise (auto)")
+    p.add_argument("--data", default="auto", metavar="auto|text|synthetic|FILE.py:FUNCTION",
+                   help="training data: auto (generated text corpus for language models, synthetic otherwise), "
+                        "or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
     p.add_argument("--peer-timeout", type=float, default=10.0, help="a CompNode silent this long has failed (s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

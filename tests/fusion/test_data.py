@@ -53,3 +53,47 @@ def test_synthetic_batches_respect_classes_and_embedding_rows():
     assert s["idx"].shape == (4, 8) and 0 <= s["idx"].min() and s["idx"].max() < 5 and s["targets"].max() < 5
     with pytest.raises(FusionError, match="unknown data kind"):
         make_batches(plan, "imagenet")
+
+
+USER_DATA = '''
+import numpy as np
+
+def batches(step):
+    g = np.random.default_rng(step)
+    return {"idx": g.integers(0, 5, (4, 8)), "targets": g.integers(0, 5, (4, 8)).astype(np.int32)}
+
+def wrong_shape(step):
+    return {"idx": np.zeros((3, 8), np.int64), "targets": np.zeros((4, 8), np.int64)}
+
+def wrong_kind(step):
+    return {"idx": np.zeros((4, 8), np.float32), "targets": np.zeros((4, 8), np.int64)}
+
+def missing(step):
+    return {"idx": np.zeros((4, 8), np.int64), "labels": np.zeros((4, 8), np.int64)}
+
+def not_a_dict(step):
+    return [1, 2]
+
+def fails(step):
+    raise ValueError("disk is gone")
+'''
+
+
+def test_user_data_function_is_checked_and_cast_to_the_plan(tmp_path):
+    (tmp_path / "data.py").write_text(USER_DATA)
+    model = _lm(5)
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=2)
+    fn = make_batches(plan, f"{tmp_path / 'data.py'}:batches")
+    b = fn(3)
+    assert b["targets"].dtype == np.int64 and b["idx"].shape == (4, 8)  # int32 -> the plan's int64
+    np.testing.assert_array_equal(b["idx"], np.random.default_rng(3).integers(0, 5, (4, 8)))
+    for func, msg in [("wrong_shape", r"field 'idx' has shape \[3, 8\], the plan expects \[4, 8\] \(2 micro-batch"),
+                      ("wrong_kind", "field 'idx' has dtype float32, the plan expects int64"),
+                      ("missing", r"missing field\(s\) \['targets'\]; unknown field\(s\) \['labels'\]"),
+                      ("not_a_dict", "returned list, expected a dict"),
+                      ("fails", "step 0: ValueError: disk is gone"),
+                      ("nope", "has no function 'nope'")]:
+        with pytest.raises(FusionError, match=msg):
+            make_batches(plan, f"{tmp_path / 'data.py'}:{func}")
+    with pytest.raises(FusionError, match="no such file"):
+        make_batches(plan, f"{tmp_path / 'none.py'}:batches")
