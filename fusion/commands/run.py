@@ -26,17 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument("target", metavar="MODEL|PLAN", help="file.py:function or a plan directory")
     p.add_argument("--cluster", help="cluster file (needed to compile a MODEL)")
     p.add_argument("--out", default=None, help="run directory (default: runs/<model or plan name>)")
-    p.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="when compiling a MODEL")
-    p.add_argument("--micro-batches", type=int, default=4, help="when compiling a MODEL")
-    p.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
-                   help="partitioner, when compiling a MODEL (OP-Fence may put a small model on one device; "
-                        "equal-count/equal-flops use every device of the cluster file, blind to links)")
-    from .compile import add_engine_arg
+    from .compile import add_compile_options
 
-    add_engine_arg(p)
+    defaults = add_compile_options(p, micro_batches=4, note=" a MODEL (a PLAN has these fixed already)")
     p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
     add_common(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
 
 def _compile(args: argparse.Namespace, out: Path) -> Path:
@@ -46,18 +41,23 @@ def _compile(args: argparse.Namespace, out: Path) -> Path:
 
     if not args.cluster:
         raise FusionError("compiling a model needs --cluster FILE")
-    try:
-        from ..cluster import load_cluster
-        from ..compile import compile_model
-    except ImportError as e:
-        raise FusionError(f"this fusion has no compiler ({e}); pass a plan directory instead") from None
-    model = load_model(args.target)
-    plan = compile_model(model, load_cluster(args.cluster), micro_batches=args.micro_batches, schedule=args.schedule,
-                         strategy=args.strategy)
-    from .compile import assign_engines
+    from ..cluster import load_cluster
+    from .compile import compile_from_args
 
-    assign_engines(plan, args.engine)
+    model = load_model(args.target)
+    plan = compile_from_args(args, model, load_cluster(args.cluster))
     return save_plan(plan, out / "plan", params=model.params)
+
+
+def _reject_compile_options(args: argparse.Namespace) -> None:
+    """A PLAN fixes partition, schedule, optimizer and engines: an option that would be ignored is an error."""
+    from ..ir.errors import FusionError
+
+    given = [k for k, v in args.compile_defaults.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise FusionError(f"{flags} only apply when compiling a MODEL; {args.target} is a plan "
+                          "(recompile it with `fusion compile`, or run the model file)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
     out = Path(args.out or Path("runs") / name)
     if is_plan:
+        _reject_compile_options(args)
         plan_dir = target.parent if target.name == "plan.json" else target
     elif args.resume and (out / "plan" / "plan.json").exists():
         plan_dir = out / "plan"  # resume runs the plan compiled the first time

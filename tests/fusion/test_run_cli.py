@@ -130,3 +130,23 @@ def test_run_trains_on_the_users_data_function(tmp_path):
     r = _fusion("run", str(out / "plan"), "--out", str(tmp_path / "bad"), "--steps", "1",
                 "--data", f"{tmp_path / 'data.py'}:bad", "--no-progress")
     assert r.returncode == 2 and "field 'y' has shape [7], the plan expects [8]" in r.stderr, r.stderr
+
+
+def test_run_compiles_with_the_optimizer_and_compression_options(tmp_path):
+    """`fusion run MODEL` takes the same compile options as `fusion compile`; a PLAN refuses them."""
+    from fusion.plan import load_plan
+
+    (tmp_path / "model.py").write_text(MODEL_SRC)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(SCENARIO.read_text() if SCENARIO.exists() else "{}")
+    out = tmp_path / "run"
+    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--steps", "1",
+                "--micro-batches", "2", "--strategy", "equal-count", "--optimizer", "adamw", "--lr", "0.003",
+                "--weight-decay", "0.1", "--compress-ratio", "10", "--schedule", "1f1b", "--seed", "7",
+                "--no-progress", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = load_plan(out / "plan")
+    assert plan.optimizer["name"] == "adamw" and plan.optimizer["lr"] == 0.003 and plan.optimizer["weight_decay"] == 0.1
+    assert plan.schedule == "1f1b" and plan.seed == 7 and plan.micro_batches == 2 and plan.compression
+    r = _fusion("run", str(out / "plan"), "--out", str(tmp_path / "again"), "--lr", "0.1", "--schedule", "gpipe")
+    assert r.returncode == 2 and "--lr" in r.stderr and "only apply when compiling a MODEL" in r.stderr, r.stderr
