@@ -9,20 +9,27 @@ puts these small models on one device: no cut edge, nothing to compress):
 * the branching CNN of ``examples/branching_cnn.py`` on synthetic images
   (class templates plus noise, so the task is learnable).
 
-Three runs per model, same seed, same batches: ``dense`` (no compression),
+Four runs per model, same seed, same batches: ``dense`` (no compression),
 ``uniform`` (every cut edge, both directions, Top-K ratio r), ``adatopk``
-(the compiler's per-edge ratios for ``compress_ratio=r``, Eq. (7)).
+(the compiler's per-edge ratios for ``compress_ratio=r``, Eq. (7)) and
+``adatopk+ef`` (the same with error feedback).
 
-Training runs in one process with the :class:`ReferenceExecutor` (the same
-:class:`PartRuntime` compression path the distributed CompNodes use). "Time"
-is a *simulated clock*: per iteration, the measured compute of every part
-plus ``alpha + beta * bytes`` of every cross-part message on its link of the
-plan's cluster (the alpha-beta model of ``executors/linkemu.py``), summed
-serially — no overlap of compute and communication, so it is an upper bound
-that exaggerates neither method. Outputs PNG loss curves, a markdown table of
-the simulated time to a target loss, and a final JSON line.
+Two clocks (``--clock``, both by default):
 
-    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--out docs/img]
+* ``emulated``: a real run, one executor process per part on loopback with
+  ``--emulate-links`` (every message delayed by its link's alpha and rate-limited
+  to its beta), timed by the coordinator: compute, communication and the
+  pipeline overlap as they would on the cluster;
+* ``simulated``: in one process with the :class:`ReferenceExecutor` (the same
+  :class:`PartRuntime` compression path), the measured compute of every part
+  plus ``alpha + beta * bytes`` of every cross-part message, summed serially
+  (no overlap: an upper bound).
+
+Both must train identically (the JSON's ``max_loss_diff_simulated_vs_emulated``).
+Outputs PNG loss curves (against the last clock), a markdown table of the time
+to a target loss, and a final JSON line.
+
+    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--out docs/img] [--clock both]
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import json
 import logging
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,6 +166,36 @@ def train(model, plan, compression, batches, lr: float):
     return np.array(losses), np.array(times), clock
 
 
+def train_emulated(model, plan, compression, batches, lr: float, run_dir: Path):
+    """Losses and measured wall seconds per iteration of a real run with emulated links.
+
+    One executor process per part on loopback (``LocalCluster``, as ``fusion run
+    --emulate-links``): every cross-part message is delayed by the link's alpha and
+    rate-limited to its beta by ``executors/linkemu.py``, and compute, communication
+    and the pipeline schedule overlap as they would on the cluster. The clock is the
+    coordinator's ``iteration_s`` (``step`` sent to last ``done``), summed.
+    """
+    from fusion.executors.coordinator import CoordinatorConfig
+    from fusion.executors.launcher import LocalCluster
+    from fusion.plan import save_plan
+
+    p = dataclasses.replace(plan, compression=list(compression or []),
+                            optimizer=OptimizerConfig("adamw", lr=lr).to_dict())
+    plan_dir = save_plan(p, run_dir / "plan", params=model.params)
+    losses, times, sent, clock = [], [], 0, 0.0
+    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=True, peer_timeout_s=120), threads=1,
+                      trace=False, verbose=0) as lc:
+        lc.start()
+        for batch in batches:
+            rep = lc.coordinator.step(batch)
+            losses.append(rep.loss)
+            clock += rep.iteration_s
+            times.append(clock)
+            sent += sum(v["bytes"] for st in rep.parts.values() for peer, v in st.get("sent", {}).items()
+                        if peer in plan.parts)  # wire bytes between parts, control traffic excluded
+    return np.array(losses), np.array(times), {"compute": float("nan"), "comm": float("nan"), "bytes": sent}
+
+
 def ema(x: np.ndarray, beta: float = 0.9) -> np.ndarray:
     out, m = np.empty_like(x), x[0]
     for i, v in enumerate(x):
@@ -166,36 +204,49 @@ def ema(x: np.ndarray, beta: float = 0.9) -> np.ndarray:
     return out
 
 
-def study(name: str, model, batches_fn, steps: int, ratio: float, mb: int, lr: float, out: Path):
+def _time_to(times: np.ndarray, e: np.ndarray, target: float) -> tuple[int | None, float | None]:
+    hit = np.nonzero(e <= target)[0]
+    return (int(hit[0]) + 1, float(times[hit[0]])) if hit.size else (None, None)
+
+
+def study(name: str, model, batches_fn, steps: int, ratio: float, lr: float, out: Path, clocks: tuple[str, ...],
+          work: Path):
+    """Train every run under each clock; time-to-target and the curves' PNG."""
     plan = compile_model(model, load_cluster(CLUSTER), strategy="equal-flops", micro_batches=2, compress_ratio=ratio)
     runs = {"dense": None, "uniform": uniform_edges(model, plan.assignment, ratio), "adatopk": plan.compression,
             "adatopk+ef": [dataclasses.replace(c, error_feedback=True) for c in plan.compression]}
     log.info("%s: parts %s; AdaTopK ratios %s", name, {p.name: p.device for p in plan.parts.values()},
              {f"{c.producer}:{c.src}->{c.dst}": round(c.ratio, 1) for c in plan.compression})
-    res = {}
+    res: dict[str, dict] = {}
     for run, comp in runs.items():
-        t0 = time.perf_counter()
-        losses, times, clock = train(model, plan, comp, batches_fn(), lr)
-        res[run] = {"losses": losses, "times": times, "bytes": clock["bytes"], "comm_s": clock["comm"],
-                    "compute_s": clock["compute"], "wall_s": time.perf_counter() - t0}
-        log.info("%s %-8s final loss %.3f (ema %.3f)  simulated %.1f s (comm %.1f s, %.2f MB)  wall %.1f s", name, run,
-                 losses[-1], ema(losses)[-1], times[-1], clock["comm"], clock["bytes"] / 1e6, res[run]["wall_s"])
+        r = res[run] = {}
+        for clock in clocks:
+            t0 = time.perf_counter()
+            if clock == "simulated":
+                losses, times, c = train(model, plan, comp, batches_fn(), lr)
+            else:
+                losses, times, c = train_emulated(model, plan, comp, batches_fn(), lr, work / f"{name}-{run}")
+            if "losses" in r:  # the in-process and the multi-process run must train identically
+                r["max_loss_diff"] = float(np.abs(r["losses"] - losses).max())
+            r["losses"] = losses
+            r[clock] = {"times": times, "bytes": c["bytes"], "wall_s": time.perf_counter() - t0}
+            log.info("%s %-10s %-9s final loss %.3f (ema %.3f)  %.1f s for %d steps, %.2f MB between parts, "
+                     "wall %.1f s", name, run, clock, losses[-1], ema(losses)[-1], times[-1], steps, c["bytes"] / 1e6,
+                     r[clock]["wall_s"])
     # targets: the loss the dense run's smoothed curve reaches at 25 % ("early") and 80 % ("late") of the steps
     dense_ema = ema(res["dense"]["losses"])
     targets = {"early": float(dense_ema[int(0.25 * steps) - 1]), "late": float(dense_ema[int(0.8 * steps) - 1])}
-    for run, r in res.items():
+    for r in res.values():
         e = ema(r["losses"])
-        for tname, target in targets.items():
-            hit = np.nonzero(e <= target)[0]
-            r[f"steps_to_{tname}"] = int(hit[0]) + 1 if hit.size else None
-            r[f"time_to_{tname}_s"] = float(r["times"][hit[0]]) if hit.size else None
         r["final_ema"] = float(e[-1])
-    target = targets["late"]
-    plot(name, res, targets, ratio, out / f"convergence_{name}.png")
+        for clock in clocks:
+            for tname, target in targets.items():
+                r[f"steps_to_{tname}"], r[clock][f"time_to_{tname}_s"] = _time_to(r[clock]["times"], e, target)
+    plot(name, res, targets, ratio, clocks[-1], out / f"convergence_{name}.png")
     return res, targets
 
 
-def plot(name, res, targets, ratio, path: Path):
+def plot(name, res, targets, ratio, clock: str, path: Path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,8 +258,9 @@ def plot(name, res, targets, ratio, path: Path):
     for run, r in res.items():
         e = ema(r["losses"])
         axes[0].plot(np.arange(1, len(e) + 1), e, label=label[run])
-        axes[1].plot(r["times"], e, label=label[run])
-    for ax, xl in zip(axes, ("iteration", "simulated time (s)")):
+        axes[1].plot(r[clock]["times"], e, label=label[run])
+    xlabel = "measured time, emulated links (s)" if clock == "emulated" else "simulated time (s)"
+    for ax, xl in zip(axes, ("iteration", xlabel)):
         for tname, target in targets.items():
             ax.axhline(target, color="grey", ls=":" if tname == "late" else "--", lw=1, label=f"{tname} target")
         ax.set_xlabel(xl)
@@ -223,45 +275,74 @@ def plot(name, res, targets, ratio, path: Path):
     plt.close(fig)
 
 
+def report(name: str, res: dict, clocks: tuple[str, ...]) -> tuple[dict, list[str]]:
+    """JSON summary and markdown rows of one model's runs."""
+    fmt = lambda v, f: "not reached" if v is None else f % v  # noqa: E731
+    out, rows = {}, []
+    for run, r in res.items():
+        row = {"final_ema": round(r["final_ema"], 4), "steps_to_early": r["steps_to_early"],
+               "steps_to_late": r["steps_to_late"]}
+        if "max_loss_diff" in r:
+            row["max_loss_diff_simulated_vs_emulated"] = r["max_loss_diff"]
+        cells = []
+        for clock in clocks:
+            c = r[clock]
+            row[clock] = {"s_per_step": round(float(c["times"][-1]) / len(c["times"]), 4),
+                          "mbytes": round(c["bytes"] / 1e6, 3)}
+            # what dense had reached when this run ended: is compression worth its cost at equal time?
+            dt, de = res["dense"][clock]["times"], ema(res["dense"]["losses"])
+            row[clock]["dense_ema_at_same_time"] = round(float(de[min(np.searchsorted(dt, c["times"][-1]), len(de) - 1)]), 4)
+            for t in ("early", "late"):
+                d, x = res["dense"][clock][f"time_to_{t}_s"], c[f"time_to_{t}_s"]
+                row[clock][f"time_to_{t}_s"] = None if x is None else round(x, 2)
+                row[clock][f"speedup_{t}"] = None if (x is None or d is None) else round(d / x, 3)
+            cells.append(f"{fmt(row[clock]['time_to_early_s'], '%.1f')} / {fmt(row[clock]['time_to_late_s'], '%.1f')}"
+                         f" | {row[clock]['s_per_step']:.3f} | {row[clock]['dense_ema_at_same_time']:.3f}")
+        rows.append(f"| {name} | {run} | {r['final_ema']:.3f} | {fmt(row['steps_to_early'], '%d')} / "
+                    f"{fmt(row['steps_to_late'], '%d')} | " + " | ".join(cells) +
+                    f" | {row[clocks[-1]]['mbytes']:.2f} |")
+        out[run] = row
+    return out, rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ratio", type=float, default=100.0)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     ap.add_argument("--models", default="gpt,cnn")
+    ap.add_argument("--clock", choices=["simulated", "emulated", "both"], default="both",
+                    help="simulated: in-process, alpha-beta clock (about a minute); emulated: one process per part "
+                         "with --emulate-links, measured time (about 10 minutes); both (default)")
+    ap.add_argument("--work", type=Path, default=None, help="run directories of the emulated runs (default: a temp dir)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
-    summary, table = {}, ["| model | run | final loss (EMA) | steps to early / late target | simulated s to early / late target "
-                          "| MB sent | speed-up vs dense (early / late) |", "|---|---|---|---|---|---|---|"]
-    for name in args.models.split(","):
-        if name == "gpt":
-            tokens = text_corpus()
-            log.info("gpt corpus: %d characters of stdlib source", tokens.size)
-            model = gpt(mb=8, seq=32)
-            res, target = study("gpt", model, lambda: gpt_batches(tokens, args.steps, 16, 32, 1), args.steps,
-                                args.ratio, 8, 3e-3, args.out)
-        else:
-            model = cnn(mb=16)
-            res, target = study("cnn", model, lambda: cnn_batches(args.steps, 32, 1, 10, 8), args.steps,
-                                args.ratio, 16, 3e-3, args.out)
-        summary[name] = {"targets": {k: round(v, 4) for k, v in target.items()}}
-        fmt = lambda v, f: "not reached" if v is None else f % v  # noqa: E731
-        for run, r in res.items():
-            row = {"final_ema": round(r["final_ema"], 4), "mbytes": round(r["bytes"] / 1e6, 3)}
-            for t in ("early", "late"):
-                d, x = res["dense"][f"time_to_{t}_s"], r[f"time_to_{t}_s"]
-                row[f"steps_to_{t}"] = r[f"steps_to_{t}"]
-                row[f"time_to_{t}_s"] = None if x is None else round(x, 2)
-                row[f"speedup_{t}"] = None if (x is None or d is None) else round(d / x, 3)
-            table.append(f"| {name} | {run} | {r['final_ema']:.3f} | {fmt(row['steps_to_early'], '%d')} / "
-                         f"{fmt(row['steps_to_late'], '%d')} | {fmt(row['time_to_early_s'], '%.1f')} / "
-                         f"{fmt(row['time_to_late_s'], '%.1f')} | {row['mbytes']:.2f} | "
-                         f"{fmt(row['speedup_early'], '%.2fx')} / {fmt(row['speedup_late'], '%.2fx')} |")
-            summary[name][run] = row
-        log.info("%s: target losses %s", name, target)
+    clocks = ("simulated", "emulated") if args.clock == "both" else (args.clock,)
+    head = "| model | run | final loss (EMA) | steps to early / late target | " + " | ".join(
+        f"{c} s to early / late target | {c} s/step | dense loss at this run's end ({c})" for c in clocks) + " | MB between parts |"
+    table = [head, "|" + "---|" * (head.count("|") - 1)]
+    summary = {}
+    with tempfile.TemporaryDirectory(prefix="fusion-convergence-") as tmp:
+        work = args.work or Path(tmp)
+        for name in args.models.split(","):
+            if name == "gpt":
+                tokens = text_corpus()
+                log.info("gpt corpus: %d characters of stdlib source", tokens.size)
+                res, target = study("gpt", gpt(mb=8, seq=32), lambda: gpt_batches(tokens, args.steps, 16, 32, 1),
+                                    args.steps, args.ratio, 3e-3, args.out, clocks, work)
+            elif name == "cnn":
+                res, target = study("cnn", cnn(mb=16), lambda: cnn_batches(args.steps, 32, 1, 10, 8), args.steps,
+                                    args.ratio, 3e-3, args.out, clocks, work)
+            else:
+                raise SystemExit(f"convergence.py: unknown model {name!r} (gpt, cnn)")
+            rows, lines = report(name, res, clocks)
+            summary[name] = {"targets": {k: round(v, 4) for k, v in target.items()}, **rows}
+            table += lines
+            log.info("%s: target losses %s", name, target)
     print("\n".join(table))
-    print(json.dumps({"benchmark": "convergence", "ratio": args.ratio, "steps": args.steps, **summary}))
+    print(json.dumps({"benchmark": "convergence", "ratio": args.ratio, "steps": args.steps, "clocks": list(clocks),
+                      **summary}))
 
 
 if __name__ == "__main__":

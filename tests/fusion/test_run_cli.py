@@ -33,13 +33,19 @@ def test_missing_plan_or_model_is_a_one_line_error(tmp_path):
     assert r.returncode == 2 and "--cluster" in r.stderr
 
 
-def test_run_compiles_a_model_then_trains_it(tmp_path):
+def _run_model(tmp_path, *args):
+    """``fusion run`` of MODEL_SRC's cnn on the two-site scenario into ``tmp_path/run``."""
     (tmp_path / "model.py").write_text(MODEL_SRC)
     cluster = tmp_path / "cluster.json"
     cluster.write_text(SCENARIO.read_text() if SCENARIO.exists() else "{}")
     out = tmp_path / "run"
-    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--steps", "2",
-                "--micro-batches", "2", "--no-progress", timeout=240)
+    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--no-progress",
+                *args, timeout=240)
+    return r, out
+
+
+def test_run_compiles_a_model_then_trains_it(tmp_path):
+    r, out = _run_model(tmp_path, "--steps", "2", "--micro-batches", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "plan" / "plan.json").exists() and (out / "final.safetensors").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
@@ -102,29 +108,20 @@ def test_run_trains_on_the_users_data_function(tmp_path):
     """--data file.py:function: the CompNodes train on the user's batches, exactly as the in-process reference does."""
     from fusion.executors.optim import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
-    from fusion.loader import load_model
+    from fusion.loader import load_function, load_model
     from fusion.plan import load_plan
 
-    (tmp_path / "model.py").write_text(MODEL_SRC)
     (tmp_path / "data.py").write_text(DATA_SRC)
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(SCENARIO.read_text() if SCENARIO.exists() else "{}")
-    out = tmp_path / "run"
-    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--steps", "4",
-                "--micro-batches", "4", "--strategy", "equal-count", "--data", f"{tmp_path / 'data.py'}:templates",
-                "--no-progress", timeout=240)
+    r, out = _run_model(tmp_path, "--steps", "4", "--micro-batches", "4", "--strategy", "equal-count",
+                        "--data", f"{tmp_path / 'data.py'}:templates")
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     plan = load_plan(out / "plan")
     assert len(plan.parts) > 1
     ref = ReferenceExecutor(load_model(f"{tmp_path / 'model.py'}:cnn"), plan.assignment,
                             OptimizerConfig(**plan.optimizer), micro_batches=plan.micro_batches)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("user_data", tmp_path / "data.py")
-    data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(data)
-    want = [ref.step(data.templates(s)).loss for s in range(4)]
+    templates = load_function(f"{tmp_path / 'data.py'}:templates")
+    want = [ref.step(templates(s)).loss for s in range(4)]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
 
     r = _fusion("run", str(out / "plan"), "--out", str(tmp_path / "bad"), "--steps", "1",
@@ -136,14 +133,9 @@ def test_run_compiles_with_the_optimizer_and_compression_options(tmp_path):
     """`fusion run MODEL` takes the same compile options as `fusion compile`; a PLAN refuses them."""
     from fusion.plan import load_plan
 
-    (tmp_path / "model.py").write_text(MODEL_SRC)
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(SCENARIO.read_text() if SCENARIO.exists() else "{}")
-    out = tmp_path / "run"
-    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--steps", "1",
-                "--micro-batches", "2", "--strategy", "equal-count", "--optimizer", "adamw", "--lr", "0.003",
-                "--weight-decay", "0.1", "--compress-ratio", "10", "--schedule", "1f1b", "--seed", "7",
-                "--no-progress", timeout=240)
+    r, out = _run_model(tmp_path, "--steps", "1", "--micro-batches", "2", "--strategy", "equal-count",
+                        "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.1", "--compress-ratio", "10",
+                        "--schedule", "1f1b", "--seed", "7")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = load_plan(out / "plan")
     assert plan.optimizer["name"] == "adamw" and plan.optimizer["lr"] == 0.003 and plan.optimizer["weight_decay"] == 0.1
