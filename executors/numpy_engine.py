@@ -19,7 +19,7 @@ import numpy as np
 from ..ir.boundary import SubGraph
 from ..ir.errors import GraphError
 from ..ir.graph import OpGraph
-from ..ir.node import NodeKind, OpNode, ParamRef, Ref
+from ..ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta
 from .numpy_ops import NpOp
 from .numpy_torch_ops import TORCH_STYLE
 from .numpy_onnx_ops import ONNX_NUMPY
@@ -45,6 +45,8 @@ def node_problem(node: OpNode) -> str | None:
     for a in node.args:
         if isinstance(a, (list, tuple, dict)) and any(isinstance(x, (Ref, ParamRef)) for x in _flat(a)):
             return "tensors nested in lists are not supported"
+    if any(isinstance(m, TensorMeta) and m.dtype == "bfloat16" for m in node.meta.outputs):
+        return "bfloat16 tensors are not supported (NumPy has no bfloat16); run this part on the torch engine"
     op = OPS.get(node.target)
     if op is not None and op.module and node.kind not in (NodeKind.MODULE, NodeKind.LOSS):
         return "a module op used as a function"

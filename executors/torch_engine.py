@@ -53,6 +53,32 @@ def from_array(a: Any, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.from_numpy(arr).to(device)
 
 
+def from_wire(a: Any, dtype: str | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An array from the wire, a checkpoint or a feed as a tensor of the graph's ``dtype``.
+
+    NumPy has no bfloat16, so bfloat16 tensors travel as their raw bits in uint16
+    (or int16) arrays: those are viewed back, bit for bit. A float array fed to a
+    placeholder of another float dtype (float32 data for a bfloat16 model) is cast
+    with torch's rounding, as ``x.to(dtype)`` would.
+    """
+    t = from_array(a, device)
+    if dtype is None or dtype_name(t.dtype) == dtype:
+        return t
+    want = TORCH_DTYPES.get(dtype)
+    if want is torch.bfloat16 and t.dtype in (torch.uint16, torch.int16):
+        return t.view(torch.bfloat16)
+    if want is not None and want.is_floating_point and t.is_floating_point():
+        return t.to(want)
+    return t
+
+
+def _meta_dtype(graph: OpGraph, node: str, index: int | None) -> str | None:
+    outs = graph[node].meta.outputs
+    i = index or 0
+    m = outs[i] if i < len(outs) and (index is not None or len(outs) == 1) else None
+    return m.dtype if isinstance(m, TensorMeta) else None
+
+
 @dataclass
 class _Step:
     """One node, prepared for the forward loop.
@@ -107,7 +133,7 @@ class TorchPart:
                 spec = graph.params[pname]
                 if pname not in params and self.device.type != "meta":
                     raise GraphError(f"no initial value for parameter {pname!r}", node_name)
-                t = from_array(params[pname], self.device).clone() if self.device.type != "meta" else \
+                t = from_wire(params[pname], spec.dtype, self.device).clone() if self.device.type != "meta" else \
                     torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
                 if tuple(t.shape) != tuple(spec.shape):
                     raise GraphError(f"parameter {pname!r} has shape {tuple(t.shape)}, graph says {spec.shape}", node_name)
@@ -119,6 +145,10 @@ class TorchPart:
         for e in sub.boundary.required_acts:
             self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
         self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
+        self.dtypes: dict[Any, str | None] = {k: _meta_dtype(graph, *k) for k in self.recv_keys}
+        self.dtypes.update({n: _meta_dtype(graph, n, None) for n in sub.nodes
+                            if graph[n].kind in (NodeKind.INPUT, NodeKind.LABEL)})
         self.stash: dict[Any, _Stash] = {}
 
     # -- building ---------------------------------------------------------------
@@ -194,7 +224,7 @@ class TorchPart:
                 raise GraphError(f"missing activation {key} from another part", key[0])
             v = inputs[key]
             if isinstance(v, (np.ndarray, torch.Tensor)):
-                v = from_array(v, self.device)
+                v = from_wire(v, self.dtypes[key], self.device)
                 if needs_grad and v.is_floating_point():
                     v = v.detach().requires_grad_(True)
             st.leaves[key] = env[key] = v
@@ -204,7 +234,7 @@ class TorchPart:
             if s.placeholder:
                 if s.name not in feeds:
                     raise GraphError("no data fed to this placeholder", s.name)
-                out = from_array(feeds[s.name], self.device)
+                out = from_wire(feeds[s.name], self.dtypes[s.name], self.device)
             else:
                 if s.fast:
                     args = s.args
@@ -276,7 +306,7 @@ class TorchPart:
             if t is None:
                 raise GraphError(f"gradient for {key} which this part did not send", key[0])
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                gt = from_array(g, self.device)
+                gt = from_wire(g, dtype_name(t.dtype), self.device)
                 if tuple(gt.shape) != tuple(t.shape):
                     raise GraphError(f"gradient shape {tuple(gt.shape)} != activation shape {tuple(t.shape)}", key[0])
                 roots.append(t)
@@ -304,7 +334,7 @@ class TorchPart:
 
     def set_grad(self, name: str, grad: Any) -> None:
         p = self.params[name]
-        p.grad = from_array(grad, self.device).to(p.dtype).clone()
+        p.grad = from_wire(grad, dtype_name(p.dtype), self.device).to(p.dtype).clone()
 
 
 def _on_device(v: Any, device: torch.device) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from ..ir.errors import FusionError
 from .optim import OptimizerConfig, torch_optimizer
-from .torch_engine import TorchPart, from_array, to_array
+from .torch_engine import TorchPart, dtype_name, from_wire, to_array
 
 SEP = "::"
 
@@ -54,11 +54,14 @@ class TorchOptimizer:
         if saved is not None and saved.get("name") != self.cfg.name:
             raise FusionError(f"checkpoint holds {saved.get('name')} optimizer state, the plan uses {self.cfg.name}")
         index = {n: i for i, n in enumerate(self.names)}
+        params = self.part.trainable()
         state: dict[int, dict[str, Any]] = {}
         for k, v in arrays.items():
             pname, sep, key = k.rpartition(SEP)
             if not sep or pname not in index:
                 raise FusionError(f"checkpoint optimizer entry {k!r} names no parameter of this part")
-            state.setdefault(index[pname], {})[key] = from_array(np.array(v))
+            # moments have the parameter's dtype (bfloat16 ones were saved as their bits); "step" is a counter
+            dt = None if key == "step" else dtype_name(params[pname].dtype)
+            state.setdefault(index[pname], {})[key] = from_wire(np.array(v), dt)
         sd = self.opt.state_dict()
         self.opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})

@@ -134,6 +134,12 @@ def _int_high(graph, name: str) -> int:
     return 2
 
 
+def feed_dtype(name: str) -> np.dtype:
+    """The NumPy dtype a placeholder of dtype ``name`` is fed in: NumPy has no bfloat16, so a
+    bfloat16 placeholder takes float32 data, which the engine rounds as ``x.to(torch.bfloat16)``."""
+    return np.dtype(np.float32) if name == "bfloat16" else np.dtype(name)
+
+
 def _placeholder_specs(plan) -> dict[str, dict]:
     g = plan.graph
     specs = {n: plan.example.get(n) for n in g.nodes if g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)}
@@ -175,7 +181,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
         out = {}
         for n, shape in want.items():
             a = np.asarray(got[n])
-            dt = np.dtype(specs[n]["dtype"])
+            dt = feed_dtype(specs[n]["dtype"])
             if a.dtype.kind != dt.kind and not (a.dtype.kind in "iu" and dt.kind in "iu"):
                 raise FusionError(f"data {spec!r}: step {step}: field {n!r} has dtype {a.dtype}, the plan expects {dt}")
             if a.shape != shape:
@@ -232,7 +238,7 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
             elif s["dtype"] == "bool":
                 out[n] = r.random(shape) < 0.5
             else:
-                out[n] = r.standard_normal(shape).astype(s["dtype"])
+                out[n] = r.standard_normal(shape).astype(feed_dtype(s["dtype"]))
         return out
 
     return synthetic_batch

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .ir.errors import FusionError
 from .ir.graph import OpGraph
 from .ir.serialize import graph_from_dict, graph_to_dict
@@ -226,18 +228,52 @@ def save_weights(params: dict[str, Any], path: str | Path) -> None:
     save_file({k: torch.as_tensor(v).contiguous() for k, v in params.items()}, str(path))
 
 
+def save_arrays(arrays: dict[str, np.ndarray], path: str | Path, dtypes: dict[str, str] | None = None) -> None:
+    """Write NumPy arrays as safetensors without torch; an array whose ``dtypes`` entry is
+    ``"bfloat16"`` holds bfloat16 bits (uint16) and is written as BF16, so torch reads it back as bfloat16."""
+    from safetensors import TensorSpec, serialize_file
+
+    keep = {k: np.ascontiguousarray(v) for k, v in arrays.items()}  # alive while serialize_file reads them
+    specs = {}
+    for k, a in keep.items():
+        bf16 = (dtypes or {}).get(k) == "bfloat16" and a.dtype in (np.uint16, np.int16)
+        try:
+            specs[k] = TensorSpec(dtype="bfloat16" if bf16 else a.dtype.name, shape=a.shape, data_ptr=a.ctypes.data,
+                                  data_len=a.nbytes)
+        except Exception as e:  # an unsupported dtype
+            raise PlanError(f"{path}: cannot store {k!r} of dtype {a.dtype} ({e})") from None
+    serialize_file(specs, str(path))
+
+
 def load_weights(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
-    """Parameter values by name (all, or only ``names``); safetensors never runs code."""
+    """Parameter values by name (all, or only ``names``) as NumPy arrays; safetensors never runs code.
+
+    bfloat16 tensors (NumPy has none) come back as their raw bits in uint16 arrays,
+    which the engines view by the graph's dtype; no torch is needed to read them.
+    """
     from safetensors import safe_open
 
-    out = {}
+    out, bits = {}, []
     try:
         with safe_open(str(path), framework="numpy") as f:
-            keys = f.keys() if names is None else names
+            keys = list(f.keys()) if names is None else names
             for k in keys:
-                out[k] = f.get_tensor(k)
+                if k in f.keys() and f.get_slice(k).get_dtype() == "BF16":
+                    bits.append(k)
+                else:
+                    out[k] = f.get_tensor(k)
+        if bits:
+            out.update(_bfloat16_bits(path, set(bits)))
     except FileNotFoundError:
         raise PlanError(f"{path}: no weights file") from None
     except Exception as e:  # safetensors raises its own error types
         raise PlanError(f"{path}: cannot read weights ({e})") from None
     return out
+
+
+def _bfloat16_bits(path: str | Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The named BF16 tensors of a safetensors file as uint16 arrays (safetensors' framework-free reader)."""
+    from safetensors import deserialize
+
+    return {n: np.frombuffer(d["data"], dtype="<u2").reshape(d["shape"]).copy()
+            for n, d in deserialize(Path(path).read_bytes()) if n in names}

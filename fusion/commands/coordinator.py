@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True) -> dict:
     """Run steps ``first..steps-1``; append metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``."""
-    from safetensors.numpy import save_file
+    from ..plan import save_arrays
 
     out.mkdir(parents=True, exist_ok=True)
     bar = None
@@ -70,7 +70,7 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
         bar.close()
     state = coord.fetch_state()
     tmp = out / "final.safetensors.tmp"
-    save_file({k: np.require(v, requirements="C") for k, v in state.items()}, str(tmp))
+    save_arrays(state, tmp, {k: spec.dtype for k, spec in coord.plan.graph.params.items()})
     tmp.replace(out / "final.safetensors")
     return {"steps": steps, "loss": None if last is None else last.loss}
 

@@ -97,3 +97,16 @@ def test_user_data_function_is_checked_and_cast_to_the_plan(tmp_path):
             make_batches(plan, f"{tmp_path / 'data.py'}:{func}")
     with pytest.raises(FusionError, match="no such file"):
         make_batches(plan, f"{tmp_path / 'none.py'}:batches")
+
+
+def test_bfloat16_placeholders_are_fed_float32():
+    """NumPy has no bfloat16: synthetic and user batches for a bf16 input are float32 (the engine rounds)."""
+    b = GraphBuilder()
+    x, y = b.input("x"), b.label("y")
+    o = b.module("fc", "torch.nn.Linear", x, in_features=4, out_features=3)
+    o = b.function("up", "torch.Tensor.float", o)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    model = b.build(example={"x": torch.zeros(2, 4, dtype=torch.bfloat16), "y": torch.zeros(2, dtype=torch.long)})
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=1)
+    assert plan.example["x"]["dtype"] == "bfloat16"
+    assert make_batches(plan, "synthetic")(0)["x"].dtype == np.float32

@@ -124,3 +124,24 @@ def test_strategies_and_arguments_are_checked(tmp_path, tiny):
         compile_model(tiny, cluster, micro_batches=0)
     with pytest.raises(CompileError, match="compress_ratio"):
         compile_model(tiny, cluster, compress_ratio=0.5)
+
+
+def test_bfloat16_weights_round_trip_without_torch_on_the_reading_side(tmp_path):
+    """bf16 tensors are stored as BF16 (torch reads bfloat16) and read back by fusion as their uint16 bits."""
+    from safetensors.torch import load_file
+
+    from fusion.plan import save_arrays
+
+    w = torch.randn(3, 4).to(torch.bfloat16)
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    save_arrays({"w": bits, "b": np.arange(3, dtype=np.float32), "u": bits}, tmp_path / "x.safetensors",
+                {"w": "bfloat16", "b": "float32"})
+    t = load_file(str(tmp_path / "x.safetensors"))
+    assert t["w"].dtype == torch.bfloat16 and torch.equal(t["w"], w)
+    assert t["u"].dtype == torch.uint16  # not declared bfloat16: kept as plain uint16
+    back = load_weights(tmp_path / "x.safetensors")
+    np.testing.assert_array_equal(back["w"], bits)
+    assert back["w"].dtype == np.uint16 and back["b"].dtype == np.float32
+    assert load_weights(tmp_path / "x.safetensors", ["w"]).keys() == {"w"}
+    with pytest.raises(PlanError, match="cannot store 'c'"):
+        save_arrays({"c": np.zeros(2, dtype=np.complex128)}, tmp_path / "y.safetensors")
