@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, "int | None"]
 
-#: dense NumPy dtypes a payload may have to be compressed (bfloat16 travels as
-#: uint16 bits and is sent dense: NumPy cannot tell it from a real uint16)
-COMPRESSIBLE = frozenset({"float16", "float32", "float64"})
+#: tensor dtypes a payload may be compressed in; bfloat16 travels as uint16 bits, so
+#: the table tells it from a real uint16 by the graph's dtype of the edge
+COMPRESSIBLE = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,19 @@ class EdgeRule:
 
 
 
-def topk_numpy(arr: np.ndarray, k: int) -> SparsePayload:
-    """Top-k of a float NumPy array as a :class:`SparsePayload` (same bytes as ``kernels.codec.compress``)."""
+def topk_numpy(arr: np.ndarray, k: int, dtype: str | None = None) -> SparsePayload:
+    """Top-k of a float NumPy array as a :class:`SparsePayload` (same bytes as ``kernels.codec.compress``).
+
+    ``dtype="bfloat16"``: ``arr`` holds bfloat16 bits (uint16); magnitudes are ranked on their
+    exact float32 widening and the kept values stay bfloat16 bits.
+    """
     a = np.ascontiguousarray(arr)
     flat = a.reshape(-1)
-    idx = host_select(Wide(flat), k)
+    name = dtype or a.dtype.name
+    wide = (flat.astype(np.uint32) << 16).view(np.float32) if name == "bfloat16" else flat
+    idx = host_select(Wide(wide), k)
     it = np.int32 if index_dtype_for(flat.size) == "int32" else np.int64
-    return SparsePayload(flat[idx], idx.astype(it), tuple(a.shape), a.dtype.name, a.dtype.name)
+    return SparsePayload(flat[idx], idx.astype(it), tuple(a.shape), name, name)
 
 
 def densify(p: SparsePayload) -> np.ndarray:
@@ -111,6 +117,7 @@ class CompressionTable:
     part: str
     fwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
     bwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
     _ef: Any = field(default=None, repr=False)
 
     @classmethod
@@ -134,6 +141,8 @@ class CompressionTable:
                     continue
             rule = EdgeRule(float(e.ratio), bool(e.error_feedback))
             key = (e.producer, e.index)
+            if graph is not None and getattr(graph.output_meta(*key), "dtype", None) == "bfloat16":
+                t.bfloat16.add(key)
             if e.src == part and "fwd" in e.directions:
                 t.fwd[(key, e.dst)] = rule
             if e.dst == part and "bwd" in e.directions:
@@ -146,15 +155,18 @@ class CompressionTable:
     def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int) -> tuple[Any, dict | None]:
         """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed."""
         rule = (self.bwd if is_grad else self.fwd).get((key, peer))
-        if rule is None or not isinstance(payload, np.ndarray) or payload.dtype.name not in COMPRESSIBLE:
+        dtype = None
+        if isinstance(payload, np.ndarray):
+            dtype = "bfloat16" if payload.dtype == np.uint16 and key in self.bfloat16 else payload.dtype.name
+        if rule is None or dtype not in COMPRESSIBLE:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
             return payload, None
         k = ratio_to_k(payload.size, rule.ratio)
         if rule.error_feedback:
-            sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload), k)
+            sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload, dtype), k)
         else:
-            sp = topk_numpy(payload, k)
+            sp = topk_numpy(payload, k, dtype)
         return sp, rule.cfg(k)
 
     def _feedback(self):
@@ -169,10 +181,12 @@ class CompressionTable:
         return None if self._ef is None else self._ef.residual((key, peer, direction, mb))
 
 
-def _as_torch(a: np.ndarray):
+def _as_torch(a: np.ndarray, dtype: str):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
+
 
 
 def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None) -> CompressionTable | None:

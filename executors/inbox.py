@@ -69,9 +69,7 @@ class Inbox:
         box.append(od)
 
     def _meta(self, od: OpData):
-        outs = self.graph[od.name].meta.outputs
-        i = od.index if od.index is not None else 0
-        return outs[i] if i < len(outs) and (od.index is not None or len(outs) == 1) else None
+        return self.graph.output_meta(od.name, od.index)
 
     def _check_payload(self, od: OpData) -> None:
         m = self._meta(od)

@@ -72,13 +72,6 @@ def from_wire(a: Any, dtype: str | None, device: torch.device | str = "cpu") -> 
     return t
 
 
-def _meta_dtype(graph: OpGraph, node: str, index: int | None) -> str | None:
-    outs = graph[node].meta.outputs
-    i = index or 0
-    m = outs[i] if i < len(outs) and (index is not None or len(outs) == 1) else None
-    return m.dtype if isinstance(m, TensorMeta) else None
-
-
 @dataclass
 class _Step:
     """One node, prepared for the forward loop.
@@ -146,8 +139,8 @@ class TorchPart:
             self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
         self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
         #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
-        self.dtypes: dict[Any, str | None] = {k: _meta_dtype(graph, *k) for k in self.recv_keys}
-        self.dtypes.update({n: _meta_dtype(graph, n, None) for n in sub.nodes
+        self.dtypes: dict[Any, str | None] = {k: getattr(graph.output_meta(*k), "dtype", None) for k in self.recv_keys}
+        self.dtypes.update({n: getattr(graph.output_meta(n, None), "dtype", None) for n in sub.nodes
                             if graph[n].kind in (NodeKind.INPUT, NodeKind.LABEL)})
         self.stash: dict[Any, _Stash] = {}
 

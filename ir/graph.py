@@ -76,6 +76,13 @@ class OpGraph:
     def __iter__(self):
         return iter(self.nodes.values())
 
+    def output_meta(self, node: str, index: int | None):
+        """Metadata of what a ``Ref(node, index)`` carries: output ``index``, or the single
+        output when ``index`` is None; None when the node has no such (single) output."""
+        outs = self[node].meta.outputs
+        i = index or 0
+        return outs[i] if i < len(outs) and (index is not None or len(outs) == 1) else None
+
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that consume its output (FusionLLM "OP users")."""
         out: dict[str, list[str]] = {n: [] for n in self.nodes}

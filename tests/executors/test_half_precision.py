@@ -150,3 +150,38 @@ def test_numpy_engine_refuses_bfloat16_nodes_by_name():
     assign = {n: "p0" if i < names.index("b") else "p1" for i, n in enumerate(names)}
     with pytest.raises(GraphError, match="node 'b' .*bfloat16 tensors are not supported"):
         ReferenceExecutor(model, assign, opt, micro_batches=N_MB, engines={"p1": "numpy"})
+
+
+def test_bfloat16_edges_are_topk_compressed_by_magnitude():
+    """A compressed bf16 edge sends the codec's Top-K of the bf16 tensor (bits in, bits out), and the
+    receiving part computes with exactly that: the first loss equals plain PyTorch with the same Top-K."""
+    from fusion.executors.compression import CompressionTable, densify
+    from fusion.kernels.codec import compress, decompress
+    from fusion.kernels.sparse import ratio_to_k
+    from fusion.plan import EdgeCompression
+
+    dtype, opt = CASES[0]
+    net, model = _setup(dtype)
+    names = list(model.graph.nodes)
+    assign = {n: "p0" if i < names.index("tanh") else "p1" for i, n in enumerate(names)}
+    edges = [EdgeCompression("gelu", None, "p0", "p1", 4.0, ("fwd", "bwd"))]
+    table = CompressionTable.build("p0", edges, model.graph)
+    h = torch.randn(2, 16).to(dtype)
+    bits = h.view(torch.int16).numpy().view(np.uint16)
+    k = ratio_to_k(h.numel(), 4.0)
+    sp, cfg = table.encode(bits, ("gelu", None), "p1", False, 0)
+    want = compress(h, k)
+    assert sp.dtype == "bfloat16" and cfg["k"] == k == sp.k
+    np.testing.assert_array_equal(sp.indices, want.indices)
+    np.testing.assert_array_equal(sp.values, want.values)
+    assert torch.equal(torch.from_numpy(densify(sp).view(np.int16)).view(dtype), decompress(want))
+
+    ex = ReferenceExecutor(model, assign, opt, micro_batches=1, compression=edges)
+    b = _batches()[0]
+    got = ex.step({"x": b["x"][:MB], "y": b["y"][:MB]}).loss
+    x, y = torch.from_numpy(b["x"][:MB]).to(dtype), torch.from_numpy(b["y"][:MB])
+    with torch.no_grad():
+        g = F.gelu(net.a(x))
+        sent = decompress(compress(g, ratio_to_k(g.numel(), 4.0)))
+        plain = F.cross_entropy(net.c(torch.tanh(net.b(g)) + sent).float(), y).item()
+    assert got == pytest.approx(plain, rel=1e-6)
