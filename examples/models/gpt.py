@@ -163,6 +163,13 @@ def tiny() -> tuple[GPT, dict[str, torch.Tensor]]:
     return gpt_model(TINY, batch=2, seed=0)
 
 
+def tiny_bf16() -> tuple[GPT, dict[str, torch.Tensor]]:
+    """``tiny`` with bfloat16 weights and activations (mixed-precision users' case); the loss stays
+    bfloat16 as the module computes it, and fed data is float32, rounded by the engine."""
+    module, example = gpt_model(TINY, batch=2, seed=0)
+    return module.to(torch.bfloat16), example
+
+
 def small() -> tuple[GPT, dict[str, torch.Tensor]]:
     """The benchmark-sized GPT (about 1 M parameters) and a micro-batch of 8 sequences."""
     return gpt_model(SMALL, batch=8, seed=0)
