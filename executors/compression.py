@@ -188,7 +188,6 @@ def _as_torch(a: np.ndarray, dtype: str):
     return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
-
 def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None) -> CompressionTable | None:
     """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
     t = CompressionTable.build(part, edges or (), graph)

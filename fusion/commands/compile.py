@@ -59,8 +59,9 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 
 def add_engine_arg(p):
     return p.add_argument("--engine", action="append", default=[], metavar="[PART=]ENGINE",
-                   help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); repeatable, "
-                        "later ones win; parts are named part0, part1, ... in pipeline order (default: torch)")
+                          help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); "
+                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order "
+                               "(default: torch)")
 
 
 def assign_engines(plan, specs: list[str]) -> dict[str, str]:

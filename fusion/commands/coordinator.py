@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 
