@@ -84,14 +84,15 @@ CASES = [(torch.bfloat16, OptimizerConfig("adamw", lr=0.01, weight_decay=0.1)),
          (torch.float16, OptimizerConfig("sgd", lr=0.05, momentum=0.9))]
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("dtype, opt", CASES, ids=["bf16-adamw", "fp16-sgd"])
-def test_reference_executor_every_cut(dtype, opt):
+def test_reference_executor_every_cut(dtype, opt, schedule):
     net, model = _setup(dtype)
     want, want_params = _plain(net, dtype, opt)
     names = list(model.graph.nodes)
     for cut in range(3, len(names) - 1):
         assign = {n: "p0" if i < cut else "p1" for i, n in enumerate(names)}
-        ex = ReferenceExecutor(model, assign, opt, micro_batches=N_MB)
+        ex = ReferenceExecutor(model, assign, opt, micro_batches=N_MB, schedule=schedule)
         got = [ex.step(b).loss for b in _batches()]
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"losses, cut before {names[cut]}")
         state = _params_as_float({k: v for p in ex.engines.values() for k, v in p.state().items()})
