@@ -256,9 +256,10 @@ def load_weights(path: str | Path, names: list[str] | None = None) -> dict[str, 
     out, bits = {}, []
     try:
         with safe_open(str(path), framework="numpy") as f:
-            keys = list(f.keys()) if names is None else names
+            stored = set(f.keys())
+            keys = stored if names is None else names
             for k in keys:
-                if k in f.keys() and f.get_slice(k).get_dtype() == "BF16":
+                if k in stored and f.get_slice(k).get_dtype() == "BF16":
                     bits.append(k)
                 else:
                     out[k] = f.get_tensor(k)

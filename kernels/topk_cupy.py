@@ -149,14 +149,18 @@ def _module():
     return _require().RawModule(code=CUDA_SOURCE)
 
 
+def grid_blocks(n: int, threads: int = THREADS, max_blocks: int = MAX_BLOCKS) -> int:
+    """Blocks of a launch over ``n`` elements: one element per thread, capped (the kernels grid-stride)."""
+    return max(1, min(max_blocks, (n + threads - 1) // threads))
+
+
 def _launch(name: str, n: int, *args) -> None:
     """Launch kernel ``name`` over ``n`` elements, casting scalars as :data:`SIGNATURES` says."""
     sig = SIGNATURES[name]
     if len(args) != len(sig):
         raise RuntimeError(f"topk_cupy: {name} takes {len(sig)} arguments, got {len(args)}")
     cast = tuple(a if t == "ptr" else np.dtype(t).type(a) for a, t in zip(args, sig))
-    blocks = max(1, min(MAX_BLOCKS, (n + THREADS - 1) // THREADS))
-    _module().get_function(name)((blocks,), (THREADS,), cast)
+    _module().get_function(name)((grid_blocks(n),), (THREADS,), cast)
 
 
 @dataclass(frozen=True)

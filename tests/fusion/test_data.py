@@ -76,6 +76,12 @@ def not_a_dict(step):
 
 def fails(step):
     raise ValueError("disk is gone")
+
+CALLS = []
+
+def counted(step):
+    CALLS.append(step)
+    return batches(step)
 '''
 
 
@@ -97,6 +103,13 @@ def test_user_data_function_is_checked_and_cast_to_the_plan(tmp_path):
             make_batches(plan, f"{tmp_path / 'data.py'}:{func}")
     with pytest.raises(FusionError, match="no such file"):
         make_batches(plan, f"{tmp_path / 'none.py'}:batches")
+    # the batch fetched to validate the function before training is the one step 0 trains on
+    fn = make_batches(plan, f"{tmp_path / 'data.py'}:counted")
+    np.testing.assert_array_equal(fn(0)["idx"], np.random.default_rng(0).integers(0, 5, (4, 8)))
+    fn(1)
+    fn(0)
+    import sys
+    assert sys.modules["fusion_user_data"].CALLS == [0, 1, 0]  # the module the loader imported
 
 
 def test_bfloat16_placeholders_are_fed_float32():

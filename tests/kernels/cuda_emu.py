@@ -17,7 +17,6 @@ GPU's weaker memory model and warp scheduling are not reproduced.
 from __future__ import annotations
 
 import ctypes
-import math
 import re
 import shutil
 import subprocess
@@ -113,7 +112,7 @@ class CudaEmulator:
         sig = self.signatures[name]
         if len(args) != len(sig):
             raise RuntimeError(f"{name} takes {len(sig)} arguments, got {len(args)}")
-        blocks = max(1, min(self.max_blocks, math.ceil(n / self.threads)))
+        blocks = topk_cupy.grid_blocks(n, self.threads, self.max_blocks)
         conv = []
         for a, t in zip(args, sig):
             if t == "ptr":
