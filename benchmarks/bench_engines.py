@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from fusion.executors.optim import OptimizerConfig  # noqa: E402
+from fusion.plan import OptimizerConfig  # noqa: E402
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.onnx_import import load_onnx  # noqa: E402
 

@@ -9,10 +9,15 @@ and the medians are compared. Wall-clock time is the headline; the thread's
 CPU time is printed too, because on a shared machine other processes stretch
 wall-clock time but not the CPU time this thread spends.
 
-    python benchmarks/bench_executor.py [--model small] [--reps 30] [--threads 1]
+Three fusion sides run interleaved with eager: ``compiled`` (the default: the
+part's forward is one generated fx function), ``interpreted`` (the node-by-node
+loop, ``compiled=False``) and, with ``--torch-compile``, ``torch.compile`` of the
+part module (``compile=True``).
+
+    python benchmarks/bench_executor.py [--model small] [--reps 30] [--threads 1] [--torch-compile]
 
 Prints human-readable lines, then one JSON line:
-``{"overhead_vs_eager": ours/eager, "ours_ms": ..., "eager_ms": ..., "model": ..., "threads": ...}``.
+``{"overhead_vs_eager": compiled/eager, "overhead_vs_eager_interpreted": ..., "ours_ms": ..., "eager_ms": ..., ...}``.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure the checkout this script is in, not another installed copy
 
 
 def _load_gpt():
@@ -44,9 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=30, help="timed repetitions of each side")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    p.add_argument("--torch-compile", action="store_true", help="also time torch.compile of the part (compile=True)")
     args = p.parse_args(argv)
 
-    from fusion.executors.optim import OptimizerConfig, torch_optimizer
+    from fusion.executors.engines.torch.optimizer import torch_optimizer
+    from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
     from fusion.ir.trace import trace
 
@@ -56,7 +64,11 @@ def main(argv: list[str] | None = None) -> dict:
     module, example = gpt.gpt_model(cfg, batch=args.batch, seed=0)
     model = trace(module, example)
     opt_cfg = OptimizerConfig("adamw", lr=1e-3)
-    ours = ReferenceExecutor(model, None, opt_cfg)
+    ours = {"compiled": ReferenceExecutor(model, None, opt_cfg),
+            "interpreted": ReferenceExecutor(model, None, opt_cfg, engine_options={"*": {"compiled": False}})}
+    if args.torch_compile:
+        ours["torch.compile"] = ReferenceExecutor(model, None, opt_cfg, engine_options={"*": {"compile": True}})
+    assert ours["compiled"].engines["p0"].compiled and not ours["interpreted"].engines["p0"].compiled
     eager_opt = torch_optimizer(opt_cfg, module.parameters())
     n_params = sum(p.numel() for p in module.parameters())
     print(f"model: GPT {args.model} ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.seq_len} tokens, "
@@ -74,35 +86,39 @@ def main(argv: list[str] | None = None) -> dict:
         eager_opt.step()
         return loss.item()
 
-    def ours_step(b):
-        return ours.step(b).loss
-
-    # same weights, same batches: the two sides must agree (a benchmark of a wrong result is worthless)
-    diffs = [abs(eager_step(b) - ours_step(b)) for b in batches[: args.warmup]]
-    print(f"warm-up: |loss(eager) - loss(fusion)| max {max(diffs):.2e}")
-    times: dict[str, list[float]] = {"eager": [], "ours": []}
-    cpu: dict[str, list[float]] = {"eager": [], "ours": []}
-    sides = {"eager": eager_step, "ours": ours_step}
+    # same weights, same batches: every side must agree (a benchmark of a wrong result is worthless)
+    sides = {"eager": eager_step, **{k: (lambda b, ex=ex: ex.step(b).loss) for k, ex in ours.items()}}
+    t0 = time.perf_counter()
+    losses = {k: [f(b) for b in batches[: args.warmup]] for k, f in sides.items()}
+    diffs = {k: max(abs(a - b) for a, b in zip(v, losses["eager"])) for k, v in losses.items() if k != "eager"}
+    print(f"warm-up ({time.perf_counter() - t0:.1f} s): |loss(eager) - loss(fusion)| max " +
+          ", ".join(f"{k} {d:.2e}" for k, d in diffs.items()))
+    names = list(sides)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     for i in range(args.reps):
-        order = ("eager", "ours") if i % 2 == 0 else ("ours", "eager")
+        order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
         for side in order:
             b = batches[i % len(batches)]
             t0, c0 = time.perf_counter(), time.thread_time()
             sides[side](b)
             times[side].append(time.perf_counter() - t0)
             cpu[side].append(time.thread_time() - c0)
-    eager_ms = statistics.median(times["eager"]) * 1e3
-    ours_ms = statistics.median(times["ours"]) * 1e3
-    print(f"eager PyTorch step:    median {eager_ms:8.2f} ms  (min {min(times['eager']) * 1e3:.2f})")
-    print(f"fusion reference step: median {ours_ms:8.2f} ms  (min {min(times['ours']) * 1e3:.2f})")
-    eager_cpu = statistics.median(cpu["eager"]) * 1e3
-    ours_cpu = statistics.median(cpu["ours"]) * 1e3
-    print(f"thread CPU time:       median {eager_cpu:8.2f} ms eager, {ours_cpu:.2f} ms fusion "
-          f"({ours_cpu / eager_cpu:.3f}x)")
-    print(f"overhead: {ours_ms / eager_ms:.3f}x eager wall-clock (target <= 1.10, goal 1.05)")
-    result = {"overhead_vs_eager": round(ours_ms / eager_ms, 4), "ours_ms": round(ours_ms, 3),
-              "eager_ms": round(eager_ms, 3), "model": f"gpt-{args.model}-b{args.batch}", "threads": args.threads,
-              "cpu_overhead_vs_eager": round(ours_cpu / eager_cpu, 4)}
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    cms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+    for k in names:
+        print(f"{k:>14} step: median {ms[k]:8.2f} ms (min {min(times[k]) * 1e3:.2f}), thread CPU {cms[k]:8.2f} ms, "
+              f"{ms[k] / ms['eager']:.3f}x eager wall, {cms[k] / cms['eager']:.3f}x CPU")
+    result = {"overhead_vs_eager": round(ms["compiled"] / ms["eager"], 4),
+              "overhead_vs_eager_interpreted": round(ms["interpreted"] / ms["eager"], 4),
+              "ours_ms": round(ms["compiled"], 3), "interpreted_ms": round(ms["interpreted"], 3),
+              "eager_ms": round(ms["eager"], 3), "model": f"gpt-{args.model}-b{args.batch}", "threads": args.threads,
+              "cpu_overhead_vs_eager": round(cms["compiled"] / cms["eager"], 4),
+              "cpu_overhead_vs_eager_interpreted": round(cms["interpreted"] / cms["eager"], 4),
+              "reps": args.reps}
+    if "torch.compile" in ms:
+        result["overhead_vs_eager_torch_compile"] = round(ms["torch.compile"] / ms["eager"], 4)
+        result["torch_compile_ms"] = round(ms["torch.compile"], 3)
     print(json.dumps(result))
     return result
 

@@ -20,9 +20,9 @@ All measured in one run, on this host, loopback only:
    pre-norm MLP blocks of width 1024 and a head, 16 rows x 16 micro-batches)
    is compiled by ``compile_model(strategy="equal-flops")`` into four parts
    on the four devices, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
-   ``fusion/estimate.py``) is divided by the median iteration measured with
+   ``fusion/cost/estimate.py``) is divided by the median iteration measured with
    ``--emulate-links``. ``replay_over_measured`` is the runtime's schedule
-   replay (:mod:`fusion.executors.replay`) with alpha-beta links and per-part
+   replay (:mod:`fusion.executors.runtime.replay`) with alpha-beta links and per-part
    compute times from a warm-up run without emulation. OP-Fence's own plan
    for the same cluster (two parts inside site a) is measured the same way
    (``emulated.opfence_predicted_over_measured``).
@@ -184,8 +184,8 @@ def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path) -> dict:
 def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int, d: int, emulate: bool = False,
                cpu: dict | None = None) -> list:
     """Steps of a local run (after ``warmup``); ``cpu`` gets the executors' CPU seconds per measured iteration."""
-    from fusion.executors.coordinator import CoordinatorConfig
-    from fusion.executors.launcher import LocalCluster
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
 
     with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=emulate, peer_timeout_s=60), threads=1,
                       trace=True, verbose=0) as lc:
@@ -199,8 +199,8 @@ def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int
 
 
 def save_plan_for(model, stages: int, blocks: int, micro: int, tmp: Path, name: str, cluster=None) -> Path:
-    from fusion.executors.launcher import hand_plan
-    from fusion.executors.optim import OptimizerConfig
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.plan import OptimizerConfig
     from fusion.plan import save_plan
 
     devices = {f"p{i}": f"cpu-{i}" for i in range(stages)} if cluster else None
@@ -249,8 +249,8 @@ def fitted_cluster(cfg):
     executor runs one thread."""
     from dataclasses import replace
 
-    from fusion.cluster import load_cluster
-    from fusion.profile import profile_host
+    from fusion.cluster.model import load_cluster
+    from fusion.cost.profile import profile_host
 
     cluster = load_cluster(str(CLUSTER_YAML))
     prof = profile_host(cluster.devices[0].peak_flops, "cpu", batch=cfg.emu_rows, threads=1)
@@ -267,8 +267,8 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     Returns (compiler prediction / measured, replay prediction / measured, bottleneck utilization, details).
     """
     from fusion.compile import compile_model
-    from fusion.executors.optim import OptimizerConfig
-    from fusion.executors.replay import replay
+    from fusion.plan import OptimizerConfig
+    from fusion.executors.runtime.replay import replay
     from fusion.plan import load_plan, save_plan
 
     cluster, prof = fitted_cluster(cfg)

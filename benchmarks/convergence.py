@@ -49,10 +49,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "examples" / "models")]
 
-from fusion.cluster import load_cluster  # noqa: E402
+from fusion.cluster.model import load_cluster  # noqa: E402
 from fusion.compile import compile_model  # noqa: E402
-from fusion.executors.linkemu import link_model  # noqa: E402
-from fusion.executors.optim import OptimizerConfig  # noqa: E402
+from fusion.executors.runtime.linkemu import link_model  # noqa: E402
+from fusion.plan import OptimizerConfig  # noqa: E402
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.boundary import partition  # noqa: E402
 from fusion.kernels.sparse import SparsePayload  # noqa: E402
@@ -123,6 +123,21 @@ def uniform_edges(model, assignment, ratio: float) -> list[EdgeCompression]:
     return list(out.values())
 
 
+#: codec runs: every cut edge, activations and gradients through one codec (``--runs`` picks them)
+CODEC_RUNS = {
+    "quant8": {"algo": "quant", "bits": 8, "block": 64},
+    "quant4": {"algo": "quant", "bits": 4, "block": 64},
+    "hquant4": {"algo": "hadamard-quant", "bits": 4, "block": 64},
+}
+TOPK_RUNS = ("uniform", "adatopk", "adatopk+ef")
+
+
+def codec_edges(model, assignment, cfg: dict) -> list[EdgeCompression]:
+    """Every cut edge (producer output -> consumer part), both directions, through codec ``cfg``."""
+    return [dataclasses.replace(e, ratio=1.0, fwd_codec=dict(cfg), bwd_codec=dict(cfg))
+            for e in uniform_edges(model, assignment, 1.0)]
+
+
 def train(model, plan, compression, batches, lr: float):
     """Losses and simulated seconds per iteration (compute measured, communication from the link model)."""
     ex = ReferenceExecutor(model, plan.assignment, OptimizerConfig("adamw", lr=lr), micro_batches=plan.micro_batches,
@@ -171,12 +186,12 @@ def train_emulated(model, plan, compression, batches, lr: float, run_dir: Path):
 
     One executor process per part on loopback (``LocalCluster``, as ``fusion run
     --emulate-links``): every cross-part message is delayed by the link's alpha and
-    rate-limited to its beta by ``executors/linkemu.py``, and compute, communication
+    rate-limited to its beta by ``executors/runtime/linkemu.py``, and compute, communication
     and the pipeline schedule overlap as they would on the cluster. The clock is the
     coordinator's ``iteration_s`` (``step`` sent to last ``done``), summed.
     """
-    from fusion.executors.coordinator import CoordinatorConfig
-    from fusion.executors.launcher import LocalCluster
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
     from fusion.plan import save_plan
 
     p = dataclasses.replace(plan, compression=list(compression or []),
@@ -210,11 +225,13 @@ def _time_to(times: np.ndarray, e: np.ndarray, target: float) -> tuple[int | Non
 
 
 def study(name: str, model, batches_fn, steps: int, ratio: float, lr: float, out: Path, clocks: tuple[str, ...],
-          work: Path):
+          work: Path, wanted: tuple[str, ...] = ("dense", *TOPK_RUNS)):
     """Train every run under each clock; time-to-target and the curves' PNG."""
     plan = compile_model(model, load_cluster(CLUSTER), strategy="equal-flops", micro_batches=2, compress_ratio=ratio)
     runs = {"dense": None, "uniform": uniform_edges(model, plan.assignment, ratio), "adatopk": plan.compression,
-            "adatopk+ef": [dataclasses.replace(c, error_feedback=True) for c in plan.compression]}
+            "adatopk+ef": [dataclasses.replace(c, error_feedback=True) for c in plan.compression],
+            **{run: codec_edges(model, plan.assignment, cfg) for run, cfg in CODEC_RUNS.items()}}
+    runs = {run: comp for run, comp in runs.items() if run in wanted or run == "dense"}
     log.info("%s: parts %s; AdaTopK ratios %s", name, {p.name: p.device for p in plan.parts.values()},
              {f"{c.producer}:{c.src}->{c.dst}": round(c.ratio, 1) for c in plan.compression})
     res: dict[str, dict] = {}
@@ -257,8 +274,8 @@ def plot(name, res, targets, ratio, clock: str, path: Path):
              "adatopk+ef": f"AdaTopK + error feedback (r={ratio:g})"}
     for run, r in res.items():
         e = ema(r["losses"])
-        axes[0].plot(np.arange(1, len(e) + 1), e, label=label[run])
-        axes[1].plot(r[clock]["times"], e, label=label[run])
+        axes[0].plot(np.arange(1, len(e) + 1), e, label=label.get(run, run))
+        axes[1].plot(r[clock]["times"], e, label=label.get(run, run))
     xlabel = "measured time, emulated links (s)" if clock == "emulated" else "simulated time (s)"
     for ax, xl in zip(axes, ("iteration", xlabel)):
         for tname, target in targets.items():
@@ -305,6 +322,27 @@ def report(name: str, res: dict, clocks: tuple[str, ...]) -> tuple[dict, list[st
     return out, rows
 
 
+def best_codec(res: dict, clock: str) -> dict:
+    """The compressed run that reaches dense's final (smoothed) loss soonest on ``clock``:
+    ``time_to_dense_loss_ratio`` is its wall time to that loss over dense's whole run (None: no run reaches
+    it), ``final_loss_rel_gap`` its final loss against dense's at the same step count."""
+    dense = res["dense"]
+    target = float(ema(dense["losses"])[-1])
+    best, best_t = None, None
+    for run, r in res.items():
+        if run == "dense":
+            continue
+        _, t = _time_to(r[clock]["times"], ema(r["losses"]), target)
+        if t is not None and (best_t is None or t < best_t):
+            best, best_t = run, t
+    pick = best or min((run for run in res if run != "dense"), key=lambda run: res[run]["final_ema"], default=None)
+    if pick is None:
+        return {}
+    return {"best_codec": pick,
+            "time_to_dense_loss_ratio": None if best_t is None else round(best_t / float(dense[clock]["times"][-1]), 3),
+            "final_loss_rel_gap": round((res[pick]["final_ema"] - dense["final_ema"]) / dense["final_ema"], 4)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -315,7 +353,13 @@ def main(argv=None) -> None:
                     help="simulated: in-process, alpha-beta clock (about a minute); emulated: one process per part "
                          "with --emulate-links, measured time (about 10 minutes); both (default)")
     ap.add_argument("--work", type=Path, default=None, help="run directories of the emulated runs (default: a temp dir)")
+    ap.add_argument("--runs", default=",".join(("dense", *TOPK_RUNS, *CODEC_RUNS)),
+                    help=f"runs to train (dense always): {', '.join((*TOPK_RUNS, *CODEC_RUNS))}")
     args = ap.parse_args(argv)
+    wanted = tuple(args.runs.split(","))
+    unknown = sorted(set(wanted) - {"dense", *TOPK_RUNS, *CODEC_RUNS})
+    if unknown:
+        raise SystemExit(f"convergence.py: unknown runs {unknown}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     clocks = ("simulated", "emulated") if args.clock == "both" else (args.clock,)
@@ -330,14 +374,15 @@ def main(argv=None) -> None:
                 tokens = text_corpus()
                 log.info("gpt corpus: %d characters of stdlib source", tokens.size)
                 res, target = study("gpt", gpt(mb=8, seq=32), lambda: gpt_batches(tokens, args.steps, 16, 32, 1),
-                                    args.steps, args.ratio, 3e-3, args.out, clocks, work)
+                                    args.steps, args.ratio, 3e-3, args.out, clocks, work, wanted)
             elif name == "cnn":
                 res, target = study("cnn", cnn(mb=16), lambda: cnn_batches(args.steps, 32, 1, 10, 8), args.steps,
-                                    args.ratio, 3e-3, args.out, clocks, work)
+                                    args.ratio, 3e-3, args.out, clocks, work, wanted)
             else:
                 raise SystemExit(f"convergence.py: unknown model {name!r} (gpt, cnn)")
             rows, lines = report(name, res, clocks)
-            summary[name] = {"targets": {k: round(v, 4) for k, v in target.items()}, **rows}
+            summary[name] = {"targets": {k: round(v, 4) for k, v in target.items()}, **rows,
+                             **best_codec(res, clocks[-1])}
             table += lines
             log.info("%s: target losses %s", name, target)
     print("\n".join(table))

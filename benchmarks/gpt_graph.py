@@ -4,7 +4,11 @@
 GPT-2 XL-sized graph built on the meta device (no weights allocated);
 ``gpt_tiny`` has real weights and is small enough to run.
 """
-from fusion.testing_models import gpt_model
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout root: tests/ holds the op-node GPT
+from tests.testing_models import gpt_model  # noqa: E402
 
 
 def gpt2_xl():

@@ -91,7 +91,7 @@ class BranchingCNN(nn.Module):
 
 
 def main() -> None:
-    from fusion.executors.optim import OptimizerConfig
+    from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
 
     m = model()

@@ -83,7 +83,7 @@ class TwoLayerNet(nn.Module):
 
 
 def main() -> None:
-    from fusion.executors.optim import OptimizerConfig
+    from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
 
     m = model()

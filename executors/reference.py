@@ -6,10 +6,11 @@ the graph *as partitioned*: each part executes only its sub-DAG and parts
 exchange nothing but :class:`~fusion.ir.opdata.OpData` at their boundaries,
 forward and backward, in the order a schedule (GPipe, 1F1B) dictates. This is
 remote autodiff without sockets; the distributed runtime drives the same
-:class:`~fusion.executors.part.PartRuntime`.
+:class:`~fusion.executors.runtime.part.PartRuntime`.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -17,21 +18,24 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..ir.boundary import partition, part_links, part_order
-from ..ir.errors import FusionError
-from ..ir.model import Model
-from ..ir.opdata import OpData
-from .compression import check_edges
-from .engines import check_engines, make_engine_part, make_optimizer
-from .optim import OptimizerConfig
-from .part import PartRuntime
-from .schedule import Action, make_schedule
+from fusion.ir.boundary import partition, part_links, part_order
+from fusion.ir.errors import FusionError
+from fusion.ir.model import Model
+from fusion.ir.opdata import OpData
+from fusion.executors.runtime.compression import check_edges
+from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
+from fusion.plan import OptimizerConfig
+from fusion.executors.runtime.part import PartRuntime
+from fusion.executors.runtime.schedule import Action, make_schedule, splits_backward
 
 log = logging.getLogger(__name__)
 
 
 def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
     """Split every placeholder value along dim 0 into ``n`` equal micro-batches."""
+    if n == 1:  # nothing to split (and 0-d values, such as an ONNX scalar input, cannot be)
+        return [{k: torch.as_tensor(np.array(v) if isinstance(v, np.ndarray) and not v.flags.writeable else v)
+                 for k, v in batch.items()}]
     out: list[dict[str, Any]] = [{} for _ in range(n)]
     for name, v in batch.items():
         t = torch.as_tensor(v)
@@ -40,6 +44,32 @@ def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]
         for i, c in enumerate(torch.chunk(t, n, dim=0)):
             out[i][name] = c
     return out
+
+
+def contiguous_parts(graph, n: int) -> dict[str, str]:
+    """Cut ``graph`` (an OpGraph, or a Model) into ``n`` parts ``p0`` .. ``p{n-1}`` for in-process checks.
+
+    Contiguous ranges of compute nodes in the graph's (topological) order, of
+    equal node count; each placeholder goes with its first user. The result
+    is the ``assignment`` :class:`ReferenceExecutor` takes::
+
+        ex = ReferenceExecutor(model, contiguous_parts(model, 4), OptimizerConfig("adamw", lr=1e-3))
+    """
+    from fusion.ir.node import PLACEHOLDER_KINDS
+
+    graph = getattr(graph, "graph", graph)
+    compute = [name for name, node in graph.nodes.items() if node.kind not in PLACEHOLDER_KINDS]
+    if not 1 <= n <= len(compute):
+        raise FusionError(f"cannot cut {len(compute)} compute nodes into {n} parts")
+    bounds = np.linspace(0, len(compute), n + 1).round().astype(int)
+    assign = {name: f"p{p}" for p in range(n) for name in compute[bounds[p]:bounds[p + 1]]}
+    order = {name: i for i, name in enumerate(compute)}
+    users = graph.users()
+    for node in graph.nodes.values():
+        if node.kind in PLACEHOLDER_KINDS:
+            readers = [u for u in users[node.name] if u in order]
+            assign[node.name] = assign[min(readers, key=order.__getitem__)] if readers else "p0"
+    return assign
 
 
 @dataclass
@@ -57,12 +87,14 @@ class ReferenceExecutor:
     engines: part -> engine name (``"torch"``, ``"numpy"``); parts not named run torch.
     compression: the plan's ``EdgeCompression`` list (part names as in ``assignment``);
                  those edges carry Top-K sparse payloads as in a distributed run.
+    engine_options: ``{part or "*": {option: value}}``, e.g. ``{"*": {"compiled": False}}`` runs every
+                 torch part interpreted, ``{"p1": {"recompute": True}}`` recomputes p1's activations.
     """
 
     def __init__(self, model: Model, assignment: Mapping[str, str] | None = None,
                  optimizer: OptimizerConfig = OptimizerConfig(), micro_batches: int = 1,
                  schedule: str = "gpipe", engines: Mapping[str, str] | None = None,
-                 compression: Sequence[Any] | None = None):
+                 compression: Sequence[Any] | None = None, engine_options: Mapping[str, Mapping[str, Any]] | None = None):
         g = model.graph
         self.graph = g
         self.assignment = dict(assignment) if assignment else {n: "p0" for n in g.nodes}
@@ -73,7 +105,9 @@ class ReferenceExecutor:
         self.schedule = make_schedule(schedule, self.order, links, micro_batches)
         names = dict(engines or {})
         check_engines(g, self.assignment, names)
-        self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params) for p in self.order}
+        self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params,
+                                            options=engine_options_for(p, names.get(p, "torch"), engine_options))
+                        for p in self.order}
         check_edges(compression or (), self.assignment)
         self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p], compression) for p in self.order}
         self.optimizers = {p: make_optimizer(names.get(p, "torch"), e, optimizer) for p, e in self.engines.items()}
@@ -104,6 +138,12 @@ class ReferenceExecutor:
                 a: Action = acts[cursor[p]]
                 box = inbox.get((p, a.kind, a.micro_batch), [])
                 part = self.parts[p]
+                if a.kind == "W":  # the parameter half of a split backward: local, waits for nothing
+                    part.weight(it, a.micro_batch)
+                    cursor[p] += 1
+                    done += 1
+                    progressed = True
+                    continue
                 if a.kind == "F":
                     if {m.key for m in box} != part.needs_acts():
                         continue
@@ -118,7 +158,7 @@ class ReferenceExecutor:
                         have.setdefault(m.key, set()).add(m.src)
                     if have != want:
                         continue
-                    out = part.backward(it, a.micro_batch, box, scale)
+                    out = part.backward(it, a.micro_batch, box, scale, split=splits_backward(acts))
                     kind = "B"
                 inbox.pop((p, a.kind, a.micro_batch), None)
                 for msg in out:
@@ -130,6 +170,46 @@ class ReferenceExecutor:
                 stuck = {p: str(self.schedule[p][cursor[p]]) for p in self.order if cursor[p] < len(self.schedule[p])}
                 raise RuntimeError(f"schedule deadlock at {stuck}")
         return float(np.sum(losses) * scale)
+
+    def forward_outputs(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Inference: forward only (no backward, no optimizer step, no gradient kept).
+
+        Returns the value of every OUTPUT and LOSS node by node name, for the
+        whole ``batch``: per-micro-batch tensors are concatenated along dim 0,
+        scalar losses averaged over micro-batches. Parts exchange activations
+        exactly as in training (only what crosses their boundaries).
+        """
+        from fusion.ir.node import NodeKind
+
+        wanted = {n for n, node in self.graph.nodes.items() if node.kind in (NodeKind.OUTPUT, NodeKind.LOSS)}
+        per_mb: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
+        for mb, feeds in enumerate(split_micro_batches(batch, self.micro_batches)):
+            acts: dict[Any, Any] = {}
+            for p in self.order:
+                part, engine = self.parts[p], self.engines[p]
+                if "record" not in inspect.signature(engine.forward).parameters:
+                    raise FusionError(f"part {p}: its engine cannot report node outputs (forward_outputs needs the torch engine)")
+                got: dict[str, Any] = {}
+
+                def record(name, value, got=got):
+                    if name in wanted:
+                        got[name] = value
+                key = ("forward_outputs", mb)
+                with torch.no_grad():
+                    sent, _ = engine.forward(key, {k: acts[k] for k in part.needs_acts()},
+                                             {k: feeds[k] for k in part.placeholders if k in feeds}, record=record)
+                getattr(engine, "stash", {}).pop(key, None)
+                acts.update(sent)
+                for name, v in got.items():
+                    if isinstance(v, torch.Tensor):
+                        v = v.detach().cpu()
+                        per_mb[name].append((v.float() if v.dtype == torch.bfloat16 else v).numpy())
+                    else:
+                        per_mb[name].append(np.asarray(v))
+        out = {}
+        for name, vs in per_mb.items():
+            out[name] = vs[0] if len(vs) == 1 else np.mean(vs, axis=0) if vs[0].ndim == 0 else np.concatenate(vs, axis=0)
+        return out
 
     def sync_shared_grads(self) -> None:
         """Sum the gradients of parameters held by several parts (tied weights)."""

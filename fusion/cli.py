@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from .ir.errors import FusionError
+from fusion.ir.errors import FusionError
 
 #: subcommand modules, in the order ``fusion --help`` lists them
 COMMANDS = [
@@ -26,22 +26,51 @@ COMMANDS = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (unless it has none worth showing or says it already)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in h or d is None or d is False or d == [] or d is argparse.SUPPRESS
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._CountAction))):
+            return h
+        return h + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (and exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+VERBOSE_HELP = "more logging (-v info, -vv debug); before or after the command"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fusion", description="Train one model on many heterogeneous GPUs over slow links (FusionLLM).")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    from . import __version__
+    p = Parser(prog="fusion", formatter_class=HelpFormatter,
+               description="Train one model on many heterogeneous GPUs over slow links (FusionLLM).")
+    p.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    from fusion import __version__
 
     p.add_argument("--version", action="version", version=f"fusion {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for modname in COMMANDS:
         importlib.import_module(modname).add_parser(sub)
+    for sp in sub.choices.values():
+        sp.formatter_class = HelpFormatter
+        # -v after the command too; its own dest, summed with the one before the command
+        sp.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after", help=VERBOSE_HELP)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+    # long-running commands (executor, coordinator) log at info by default: they say what they wait for
+    level = args.verbose + getattr(args, "verbose_after", 0) + getattr(args, "default_verbosity", 0)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(level, 2)],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "command", None):
         parser.print_help()
@@ -49,11 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except FusionError as e:
-        print(f"fusion {args.command}: error: {e}", file=sys.stderr)
+        print(f"fusion {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """A message on one line, cut to ``limit`` characters (the rest is never what the user needs first)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 20].rstrip() + f" ... ({len(text)} chars)"
 
 
 if __name__ == "__main__":

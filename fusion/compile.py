@@ -14,19 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from .adatopk import adatopk
-from .baselines import BASELINES
-from .chain import build_chain
-from .cluster import Cluster
-from .estimate import CostModel, Estimate, optimizer_slots, samples_per_micro_batch
-from .executors.optim import OptimizerConfig
-from .fence import NoFitError, Partition, op_fence
-from .flops import measure_costs
-from .ir.errors import FusionError
-from .ir.model import Model
-from .ir.node import TensorMeta
-from .plan import Part, Plan, boundary_tables
-from .topology import device_clusters
+from fusion.compress.adatopk import adatopk
+from fusion.compress.policy import CompressRequest, choose
+from fusion.partition.baselines import BASELINES
+from fusion.partition.chain import build_chain
+from fusion.cluster.model import Cluster
+from fusion.cost.estimate import CostModel, Estimate, optimizer_slots, samples_per_micro_batch
+from fusion.plan import OptimizerConfig
+from fusion.partition.fence import NoFitError, Partition, op_fence
+from fusion.cost.flops import measure_costs
+from fusion.ir.errors import FusionError
+from fusion.ir.model import Model
+from fusion.ir.node import TensorMeta
+from fusion.plan import SCHEDULE_NAMES, Part, Plan, boundary_tables
+from fusion.cluster.topology import device_clusters
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,16 @@ class CompileError(FusionError):
 
 def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", micro_batches: int = 1,
                   compress_ratio: float | None = None, schedule: str = "gpipe",
-                  optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0) -> Plan:
+                  optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
+                  compress: CompressRequest | None = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
     micro_batches:  n_b of Eq. (3); the example in ``model`` is one micro-batch.
     compress_ratio: AdaTopK's r of Eq. (7); None or 1 compresses nothing.
-    schedule:       ``gpipe`` or ``1f1b`` (changes the activation memory in flight).
+    compress:       per-direction codecs, applied where they pay (:mod:`fusion.compress.policy`);
+                    exclusive with ``compress_ratio``.
+    schedule:       ``gpipe``, ``1f1b`` or ``zb1`` (changes the activation memory in flight).
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -54,8 +58,10 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         raise CompileError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise CompileError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if schedule not in ("gpipe", "1f1b"):
-        raise CompileError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    if schedule not in SCHEDULE_NAMES:
+        raise CompileError(f"schedule must be one of {list(SCHEDULE_NAMES)}, got {schedule!r}")
+    if compress is not None and compress_ratio is not None:
+        raise CompileError("give either compress_ratio (AdaTopK) or compress (codecs), not both")
     if compress_ratio is not None and not compress_ratio >= 1:
         raise CompileError(f"compress_ratio must be >= 1, got {compress_ratio!r}")
     graph = model.graph
@@ -79,6 +85,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     compression, wire = [], {}
     if compress_ratio is not None and compress_ratio > 1:
         compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
+    elif compress is not None:
+        compression, wire = choose(cm, part.node_part, part.part_device, names, compress)
     est = cm.evaluate(part.node_part, part.part_device, wire) if wire else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
@@ -94,7 +102,7 @@ def _ensure_shapes(model: Model) -> None:
         return
     if not model.example:
         raise CompileError(f"node {missing[0]!r} has no shape metadata and the model has no example inputs")
-    from .executors.torch_engine import infer_meta
+    from fusion.ir.shapes import infer_meta
 
     infer_meta(model.graph, model.example)
 

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .ir.errors import FusionError
-from .ir.node import NodeKind, TensorMeta
+from fusion.ir.errors import FusionError
+from fusion.ir.node import NodeKind, TensorMeta
 
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]
 _ITEMS = ["apple", "book", "coin", "shell", "stone", "card", "key", "cup"]
@@ -159,7 +159,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     plan's dtype when the kind (float, integer, bool) agrees; anything else is a
     :class:`FusionError` naming the function, the step and the field.
     """
-    from .loader import load_function
+    from fusion.loader import load_function
 
     fn = load_function(spec, "data")
     specs, nm = _placeholder_specs(plan), plan.micro_batches
@@ -169,7 +169,9 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
         try:
             got = fn(step)
         except Exception as e:
-            raise FusionError(f"data {spec!r}: step {step}: {type(e).__name__}: {e}") from None
+            from fusion.loader import user_error
+
+            raise FusionError(f"data {spec!r}: step {step}: {user_error(e, spec.rpartition(':')[0])}") from None
         if not isinstance(got, dict):
             raise FusionError(f"data {spec!r}: step {step}: returned {type(got).__name__}, expected a dict "
                               f"of placeholder -> array ({', '.join(want)})")

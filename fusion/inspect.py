@@ -2,19 +2,20 @@
 
 :func:`plan_report` prints part -> device, nodes, FLOPs, memory, predicted
 compute and communication, then every cut edge (tensor, bytes, link, time,
-AdaTopK ratio). :func:`draw_plan` writes a PNG with the partitioned DAG (nodes
-in topological order, coloured by part, cut edges in red) and the devices
-grouped by their Louvain clusters, with the pipeline path drawn between the
-devices that hold parts. Everything comes from the plan file alone.
+AdaTopK ratio). :func:`draw_plan` writes a PNG with the partitioned DAG (a
+layered layout, coloured by part, cut edges in red) and the devices grouped
+by their Louvain clusters, with the pipeline path drawn between the devices
+that hold parts and labelled with each link's bandwidth and latency.
+Everything comes from the plan file alone.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .cluster import Cluster
-from .estimate import tensor_bytes
-from .ir.boundary import part_order
-from .plan import Plan
+from fusion.cluster.model import Cluster
+from fusion.cost.estimate import tensor_bytes
+from fusion.ir.boundary import part_order
+from fusion.plan import Plan
 
 
 def _fmt_bytes(b: float) -> str:
@@ -25,16 +26,25 @@ def _fmt_bytes(b: float) -> str:
 
 
 def _fmt_bw(bps: float) -> str:
-    for unit, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= f:
-            return f"{bps / f:.3g} {unit}"
-    return f"{bps:.3g} bit/s"
+    from fusion.cluster.units import format_bandwidth
+
+    return format_bandwidth(bps)
+
+
+def codec_label(cfg: dict | None) -> str:
+    """``quant:bits=4,block=64``-style text of a codec cfg; ``dense`` for None."""
+    if cfg is None:
+        return "dense"
+    args = ",".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in cfg.items() if k != "algo")
+    return cfg["algo"] + (f":{args}" if args else "")
 
 
 def cut_edges(plan: Plan) -> list[dict]:
     """One row per (tensor, src part, dst part) crossing between parts."""
     cluster = Cluster.from_dict(plan.cluster, "plan.cluster")
     ratios = {(c.producer, c.index, c.src, c.dst): c.ratio for c in plan.compression}
+    codecs = {(c.producer, c.index, c.src, c.dst): (codec_label(c.codec("fwd")), codec_label(c.codec("bwd")))
+              for c in plan.compression}
     rows: dict[tuple, dict] = {}
     for node in plan.graph.nodes.values():
         dst = plan.assignment[node.name]
@@ -52,7 +62,8 @@ def cut_edges(plan: Plan) -> list[dict]:
                          "users": [node.name], "bytes": nbytes, "src_device": cluster.devices[a].name,
                          "dst_device": cluster.devices[b].name, "bandwidth_bps": cluster.bandwidth_bps(a, b),
                          "latency_s": float(cluster.alpha[a, b]), "dense_s": cluster.comm_time(a, b, nbytes),
-                         "ratio": ratios.get(key, 1.0)}
+                         "ratio": ratios.get(key, 1.0), "fwd": codecs.get(key, ("dense", "dense"))[0],
+                         "bwd": codecs.get(key, ("dense", "dense"))[1]}
     return list(rows.values())
 
 
@@ -86,16 +97,83 @@ def plan_report(plan: Plan) -> str:
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")
-    lines.append(f"{'tensor':<24} {'parts':<16} {'size':>10} {'link':<36} {'dense s':>9} {'ratio':>7}")
+    lines.append(f"{'tensor':<24} {'parts':<16} {'size':>10} {'link':<36} {'dense s':>9} {'fwd codec':<22} {'bwd codec':<22}")
     for e in sorted(edges, key=lambda e: (order.index(e["src"]), order.index(e["dst"]), e["tensor"])):
         link = f"{e['src_device']}->{e['dst_device']} {_fmt_bw(e['bandwidth_bps'])}, {e['latency_s'] * 1e3:.3g} ms"
         lines.append(f"{e['tensor'][:24]:<24} {e['src'] + '->' + e['dst']:<16} {_fmt_bytes(e['bytes']):>10} {link:<36} "
-                     f"{e['dense_s']:>9.4g} {e['ratio']:>7.3g}")
+                     f"{e['dense_s']:>9.4g} {e['fwd']:<22} {e['bwd']:<22}")
     return "\n".join(lines)
 
 
+def part_colors(n: int) -> list:
+    """``n`` clearly different colours: tab10's hues first (no two near-identical blues), then golden-ratio hues."""
+    import colorsys
+
+    import matplotlib
+
+    base = list(matplotlib.colormaps["tab10"].colors)
+    base = [base[i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 7)]  # grey (7) last: it reads as "unused"
+    out = base[:n]
+    k = 0
+    while len(out) < n:
+        h = (0.13 + k * 0.618034) % 1.0
+        v = 0.85 if (k // 7) % 2 == 0 else 0.6
+        out.append(colorsys.hsv_to_rgb(h, 0.75, v))
+        k += 1
+    return out
+
+
+def dag_layout(graph, rows_per_column: int | None = None, cell: tuple[float, float] = (1.0, 1.0),
+               aspect: float = 1.6) -> tuple[dict[str, tuple[float, float]], int, int]:
+    """Layered DAG layout: layer = longest path from an input; layers run top to bottom in columns
+    (wrapped after ``rows_per_column`` layers, by default chosen so that with cells of ``cell`` inches
+    the picture is about ``aspect`` times as wide as tall); within a layer, nodes sit near their
+    producers' mean x.
+
+    Returns (node -> (x, y), width of the widest layer, number of columns).
+    """
+    import math
+
+    layer: dict[str, int] = {}
+    for name, node in graph.nodes.items():  # nodes are in topological order
+        layer[name] = 1 + max((layer[p] for p in node.producers() if p in layer), default=-1)
+    depth = 1 + max(layer.values(), default=0)
+    layers: list[list[str]] = [[] for _ in range(depth)]
+    for name in graph.nodes:
+        layers[layer[name]].append(name)
+    width = max(len(L) for L in layers) if layers else 1
+    if rows_per_column is None:
+        # width (depth / R) * (width + 1.5) * cell_w  ~  aspect * R * cell_h
+        rows_per_column = math.ceil(math.sqrt(depth * (width + 1.5) * cell[0] / (aspect * cell[1])))
+        rows_per_column = min(depth, max(4, rows_per_column))
+    ncols = math.ceil(depth / rows_per_column)
+    xpos: dict[str, float] = {}
+    xy: dict[str, tuple[float, float]] = {}
+    for li, names in enumerate(layers):
+        col, row = divmod(li, rows_per_column)
+        # barycentre of producers (in layer-local x) keeps chains straight and edges short
+        def key(n, _li=li):
+            ps = [xpos[p] for p in graph[n].producers() if p in xpos and layer[p] >= _li - rows_per_column]
+            return sum(ps) / len(ps) if ps else 0.0
+        names = sorted(names, key=key)
+        want = [key(n) for n in names]
+        slots = []
+        for w in want:  # greedy: as close to the wanted place as the previous node allows
+            x = max(w, slots[-1] + 1.0) if slots else w
+            slots.append(x)
+        shift = max(0.0, slots[-1] - (width - 1)) if slots else 0.0
+        slots = [max(0.0, x - shift) for x in slots]
+        for i in range(1, len(slots)):
+            slots[i] = max(slots[i], slots[i - 1] + 1.0)
+        for n, x in zip(names, slots):
+            xpos[n] = x
+            xy[n] = (col * (width + 1.5) + x, -row)
+    return xy, width, ncols
+
+
 def draw_plan(plan: Plan, path: str | Path) -> Path:
-    """Write the partitioned DAG and the device clusters as a PNG."""
+    """Write the partitioned DAG (layered, coloured by part, cut edges red) and the devices (grouped by their
+    Louvain clusters, links between used devices labelled with bandwidth and latency) as a PNG."""
     import math
 
     import matplotlib
@@ -103,74 +181,154 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fusion.cluster.units import format_bandwidth
+
     path = Path(path)
-    order = part_order(plan.graph, plan.assignment)
-    cmap = plt.get_cmap("tab20")
-    color = {p: cmap(i % 20) for i, p in enumerate(order)}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(18, 8), gridspec_kw={"width_ratios": [3, 2]})
-    # -- the DAG, topological order in a snake of rows ---------------------------------
-    names = list(plan.graph.nodes)
-    per_row = max(10, math.ceil(math.sqrt(len(names) * 3)))
-    xy = {}
-    for i, n in enumerate(names):
-        row, col = divmod(i, per_row)
-        xy[n] = (col if row % 2 == 0 else per_row - 1 - col, -row)
-    for node in plan.graph.nodes.values():
+    g = plan.graph
+    order = part_order(g, plan.assignment)
+    palette = part_colors(len(order))
+    color = {p: palette[i] for i, p in enumerate(order)}
+    names = list(g.nodes)
+    n = len(names)
+    labelled = n <= 150
+    # cell sizes in inches: room for a label beside each node when labelled
+    cell_w, cell_h = (1.45, 0.34) if labelled else (0.12, 0.12)
+    xy, width, ncols = dag_layout(g, cell=(cell_w, cell_h))
+    xs = [q[0] for q in xy.values()] or [0.0]
+    ys = [q[1] for q in xy.values()] or [0.0]
+    span_x, span_y = max(xs) - min(xs) + 1, max(ys) - min(ys) + 1
+    scale = min(1.0, 30.0 / (span_x * cell_w), 24.0 / (span_y * cell_h))  # at most 30 x 24 inches of DAG
+    dag_w = max(8.0, span_x * cell_w * scale)
+    dag_h = max(4.0, span_y * cell_h * scale + 1.2)
+    dev_w = 6.0
+    fig = plt.figure(figsize=(dag_w + dev_w, max(dag_h, 5.5)))
+    ax1 = fig.add_axes((0.01, 0.08, dag_w / (dag_w + dev_w) - 0.02, 0.86))
+    ax2 = fig.add_axes((dag_w / (dag_w + dev_w) + 0.01, 0.12, dev_w / (dag_w + dev_w) - 0.02, 0.78))
+    # -- the DAG ------------------------------------------------------------------------------------
+    lw = 0.6 if n < 300 else 0.25
+    for node in g.nodes.values():
         for prod in node.producers():
             (x0, y0), (x1, y1) = xy[prod], xy[node.name]
             cut = plan.assignment[prod] != plan.assignment[node.name]
-            ax1.plot([x0, x1], [y0, y1], color="red" if cut else "0.75", lw=1.6 if cut else 0.5, zorder=2 if cut else 1)
-    ax1.scatter([xy[n][0] for n in names], [xy[n][1] for n in names], c=[color[plan.assignment[n]] for n in names],
-                s=max(8, 400 / math.sqrt(len(names))), zorder=3, edgecolors="k", linewidths=0.3)
-    if len(names) <= 60:
-        for n in names:
-            ax1.annotate(n, xy[n], fontsize=6, xytext=(2, 3), textcoords="offset points")
-    handles = [plt.Line2D([], [], marker="o", ls="", color=color[p], label=f"{p} on {plan.parts[p].device}") for p in order]
-    fig.legend(handles=handles[:32], fontsize=8, loc="lower center", ncol=min(8, len(handles)), frameon=False)
-    ax1.set_title(f"OP-DAG, {len(names)} nodes in {len(order)} parts (cut edges red; topological order, snake rows)")
+            style = dict(color="red" if cut else "0.7", lw=1.8 if cut else lw,
+                         alpha=1.0 if cut else (0.8 if n < 300 else 0.35), zorder=2 if cut else 1)
+            if x0 == x1 and y0 - y1 > 1 and n < 300:
+                # a skip connection straight down a chain would hide under it: bend it aside
+                ax1.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=style["zorder"],
+                             arrowprops=dict(arrowstyle="-", color=style["color"], lw=style["lw"], alpha=style["alpha"],
+                                             connectionstyle=f"arc3,rad={min(0.5, 0.12 + 0.04 * (y0 - y1))}",
+                                             shrinkA=0, shrinkB=0))
+            else:
+                ax1.plot([x0, x1], [y0, y1], **style)
+    ax1.scatter([xy[m][0] for m in names], [xy[m][1] for m in names], c=[color[plan.assignment[m]] for m in names],
+                s=60 if labelled else max(2.0, 2000 / n), zorder=3, edgecolors="k", linewidths=0.4 if n < 300 else 0.0)
+    if labelled:
+        for m in names:
+            label = m if len(m) <= 24 else m[:11] + "…" + m[-12:]
+            ax1.annotate(label, xy[m], fontsize=7, xytext=(5, 2), textcoords="offset points", zorder=4,
+                         bbox=dict(boxstyle="square,pad=0.05", fc="white", ec="none", alpha=0.75))
+    ax1.set_xlim(min(xs) - 0.5, max(xs) + (1.3 if labelled else 0.5))
+    ax1.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
     ax1.axis("off")
-    # -- the devices by Louvain cluster --------------------------------------------------
-    devs = [d["name"] for d in plan.cluster.get("devices", [])]
+    cuts = sum(1 for nd in g.nodes.values() for p in nd.producers() if plan.assignment[p] != plan.assignment[nd.name])
+    ax1.set_title(f"OP-DAG: {n} nodes in {len(order)} parts, {cuts} cut edges (red); layers top to bottom"
+                  + (f" in {ncols} columns" if ncols > 1 else ""), fontsize=10)
+    handles = [plt.Line2D([], [], marker="o", ls="", color=color[p], markeredgecolor="k",
+                          label=f"{p} on {plan.parts[p].device}") for p in order]
+    ax1.legend(handles=handles[:24], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.01),
+               ncol=min(8, len(handles)), frameon=False)
+    # -- the devices by Louvain cluster -------------------------------------------------------------------
+    from fusion.cluster.model import Cluster
+
+    cl = Cluster.from_dict(plan.cluster, "plan.cluster")
+    devs = [d.name for d in cl.devices]
     clusters = plan.predicted.get("clusters") or [devs]
-    pos = {}
-    radii = [0.3 + 0.12 * math.sqrt(len(m)) for m in clusters]
-    big = max(1.0, sum(2 * r + 0.3 for r in radii) / (2 * math.pi))
+    pos: dict[str, tuple[float, float]] = {}
+    centers = []
+    radii = [0.35 + 0.16 * math.sqrt(len(m)) for m in clusters]
+    share = [2 * (r + 0.22) + 0.4 for r in radii]  # arc length each cluster needs on the ring
+    big = max(1.2, sum(share) / (2 * math.pi))
+    start = 0.0
     for c, members in enumerate(clusters):
-        ang = 2 * math.pi * c / max(1, len(clusters))
-        cx, cy = (big * math.cos(ang), big * math.sin(ang)) if len(clusters) > 1 else (0.0, 0.0)
+        if len(clusters) == 1:
+            cx, cy = 0.0, 0.0
+        elif len(clusters) == 2:
+            cx, cy = (-1.2 + 2.4 * c, 0.0)
+        else:
+            ang = math.pi / 2 - 2 * math.pi * (start + share[c] / 2) / sum(share)
+            start += share[c]
+            cx, cy = big * math.cos(ang), big * math.sin(ang)
+        centers.append((cx, cy))
         r = radii[c]
         for k, d in enumerate(members):
-            a = 2 * math.pi * k / max(1, len(members))
-            pos[d] = (cx + r * math.cos(a), cy + r * math.sin(a))
-        if len(clusters) <= 40:
-            ax2.annotate(f"C{c} ({len(members)})", (cx, cy), ha="center", va="center", fontsize=7, color="0.4")
-    part_of = {}
+            a = math.pi / 2 - 2 * math.pi * k / max(1, len(members))
+            pos[d] = (cx + r * math.cos(a), cy + r * math.sin(a)) if len(members) > 1 else (cx, cy)
+    part_of: dict[str, str] = {}
     for p in order:
         part_of.setdefault(plan.parts[p].device, p)
+    idx = {d: i for i, d in enumerate(devs)}
+
+    def bw_label(a: str, b: str) -> str:
+        i, j = idx[a], idx[b]
+        return f"{format_bandwidth(cl.bandwidth_bps(i, j))}, {cl.alpha[i, j] * 1e3:.3g} ms"
+
+    if len(clusters) <= 12:
+        for c, members in enumerate(clusters):
+            inside = [cl.bandwidth_bps(idx[a], idx[b]) for a in members for b in members if a != b]
+            note = f"C{c}: {len(members)} device{'s' if len(members) > 1 else ''}"
+            if inside:
+                note += f"\n{format_bandwidth(sorted(inside)[len(inside) // 2])} inside"
+            cx, cy = centers[c]
+            ax2.add_patch(plt.Circle((cx, cy), radii[c] + 0.22, fc="0.96", ec="0.6", lw=0.8, zorder=0))
+            if len(clusters) <= 2:
+                ax2.annotate(note, (cx, cy - radii[c] - 0.3), ha="center", va="top", fontsize=7, color="0.35")
+            else:  # outside the ring, away from the neighbours
+                d = math.hypot(cx, cy) or 1.0
+                ux, uy = cx / d, cy / d
+                ax2.annotate(note, (cx + ux * (radii[c] + 0.3), cy + uy * (radii[c] + 0.3)), fontsize=7, color="0.35",
+                             ha="left" if ux > 0.3 else "right" if ux < -0.3 else "center",
+                             va="bottom" if uy > 0.3 else "top" if uy < -0.3 else "center")
+        if 1 < len(clusters) <= 6:
+            for a in range(len(clusters)):
+                for b in range(a + 1, len(clusters)):
+                    between = [cl.bandwidth_bps(idx[x], idx[y]) for x in clusters[a] for y in clusters[b]]
+                    (xa, ya), (xb, yb) = centers[a], centers[b]
+                    ax2.plot([xa, xb], [ya, yb], ls=":", color="0.6", lw=0.8, zorder=0)
+                    ax2.annotate(f"{format_bandwidth(sorted(between)[len(between) // 2])} between clusters",
+                                 ((xa + xb) / 2, (ya + yb) / 2 - 0.06), ha="center", va="top", fontsize=7, color="0.4")
     used = [d for d in pos if d in part_of]
     free = [d for d in pos if d not in part_of]
-    small = 6 if len(pos) > 200 else 30
+    small = 6 if len(pos) > 200 else 40
     ax2.scatter([pos[d][0] for d in free], [pos[d][1] for d in free], s=small, color="0.8", zorder=2)
     ax2.scatter([pos[d][0] for d in used], [pos[d][1] for d in used], s=small * 3, zorder=4,
                 color=[color[part_of[d]] for d in used], edgecolors="k")
-    for d in used:
-        ax2.annotate(d, pos[d], fontsize=7, xytext=(3, 3), textcoords="offset points")
-    for key, link in plan.predicted.get("links", {}).items():
-        a, b = link["src_device"], link["dst_device"]
-        if a in pos and b in pos and a != b:
-            ax2.annotate("", xy=pos[b], xytext=pos[a], zorder=3,
-                         arrowprops=dict(arrowstyle="->", color="red", lw=1.2, shrinkA=4, shrinkB=4))
-    ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters; used devices coloured, data flow in red")
-    # a square extent: collinear layouts (two clusters of two) would give a zero-height axis
-    xs, ys = [q[0] for q in pos.values()] or [0.0], [q[1] for q in pos.values()] or [0.0]
-    half = max(max(xs) - min(xs), max(ys) - min(ys), 1.0) / 2 + 0.5
-    mx, my = (max(xs) + min(xs)) / 2, (max(ys) + min(ys)) / 2
+    for d in (used if len(pos) > 40 else list(pos)):
+        ax2.annotate(d, pos[d], fontsize=7, xytext=(4, 4), textcoords="offset points", zorder=5)
+    links = [(lk["src_device"], lk["dst_device"]) for lk in plan.predicted.get("links", {}).values()]
+    links = [(a, b) for a, b in links if a in pos and b in pos and a != b]
+    on_arrows = len(links) <= 4 and len(pos) <= 16  # else the labels overlap: list them in a box instead
+    for a, b in links:
+        ax2.annotate("", xy=pos[b], xytext=pos[a], zorder=3,
+                     arrowprops=dict(arrowstyle="->", color="red", lw=1.4, shrinkA=5, shrinkB=5))
+        if on_arrows:
+            (xa, ya), (xb, yb) = pos[a], pos[b]
+            ax2.annotate(bw_label(a, b), ((xa + xb) / 2, (ya + yb) / 2), fontsize=7, color="darkred", ha="center",
+                         va="bottom", zorder=6, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
+    if links and not on_arrows:
+        rows = [f"{part_of.get(a, a)}->{part_of.get(b, b)}: {bw_label(a, b)}" for a, b in links]
+        text = "data-flow links\n" + "\n".join(rows[:12]) + (f"\n... {len(rows) - 12} more" if len(rows) > 12 else "")
+        ax2.text(0.0, -0.02, text, transform=ax2.transAxes, fontsize=7, color="darkred", va="top", ha="left",
+                 bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="0.8"), zorder=7)
+    ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters;\nused devices coloured by part, "
+                  "data flow red (bandwidth, latency)", fontsize=10)
+    pxs, pys = [q[0] for q in pos.values()] or [0.0], [q[1] for q in pos.values()] or [0.0]
+    half = max(max(pxs) - min(pxs), max(pys) - min(pys), 1.0) / 2 + 0.75
+    mx, my = (max(pxs) + min(pxs)) / 2, (max(pys) + min(pys)) / 2
     ax2.set_xlim(mx - half, mx + half)
     ax2.set_ylim(my - half, my + half)
     ax2.set_aspect("equal")
     ax2.axis("off")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, bbox_inches="tight", pad_inches=0.2)
     plt.close(fig)
     return path

@@ -1,8 +1,10 @@
 """Load a model from ``file.py:function``.
 
 The function returns a :class:`~fusion.ir.model.Model`, an
-:class:`~fusion.ir.graph.OpGraph`, or ``(torch.nn.Module, example_inputs)``
-(traced with :func:`fusion.ir.trace.trace`). The file is the user's own code.
+:class:`~fusion.ir.graph.OpGraph`, ``(torch.nn.Module, example_inputs)`` or
+``(torch.nn.Module, example_inputs, options)`` (traced with
+:func:`fusion.ir.trace.trace`; ``options`` are its keyword arguments, e.g.
+``{"labels": ("labels",), "loss_index": "loss"}``). The file is the user's own code.
 
 ``model.onnx`` imports an ONNX file (:func:`fusion.ir.onnx_import.load_onnx`);
 ``model.onnx:cross_entropy`` (or ``:mse``) appends that loss to its output.
@@ -15,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .ir.errors import FusionError
-from .ir.graph import OpGraph
-from .ir.model import Model
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import OpGraph
+from fusion.ir.model import Model
 
 
 _ONNX_SPEC = re.compile(r"^(?P<path>.+\.onnx)(?::(?P<loss>\w+))?$")
@@ -26,7 +28,7 @@ _ONNX_SPEC = re.compile(r"^(?P<path>.+\.onnx)(?::(?P<loss>\w+))?$")
 def load_model(spec: str) -> Model:
     m = _ONNX_SPEC.match(spec)
     if m:
-        from .ir.onnx_import import load_onnx
+        from fusion.ir.onnx_import import load_onnx
 
         return load_onnx(m["path"], loss=m["loss"])
     model = _load_python(spec)
@@ -52,24 +54,60 @@ def load_function(spec: str, what: str = "model") -> Callable[..., Any]:
     try:
         modspec.loader.exec_module(mod)
     except Exception as e:
-        raise FusionError(f"{what} {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from None
+        raise FusionError(f"{what} {spec!r}: importing {file} failed: {user_error(e, file)}") from None
     fn = getattr(mod, func, None)
     if not callable(fn):
         raise FusionError(f"{what} {spec!r}: {file} has no function {func!r}")
     return fn
 
 
+def user_error(e: BaseException, file: str | Path) -> str:
+    """``ValueError: message (model.py:12)``: an exception raised by the user's code, with the deepest line of
+    ``file`` it passed through (or of the last frame), for a one-line error instead of a traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError) and e.filename:
+        where = f"{Path(e.filename).name}:{e.lineno}"
+    else:
+        target = str(Path(file).resolve())
+        mine = [f for f in frames if str(Path(f.filename).resolve()) == target] or frames[-1:]
+        where = f"{Path(mine[-1].filename).name}:{mine[-1].lineno}" if mine else ""
+    msg = " ".join(str(e).split()) or "(no message)"
+    return f"{type(e).__name__}: {msg}" + (f" ({where})" if where else "")
+
+
 def _load_python(spec: str) -> Model:
     path, _, func = spec.rpartition(":")
     fn = load_function(spec)
-    obj = fn()
+    try:
+        obj = fn()
+    except FusionError:
+        raise
+    except Exception as e:
+        raise FusionError(f"model {spec!r}: {func}() raised {user_error(e, path)}") from None
     if isinstance(obj, Model):
         return obj
     if isinstance(obj, OpGraph):
         return Model(obj)
-    if isinstance(obj, tuple) and len(obj) == 2:
-        from .ir.trace import trace
+    if isinstance(obj, tuple) and len(obj) in (2, 3):
+        import inspect
 
-        module, example = obj
-        return trace(module, example)
-    raise FusionError(f"model {spec!r}: {func}() returned {type(obj).__name__}; expected Model, OpGraph or (module, example_inputs)")
+        from fusion.ir.trace import trace
+
+        module, example, options = (*obj, {}) if len(obj) == 2 else obj
+        if not isinstance(options, dict):
+            raise FusionError(f"model {spec!r}: the third value {func}() returns must be a dict of trace options, "
+                              f"got {type(options).__name__}")
+        known = [n for n, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise FusionError(f"model {spec!r}: unknown trace option(s) {unknown}; known: {known}")
+        try:
+            return trace(module, example, **options)
+        except FusionError:
+            raise
+        except Exception as e:
+            raise FusionError(f"model {spec!r}: tracing the module {func}() returned failed: {user_error(e, path)}") from None
+    raise FusionError(f"model {spec!r}: {func}() returned {type(obj).__name__}; expected Model, OpGraph, "
+                      "(module, example_inputs) or (module, example_inputs, trace options)")

@@ -1,4 +1,4 @@
-"""Plan: the one contract between compile time and run time.
+"""Plan: the one contract between compile time and run time (the plan format both import).
 
 A plan is a directory::
 
@@ -10,19 +10,56 @@ No pickle anywhere. An executor needs the plan, its part name and nothing else.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .ir.errors import FusionError
-from .ir.graph import OpGraph
-from .ir.serialize import graph_from_dict, graph_to_dict
+from fusion.ir.errors import FusionError, GraphError
+from fusion.ir.registry import check_targets
+from fusion.ir.graph import OpGraph
+from fusion.ir.serialize import graph_from_dict, graph_to_dict
 
 PLAN_FORMAT = "fusion.plan"
 PLAN_VERSION = 1
+
+
+#: the micro-batch schedules an executor knows (``fusion.executors.runtime.schedule.SCHEDULES``; a test keeps them equal)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb1")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """name: ``"sgd"`` or ``"adamw"``; the rest are the usual hyper-parameters."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.name not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer.name must be 'sgd' or 'adamw', got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OptimizerConfig":
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
 
 
 class PlanError(FusionError):
@@ -35,7 +72,10 @@ class EdgeCompression:
 
     ratio: Top-K ratio r_i of FusionLLM Eq. (7) (1 = dense); k = ceil(numel / ratio).
     directions: which directions are compressed: ``"fwd"`` activations, ``"bwd"`` gradients.
-    error_feedback: keep the unsent residual and add it to the next message.
+    error_feedback: keep the unsent residual and add it to the next message (Top-K only).
+    fwd_codec / bwd_codec: a codec cfg from the registry (``{"algo": "quant", "bits": 4, ...}``,
+        see :mod:`fusion.kernels.codec`) for that direction; it replaces Top-K(ratio) there.
+        Plans written before these fields existed load as Top-K in ``directions``.
     """
 
     producer: str
@@ -45,6 +85,17 @@ class EdgeCompression:
     ratio: float = 1.0
     directions: tuple[str, ...] = ("fwd", "bwd")
     error_feedback: bool = False
+    fwd_codec: dict | None = None
+    bwd_codec: dict | None = None
+
+    def codec(self, direction: str) -> dict | None:
+        """The codec cfg of ``direction`` (``"fwd"`` or ``"bwd"``), or None when it is sent dense."""
+        explicit = self.fwd_codec if direction == "fwd" else self.bwd_codec
+        if explicit is not None:
+            return dict(explicit)
+        if direction in self.directions and self.ratio > 1:
+            return {"algo": "topk", "ratio": float(self.ratio)}
+        return None
 
 
 @dataclass
@@ -71,7 +122,7 @@ class Plan:
     parts:         part name -> Part.
     assignment:    node name -> part name.
     compression:   compressed cut edges (absent edges are dense).
-    schedule:      ``"gpipe"`` or ``"1f1b"``; micro_batches: n_b of Eq. (3).
+    schedule:      ``"gpipe"``, ``"1f1b"`` or ``"zb1"``; micro_batches: n_b of Eq. (3).
     optimizer:     ``OptimizerConfig.to_dict()``.
     seed:          seed for anything random at run time.
     predicted:     estimator outputs, e.g. ``{"iteration_s": ..., "links": {...}}``.
@@ -119,12 +170,16 @@ class Plan:
                 raise PlanError(f"{source}: missing field {key!r}")
         try:
             graph = graph_from_dict(d["graph"], f"{source}: graph").validate(check_targets=False)
+            try:
+                check_targets(graph)  # a plan is data: no op outside the allow-list, checked before anything runs
+            except GraphError as e:
+                raise PlanError(f"{source}: graph: {e}") from None
             parts = {n: Part(**p) for n, p in d["parts"].items()}
             comp = [EdgeCompression(**{**c, "directions": tuple(c.get("directions", ("fwd", "bwd")))}) for c in d.get("compression", [])]
         except (TypeError, ValueError) as e:
             raise PlanError(f"{source}: malformed field ({e})") from None
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
-                   int(d.get("micro_batches", 1)), dict(d.get("optimizer", {})), int(d.get("seed", 0)),
+                   _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})))
         plan.check(source)
@@ -140,8 +195,8 @@ class Plan:
         missing = [n for n in self.graph.nodes if n not in self.assignment]
         if missing:
             raise PlanError(f"{source}: assignment misses node {missing[0]!r}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise PlanError(f"{source}: schedule must be 'gpipe' or '1f1b', got {self.schedule!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise PlanError(f"{source}: schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.micro_batches < 1:
             raise PlanError(f"{source}: micro_batches must be >= 1, got {self.micro_batches}")
         for c in self.compression:
@@ -151,14 +206,19 @@ class Plan:
                 raise PlanError(f"{source}: compression names unknown node {c.producer!r}")
             if not c.ratio >= 1:
                 raise PlanError(f"{source}: compression ratio of {c.producer} must be >= 1, got {c.ratio}")
+            for field_name in ("fwd_codec", "bwd_codec"):
+                cfg = getattr(c, field_name)
+                if cfg is not None and not (isinstance(cfg, dict) and isinstance(cfg.get("algo"), str)):
+                    raise PlanError(f"{source}: compression of {c.producer}: {field_name} must be a codec cfg "
+                                    f"with an 'algo' name, got {cfg!r}")
         devices = self.cluster.get("devices") if isinstance(self.cluster, dict) else None
         if isinstance(devices, list) and devices:
             names = {e.get("name") for e in devices if isinstance(e, dict)}
             for p in self.parts.values():
                 if p.device not in names:
                     raise PlanError(f"{source}: parts.{p.name}.device names unknown device {p.device!r} (not in cluster.devices)")
-        from .ir.boundary import part_order
-        from .ir.errors import GraphError
+        from fusion.ir.boundary import part_order
+        from fusion.ir.errors import GraphError
 
         try:
             part_order(self.graph, self.assignment)
@@ -171,10 +231,19 @@ class Plan:
                     raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
 
 
+def _int_field(d: dict, name: str, default: int, source: str) -> int:
+    v = d.get(name, default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise PlanError(f"{source}: field {name!r} must be an integer, got {v!r}")
+    return v
+
+
 def boundary_tables(graph: OpGraph, assignment: dict[str, str]) -> dict[str, dict[str, list]]:
     """Each part's boundary (FusionLLM Table 3) as plain data:
     ``{column: [[producer, index, actual_user, requires_grad], ...]}``."""
-    from .ir.boundary import partition
+    from fusion.ir.boundary import partition
 
     out = {}
     for part, sg in partition(graph, assignment).items():
@@ -182,6 +251,75 @@ def boundary_tables(graph: OpGraph, assignment: dict[str, str]) -> dict[str, dic
         out[part] = {col: [[e.producer, e.index, e.actual_user, e.requires_grad] for e in getattr(b, col)]
                      for col in ("required_acts", "sent_acts", "required_grads", "sent_grads")}
     return out
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename in ``path`` durable (POSIX: the directory entry is data of the directory)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: directories cannot be opened; os.replace is as durable as it gets there
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> str:
+    """Write ``path`` through ``write(tmp_path)``, fsync, rename into place, fsync the folder.
+
+    A crash leaves the old file or the new one, never half of one. Returns
+    the SHA-256 (hex) of what was written. The temporary name is
+    ``<name>.tmp<pid>``; :func:`remove_stale_tmp` cleans up after a crash.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        h = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return h.hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def remove_stale_tmp(folder: str | Path, prefix: str = "") -> list[Path]:
+    """Delete ``<prefix>*.tmp<pid>`` files in ``folder`` whose writer process is gone (left by a crash)."""
+    gone = []
+    for f in Path(folder).glob(f"{prefix}*.tmp*"):
+        pid = f.name.rpartition(".tmp")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue  # a live process (maybe this one) is writing it
+        f.unlink(missing_ok=True)
+        gone.append(f)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def save_plan(plan: Plan, path: str | Path, params: dict[str, Any] | None = None) -> Path:
@@ -196,16 +334,14 @@ def save_plan(plan: Plan, path: str | Path, params: dict[str, Any] | None = None
     for entry in plan.graph.plugins:
         src = Path(entry)
         if entry.endswith(".py") and src.is_absolute():
-            (path / "plugins").mkdir(exist_ok=True)
-            shutil.copyfile(src, path / "plugins" / src.name)
+            atomic_write(path / "plugins" / src.name, lambda t, src=src: shutil.copyfile(src, t))
             entry = f"plugins/{src.name}"
         plugins.append(entry)
     data["graph"]["plugins"] = plugins
-    tmp = path / "plan.json.tmp"
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path / "plan.json")
-    if params:
+    remove_stale_tmp(path)
+    if params:  # weights first: a plan.json never points at weights that are not there yet
         save_weights(params, path / "weights.safetensors")
+    atomic_write(path / "plan.json", lambda t: t.write_text(json.dumps(data, indent=1)))
     return path
 
 
@@ -225,7 +361,8 @@ def save_weights(params: dict[str, Any], path: str | Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    save_file({k: torch.as_tensor(v).contiguous() for k, v in params.items()}, str(path))
+    tensors = {k: torch.as_tensor(v).contiguous() for k, v in params.items()}
+    atomic_write(path, lambda t: save_file(tensors, str(t)))
 
 
 def save_arrays(arrays: dict[str, np.ndarray], path: str | Path, dtypes: dict[str, str] | None = None) -> None:
@@ -242,7 +379,7 @@ def save_arrays(arrays: dict[str, np.ndarray], path: str | Path, dtypes: dict[st
                                   data_len=a.nbytes)
         except Exception as e:  # an unsupported dtype
             raise PlanError(f"{path}: cannot store {k!r} of dtype {a.dtype} ({e})") from None
-    serialize_file(specs, str(path))
+    atomic_write(path, lambda t: serialize_file(specs, str(t)))
 
 
 def load_weights(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """The OP-DAG intermediate representation: nodes, graphs, boundaries, OP-Data."""
-from .boundary import Boundary, BoundaryEdge, SubGraph, partition, part_order, subgraph
-from .errors import FusionError, GraphError, WireError
-from .graph import OpGraph, ParamSpec
-from .node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, ValueMeta
-from .opdata import OpData
-from .registry import REGISTRY, OpRegistry, register_function, register_module
-from .serialize import graph_from_dict, graph_to_dict, load_graph, save_graph
+from fusion.ir.boundary import Boundary, BoundaryEdge, SubGraph, partition, part_order, subgraph
+from fusion.ir.errors import FusionError, GraphError, WireError
+from fusion.ir.graph import OpGraph, ParamSpec
+from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, ValueMeta
+from fusion.ir.opdata import OpData
+from fusion.ir.registry import REGISTRY, OpRegistry, register_function, register_module
+from fusion.ir.serialize import graph_from_dict, graph_to_dict, load_graph, save_graph
 
 __all__ = [
     "Boundary", "BoundaryEdge", "SubGraph", "partition", "part_order", "subgraph",

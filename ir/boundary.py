@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from .errors import GraphError
-from .node import PLACEHOLDER_KINDS, TensorMeta
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import CycleError, topo_sort
+from fusion.ir.node import PLACEHOLDER_KINDS, TensorMeta
 
 PartId = str
 
@@ -142,25 +143,14 @@ def part_order(graph, assignment: Mapping[str, PartId]) -> list[PartId]:
     OP-Fence always produces such assignments; a hand-written one that does
     not is rejected here with the parts named.
     """
-    import networkx as nx
-
     check_assignment(graph, assignment)
-    q = nx.DiGraph()
-    first_seen: dict[PartId, int] = {}
-    for i, n in enumerate(graph.nodes):
-        first_seen.setdefault(assignment[n], i)
-        q.add_node(assignment[n])
-    for node in graph.nodes.values():
-        for p in node.producers():
-            a, b = assignment[p], assignment[node.name]
-            if a != b:
-                q.add_edge(a, b)
+    parts = list(dict.fromkeys(assignment[n] for n in graph.nodes))
+    links = {(assignment[p], assignment[node.name]) for node in graph.nodes.values() for p in node.producers()}
     try:
-        return list(nx.lexicographical_topological_sort(q, key=lambda p: first_seen[p]))
-    except nx.NetworkXUnfeasible:
-        cycle = [e[0] for e in nx.find_cycle(q)]
+        return topo_sort(parts, ((a, b) for a, b in links if a != b))
+    except CycleError as e:
         raise GraphError(
-            f"parts {cycle} form a cycle (a part both feeds and consumes another); "
+            f"parts {e.cycle} form a cycle (a part both feeds and consumes another); "
             "assign nodes so that data flows one way between parts"
         ) from None
 

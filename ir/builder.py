@@ -18,11 +18,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .errors import GraphError
-from .graph import OpGraph, ParamSpec
-from .model import Model
-from .node import NodeKind, OpNode, ParamRef, Ref
-from .registry import REGISTRY, OpRegistry
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph, ParamSpec
+from fusion.ir.model import Model
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref
+from fusion.ir.registry import REGISTRY, OpRegistry
 
 
 class GraphBuilder:
@@ -117,8 +117,8 @@ class GraphBuilder:
 
         ``device="meta"`` builds without allocating weights (compile-only).
         """
-        from ..executors.torch_engine import infer_meta
-        from ..executors.torch_init import init_params
+        from fusion.ir.shapes import infer_meta
+        from fusion.ir.init import init_params
 
         g = self.graph
         g.plugins = self.registry.plugin_modules({n.target for n in g})

@@ -7,11 +7,13 @@ nodes (tied input/output embeddings) exists once in the graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Hashable, Iterable, TypeVar
 
-from .errors import GraphError
-from .node import NodeKind, OpNode, PLACEHOLDER_KINDS, TensorMeta
-from .registry import REGISTRY, OpRegistry
+from fusion.ir.errors import GraphError
+from fusion.ir.node import NodeKind, OpNode, PLACEHOLDER_KINDS, TensorMeta
+from fusion.ir.registry import REGISTRY, OpRegistry
+
+H = TypeVar("H", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,32 @@ class ParamSpec:
     @property
     def nbytes(self) -> int:
         return TensorMeta(self.shape, self.dtype).nbytes
+
+
+class CycleError(ValueError):
+    """A cycle among the items :func:`topo_sort` was given; ``cycle`` lists them along the cycle."""
+
+    def __init__(self, cycle: list):
+        super().__init__(f"cycle through {cycle}")
+        self.cycle = cycle
+
+
+def topo_sort(items: list[H], edges: Iterable[tuple[H, H]]) -> list[H]:
+    """``items`` in a topological order of ``edges`` (``(before, after)`` pairs), each item as early
+    as its position in ``items`` allows (the smallest-position ready item goes first). The one
+    topological sort of the project: graph nodes and parts (``ir.boundary.part_order``) both use it.
+    Raises :class:`CycleError` naming the items along a cycle.
+    """
+    import networkx as nx
+
+    position = {x: i for i, x in enumerate(items)}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(items)
+    dag.add_edges_from(edges)
+    try:
+        return list(nx.lexicographical_topological_sort(dag, key=position.__getitem__))
+    except nx.NetworkXUnfeasible:
+        raise CycleError([e[0] for e in nx.find_cycle(dag)]) from None
 
 
 @dataclass
@@ -108,26 +136,12 @@ class OpGraph:
         return out
 
     def topo_order(self) -> list[str]:
-        """Kahn's algorithm, stable in insertion order. Raises on cycles."""
-        indeg = {n: 0 for n in self.nodes}
-        users = self.users()
-        for node in self.nodes.values():
-            indeg[node.name] = len([p for p in node.producers() if p in self.nodes])
-        ready = [n for n in self.nodes if indeg[n] == 0]
-        order: list[str] = []
-        i = 0
-        while i < len(ready):
-            n = ready[i]
-            i += 1
-            order.append(n)
-            for u in users[n]:
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    ready.append(u)
-        if len(order) != len(self.nodes):
-            stuck = [n for n in self.nodes if indeg[n] > 0]
-            raise GraphError(f"the graph has a cycle through {stuck}", stuck[0])
-        return order
+        """Node names in a topological order, each as early as its insertion position allows. Raises on cycles."""
+        try:
+            return topo_sort(list(self.nodes), ((p, n.name) for n in self.nodes.values()
+                                                for p in n.producers() if p in self.nodes))
+        except CycleError as e:
+            raise GraphError(f"the graph has a cycle through {e.cycle}", e.cycle[0]) from None
 
     # -- validation ----------------------------------------------------------------
     def validate(self, registry: OpRegistry = REGISTRY, check_targets: bool = True) -> "OpGraph":
@@ -190,11 +204,11 @@ class OpGraph:
 
         See :func:`fusion.ir.boundary.subgraph`.
         """
-        from .boundary import subgraph
+        from fusion.ir.boundary import subgraph
 
         return subgraph(self, names)
 
     def copy(self) -> "OpGraph":
-        from .serialize import graph_from_dict, graph_to_dict
+        from fusion.ir.serialize import graph_from_dict, graph_to_dict
 
         return graph_from_dict(graph_to_dict(self))

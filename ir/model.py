@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import OpGraph
+from fusion.ir.graph import OpGraph
 
 
 @dataclass

@@ -92,7 +92,7 @@ def dtype_size(dtype: str) -> int:
 @dataclass
 class NodeMeta:
     """What passes learn about a node. Front ends fill ``outputs``; the
-    estimator (``fusion.estimate``) fills the cost fields.
+    estimator (``fusion.cost.estimate``) fills the cost fields.
 
     ``outputs`` lists the node's outputs. ``multi`` is True when the node
     returns a tuple, so consumers pick an element with ``Ref(node, index)``.

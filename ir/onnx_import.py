@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from .errors import GraphError
-from .graph import OpGraph, ParamSpec
-from .model import Model
-from .node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta
-from .onnx_ops import LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs
-from .onnx_read import OnnxNode, fold_all, literal, normalise_nodes, read_model, reinfer, value_types
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph, ParamSpec
+from fusion.ir.model import Model
+from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta
+from fusion.ir.onnx_ops import LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs
+from fusion.ir.onnx_read import OnnxNode, fold_all, literal, normalise_nodes, read_model, reinfer, value_types
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _trainable(nodes: list[OnnxNode], sinks: list[str], inits: dict[str, np.ndar
 
 def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", labels: Collection[str] | None = None,
               trainable: Collection[str] | None = None, example: Mapping[str, Any] | None = None,
-              engine: str = "torch") -> Model:
+              engine: str = "torch", supports: Callable[[str], bool] | None = None) -> Model:
     """Import an ONNX model as a trainable :class:`Model`.
 
     loss:      None: the model computes its own loss (its one scalar float
@@ -77,11 +77,20 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     trainable: initializer names to train (default: every float initializer a
                gradient reaches; BatchNorm statistics and masks stay frozen).
     example:   input name -> array of one micro-batch, to pin symbolic shapes.
-    engine:    the engine whose op support is checked at load time.
+    engine:    the engine whose op support is checked at load time (named in errors).
+    supports:  that engine's predicate on ``onnx.<Op>`` target names; default: the IR's torch
+               semantics (:mod:`fusion.ir.onnx_torch`). Another engine passes its own, e.g.
+               ``fusion.executors.engines.numpy.engine.supports``, which keeps the import torch-free.
     """
     from onnx import numpy_helper
 
     path = Path(path)
+    if supports is None:
+        if engine != "torch":
+            raise GraphError(f"load_onnx(engine={engine!r}) needs supports=, that engine's op predicate")
+        from fusion.ir.registry import REGISTRY
+
+        supports = REGISTRY.is_known
     mp = read_model(path, example)
     types = value_types(mp)
     inits = {i.name: numpy_helper.to_array(i) for i in mp.graph.initializer}
@@ -102,7 +111,7 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     # repeat while new static shapes enable more folding (Shape of a now-known tensor).
     for _ in range(4):
         consts = dict(base)
-        runtime, problems = fold_all(nodes, consts, types, engine)
+        runtime, problems = fold_all(nodes, consts, types, supports)
         unknown = [v for n in runtime for v in n.outputs if types.get(v, (None,))[0] is None]
         if problems or not unknown:
             break
@@ -126,6 +135,7 @@ class _GraphBuild:
         self.params: dict[str, np.ndarray] = {}
         self.rg: set[str] = set(train)  # values that require grad
         self.problems: list[str] = []
+        self.refused: set[str] = set()  # outputs of nodes refused at load (their reason is already recorded)
 
     def _tensor_meta(self, value: str, node: str) -> TensorMeta:
         shape, dtype = self.types.get(value, (None, "float32"))
@@ -157,7 +167,37 @@ class _GraphBuild:
             return None
         return self.values[v]
 
+    def _refuse(self, n) -> bool:
+        """Record why the torch engine cannot run ``n`` (an attribute, a dtype); True when refused."""
+        import inspect
+
+        from fusion.ir.onnx_torch import ONNX_OPS, ONNX_DTYPES, TORCH_OK_DTYPES
+
+        fn = ONNX_OPS.get(n.op)
+        if fn is None:
+            return False
+        for v in [*n.inputs, *n.outputs]:
+            dtype = self.types.get(v, (None, None))[1] if v else None
+            if v and v in self.consts:
+                dtype = self.consts[v].dtype.name
+            if dtype is not None and dtype not in TORCH_OK_DTYPES:
+                self.problems.append(f"node {n.name!r}: {n.op} on dtype {dtype} is not supported (value {v!r})")
+                return True
+        params = inspect.signature(fn).parameters
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        for k in n.attrs:
+            if not takes_any and (k not in params or params[k].kind != params[k].KEYWORD_ONLY):
+                self.problems.append(f"node {n.name!r}: attribute {k!r} of {n.op} is not supported")
+                return True
+        if n.op == "Cast" and int(n.attrs.get("to", 0)) not in ONNX_DTYPES:
+            self.problems.append(f"node {n.name!r}: Cast to ONNX type {n.attrs.get('to')} is not supported")
+            return True
+        return False
+
     def _node(self, n) -> None:
+        if self.engine == "torch" and self._refuse(n):  # another engine's support was checked by its predicate
+            self.refused.update(n.outputs)
+            return
         kwargs = dict(n.attrs)
         if n.op == "SequenceAt":
             seq = self.values.get(n.inputs[0])
@@ -201,10 +241,17 @@ class _GraphBuild:
         split = literal(self.consts[n.inputs[1]]) if len(n.inputs) > 1 and n.inputs[1] in self.consts else None
         sizes = split_sizes(shape[axis], 1 if split is None else split)
         rg = n.outputs[0] in self.rg
+        if split is None and not kwargs.get("keepdims", 1):
+            return tuple(TensorMeta(shape[:axis] + shape[axis + 1:], dtype, rg) for _ in sizes)
         return tuple(TensorMeta(shape[:axis] + (s,) + shape[axis + 1:], dtype, rg) for s in sizes)
 
     def build(self, runtime, inputs, outputs, loss, label, labels, engine: str) -> Model:
         g = self.g
+        self.engine = engine
+        read = {v for n in runtime for v in n.inputs} | set(outputs)
+        for n in runtime:  # optional outputs nothing reads (an old Dropout's mask) need no shape: drop them
+            while len(n.outputs) > 1 and n.outputs[-1] not in read:
+                n.outputs.pop()
         for name in inputs:
             g.add(OpNode(name, NodeKind.INPUT, meta=NodeMeta(outputs=(self._tensor_meta(name, name),))))
             self.values[name] = Ref(name)
@@ -244,7 +291,18 @@ class _GraphBuild:
         loss_node = None
         for o in outputs:
             ref = self.values.get(o)
+            if ref is None and o in self.consts:  # folded at import (Shape of a static tensor, Range of constants)
+                const = f"constant:{o}"
+                g.add(OpNode(const, NodeKind.FUNCTION, "onnx.Identity", (self._param(const, self.consts[o], False),),
+                             label="constant output",
+                             meta=NodeMeta(outputs=(TensorMeta(tuple(self.consts[o].shape), self.consts[o].dtype.name),))))
+                ref = self.values[o] = Ref(const)
             if ref is None:
+                if o not in self.refused:
+                    self.problems.append(f"graph output {o!r} has no producer")
+                continue
+            if g.nodes[ref.node].target == "onnx.SplitToSequence":
+                self.problems.append(f"graph output {o!r} is a sequence (SplitToSequence); fusion outputs tensors")
                 continue
             shape, dtype = self.types.get(o, (None, ""))
             if loss_node is None and shape == () and np.issubdtype(np.dtype(dtype), np.floating) and ref.index is None:

@@ -1,7 +1,7 @@
 """What the ONNX importer must know about each ONNX op, independent of any engine.
 
-Engines implement ``onnx.<OpType>`` targets (``fusion.executors.onnx_torch_ops``
-for torch, ``fusion.executors.numpy_ops`` for NumPy); this module only says,
+Engines implement ``onnx.<OpType>`` targets (``fusion.ir.onnx_torch``
+for torch, ``fusion.executors.engines.numpy.ops`` for NumPy); this module only says,
 per op type, which inputs are *static* (shape-like integer lists that must be
 known when the graph is built, e.g. Reshape's ``shape``), which inputs no
 gradient flows into, and which inputs are labels of a loss. It imports
@@ -27,6 +27,8 @@ STATIC_INPUTS: dict[str, frozenset[int]] = {
     "ReduceSum": frozenset({1}),
     "ReduceMax": frozenset({1}),
     "ReduceMin": frozenset({1}),
+    "ReduceProd": frozenset({1}),
+    "ReduceL2": frozenset({1}),
     "Pad": frozenset({1, 3}),
     "Dropout": frozenset({1, 2}),
     "ConstantOfShape": frozenset({0}),
@@ -45,7 +47,7 @@ NO_GRAD_INPUTS: dict[str, frozenset[int]] = {
     "NegativeLogLikelihoodLoss": frozenset({1, 2}),
     **{op: _NO_GRAD_ALL for op in (
         "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-        "Shape", "Size", "ArgMax", "ArgMin", "ConstantOfShape", "Range", "IsNaN", "IsInf",
+        "Shape", "Size", "ArgMax", "ArgMin", "ConstantOfShape", "Range", "IsNaN", "IsInf", "Hardmax", "Sign",
     )},
 }
 
@@ -57,17 +59,25 @@ LABEL_INPUTS: dict[str, frozenset[int]] = {
 }
 
 #: ops whose older opsets carry an input as an attribute of the same meaning:
-#: op type -> (attribute name, input position, first opset with the input).
-ATTR_TO_INPUT: dict[str, tuple[str, int, int]] = {
-    "Unsqueeze": ("axes", 1, 13),
-    "Squeeze": ("axes", 1, 13),
-    "Split": ("split", 1, 13),
-    "ReduceSum": ("axes", 1, 13),
-    "ReduceMean": ("axes", 1, 18),
-    "ReduceMax": ("axes", 1, 18),
-    "ReduceMin": ("axes", 1, 18),
-    "Pad": ("pads", 1, 11),
+#: op type -> [(attribute name, input position, first opset with the input, dtype)].
+ATTR_TO_INPUT: dict[str, list[tuple[str, int, int, str]]] = {
+    "Unsqueeze": [("axes", 1, 13, "int64")],
+    "Squeeze": [("axes", 1, 13, "int64")],
+    "Split": [("split", 1, 13, "int64")],
+    "ReduceSum": [("axes", 1, 13, "int64")],
+    "ReduceMean": [("axes", 1, 18, "int64")],
+    "ReduceMax": [("axes", 1, 18, "int64")],
+    "ReduceMin": [("axes", 1, 18, "int64")],
+    "ReduceProd": [("axes", 1, 18, "int64")],
+    "ReduceL2": [("axes", 1, 18, "int64")],
+    "Pad": [("pads", 1, 11, "int64"), ("value", 2, 11, "float32")],
+    "Clip": [("min", 1, 11, "float32"), ("max", 2, 11, "float32")],
+    "Slice": [("starts", 1, 10, "int64"), ("ends", 2, 10, "int64"), ("axes", 3, 10, "int64")],
 }
+
+#: ops whose semantics changed with the opset: op type -> first opset of today's meaning.
+#: Before it, Softmax/LogSoftmax/Hardmax view the input as 2-D around ``axis`` (default 1).
+COERCE_2D_BEFORE = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13}
 
 #: ops that may return several outputs; the importer passes ``outputs=n``
 #: when a node asks for more than the first.

@@ -1,18 +1,18 @@
 """Reading an ONNX file for the importer: validation, shape inference,
 normalised nodes, and constant folding (evaluating nodes whose inputs are all
-constants with the NumPy engine's kernels, so shape arithmetic becomes
-literals). See :mod:`fusion.ir.onnx_import`.
+constants with ONNX's own reference evaluator, at the model's opset, so shape
+arithmetic becomes literals). See :mod:`fusion.ir.onnx_import`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import GraphError
-from .onnx_ops import ATTR_TO_INPUT, static_inputs
+from fusion.ir.errors import GraphError
+from fusion.ir.onnx_ops import ATTR_TO_INPUT, COERCE_2D_BEFORE, static_inputs
 
 
 @dataclass
@@ -25,6 +25,8 @@ class OnnxNode:
     inputs: list[str]
     outputs: list[str]
     attrs: dict[str, Any]
+    proto: Any = None  # the NodeProto as read (its attributes as the model's opset means them)
+    opset: int = 0  # the model's default-domain opset
 
 
 def read_model(path: Path, example: Mapping[str, Any] | None):
@@ -98,16 +100,22 @@ def normalise_nodes(mp, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
         used.add(name)
         attrs = {a.name: attr_value(a) for a in n.attribute}
         inputs = list(n.input)
-        moved = ATTR_TO_INPUT.get(n.op_type)
-        if moved and opset < moved[2] and moved[0] in attrs:
-            cname = f"{name}.{moved[0]}"
-            consts[cname] = np.asarray(attrs.pop(moved[0]), dtype=np.int64)
-            inputs += [""] * (moved[1] + 1 - len(inputs))
-            inputs[moved[1]] = cname
+        for attr, pos, since, dtype in ATTR_TO_INPUT.get(n.op_type, ()):
+            if opset < since and attr in attrs:
+                cname = f"{name}.{attr}"
+                consts[cname] = np.asarray(attrs.pop(attr), dtype=dtype)
+                inputs += [""] * (pos + 1 - len(inputs))
+                inputs[pos] = cname
+        if n.op_type in COERCE_2D_BEFORE and opset < COERCE_2D_BEFORE[n.op_type]:
+            attrs.setdefault("axis", 1)  # the old default
+            attrs["coerce_2d"] = 1
+        if n.op_type == "Dropout" and opset < 12:
+            attrs.pop("ratio", None)  # an attribute before opset 12; inference Dropout is the identity either way
+            attrs.pop("is_test", None)
         outputs = list(n.output)
         while outputs and outputs[-1] == "":
             outputs.pop()
-        nodes.append(OnnxNode(name, n.op_type, n.domain, inputs, outputs, attrs))
+        nodes.append(OnnxNode(name, n.op_type, n.domain, inputs, outputs, attrs, n, opset))
     return nodes
 
 
@@ -123,8 +131,6 @@ def constant_value(node: OnnxNode) -> np.ndarray:
 
 def fold_node(node: OnnxNode, consts: dict[str, np.ndarray], types) -> tuple | None:
     """Output values of ``node`` when it can be evaluated now, else None."""
-    from ..executors.numpy_onnx_ops import ONNX_NUMPY
-
     ins = [v for v in node.inputs if v]
     if node.op == "Shape" and types.get(node.inputs[0], (None,))[0] is not None:
         shape = types[node.inputs[0]][0]
@@ -133,21 +139,16 @@ def fold_node(node: OnnxNode, consts: dict[str, np.ndarray], types) -> tuple | N
         return (np.asarray(int(np.prod(types[node.inputs[0]][0])), dtype=np.int64),)
     if node.op == "CastLike" and node.inputs[0] in consts and types.get(node.inputs[1]):
         return (consts[node.inputs[0]].astype(types[node.inputs[1]][1]),)
-    if not ins or not all(v in consts for v in ins) or f"onnx.{node.op}" not in ONNX_NUMPY:
+    if not ins or not all(v in consts for v in ins) or node.proto is None:
         return None
-    args = [consts[v] if v else None for v in node.inputs]
-    for i in static_inputs(node.op):
-        if i < len(args) and args[i] is not None:
-            args[i] = literal(args[i])
-    kwargs = dict(node.attrs)
-    if node.op == "ConstantOfShape" and "value" in kwargs:
-        v = np.asarray(kwargs.pop("value")).reshape(-1)
-        kwargs.update(value=v[0].item(), dtype=onnx_dtype(v.dtype))
+    from onnx.reference import ReferenceEvaluator
+
     try:
-        out, _ = ONNX_NUMPY[f"onnx.{node.op}"].fwd(*args, **kwargs)
+        out = ReferenceEvaluator(node.proto, opsets={"": node.opset}).run(
+            None, {v: consts[v] for v in node.proto.input if v})
     except Exception as e:
         raise GraphError(f"cannot evaluate constant {node.op} ({type(e).__name__}: {e})", node.name) from None
-    return tuple(np.asarray(o) for o in out) if isinstance(out, tuple) else (np.asarray(out),)
+    return tuple(np.asarray(o) for o in out)
 
 
 def onnx_dtype(dt) -> int:
@@ -161,9 +162,10 @@ def literal(a: np.ndarray) -> Any:
     return a.item() if a.ndim == 0 else a.tolist()
 
 
-def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types, engine: str) -> tuple[list[OnnxNode], list[str]]:
-    """Evaluate constants into ``consts``; return the nodes left to run and the unsupported ones."""
-    from ..executors.engines import supports
+def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types,
+             supports: Callable[[str], bool]) -> tuple[list[OnnxNode], list[str]]:
+    """Evaluate constants into ``consts``; return the nodes left to run and the ones ``supports``
+    (an engine's predicate on ``onnx.<Op>`` target names) refuses."""
 
     runtime: list[OnnxNode] = []
     problems: list[str] = []
@@ -175,7 +177,7 @@ def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types, engine
         if folded is not None:
             consts.update(zip(n.outputs, folded))
             continue
-        if n.domain not in ("", "ai.onnx") or not supports(engine, f"onnx.{n.op}"):
+        if n.domain not in ("", "ai.onnx") or not supports(f"onnx.{n.op}"):
             dom = f"{n.domain}." if n.domain not in ("", "ai.onnx") else ""
             problems.append(f"node {n.name!r} ({dom}{n.op})")
             continue

@@ -3,7 +3,10 @@
 Values that JSON cannot carry are tagged one-key objects: ``{"$ref": [node,
 index]}``, ``{"$param": name}``, ``{"$tuple": [...]}``, ``{"$slice": [start,
 stop, step]}``, ``{"$ellipsis": 1}``, ``{"$dtype": "float32"}``, ``{"$float":
-"inf"}``, ``{"$device": "cpu"}``. Anything else is rejected with the node named,
+"inf"}``, ``{"$device": "cpu"}``, ``{"$memfmt": "contiguous_format"}``,
+``{"$layout": "strided"}``, ``{"$complex": [re, im]}``. Symbolic ints, floats
+and bools (``torch.SymInt``) are saved as their value when it is fixed (static
+shapes), and refused otherwise. Anything else is rejected with the node named,
 so a graph either round-trips exactly or fails to save.
 """
 from __future__ import annotations
@@ -13,9 +16,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .errors import GraphError
-from .graph import OpGraph, ParamSpec
-from .node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, ValueMeta
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph, ParamSpec
+from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, ValueMeta
 
 FORMAT_VERSION = 1
 
@@ -30,6 +33,8 @@ def encode_value(v: Any, where: str = "") -> Any:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else {"$float": repr(v)}
+    if isinstance(v, complex):
+        return {"$complex": [encode_value(v.real, where), encode_value(v.imag, where)]}
     if isinstance(v, tuple):
         return {"$tuple": [encode_value(x, where) for x in v]}
     if isinstance(v, list):
@@ -54,7 +59,39 @@ def encode_value(v: Any, where: str = "") -> Any:
             return {"$tuple": [int(x) for x in v]}
         if isinstance(v, torch.memory_format):
             return {"$memfmt": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.layout):
+            return {"$layout": str(v).removeprefix("torch.")}
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            fixed = static_symbol(v)
+            if fixed is None:
+                raise GraphError(f"symbolic value {v!r} depends on an input size; fusion graphs have static shapes",
+                                 where or None)
+            return encode_value(fixed, where)
     raise GraphError(f"argument of type {type(v).__name__} cannot be saved: {v!r}", where or None)
+
+
+def static_symbol(v: Any) -> Any:
+    """The fixed Python value of a ``torch.SymInt`` / ``SymFloat`` / ``SymBool``, or None when it is symbolic."""
+    node = getattr(v, "node", None)
+    if node is not None and getattr(node, "is_constant", lambda: False)():
+        return node.constant
+    try:
+        expr = node._expr if hasattr(node, "_expr") else node.expr
+    except Exception:  # noqa: BLE001 - not a SymNode
+        expr = None
+    if isinstance(expr, (bool, int, float)):
+        return expr
+    if getattr(expr, "is_number", False):
+        return {int: int, float: float, bool: bool}.get(getattr(node, "pytype", int), int)(expr)
+    for attr in ("maybe_as_int", "maybe_as_float", "maybe_as_bool"):
+        fn = getattr(node, attr, None)
+        try:
+            got = fn() if fn is not None else None
+        except Exception:  # noqa: BLE001 - not that kind of symbol
+            got = None
+        if got is not None:
+            return got
+    return None
 
 
 def decode_value(v: Any) -> Any:
@@ -85,13 +122,17 @@ def decode_value(v: Any) -> Any:
             return Ellipsis
         if k == "$float":
             return float(x)
-        if k in ("$dtype", "$device", "$memfmt"):
+        if k == "$complex":
+            if not (isinstance(x, list) and len(x) == 2):
+                raise ValueError(f"$complex must be [real, imag], got {x!r}")
+            return complex(decode_value(x[0]), decode_value(x[1]))
+        if k in ("$dtype", "$device", "$memfmt", "$layout"):
             import torch
 
             if k == "$device":
                 return torch.device(x)
             obj = getattr(torch, x, None)
-            want = torch.dtype if k == "$dtype" else torch.memory_format
+            want = {"$dtype": torch.dtype, "$memfmt": torch.memory_format, "$layout": torch.layout}[k]
             if not isinstance(obj, want):
                 raise GraphError(f"unknown {k[1:]} {x!r}")
             return obj

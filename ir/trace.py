@@ -24,11 +24,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .errors import GraphError
-from .model import Model
-from .registry import REGISTRY, OpRegistry
-from .trace_common import Traced
-from .trace_passes import eliminate_dead, fold_static_values, functionalize, index_multi_outputs, mark_outputs
+from fusion.ir.errors import GraphError
+from fusion.ir.model import Model
+from fusion.ir.registry import REGISTRY, OpRegistry
+from fusion.ir.trace_common import Traced
+from fusion.ir.trace_passes import (detach_no_grad, eliminate_dead, fold_static_values, functionalize, index_multi_outputs,
+                           mark_outputs)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
     traced: Traced | None = None
     fx_reason = None
     if method in ("fx", "auto"):
-        from .trace_fx import trace_fx
+        from fusion.ir.trace_fx import trace_fx
 
         try:
             traced = trace_fx(module, example, labels, registry)
@@ -94,25 +95,30 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
                 raise GraphError(f"torch.fx cannot trace {cls}: {fx_reason}") from e
             log.info("torch.fx cannot trace %s (%s); falling back to torch.export", cls, fx_reason)
     if traced is None:
-        from .trace_export import trace_export
+        from fusion.ir.trace_export import trace_export
 
         try:
             traced = trace_export(module, example, labels, granularity, registry)
         except Exception as e:  # noqa: BLE001 - reported with the reason
-            before = f"torch.fx failed ({fx_reason}); " if fx_reason else ""
-            raise GraphError(f"cannot trace {cls}: {before}torch.export failed ({_reason(e)})") from e
+            # one reason: export's (it follows more than fx does); fx's reason was logged above
+            raise GraphError(f"cannot trace {cls}: {_reason(e)}") from e
     return _finish(traced, example, loss_index, keep_outputs, registry)
 
 
 def _finish(traced: Traced, example: Mapping[str, Any], loss_index, keep_outputs: bool, registry: OpRegistry) -> Model:
-    from ..executors.torch_engine import infer_meta
+    from fusion.ir.shapes import infer_meta
 
     g = traced.graph
     functionalize(g, registry)
     g.validate(registry)
     feeds = {n.name: example[n.name] for n in g.placeholders()}
     infer_meta(g, feeds)
-    loss = mark_outputs(g, traced.returned, loss_index, keep_outputs)
+    returned = traced.returned
+    if traced.no_grad:
+        detached, returned = detach_no_grad(g, traced.no_grad, returned)
+        if detached:
+            infer_meta(g, feeds)  # requires_grad changes below the detached values
+    loss = mark_outputs(g, returned, loss_index, keep_outputs)
     folded = fold_static_values(g)
     indexed = index_multi_outputs(g)
     dropped = eliminate_dead(g)
@@ -151,6 +157,10 @@ def _warn_eval_mode(module: nn.Module) -> None:
 
 
 def _reason(e: BaseException) -> str:
+    from fusion.ir.trace_export import ExportFailure
+
+    if isinstance(e, (GraphError, ExportFailure)):
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 

@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import GraphError
-from .graph import OpGraph, ParamSpec
-from .node import NodeKind, OpNode
-from .registry import REGISTRY, OpRegistry
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph, ParamSpec
+from fusion.ir.node import NodeKind, OpNode
+from fusion.ir.registry import REGISTRY, OpRegistry
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,16 @@ class Traced:
               (nested tuples/lists/dicts kept).
     tensors:  graph parameter name -> the module's tensor (for ``Model.params``).
     method:   ``"fx"`` or ``"export"``.
+    no_grad:  nodes computed with grad mode off (``torch.no_grad()`` regions
+              that fx traced through); :func:`~fusion.ir.trace_passes.detach_no_grad`
+              detaches what leaves them.
     """
 
     graph: OpGraph
     returned: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     method: str = ""
+    no_grad: set[str] = field(default_factory=set)
 
 
 def convert_arg(value: Any, env: Mapping[fx.Node, Any]) -> Any:
@@ -189,7 +193,7 @@ def leaf_spec(mod: nn.Module, registry: OpRegistry = REGISTRY) -> tuple[str, dic
     rebuilt is an error; a built-in that cannot (say, a MultiheadAttention
     whose constructor arguments are not all stored on it) is traced through.
     """
-    from ..executors.torch_build import module_attrs
+    from fusion.ir.torch_ops import module_attrs
 
     target = module_target(type(mod), registry)
     if target is None:

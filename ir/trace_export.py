@@ -26,11 +26,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import GraphError
-from .graph import OpGraph
-from .node import NodeKind, OpNode, ParamRef, Ref
-from .registry import REGISTRY, OpRegistry
-from .trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref
+from fusion.ir.registry import REGISTRY, OpRegistry
+from fusion.ir.trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
                            name_allocator)
 
 log = logging.getLogger(__name__)
@@ -45,12 +45,71 @@ def export_program(module: nn.Module, example: Mapping[str, Any]) -> torch.expor
     """
     on_meta = any(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
     kwargs = {k: (v.to("meta") if on_meta and isinstance(v, torch.Tensor) else v) for k, v in example.items()}
-    return torch.export.export(module, (), kwargs, strict=False)
+    with _ModuleStack(module) as where:
+        try:
+            return torch.export.export(module, (), kwargs, strict=False)
+        except Exception as e:
+            raise ExportFailure(_construct(e), where.path, e) from e
+
+
+class ExportFailure(Exception):
+    """torch.export failed: what construct, in which module (``path``: '' for the top level)."""
+
+    def __init__(self, construct: str, path: str | None, cause: BaseException):
+        self.construct, self.path, self.cause = construct, path, cause
+        at = f", in module {path!r}" if path else ", in the top-level forward" if path == "" else ""
+        super().__init__(f"{construct}{at}")
+
+
+def _construct(e: BaseException) -> str:
+    """One line saying what in the user's code torch.export could not follow."""
+    text = str(e)
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    called = ""
+    lines = text.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.strip().startswith("The following call raised this error") and i + 1 < len(lines):
+            where = lines[i + 1].strip().removeprefix("File ").replace('"', "")
+            called = " at " + where.rsplit("/", 1)[-1]
+            break
+    if type(e).__name__ == "GuardOnDataDependentSymNode" or "data-dependent" in text:
+        return f"Python control flow on a tensor value (torch.export cannot branch on data){called}"
+    return f"{type(e).__name__}: {line}{called}"
+
+
+class _ModuleStack:
+    """While tracing, the qualified name of the innermost module whose forward is running."""
+
+    def __init__(self, root: nn.Module):
+        self.names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        self.stack: list[str] = []
+        self.path: str | None = None
+
+    def __enter__(self) -> "_ModuleStack":
+        from torch.nn.modules import module as M
+
+        def pre(mod, args):
+            name = self.names.get(id(mod))
+            if name is not None:
+                self.stack.append(name)
+                self.path = name
+
+        def post(mod, args, out):
+            if self.names.get(id(mod)) is not None and self.stack:
+                self.stack.pop()
+                self.path = self.stack[-1] if self.stack else None
+
+        self.handles = [M.register_module_forward_pre_hook(pre), M.register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, ...], granularity: str,
                  registry: OpRegistry = REGISTRY) -> Traced:
-    ep = export_program(module, example)
+    ep = functional_program(export_program(module, example))
     gm_graph = ep.graph
     g = OpGraph()
     table = ParamTable(module, g)
@@ -88,8 +147,15 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
         if node.op == "output":
             out_node = node
             continue
+        if node.op == "get_attr":  # a constant of the graph (never trainable)
+            value = _fetch(ep.graph_module, str(node.target))
+            if not isinstance(value, torch.Tensor):
+                raise GraphError(f"torch.export produced a get_attr of a {type(value).__name__}, which is not supported"
+                                 f"{_where(node)}", node.name)
+            env[node] = ParamRef(table.name_of(value, _constant_name(str(node.target))))
+            continue
         if node.op != "call_function":
-            raise GraphError(f"torch.export produced a {node.op} node, which is not supported", node.name)
+            raise GraphError(f"torch.export produced a {node.op} node, which is not supported{_where(node)}", node.name)
         group = groups.get(node)
         if group is not None:
             if node is group["output"]:
@@ -123,6 +189,134 @@ def trace_export(module: nn.Module, example: Mapping[str, Any], labels: tuple[st
             raise GraphError(f"torch.export output {spec.arg.name!r} of kind {kind} is not supported")
     returned = pytree.tree_unflatten(user_outs, ep.call_spec.out_spec)
     return Traced(g, returned, table.tensors, "export")
+
+
+# -- making export's graph functional and flat -----------------------------------------
+def functional_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Inline higher-order ops over submodules, then functionalise in-place writes.
+
+    ``torch.no_grad()`` / ``torch.set_grad_enabled`` and ``torch.autocast``
+    regions reach the graph as ``wrap_with_set_grad_enabled`` /
+    ``wrap_with_autocast`` calls of a submodule (a ``get_attr`` node). Their
+    nodes are copied into the graph; the outputs of a grad-disabled region are
+    detached (``aten.detach``), which keeps its meaning on an engine that runs
+    the nodes under autograd. A disabled autocast region is the surrounding
+    float computation; an enabled one is refused (mixed precision inside
+    forward changes dtypes per op).
+
+    In-place ATen ops that remain (``x[..., 1:] = y`` on a fresh tensor becomes
+    ``slice`` + ``copy_``) go through export's functionalisation
+    (``run_decompositions({})``: no decomposition, only ``slice_scatter`` /
+    ``select_scatter`` for writes through views); graphs without them keep
+    export's nodes as they are.
+    """
+    gm = ep.graph_module
+    if _inline_regions(gm, gm):
+        for n in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+            gm.graph.erase_node(n)
+        gm.graph.lint()
+        gm.recompile()
+    if any(_mutates(n) for n in ep.graph.nodes):
+        ep = ep.run_decompositions({})
+    return ep
+
+
+def _mutates(node: fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def _where(node: fx.Node) -> str:
+    """`` in module 'a.b.c'`` for a node with an nn_module_stack, else ''."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(iter(reversed(stack.values())), ("",))[0] if stack else ""
+    return f" in module {path!r}" if path else " at the top level of forward"
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _constant_name(target: str) -> str:
+    return "constant." + target.replace(".", "_")
+
+
+_REGION_ARGS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+
+
+def _inline_regions(root: fx.GraphModule, gm: fx.GraphModule) -> bool:
+    """Replace every region call in ``gm`` (nested ones first) by its nodes; True when any was found."""
+    graph = gm.graph
+    found = False
+    for node in list(graph.nodes):
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.HigherOrderOperator):
+            continue
+        name = t.name()
+        if name not in _REGION_ARGS:
+            raise GraphError(f"torch.export produced the higher-order op {name}{_where(node)}, which is not supported",
+                             node.name)
+        k = _REGION_ARGS[name]
+        flags, sub_node, inputs = node.args[:k], node.args[k], node.args[k + 1:]
+        if name == "wrap_with_autocast" and flags[2]:
+            raise GraphError(f"torch.autocast(enabled=True, dtype={flags[1]}) region{_where(node)} is not supported: "
+                             "mixed precision inside forward changes dtypes per op; trace without it", node.name)
+        detach = name == "wrap_with_set_grad_enabled" and not flags[0]
+        sub = getattr(gm, str(sub_node.target))
+        _inline_regions(root, sub)
+        outs = _copy_region(root, gm, sub, node, inputs, detach)
+        for user in list(node.users):
+            if user.target is not operator.getitem or len(user.args) != 2:
+                raise GraphError(f"the result of a {name} region is used whole{_where(node)}", node.name)
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        found = True
+    return found
+
+
+def _copy_region(root: fx.GraphModule, gm: fx.GraphModule, sub: fx.GraphModule, call: fx.Node, inputs, detach: bool):
+    graph = gm.graph
+    env: dict[fx.Node, Any] = {}
+    places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(places) != len(inputs):
+        raise GraphError(f"region {call.name} takes {len(places)} inputs but is called with {len(inputs)}", call.name)
+    env.update(zip(places, inputs))
+    outs: list[Any] = []
+    with graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outs = list(pytree.tree_leaves(n.args[0]))
+                outs = [env[o] if isinstance(o, fx.Node) else o for o in outs]
+                continue
+            if n.op == "get_attr":
+                value = _fetch(sub, str(n.target))
+                attr = f"_inlined_{call.name}_{str(n.target).replace('.', '_')}"
+                if isinstance(value, nn.Module):
+                    gm.add_submodule(attr, value)
+                else:
+                    setattr(gm, attr, value)
+                env[n] = graph.get_attr(attr)
+                env[n].meta.update(n.meta)
+                continue
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        if detach:
+            outs = [_detached(graph, o) for o in outs]
+    return outs
+
+
+def _detached(graph: fx.Graph, value: Any) -> Any:
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+        return value
+    d = graph.call_function(torch.ops.aten.detach.default, (value,))
+    d.meta.update({k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "nn_module_stack", "stack_trace")})
+    return d
 
 
 def _user_input_values(ep, example: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:

@@ -19,11 +19,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import GraphError
-from .graph import OpGraph
-from .node import NodeKind, OpNode, ParamRef, Ref
-from .registry import REGISTRY, OpRegistry
-from .trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref
+from fusion.ir.registry import REGISTRY, OpRegistry
+from fusion.ir.trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
                            name_allocator)
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,23 @@ class _LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.specs.get(id(m)) is not None
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        # fx records operations, not the grad mode or autocast state they ran under: note the
+        # first (the tracer detaches what leaves a no-grad region), refuse the second
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind in ("call_function", "call_method", "call_module") and not torch.is_grad_enabled():
+            node.meta["fusion_no_grad"] = True
+        if kind != "placeholder" and any(_autocast_on(d) for d in ("cpu", "cuda")):
+            raise GraphError("torch.fx cannot keep a torch.autocast region (export can refuse it with the module)")
+        return node
+
+
+def _autocast_on(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except (TypeError, RuntimeError):  # an older torch or an unknown device type
+        return False
 
 
 def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, ...],
@@ -77,7 +94,7 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
     arg_of = dict(zip(placeholders, arg_names))
     unique = name_allocator({n for n in example if isinstance(example[n], torch.Tensor)})  # placeholder names are reserved
     returned: Any = None
-
+    no_grad: set[str] = set()
 
     for node in fx_graph.nodes:
         if node.op == "placeholder":
@@ -101,6 +118,8 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
             name = unique(node.name)
             g.add(module_node(name, str(node.target), mod, spec, convert_arg(node.args, env), convert_arg(node.kwargs, env), table))
             env[node] = Ref(name)
+            if node.meta.get("fusion_no_grad"):
+                no_grad.add(name)
         elif node.op == "call_function":
             if is_assert(node.target):
                 continue
@@ -112,6 +131,8 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
             g.add(OpNode(name, NodeKind.FUNCTION, target, convert_arg(node.args, env), convert_arg(node.kwargs, env),
                          label=describe(node.target)))
             env[node] = Ref(name)
+            if node.meta.get("fusion_no_grad"):
+                no_grad.add(name)
         elif node.op == "call_method":
             if not hasattr(torch.Tensor, str(node.target)):
                 raise GraphError(f"method {node.target!r} is not a torch.Tensor method", node.name)
@@ -119,9 +140,11 @@ def trace_fx(module: nn.Module, example: Mapping[str, Any], labels: tuple[str, .
             g.add(OpNode(name, NodeKind.FUNCTION, f"torch.Tensor.{node.target}", convert_arg(node.args, env),
                          convert_arg(node.kwargs, env), label=f"Tensor.{node.target}"))
             env[node] = Ref(name)
+            if node.meta.get("fusion_no_grad"):
+                no_grad.add(name)
         elif node.op == "output":
             returned = convert_arg(node.args[0], env)
-    return Traced(g, returned, table.tensors, "fx")
+    return Traced(g, returned, table.tensors, "fx", no_grad)
 
 
 def _fetch_attr(module: nn.Module, target: str) -> Any:

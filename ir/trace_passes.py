@@ -18,10 +18,10 @@ import logging
 import re
 from typing import Any
 
-from .errors import GraphError
-from .graph import OpGraph
-from .node import NodeKind, OpNode, ParamRef, Ref, TensorMeta, ValueMeta, map_refs
-from .registry import REGISTRY, OpRegistry
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta, ValueMeta, map_refs
+from fusion.ir.registry import REGISTRY, OpRegistry
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,66 @@ def _check_param_mutation(g: OpGraph, node: OpNode, ref: ParamRef) -> None:
     if g.params[ref.name].trainable:
         raise GraphError(f"modifies trainable parameter {ref.name!r} in place", node.name)
     log.warning("node %s updates buffer %s in place; fusion does not replay buffer updates", node.name, ref.name)
+
+
+def detach_no_grad(g: OpGraph, no_grad: set[str], returned: Any) -> tuple[int, Any]:
+    """Detach every grad-carrying tensor that leaves a no-grad region (after shapes are known).
+
+    ``no_grad`` names the nodes computed with grad mode off. A tensor output of
+    such a node that would carry a gradient and is read by a node outside the
+    region (or returned) gets a ``torch.Tensor.detach`` node right after its
+    producer, and the outside readers read that instead: what PyTorch's
+    ``torch.no_grad()`` means for them. Returns (detach nodes added, the
+    returned value with its references redirected); shapes must be inferred
+    again afterwards (requires_grad changes downstream).
+    """
+    repl: dict[Ref, Ref] = {}
+    added: dict[str, list[OpNode]] = {}
+    users = g.users()
+    returned_refs = set(_refs_in(returned))
+    for name in [n for n in g.nodes if n in no_grad]:
+        node = g.nodes[name]
+        outside = [u for u in users[name] if u not in no_grad]
+        for i, o in enumerate(node.meta.outputs):
+            if not (isinstance(o, TensorMeta) and o.requires_grad):
+                continue
+            ref = Ref(name, i if node.meta.multi else None)
+            read = any(ref in set(g.nodes[u].refs()) for u in outside) or ref in returned_refs
+            if not read:
+                continue
+            new = OpNode(f"{name}_detached" + (f"_{i}" if node.meta.multi else ""), NodeKind.FUNCTION,
+                         "torch.Tensor.detach", (ref,), label="no_grad region output")
+            new.meta.outputs = (TensorMeta(o.shape, o.dtype, False),)
+            added.setdefault(name, []).append(new)
+            repl[ref] = Ref(new.name)
+    if not repl:
+        return 0, returned
+    nodes = {}
+    for name, node in g.nodes.items():
+        if name not in no_grad:
+            node.args = map_refs(node.args, lambda r: repl.get(r, r))
+            node.kwargs = map_refs(node.kwargs, lambda r: repl.get(r, r))
+        nodes[name] = node
+        for new in added.get(name, []):
+            if new.name in g.nodes:
+                raise GraphError(f"node name {new.name!r} is taken", new.name)
+            nodes[new.name] = new
+    g.nodes = nodes
+    from torch.utils import _pytree as pytree
+
+    returned = pytree.tree_map(lambda v: repl.get(v, v) if isinstance(v, Ref) else v, returned)
+    return len(repl), returned
+
+
+def _refs_in(value: Any):
+    if isinstance(value, Ref):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _refs_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _refs_in(v)
 
 
 def _identifier(path: str) -> str:

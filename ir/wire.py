@@ -11,7 +11,9 @@ and nothing framework-specific crosses the wire: dtypes are NumPy names from a
 closed list, shapes are lists of ints, headers are plain msgpack maps. Tensor
 frames are handed to the transport as the arrays themselves (zero-copy send
 where the transport allows) and decoded with ``np.frombuffer`` over the
-received buffer (zero-copy receive; the arrays are read-only).
+received buffer (zero-copy receive; the arrays are read-only) when the frame
+starts on a 64-byte boundary, else copied to one (kernels round differently
+for different alignments, so the bits of a run would depend on the heap).
 
 Decoding checks, in order, and raises :class:`~fusion.ir.errors.WireError`
 with the reason: total size against a maximum, header size, msgpack
@@ -32,8 +34,8 @@ from typing import Any, Callable, Sequence
 import msgpack
 import numpy as np
 
-from .errors import WireError
-from .opdata import OpData
+from fusion.ir.errors import WireError
+from fusion.ir.opdata import OpData
 
 PROTOCOL_VERSION = 1
 #: default upper bound on one message (header + tensor frames), bytes
@@ -122,37 +124,73 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) ->
         raise WireError(f"malformed header ({type(e).__name__}: {e})") from None
     if not isinstance(head, dict):
         raise WireError(f"header is a {type(head).__name__}, not a map")
-    if head.get("v") != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {head.get('v')!r} (this process speaks {PROTOCOL_VERSION})")
+    v = head.get("v")
+    if not isinstance(v, int) or isinstance(v, bool) or v != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {_short(v)} (this process speaks {PROTOCOL_VERSION})")
     kind = head.get("k")
-    if kind not in KINDS:
-        raise WireError(f"unknown message kind {kind!r}")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise WireError(f"unknown message kind {_short(kind)}")
     header, descs = head.get("h"), head.get("t")
-    if not isinstance(header, dict):
-        raise WireError("field 'h' (header) must be a map")
+    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+        raise WireError("field 'h' (header) must be a map with string keys")
     if not isinstance(descs, list):
         raise WireError("field 't' (tensor descriptors) must be a list")
     if len(descs) != len(bufs) - 1:
         raise WireError(f"header declares {len(descs)} tensor frames, message has {len(bufs) - 1} (truncated or padded)")
     arrays = []
     for i, (d, buf) in enumerate(zip(descs, bufs[1:])):
-        arrays.append(_decode_tensor(i, d, buf))
+        arrays.append(_decode_tensor(i, d, buf, max_bytes))
     return Message(kind, header, arrays)
 
 
-def _decode_tensor(i: int, d: Any, buf: memoryview) -> np.ndarray:
+#: received tensors start at a multiple of this many bytes (a cache line; what vectorised kernels care about)
+ALIGN = 64
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when it starts on an :data:`ALIGN` boundary, else an aligned copy.
+
+    Where a received frame starts depends on the receiver's heap, and BLAS /
+    oneDNN kernels round differently for different alignments: without this,
+    a run's losses change in the last bit when unrelated traffic (even
+    rejected messages) moves the heap. Aligned frames stay zero-copy.
+    """
+    if a.ctypes.data % ALIGN == 0 or a.nbytes == 0:
+        return a
+    raw = np.empty(a.nbytes + ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _short(v: Any, n: int = 80) -> str:
+    """``repr(v)`` cut to ``n`` characters (a hostile value may be large)."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def _decode_tensor(i: int, d: Any, buf: memoryview, max_bytes: int) -> np.ndarray:
     if not isinstance(d, dict) or not isinstance(d.get("d"), str) or not isinstance(d.get("s"), list):
         raise WireError(f"tensor {i}: descriptor must be a map with 'd' (dtype) and 's' (shape)")
     dtype, shape = d["d"], d["s"]
     if dtype not in WIRE_DTYPES:
-        raise WireError(f"tensor {i}: dtype {dtype!r} is not allowed on the wire")
+        raise WireError(f"tensor {i}: dtype {_short(dtype)} is not allowed on the wire")
     if len(shape) > MAX_NDIM or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise WireError(f"tensor {i}: shape {shape!r} is not a list of non-negative ints")
+        raise WireError(f"tensor {i}: shape {_short(shape)} is not a list of non-negative ints (at most {MAX_NDIM})")
+    # every dimension is bounded by the message limit too: a zero-size tensor may not smuggle a huge dimension
+    if any(s > max_bytes for s in shape):
+        raise WireError(f"tensor {i}: shape {_short(shape)} has a dimension over the message limit of {max_bytes}")
     dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
     want = math.prod(shape) * dt.itemsize
+    if want > max_bytes:
+        raise WireError(f"tensor {i}: shape {_short(shape)} of {dtype} needs {want} bytes, over the limit of {max_bytes}")
     if want != buf.nbytes:
         raise WireError(f"tensor {i}: shape {shape} of {dtype} needs {want} bytes, frame has {buf.nbytes}")
-    return np.frombuffer(buf, dtype=dt).reshape(shape)
+    try:
+        return _aligned(np.frombuffer(buf, dtype=dt).reshape(shape))
+    except (ValueError, TypeError) as e:  # numpy's own limits (e.g. an index space over 2**63)
+        raise WireError(f"tensor {i}: shape {_short(shape)} cannot be built: {e}") from None
 
 
 # -- payload codecs ------------------------------------------------------------------------
@@ -209,12 +247,19 @@ def _decode_payload(meta: Any, arrays: list[np.ndarray]) -> Any:
     if t == "value":
         if arrays:
             raise WireError("value payload carries no tensor frames")
-        v = meta.get("value")
-        return tuple(v) if meta.get("tuple") and isinstance(v, list) else v
+        v, tup = meta.get("value"), meta.get("tuple", False)
+        if not isinstance(tup, bool):
+            raise WireError(f"value payload: 'tuple' must be a bool, got {type(tup).__name__}")
+        return tuple(v) if tup and isinstance(v, list) else v
     codec = _CODECS.get(t)
     if codec is None:
-        raise WireError(f"unknown payload type {t!r}")
-    return codec.decode(meta, arrays)
+        raise WireError(f"unknown payload type {_short(t)}")
+    try:
+        return codec.decode(meta, arrays)
+    except WireError:
+        raise
+    except Exception as e:  # a codec's own bug must read as a rejected message, not crash the receiver
+        raise WireError(f"{t} payload: {type(e).__name__}: {_short(str(e), 200)}") from None
 
 
 # -- OP-Data ------------------------------------------------------------------------------------
@@ -268,32 +313,3 @@ def opdata_from_message(msg: Message) -> OpData:
 def decode_opdata(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> OpData:
     """:func:`decode` then :func:`opdata_from_message`."""
     return opdata_from_message(decode(frames, max_bytes))
-
-
-# -- the Top-K sparse payload (kernels.sparse) ------------------------------------------------
-
-def _register_sparse() -> None:
-    """Register ``"sparse"``: header ``{shape, dtype, value_dtype, k}``, frames ``[values, indices]``.
-
-    Decoding rebuilds the payload with :meth:`SparsePayload.from_msg`, which checks
-    the dtypes, the frame lengths against k, the shape, indices in range and
-    unique, and raises WireError otherwise, so a malformed sparse OP-Data is
-    rejected (and logged) by the receiving transport before any part sees it.
-    """
-    from ..kernels.sparse import SparsePayload
-
-    def enc(p: SparsePayload) -> tuple[dict, list[np.ndarray]]:
-        head, _ = p.to_msg()
-        return head, [np.ascontiguousarray(p.values), np.ascontiguousarray(p.indices)]
-
-    def dec(meta: dict, arrays: list[np.ndarray]) -> SparsePayload:
-        if len(arrays) != 2:
-            raise WireError(f"sparse payload needs 2 tensor frames (values, indices), got {len(arrays)}")
-        if any(a.ndim != 1 for a in arrays):
-            raise WireError(f"sparse payload frames must be 1-D, got shapes {[list(a.shape) for a in arrays]}")
-        return SparsePayload.from_msg(meta, [memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays])
-
-    register_payload_codec(PayloadCodec("sparse", lambda p: isinstance(p, SparsePayload), enc, dec))
-
-
-_register_sparse()

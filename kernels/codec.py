@@ -3,6 +3,11 @@
 ``compress``/``decompress`` pick the CuPy kernel for CUDA tensors when CuPy is
 usable and the torch path otherwise; both give the same payload bytes.
 
+Built-in codecs: ``topk`` (:class:`TopKCodec`), ``quant`` (:class:`QuantCodec`),
+``hadamard-quant`` (:class:`HadamardQuantCodec`) and ``delta``
+(:class:`DeltaCodec`, stateful: it prices payloads and makes per-edge
+buffers, see there).
+
 Codecs sit behind one small interface (:class:`Codec`) in a
 :class:`CodecRegistry`, as in hivemind's compression registry. A plan's
 per-edge ``compress_cfg`` such as ``{"algo": "topk", "ratio": 100}`` names
@@ -19,9 +24,12 @@ import torch
 
 from fusion.ir.errors import FusionError
 
-from . import topk_cupy, topk_torch
-from .dtypes import VALUE_DTYPES
-from .sparse import SparsePayload, ratio_to_k, sparse_nbytes
+from fusion.kernels import topk_cupy, topk_torch
+from fusion.kernels import quant as _quant
+from fusion.kernels.delta import DeltaBuffer, DeltaConfig, delta_wire_nbytes
+from fusion.kernels.dtypes import VALUE_DTYPES
+from fusion.kernels.quant import QuantConfig, QuantPayload
+from fusion.kernels.sparse import SparsePayload, ratio_to_k, sparse_nbytes
 
 
 
@@ -113,6 +121,114 @@ class TopKCodec:
         return sparse_nbytes(numel, self.k_for(numel, cfg), vdt)
 
 
+def _numel_of(tensor) -> int:
+    return tensor.numel() if isinstance(tensor, torch.Tensor) else int(np.size(tensor))
+
+
+def _check_dtype(algo: str, dtype: str) -> None:
+    if dtype not in VALUE_DTYPES:
+        raise FusionError(f"{algo}: cannot compress dtype {dtype!r}; floating dtypes only: {sorted(VALUE_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class QuantCodec:
+    """Block-wise uniform quantisation (``kernels.quant``). cfg keys: ``bits`` (2, 4, 8;
+    default 8), ``block`` (default 64), ``rounding`` (``"nearest"``/``"stochastic"``),
+    ``seed`` (stochastic rounding, default 0), ``algo``; other keys are refused.
+
+    ``encode`` takes a torch tensor (any device: the torch path, CUDA included)
+    or a NumPy array (the torch-free NumPy path; same bytes). ``decode``
+    returns a torch tensor on ``like``'s device.
+    """
+
+    name: str = "quant"
+    hadamard: bool = False
+
+    def config(self, cfg: Mapping[str, Any]) -> QuantConfig:
+        """The validated cfg (FusionError naming the bad key and value)."""
+        return QuantConfig.from_cfg(cfg, self.hadamard)
+
+    def encode(self, tensor, cfg: Mapping[str, Any]) -> QuantPayload:
+        qc = self.config(cfg)
+        if isinstance(tensor, np.ndarray):
+            return _quant.quantize(tensor, qc)
+        from fusion.kernels import quant_torch
+
+        return quant_torch.quantize(tensor, qc)
+
+    def decode(self, payload: QuantPayload, like: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(payload, QuantPayload) or payload.hadamard != self.hadamard:
+            raise FusionError(f"{self.name}: expected a {'hadamard ' if self.hadamard else ''}QuantPayload, "
+                              f"got {type(payload).__name__}"
+                              + (f" with hadamard={payload.hadamard}" if isinstance(payload, QuantPayload) else ""))
+        from fusion.kernels import quant_torch
+
+        return quant_torch.dequantize(payload, None if like is None else like.device)
+
+    def wire_nbytes(self, numel: int, dtype: str, cfg: Mapping[str, Any]) -> int:
+        """Exact frame bytes (scales, offsets, packed codes) plus ``quant.HEADER_NBYTES`` for the header."""
+        qc = self.config(cfg)
+        _check_dtype(self.name, dtype)
+        return _quant.quant_nbytes(numel, qc) + _quant.HEADER_NBYTES
+
+
+@dataclass(frozen=True)
+class HadamardQuantCodec(QuantCodec):
+    """``quant`` after an orthonormal block-wise Walsh-Hadamard rotation (TAH-Quant / QuIP# style
+    outlier spreading). Same cfg keys; ``block`` must be a power of two."""
+
+    name: str = "hadamard-quant"
+    hadamard: bool = True
+
+
+@dataclass(frozen=True)
+class DeltaCodec:
+    """AQ-SGD activation deltas (``kernels.delta``). Stateful, so it is a *factory*.
+
+    A delta payload depends on what was sent before for the same samples on
+    the same edge, which a stateless ``encode(tensor, cfg)`` cannot know. So
+    this codec does what the registry needs statelessly (cfg validation and
+    :meth:`wire_nbytes` for the compiler) and hands out per-edge buffer
+    objects (:meth:`buffer`) whose ``encode(x, ids)`` / ``decode(payload)`` do
+    the work; the runtime keeps one per edge and end. :meth:`encode` and
+    :meth:`decode` raise FusionError saying so.
+
+    cfg keys: ``bits`` (2, 4, 8; default 4), ``block`` (64), ``rounding``,
+    ``seed``, ``first_visit`` (``"quant8"`` default, or ``"dense"``), ``algo``.
+    """
+
+    name: str = "delta"
+
+    def config(self, cfg: Mapping[str, Any]) -> DeltaConfig:
+        return DeltaConfig.from_cfg(cfg)
+
+    def buffer(self, cfg: Mapping[str, Any], backend: str = "torch", device=None):
+        """New per-edge buffers: ``"torch"`` (``TorchDeltaBuffer`` on ``device``) or ``"numpy"`` (``DeltaBuffer``)."""
+        dc = self.config(cfg)
+        if backend == "numpy":
+            return DeltaBuffer(dc)
+        if backend == "torch":
+            from fusion.kernels.delta_torch import TorchDeltaBuffer
+
+            return TorchDeltaBuffer(dc, device)
+        raise FusionError(f"delta: backend must be 'torch' or 'numpy', got {backend!r}")
+
+    def encode(self, tensor, cfg: Mapping[str, Any]):
+        raise FusionError("delta is stateful: make per-edge buffers with DeltaCodec.buffer(cfg) "
+                          "and call their encode(x, sample_ids)")
+
+    def decode(self, payload, like: torch.Tensor | None = None):
+        raise FusionError("delta is stateful: decode with the edge's buffers (DeltaCodec.buffer(cfg).decode)")
+
+    def wire_nbytes(self, numel: int, dtype: str, cfg: Mapping[str, Any]) -> int:
+        """Steady-state bytes (every row a delta) of a ``numel``-element message, ids of one row and
+        two headers included. First visits cost more: see ``delta.delta_wire_nbytes``; each extra row
+        of a micro-batch adds 9 bytes (id and flag)."""
+        dc = self.config(cfg)
+        _check_dtype(self.name, dtype)
+        return delta_wire_nbytes(1, numel, dtype, dc) + 2 * _quant.HEADER_NBYTES
+
+
 class CodecRegistry:
     """Codecs by name. Build your own or start from :meth:`with_defaults`;
     registries are plain objects, never shared mutable module state.
@@ -125,8 +241,8 @@ class CodecRegistry:
 
     @classmethod
     def with_defaults(cls) -> "CodecRegistry":
-        """A new registry holding the built-in codecs (``"topk"``)."""
-        return cls([TopKCodec()])
+        """A new registry holding the built-in codecs (``topk``, ``quant``, ``hadamard-quant``, ``delta``)."""
+        return cls([TopKCodec(), QuantCodec(), HadamardQuantCodec(), DeltaCodec()])
 
     def register(self, codec: Codec) -> Codec:
         """Add ``codec`` under ``codec.name``; a name may be registered once."""
@@ -162,4 +278,5 @@ class CodecRegistry:
 #: registry of your own (``CodecRegistry.with_defaults()``), not here.
 CODECS = CodecRegistry.with_defaults()
 
-__all__ = ["Codec", "CodecRegistry", "CODECS", "TopKCodec", "compress", "decompress", "ratio_to_k"]
+__all__ = ["Codec", "CodecRegistry", "CODECS", "TopKCodec", "QuantCodec", "HadamardQuantCodec", "DeltaCodec",
+           "compress", "decompress", "ratio_to_k"]

@@ -21,9 +21,9 @@ import torch
 
 from fusion.ir.errors import FusionError
 
-from . import codec
-from .dtypes import dtype_name
-from .sparse import SparsePayload
+from fusion.kernels import codec
+from fusion.kernels.dtypes import dtype_name
+from fusion.kernels.sparse import SparsePayload
 
 log = logging.getLogger(__name__)
 

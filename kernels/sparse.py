@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-
-from .dtypes import INDEX_DTYPES, VALUE_DTYPES, dtype_size, index_dtype_for
+from fusion.ir.wire import PayloadCodec, register_payload_codec
+from fusion.kernels.dtypes import INDEX_DTYPES, VALUE_DTYPES, dtype_size, index_dtype_for
 
 
 @dataclass(frozen=True)
@@ -128,16 +128,25 @@ class SparsePayload:
     @classmethod
     def from_msg(cls, header: dict[str, Any], frames: list) -> "SparsePayload":
         """Rebuild a payload from :meth:`to_msg` output; validates, raises :class:`WireError`."""
-        try:
-            shape = tuple(header["shape"])
-            dtype, value_dtype, k = header["dtype"], header["value_dtype"], int(header["k"])
-            vbuf, ibuf = frames
-        except (KeyError, TypeError, ValueError) as e:
-            raise WireError(f"sparse payload: malformed header or frames: {e!r}") from None
-        if value_dtype not in VALUE_DTYPES:
-            raise WireError(f"sparse payload: unknown value_dtype {value_dtype!r}")
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise WireError(f"sparse payload: bad shape {shape!r}")
+        if not isinstance(header, dict):
+            raise WireError(f"sparse payload: header must be a map, got {type(header).__name__}")
+        for name in ("shape", "dtype", "value_dtype", "k"):
+            if name not in header:
+                raise WireError(f"sparse payload: malformed header: field {name!r} is missing")
+        shape, dtype, value_dtype, k = header["shape"], header["dtype"], header["value_dtype"], header["k"]
+        if not isinstance(dtype, str) or dtype not in VALUE_DTYPES:
+            raise WireError(f"sparse payload: unknown dtype {_short(dtype)}")
+        if not isinstance(value_dtype, str) or value_dtype not in VALUE_DTYPES:
+            raise WireError(f"sparse payload: unknown value_dtype {_short(value_dtype)}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise WireError(f"sparse payload: k must be a non-negative int, got {_short(k)}")
+        if not isinstance(shape, (list, tuple)) or len(shape) > 32 or \
+                not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
+            raise WireError(f"sparse payload: bad shape {_short(shape)} (need at most 32 non-negative ints)")
+        shape = tuple(shape)
+        if not isinstance(frames, (list, tuple)) or len(frames) != 2:
+            raise WireError("sparse payload: needs exactly 2 frames (values, indices)")
+        vbuf, ibuf = frames
         vdt = VALUE_DTYPES[value_dtype].numpy
         idt = INDEX_DTYPES[index_dtype_for(math.prod(shape))].numpy
         for name, buf, dt in (("values", vbuf, vdt), ("indices", ibuf, idt)):
@@ -147,6 +156,11 @@ class SparsePayload:
         payload = cls(np.frombuffer(vbuf, dtype=vdt), np.frombuffer(ibuf, dtype=idt),
                       shape, dtype, value_dtype)
         return payload.validate()
+
+
+def _short(v: Any, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def sparse_nbytes(numel: int, k: int, value_dtype: str) -> int:
@@ -185,3 +199,30 @@ def ratio_to_k(numel: int, ratio: float) -> int:
     if math.isinf(ratio):
         return 1
     return min(numel, max(1, math.ceil(Fraction(numel) / Fraction(ratio))))
+
+
+# -- the payload type on the wire (fusion.ir.wire) ----------------------------------------------
+
+def _register_sparse() -> None:
+    """Register ``"sparse"``: header ``{shape, dtype, value_dtype, k}``, frames ``[values, indices]``.
+
+    Decoding rebuilds the payload with :meth:`SparsePayload.from_msg`, which checks
+    the dtypes, the frame lengths against k, the shape, indices in range and
+    unique, and raises WireError otherwise, so a malformed sparse OP-Data is
+    rejected (and logged) by the receiving transport before any part sees it.
+    """
+    def enc(p: SparsePayload) -> tuple[dict, list[np.ndarray]]:
+        head, _ = p.to_msg()
+        return head, [np.ascontiguousarray(p.values), np.ascontiguousarray(p.indices)]
+
+    def dec(meta: dict, arrays: list[np.ndarray]) -> SparsePayload:
+        if len(arrays) != 2:
+            raise WireError(f"sparse payload needs 2 tensor frames (values, indices), got {len(arrays)}")
+        if any(a.ndim != 1 for a in arrays):
+            raise WireError(f"sparse payload frames must be 1-D, got shapes {[list(a.shape) for a in arrays]}")
+        return SparsePayload.from_msg(meta, [memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays])
+
+    register_payload_codec(PayloadCodec("sparse", lambda p: isinstance(p, SparsePayload), enc, dec))
+
+
+_register_sparse()

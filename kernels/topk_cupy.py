@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,10 +35,10 @@ import numpy as np
 
 from fusion.ir.errors import FusionError
 
-from .dtypes import (VALUE_DTYPES, dtype_name, index_dtype_for, torch_dtype, values_from_numpy,
+from fusion.kernels.dtypes import (VALUE_DTYPES, dtype_name, index_dtype_for, torch_dtype, values_from_numpy,
                      values_to_numpy)
-from .radix import BINS, radix_select
-from .sparse import SparsePayload
+from fusion.kernels.radix import BINS, radix_select
+from fusion.kernels.sparse import SparsePayload
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,262 @@ extern "C" __global__ void fusion_topk_keep_SUFFIX(
 }
 """
 
+_FUSED = r"""
+/* ---- fused radix select (default path): every pass on the device, no host sync ----
+ * Workspace ws (unsigned long long, zeroed before the first pass):
+ *   ws[0] prefix of the k-th key found so far (the full k-th key after the last pass)
+ *   ws[1] how many keys equal to that prefix are still to take
+ *   ws[2] done: the k-th key's bucket is taken whole, select every key >= ws[0]
+ *   ws[3] blocks finished in the current pass (the last one scans the histogram)
+ *   ws[8 .. 8+2048) global histogram of the current digit (left zeroed by each pass)
+ *   ws[2056 + b], ws[2056 + gridDim.x + b]: keys > k-th and == k-th in tile b */
+#define FUSION_FULL_MASK 0xffffffffu
+#define FUSION_NO_BIN 0xffffffffu
+#define FUSION_RADIX_BITS 11
+#define FUSION_RADIX_BINS 2048
+#define FUSION_WS_PREFIX 0
+#define FUSION_WS_REMAIN 1
+#define FUSION_WS_DONE 2
+#define FUSION_WS_COUNTER 3
+#define FUSION_WS_HIST 8
+#define FUSION_WS_TILES 2056
+
+/* Raw bits of one element -> order-preserving magnitude key: |x| bits + 1, NaN -> 0.
+ * float16/bfloat16 keep 16-bit keys (same order as their exact float32 widening). */
+struct FusionF32 { typedef unsigned int In; typedef unsigned int Key; enum { BITS = 32 };
+    static __device__ __forceinline__ Key key(In b) { b &= 0x7fffffffu; return b > 0x7f800000u ? 0u : b + 1u; } };
+struct FusionF64 { typedef unsigned long long In; typedef unsigned long long Key; enum { BITS = 64 };
+    static __device__ __forceinline__ Key key(In b) {
+        b &= 0x7fffffffffffffffULL; return b > 0x7ff0000000000000ULL ? 0ULL : b + 1ULL; } };
+struct FusionF16 { typedef unsigned short In; typedef unsigned int Key; enum { BITS = 16 };
+    static __device__ __forceinline__ Key key(In b) { const Key m = b & 0x7fffu; return m > 0x7c00u ? 0u : m + 1u; } };
+struct FusionBF16 { typedef unsigned short In; typedef unsigned int Key; enum { BITS = 16 };
+    static __device__ __forceinline__ Key key(In b) { const Key m = b & 0x7fffu; return m > 0x7f80u ? 0u : m + 1u; } };
+
+/* One radix pass: histogram of the current digit over the keys matching the prefix
+ * (shared memory, one atomic per distinct bin of a warp); the last block to finish
+ * scans the global histogram, narrows the prefix in ws and clears the histogram. */
+template <class T>
+__device__ __forceinline__ void fusion_radix_pass(const typename T::In* __restrict__ x, const long long n,
+                                                  const long long k, const int pass,
+                                                  unsigned long long* __restrict__ ws) {
+    typedef typename T::Key Key;
+    __shared__ unsigned int hist[FUSION_RADIX_BINS];
+    __shared__ unsigned long long sums[1024];
+    __shared__ unsigned int is_last;
+    if (ws[FUSION_WS_DONE]) return;  /* an earlier pass fixed the selection: early exit */
+    const int hi = (int)T::BITS - FUSION_RADIX_BITS * pass;
+    const int width = hi < FUSION_RADIX_BITS ? hi : FUSION_RADIX_BITS;
+    const int shift = hi - width;
+    const unsigned int bins = 1u << width;
+    const Key hmask = hi >= (int)(8 * sizeof(Key)) ? (Key)0 : (Key)(~(Key)0 << hi);
+    const Key prefix = (Key)ws[FUSION_WS_PREFIX];
+    const unsigned long long need = pass == 0 ? (unsigned long long)k : ws[FUSION_WS_REMAIN];
+    for (unsigned int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0u;
+    __syncthreads();
+    const unsigned int lane = threadIdx.x & 31u;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long base = (long long)blockIdx.x * blockDim.x; base < n; base += stride) {
+        const long long i = base + threadIdx.x;  /* whole warps iterate together */
+        unsigned int bin = FUSION_NO_BIN;
+        if (i < n) {
+            const Key key = T::key(x[i]);
+            if ((key & hmask) == prefix) bin = (unsigned int)(key >> shift) & (bins - 1u);
+        }
+        const unsigned int peers = __match_any_sync(FUSION_FULL_MASK, bin);
+        if (bin != FUSION_NO_BIN && lane == (unsigned int)(__ffs(peers) - 1))
+            atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+    }
+    __syncthreads();
+    unsigned long long* ghist = ws + FUSION_WS_HIST;
+    for (unsigned int b = threadIdx.x; b < bins; b += blockDim.x)
+        if (hist[b]) atomicAdd(&ghist[b], (unsigned long long)hist[b]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&ws[FUSION_WS_COUNTER], 1ULL) == gridDim.x - 1u;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    /* the last block: suffix sums over the bins, the k-th key's digit is where they cross `need` */
+    volatile unsigned long long* vh = ghist;
+    const unsigned int per = (bins + blockDim.x - 1u) / blockDim.x;
+    const unsigned int lo = threadIdx.x * per;
+    const unsigned int end = lo + per < bins ? lo + per : bins;
+    unsigned long long mine = 0;
+    for (unsigned int b = lo; b < end; ++b) mine += vh[b];
+    sums[threadIdx.x] = mine;
+    __syncthreads();
+    for (unsigned int off = 1; off < blockDim.x; off <<= 1) {
+        const unsigned long long add = threadIdx.x + off < blockDim.x ? sums[threadIdx.x + off] : 0ULL;
+        __syncthreads();
+        sums[threadIdx.x] += add;
+        __syncthreads();
+    }
+    unsigned long long above = sums[threadIdx.x] - mine;  /* keys in the bins above this thread's */
+    for (unsigned int b = end; b-- > lo;) {
+        const unsigned long long c = vh[b];
+        if (above < need && above + c >= need) {  /* exactly one thread of the block gets here */
+            const unsigned long long left = need - above;
+            ws[FUSION_WS_PREFIX] = (unsigned long long)prefix | ((unsigned long long)b << shift);
+            ws[FUSION_WS_REMAIN] = left;
+            if (c == left) ws[FUSION_WS_DONE] = 1ULL;  /* the whole bucket is kept */
+        }
+        above += c;
+    }
+    __syncthreads();
+    for (unsigned int b = threadIdx.x; b < bins; b += blockDim.x) ghist[b] = 0ULL;
+    if (threadIdx.x == 0) ws[FUSION_WS_COUNTER] = 0ULL;
+}
+
+/* Block b owns the contiguous tile [begin, end) (a multiple of blockDim.x long), so
+ * tiles in block order are index order: the compaction is ascending. */
+__device__ __forceinline__ void fusion_tile(const long long n, long long* begin, long long* end) {
+    const long long per = ((n + gridDim.x - 1) / gridDim.x + blockDim.x - 1) / blockDim.x * blockDim.x;
+    *begin = per * blockIdx.x;
+    *end = *begin + per < n ? *begin + per : n;
+}
+
+/* Per tile: how many keys are above the k-th key, and how many equal it. */
+template <class T>
+__device__ __forceinline__ void fusion_topk_count(const typename T::In* __restrict__ x, const long long n,
+                                                  unsigned long long* __restrict__ ws) {
+    typedef typename T::Key Key;
+    __shared__ unsigned int tile_gt, tile_eq;
+    const Key kth = (Key)ws[FUSION_WS_PREFIX];
+    const bool done = ws[FUSION_WS_DONE] != 0ULL;
+    if (threadIdx.x == 0) { tile_gt = 0u; tile_eq = 0u; }
+    __syncthreads();
+    long long begin, end;
+    fusion_tile(n, &begin, &end);
+    unsigned int gt = 0u, eq = 0u;
+    for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        const Key key = T::key(x[i]);
+        gt += done ? key >= kth : key > kth;
+        eq += !done && key == kth;
+    }
+    if (gt) atomicAdd(&tile_gt, gt);
+    if (eq) atomicAdd(&tile_eq, eq);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ws[FUSION_WS_TILES + blockIdx.x] = tile_gt;
+        ws[FUSION_WS_TILES + gridDim.x + blockIdx.x] = tile_eq;
+    }
+}
+
+/* Fused gather + compaction: every kept element writes its value bits and index at its
+ * rank in index order; ties at the k-th key are kept for the lowest indices only. */
+template <class T, class Idx>
+__device__ __forceinline__ void fusion_topk_write(const typename T::In* __restrict__ x, const long long n,
+                                                  const long long k, const unsigned long long* __restrict__ ws,
+                                                  typename T::In* __restrict__ vals, Idx* __restrict__ idx) {
+    typedef typename T::Key Key;
+    __shared__ unsigned long long before_gt, before_eq;
+    __shared__ unsigned int warp_eq[32], warp_sel[32];
+    const Key kth = (Key)ws[FUSION_WS_PREFIX];
+    const bool done = ws[FUSION_WS_DONE] != 0ULL;
+    const unsigned long long take = done ? ~0ULL : ws[FUSION_WS_REMAIN];
+    if (threadIdx.x == 0) { before_gt = 0ULL; before_eq = 0ULL; }
+    __syncthreads();
+    unsigned long long g = 0ULL, q = 0ULL;
+    for (unsigned int b = threadIdx.x; b < blockIdx.x; b += blockDim.x) {
+        g += ws[FUSION_WS_TILES + b];
+        q += ws[FUSION_WS_TILES + gridDim.x + b];
+    }
+    if (g) atomicAdd(&before_gt, g);
+    if (q) atomicAdd(&before_eq, q);
+    __syncthreads();
+    unsigned long long eq_seen = before_eq;
+    unsigned long long out = before_gt + (eq_seen < take ? eq_seen : take);
+    long long begin, end;
+    fusion_tile(n, &begin, &end);
+    const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const unsigned int below = (1u << lane) - 1u;  /* lanes before this one */
+    for (long long base = begin; base < end; base += blockDim.x) {  /* uniform over the block */
+        const long long i = base + threadIdx.x;
+        typename T::In v = 0;
+        bool is_gt = false, is_eq = false;
+        if (i < end) {
+            v = x[i];
+            const Key key = T::key(v);
+            is_gt = done ? key >= kth : key > kth;
+            is_eq = !done && key == kth;
+        }
+        const unsigned int eq_bits = __ballot_sync(FUSION_FULL_MASK, is_eq);
+        if (lane == 0u) warp_eq[warp] = (unsigned int)__popc(eq_bits);
+        __syncthreads();
+        unsigned long long eq_rank = eq_seen + (unsigned int)__popc(eq_bits & below);
+        unsigned int eq_chunk = 0u;
+        for (unsigned int w = 0; w < warps; ++w) {
+            if (w < warp) eq_rank += warp_eq[w];
+            eq_chunk += warp_eq[w];
+        }
+        const bool keep = is_gt || (is_eq && eq_rank < take);
+        const unsigned int keep_bits = __ballot_sync(FUSION_FULL_MASK, keep);
+        if (lane == 0u) warp_sel[warp] = (unsigned int)__popc(keep_bits);
+        __syncthreads();
+        unsigned long long pos = out + (unsigned int)__popc(keep_bits & below);
+        unsigned int sel_chunk = 0u;
+        for (unsigned int w = 0; w < warps; ++w) {
+            if (w < warp) pos += warp_sel[w];
+            sel_chunk += warp_sel[w];
+        }
+        if (keep && pos < (unsigned long long)k) { vals[pos] = v; idx[pos] = (Idx)i; }  /* never past k */
+        eq_seen += eq_chunk;
+        out += sel_chunk;
+        __syncthreads();  /* warp_eq / warp_sel are rewritten by the next chunk */
+    }
+}
+"""
+
+_FUSED_PER_TYPE = r"""
+extern "C" __global__ void fusion_topk_pass_SUFFIX(
+        const IN* __restrict__ x, const long long n, const long long k, const int pass,
+        unsigned long long* __restrict__ ws) {
+    fusion_radix_pass<TRAITS>(x, n, k, pass, ws);
+}
+
+extern "C" __global__ void fusion_topk_count_SUFFIX(
+        const IN* __restrict__ x, const long long n, unsigned long long* __restrict__ ws) {
+    fusion_topk_count<TRAITS>(x, n, ws);
+}
+
+extern "C" __global__ void fusion_topk_write_SUFFIX_i32(
+        const IN* __restrict__ x, const long long n, const long long k, const unsigned long long* __restrict__ ws,
+        IN* __restrict__ vals, int* __restrict__ idx) {
+    fusion_topk_write<TRAITS, int>(x, n, k, ws, vals, idx);
+}
+
+extern "C" __global__ void fusion_topk_write_SUFFIX_i64(
+        const IN* __restrict__ x, const long long n, const long long k, const unsigned long long* __restrict__ ws,
+        IN* __restrict__ vals, long long* __restrict__ idx) {
+    fusion_topk_write<TRAITS, long long>(x, n, k, ws, vals, idx);
+}
+"""
+
+#: Fused-path element kinds: (kernel suffix, traits struct, raw C type, NumPy raw dtype, key bits).
+FUSED_KINDS = {
+    "f32": ("FusionF32", "unsigned int", "uint32", 32),
+    "f64": ("FusionF64", "unsigned long long", "uint64", 64),
+    "f16": ("FusionF16", "unsigned short", "uint16", 16),
+    "bf16": ("FusionBF16", "unsigned short", "uint16", 16),
+}
+#: Radix digit of the fused path (AIR top-k's 11 bits: 3 passes for 32-bit keys) and its workspace.
+FUSED_DIGIT_BITS, FUSED_WS_TILES = 11, 2056
+
+
+def _fused_source() -> str:
+    out = [_FUSED]
+    for suf, (traits, ctype, _, _) in FUSED_KINDS.items():
+        out.append(_FUSED_PER_TYPE.replace("SUFFIX", suf).replace("TRAITS", traits).replace("IN", ctype))
+    return "".join(out)
+
+
 #: All device code of the CUDA path, one NVRTC translation unit with no headers.
 #: CuPy compiles it at first use; ``tests/kernels/test_cuda_source.py`` compiles
 #: it with NVRTC for sm_80 and sm_90 on any machine, GPU or not.
 CUDA_SOURCE = _PRELUDE + "".join(_PER_KEY.replace("SUFFIX", suf).replace("KEY", ctype)
-                                 for suf, ctype in (("u32", "unsigned int"), ("u64", "unsigned long long")))
+                                 for suf, ctype in (("u32", "unsigned int"), ("u64", "unsigned long long"))) \
+    + _fused_source()
 
 #: Host-side type of each kernel parameter, in order: ``"ptr"`` for a device
 #: array, else the NumPy scalar type the launch casts the value to. A RawKernel
@@ -121,6 +373,11 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "fusion_radix_hist_u64": ("ptr", "int64", "uint64", "uint64", "int32", "ptr"),
     "fusion_topk_keep_u32": ("ptr", "int64", "uint32", "int64", "ptr"),
     "fusion_topk_keep_u64": ("ptr", "int64", "uint64", "int64", "ptr"),
+    **{name: sig for suf in FUSED_KINDS for name, sig in (
+        (f"fusion_topk_pass_{suf}", ("ptr", "int64", "int64", "int32", "ptr")),
+        (f"fusion_topk_count_{suf}", ("ptr", "int64", "ptr")),
+        (f"fusion_topk_write_{suf}_i32", ("ptr", "int64", "int64", "ptr", "ptr", "ptr")),
+        (f"fusion_topk_write_{suf}_i64", ("ptr", "int64", "int64", "ptr", "ptr", "ptr")))},
 }
 
 
@@ -205,6 +462,40 @@ def select_with(run: KernelRunner, flat, k: int):
     return idx.astype(xp.int64, copy=False)
 
 
+def fused_passes(kind: str) -> int:
+    """Radix passes of the fused path for element kind ``kind`` (f32: 3, f64: 6, f16/bf16: 2)."""
+    return -(-FUSED_KINDS[kind][3] // FUSED_DIGIT_BITS)
+
+
+def select_fused_with(run: KernelRunner, raw, kind: str, k: int, index_dtype: str = "int32", ws=None):
+    """(values, indices) of the k largest magnitudes, fused path, all on the device.
+
+    ``raw`` is the tensor's bits as a 1-D contiguous unsigned array (uint32 for
+    float32, uint64 for float64, uint16 for float16/bfloat16), ``kind`` one of
+    :data:`FUSED_KINDS`, 1 <= k <= n. Launches ``fused_passes(kind)`` radix
+    passes, a tile-count kernel and the gather/compaction kernel, with no host
+    synchronisation between them: the k-th key's prefix stays in the device
+    workspace. Returns ``values`` (raw bits, ``raw``'s dtype) and ``indices``
+    (``index_dtype``), both length k, ascending index order, ties to the lower index.
+    The workspace (``ws``, zeroed, ``FUSED_WS_TILES + 2 * MAX_BLOCKS`` uint64) ends
+    holding the k-th key (``ws[0]``), the ties taken (``ws[1]``) and the early-exit flag (``ws[2]``).
+    """
+    xp, n = run.xp, int(raw.size)
+    if raw.dtype != np.dtype(FUSED_KINDS[kind][2]):
+        raise FusionError(f"topk_cupy: {kind} needs {FUSED_KINDS[kind][2]} bits, got {raw.dtype}")
+    if not 1 <= k <= n:
+        raise FusionError(f"topk: k={k} must be in [1, numel={n}] on the fused path")
+    if ws is None:  # callers may pass their own zeroed workspace (the tests read it back)
+        ws = xp.zeros(FUSED_WS_TILES + 2 * MAX_BLOCKS, dtype=xp.uint64)
+    for p in range(fused_passes(kind)):
+        run.launch(f"fusion_topk_pass_{kind}", n, raw, n, k, p, ws)
+    run.launch(f"fusion_topk_count_{kind}", n, raw, n, ws)
+    vals = xp.empty(k, dtype=raw.dtype)
+    idx = xp.empty(k, dtype=xp.int32 if index_dtype == "int32" else xp.int64)
+    run.launch(f"fusion_topk_write_{kind}_{'i32' if index_dtype == 'int32' else 'i64'}", n, raw, n, k, ws, vals, idx)
+    return vals, idx
+
+
 def select_cupy(x, k: int):
     """Ascending int64 flat indices (a CuPy array) of the k largest ``|x|``.
 
@@ -233,20 +524,94 @@ def _stream_ctx(t):
     return cp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
 
 
-def compress(x, k: int, value_dtype: str | None = None) -> SparsePayload:
+#: Which CUDA selection ``compress`` runs: ``"fused"`` (default: device-resident radix
+#: passes + fused gather, verified by NVRTC and the CPU emulation, not yet timed on a GPU) or
+#: ``"legacy"`` (8-bit passes with a host round trip per pass, the path measured in issue 13).
+#: ``FUSION_TOPK_CUDA=legacy`` selects the old one process-wide.
+KERNELS = ("fused", "legacy")
+DEFAULT_KERNEL = os.environ.get("FUSION_TOPK_CUDA", "fused")
+
+#: torch dtype name -> (fused kind, torch integer dtype of the same width, CuPy unsigned dtype name).
+_RAW = {"float32": ("f32", "int32", "uint32"), "float64": ("f64", "int64", "uint64"),
+        "float16": ("f16", "int16", "uint16"), "bfloat16": ("bf16", "int16", "uint16")}
+
+
+def _fused_device(cp, flat_raw, kind: str, k: int, n: int):
+    """Fused selection on a CuPy raw-bits array: (values bits, wire indices), both CuPy, on the device."""
+    return select_fused_with(KernelRunner(cp, _launch, cp.asnumpy), flat_raw, kind, k, index_dtype_for(n))
+
+
+def compress(x, k: int, value_dtype: str | None = None, kernel: str | None = None) -> SparsePayload:
     """Keep the k largest-magnitude elements of a CUDA torch tensor or CuPy array.
 
     Same result, byte for byte, as ``topk_torch.compress`` on the same data.
+    ``kernel`` picks the selection (:data:`KERNELS`, default :data:`DEFAULT_KERNEL`).
+    The fused path gathers the values on the device, casts them to
+    ``value_dtype`` there, and copies only the k values and k indices to
+    pinned host buffers reused across messages (one stream synchronisation).
     """
     import torch
 
     cp = _require()
+    kernel = DEFAULT_KERNEL if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise FusionError(f"topk_cupy: unknown kernel {kernel!r}; known: {KERNELS}")
     if isinstance(x, torch.Tensor):
         if not x.is_cuda:
             raise FusionError(f"topk_cupy: tensor is on {x.device}, not CUDA; use topk_torch")
         dtype = dtype_name(x.dtype)
-        if dtype not in VALUE_DTYPES:
-            raise FusionError(f"topk: dtype {dtype} is not supported; floating dtypes only")
+    elif isinstance(x, cp.ndarray):
+        dtype = dtype_name(x.dtype)
+    else:
+        raise FusionError(f"topk_cupy: expected a CUDA torch.Tensor or cupy.ndarray, "
+                          f"got {type(x).__name__}")
+    if dtype not in VALUE_DTYPES:
+        raise FusionError(f"topk: dtype {dtype} is not supported; floating dtypes only")
+    vdt = dtype if value_dtype is None else value_dtype
+    if vdt not in VALUE_DTYPES:
+        raise FusionError(f"topk: unknown value_dtype {vdt!r}; known: {sorted(VALUE_DTYPES)}")
+    n = int(x.numel() if isinstance(x, torch.Tensor) else x.size)
+    if not 0 <= k <= n:
+        raise FusionError(f"topk: k={k} must be in [0, numel={n}]")
+    if kernel == "fused" and k > 0:
+        return _compress_fused(cp, x, k, dtype, vdt)
+    return _compress_legacy(cp, x, k, dtype, vdt)
+
+
+def _compress_fused(cp, x, k: int, dtype: str, vdt: str) -> SparsePayload:
+    import torch
+
+    from fusion.kernels.staging import staging_for
+
+    kind, int_dt, raw_dt = _RAW[dtype]
+    n = int(x.numel() if isinstance(x, torch.Tensor) else x.size)
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().reshape(-1).contiguous()
+        device, stream = x.device, torch.cuda.current_stream(x.device)
+        with cp.cuda.Device(x.device.index), _stream_ctx(x):
+            raw = cp.from_dlpack(flat.view(getattr(torch, int_dt))).view(raw_dt)
+            vals, idx = _fused_device(cp, raw, kind, k, n)
+            values = torch.from_dlpack(vals.view(int_dt)).view(x.dtype)
+            index = torch.from_dlpack(idx)
+    else:  # a CuPy array: share it with torch to use the same cast and staging
+        with x.device:
+            raw = cp.ascontiguousarray(x.reshape(-1)).view(raw_dt)
+            vals, idx = _fused_device(cp, raw, kind, k, n)
+            values = torch.from_dlpack(vals.view(int_dt)).view(torch_dtype(dtype))
+            index = torch.from_dlpack(idx)
+            device, stream = values.device, torch.cuda.current_stream(values.device)
+    if vdt != dtype:  # on the device, with torch's rounding (as the CPU path)
+        values = values.to(torch_dtype(vdt))
+    values_np, index_np = staging_for(device).to_host([values, index], stream)
+    if vdt == "bfloat16":
+        values_np = values_np.view(np.uint16)
+    return SparsePayload(values_np, index_np, tuple(x.shape), dtype, vdt)
+
+
+def _compress_legacy(cp, x, k: int, dtype: str, vdt: str) -> SparsePayload:
+    import torch
+
+    if isinstance(x, torch.Tensor):
         flat = x.detach().reshape(-1)
         wide = flat.float() if dtype in ("float16", "bfloat16") else flat.contiguous()
         with cp.cuda.Device(x.device.index), _stream_ctx(x):
@@ -255,22 +620,13 @@ def compress(x, k: int, value_dtype: str | None = None) -> SparsePayload:
             values = flat[idx_t]
             index_np = cp.asnumpy(idx.astype(cp.int32 if index_dtype_for(flat.numel()) == "int32"
                                              else cp.int64))
-    elif isinstance(x, cp.ndarray):
-        dtype = dtype_name(x.dtype)
-        if dtype not in VALUE_DTYPES:
-            raise FusionError(f"topk: dtype {dtype} is not supported; floating dtypes only")
+    else:
         with x.device:
             flat = x.reshape(-1)
             idx = select_cupy(flat, k)
             values = torch.from_numpy(cp.asnumpy(flat[idx]))
             index_np = cp.asnumpy(idx.astype(cp.int32 if index_dtype_for(flat.size) == "int32"
                                              else cp.int64))
-    else:
-        raise FusionError(f"topk_cupy: expected a CUDA torch.Tensor or cupy.ndarray, "
-                          f"got {type(x).__name__}")
-    vdt = dtype if value_dtype is None else value_dtype
-    if vdt not in VALUE_DTYPES:
-        raise FusionError(f"topk: unknown value_dtype {vdt!r}; known: {sorted(VALUE_DTYPES)}")
     return SparsePayload(values_to_numpy(values, vdt), index_np, tuple(x.shape), dtype, vdt)
 
 

@@ -36,11 +36,12 @@ import torch
 
 from fusion.ir.errors import FusionError
 
-from .dtypes import (VALUE_DTYPES, dtype_name, index_dtype_for, torch_dtype, values_from_numpy,
+from fusion.kernels.dtypes import (VALUE_DTYPES, dtype_name, index_dtype_for, torch_dtype, values_from_numpy,
                      values_to_numpy)
-from .sparse import SparsePayload
-from .topk_host import EXACT_BELOW, MARGIN_SIGMAS, SAMPLE_MAX, SAMPLE_MIN, SAMPLE_SEED, Wide
-from .topk_host import select as host_select
+from fusion.kernels.sparse import SparsePayload
+from fusion.kernels.staging import HostStaging, staging_for
+from fusion.kernels.topk_host import EXACT_BELOW, MARGIN_SIGMAS, SAMPLE_MAX, SAMPLE_MIN, SAMPLE_SEED, Wide
+from fusion.kernels.topk_host import select as host_select
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +194,40 @@ def compress(t: torch.Tensor, k: int, value_dtype: str | None = None) -> SparseP
         if vdt != dtype:  # rounding by torch, as on the device path
             values = values_to_numpy(values_from_numpy(values, dtype), vdt)
         return SparsePayload(values, idx.astype(index_np_dt), tuple(t.shape), dtype, vdt)
-    idx = select(t, k)
-    values = values_to_numpy(flat[idx], vdt)
-    index_np = idx.to(torch.int32 if index_np_dt == np.int32 else torch.int64).cpu().numpy()
-    return SparsePayload(values, index_np, tuple(t.shape), dtype, vdt)
+    return compress_device(t, k, value_dtype)
+
+
+def compress_device(t: torch.Tensor, k: int, value_dtype: str | None = None,
+                    staging: HostStaging | None = None) -> SparsePayload:
+    """The device encode path (CUDA tensors without CuPy); runs on any device, CPU in the tests.
+
+    Selection (:func:`select_device`), the value gather, the cast to
+    ``value_dtype`` and the index cast to the wire dtype all run on ``t``'s
+    device; only the payload (k values + k indices) is copied to the host,
+    through ``staging`` (default: the device's reusable buffer, pinned on CUDA)
+    with one synchronisation of the current stream. The selection itself
+    synchronises a few times on a GPU (``nonzero`` sizes, the tie count).
+    """
+    _check_input(t, k)
+    dtype = dtype_name(t.dtype)
+    vdt = dtype if value_dtype is None else value_dtype
+    if vdt not in VALUE_DTYPES:
+        raise FusionError(f"topk: unknown value_dtype {vdt!r}; known: {sorted(VALUE_DTYPES)}")
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if k == 0:
+        idx = torch.empty(0, dtype=torch.int64, device=flat.device)
+    elif k == n:
+        idx = torch.arange(n, device=flat.device)
+    else:
+        idx = select_device(flat, k)
+    values = flat[idx]
+    if vdt != dtype:  # torch's rounding on the device, as the host path
+        values = values.to(torch_dtype(vdt))
+    index = idx.to(torch.int32 if index_dtype_for(n) == "int32" else torch.int64)
+    stream = torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
+    values_np, index_np = (staging or staging_for(flat.device)).to_host([values, index], stream)
+    return SparsePayload(values_np, index_np, tuple(t.shape), dtype, vdt)
 
 
 def decompress(p: SparsePayload, device=None) -> torch.Tensor:

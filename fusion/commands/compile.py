@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from fusion.commands.coordinator import positive_int
 
 
 def add_parser(sub) -> None:
@@ -11,12 +14,17 @@ def add_parser(sub) -> None:
                                    "partition the OP-DAG and write the plan directory.")
     p.add_argument("model", help="file.py:function")
     p.add_argument("--cluster", required=True, help="cluster file (.yaml or scenario .json)")
-    add_compile_options(p, micro_batches=1)
-    p.add_argument("-o", "--output", required=True, help="plan directory to write")
+    add_compile_options(p)
+    p.add_argument("-o", "--output", required=True, metavar="PLAN",
+                   help="plan folder to write (a new or empty folder, or a plan to replace)")
     p.set_defaults(run=run)
 
 
-def add_compile_options(p, micro_batches: int, note: str = "") -> dict[str, object]:
+#: one default for both `fusion compile` and `fusion run MODEL`
+MICRO_BATCHES = 4
+
+
+def add_compile_options(p, note: str = "") -> dict[str, object]:
     """The partitioner, schedule, compression, optimizer and engine options (``compile``, and ``run`` on a MODEL).
 
     Returns option dest -> default.
@@ -26,16 +34,22 @@ def add_compile_options(p, micro_batches: int, note: str = "") -> dict[str, obje
         g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
                        help="partitioner (OP-Fence may put a small model on one device; equal-count/equal-flops "
                             "use every device of the cluster file, blind to links)"),
-        g.add_argument("--micro-batches", type=int, default=micro_batches,
-                       help=f"n_b: micro-batches per iteration (default {micro_batches})"),
-        g.add_argument("--compress-ratio", type=float, default=None,
-                       help="AdaTopK ratio r (Eq. 7); default: no compression"),
-        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"]),
-        g.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"]),
-        g.add_argument("--lr", type=float, default=0.01),
-        g.add_argument("--momentum", type=float, default=0.0),
-        g.add_argument("--weight-decay", type=float, default=0.0),
-        g.add_argument("--seed", type=int, default=0),
+        g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
+                       help="n_b: micro-batches per iteration"),
+        g.add_argument("--compress-ratio", type=float, default=None, metavar="R",
+                       help="AdaTopK ratio r (Eq. 7) for the cut edges (default: no compression)"),
+        g.add_argument("--compress", default=None, metavar="none|auto|CODEC[:K=V,...]",
+                       help="codec for activations (and gradients) on the cut edges where the cost model says it "
+                            "pays, e.g. quant:bits=8, hadamard-quant:bits=4,block=64, topk:ratio=100; "
+                            "auto: 8-bit quant (default: none)"),
+        g.add_argument("--compress-bwd", default=None, metavar="none|auto|CODEC[:K=V,...]",
+                       help="codec for the gradients sent back (default: as --compress)"),
+        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
+        g.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="optimizer of every part"),
+        g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
+        g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
+        g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
+        g.add_argument("--seed", type=int, default=0, help="seed of the data and of anything random in compiling"),
         add_engine_arg(g),
     ]
     return {a.dest: a.default for a in actions}
@@ -43,16 +57,22 @@ def add_compile_options(p, micro_batches: int, note: str = "") -> dict[str, obje
 
 def compile_from_args(args: argparse.Namespace, model, cluster):
     """The plan for ``model`` on ``cluster`` with the options of :func:`add_compile_options`, engines assigned."""
-    from ..compile import compile_model
-    from ..executors.optim import OptimizerConfig
-    from ..ir.errors import FusionError
+    from fusion.compile import compile_model
+    from fusion.plan import OptimizerConfig
+    from fusion.ir.errors import FusionError
 
     try:
         opt = OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay)
     except ValueError as e:
         raise FusionError(f"--optimizer/--lr: {e}") from None
+    from fusion.compress.policy import request
+
+    compress = request(args.compress, args.compress_bwd)
+    if compress is not None and args.compress_ratio is not None:
+        raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=args.micro_batches,
-                         compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed)
+                         compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
+                         compress=compress)
     assign_engines(plan, args.engine)
     return plan
 
@@ -70,8 +90,8 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
     Raises FusionError naming the unknown engine or part, or (``check_engines``) every node and op its
     part's engine lacks.
     """
-    from ..executors.engines import check_engines, engine_names
-    from ..ir.errors import FusionError
+    from fusion.executors.engines.select import check_engines, engine_names
+    from fusion.ir.errors import FusionError
 
     engines = {p: part.engine for p, part in plan.parts.items()}
     for spec in specs:
@@ -90,19 +110,37 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
     return engines
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cluster import load_cluster
-    from ..loader import load_model
-    from ..plan import save_plan
+def check_output(out: Path) -> None:
+    """``-o`` must be new, empty, or a plan folder (which is replaced); anything else is refused."""
+    from fusion.ir.errors import FusionError
 
+    if out.exists() and not out.is_dir():
+        raise FusionError(f"-o {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "plan.json").exists():
+        entries = sorted(p.name for p in out.iterdir())
+        raise FusionError(f"-o {out}: a folder that is not a plan and not empty ({', '.join(entries[:4])}"
+                          f"{', ...' if len(entries) > 4 else ''}); choose a new folder")
+
+
+def describe_plan(plan, cluster) -> str:
+    """``4 parts on 4 of 4 devices (equal-flops), 3 compressed edges; engines ...; predicted ...``."""
+    engines = {p: part.engine for p, part in plan.parts.items()}
+    pr = plan.predicted
+    return (f"{len(plan.parts)} parts on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
+            f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
+            f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
+            f"({pr['throughput_samples_s']:.4g} samples/s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusion.cluster.model import load_cluster
+    from fusion.loader import load_model
+    from fusion.plan import save_plan
+
+    check_output(Path(args.output))
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     plan = compile_from_args(args, model, cluster)
-    engines = {p: part.engine for p, part in plan.parts.items()}
     out = save_plan(plan, args.output, model.params or None)
-    pr = plan.predicted
-    print(f"wrote {out}: {len(plan.parts)} parts on {len({p.device for p in plan.parts.values()})} of "
-          f"{len(cluster)} devices ({args.strategy}), {len(plan.compression)} compressed edges; engines "
-          f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted "
-          f"{pr['iteration_s']:.4g} s/iteration ({pr['throughput_samples_s']:.4g} samples/s)")
+    print(f"wrote {out}: {describe_plan(plan, cluster)}")
     return 0

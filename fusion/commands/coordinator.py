@@ -16,80 +16,175 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
+def zmq_address(text: str) -> str:
+    """An argparse type: ``tcp://HOST:PORT`` (or ``ipc://PATH``); says what is expected otherwise."""
+    proto, sep, rest = text.partition("://")
+    if not sep or proto not in ("tcp", "ipc", "inproc") or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address: expected tcp://HOST:PORT "
+                                         f"(e.g. tcp://*:5600 to listen, tcp://10.0.0.1:5600 to connect)")
+    if proto == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port == "*" or port.isdigit() and 0 < int(port) < 65536):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected tcp://HOST:PORT with a port 1-65535 (or *)")
+    return text
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     """Options shared by ``run`` and ``coordinator``."""
-    p.add_argument("--steps", type=int, default=10, help="train until this many steps are done (default 10)")
+    p.add_argument("--steps", type=positive_int, default=10, help="train until this many steps are done")
     p.add_argument("--emulate-links", action="store_true",
                    help="delay and rate-limit every link by the plan's alpha/beta (rehearse a plan on one host)")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=0, metavar="N",
+                   help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the previous run in --out")
     p.add_argument("--data", default="auto", metavar="auto|text|synthetic|FILE.py:FUNCTION",
                    help="training data: auto (generated text corpus for language models, synthetic otherwise), "
                         "or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
-    p.add_argument("--peer-timeout", type=float, default=10.0, help="a CompNode silent this long has failed (s)")
+    p.add_argument("--peer-timeout", type=positive_float, default=10.0, help="a CompNode silent this long has failed (s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("coordinator", help="coordinate executors started with `fusion executor` (multi-host runs)",
-                       description="Bind ADDR, wait for one `fusion executor` per part of PLAN, and train.")
+                       description="Listen at --bind ADDR, wait for one `fusion executor` per part of PLAN "
+                                   "(parts are named part0, part1, ...; see `fusion inspect PLAN`), and train.")
     p.add_argument("plan", help="plan directory")
-    p.add_argument("--bind", required=True, help="address to listen on, e.g. tcp://*:5555")
-    p.add_argument("--out", default="runs/coordinator", help="metrics, checkpoints and final weights go here")
+    p.add_argument("--bind", required=True, type=zmq_address, metavar="ADDR",
+                   help="address to listen on, tcp://HOST:PORT, e.g. tcp://*:5600")
+    p.add_argument("--out", default=None, metavar="RUN",
+                   help="run folder for metrics, checkpoints, final weights (default: runs/<plan>-<time>)")
+    p.add_argument("--startup-timeout", type=positive_float, default=120.0,
+                   help="give up when the executors have not all said hello after this long (s)")
     add_common(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, default_verbosity=1)
 
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True) -> dict:
-    """Run steps ``first..steps-1``; append metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``."""
-    from ..plan import save_arrays
+    """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
+
+    Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
+    replays). On Ctrl-C the latest weights are still saved, then KeyboardInterrupt propagates.
+    Returns ``{"steps": steps done, "loss": last loss, "interrupted": bool}``.
+    """
+    from fusion.commands.rundir import trim_metrics
+    from fusion.plan import save_arrays
 
     out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    if first:
+        trim_metrics(metrics, first)
     bar = None
     if progress and first < steps:
         from tqdm import tqdm
 
         bar = tqdm(total=steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     last = None
-    with open(out / "metrics.jsonl", "a") as mf:
-        for step in range(first, steps):
-            r = coord.step(batch_fn(step))
-            last = r
-            parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
-                         "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
-                         "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in r.parts.items()}
-            mf.write(json.dumps({"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
-                                 "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}) + "\n")
-            mf.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    done = first
+    interrupted = False
+    try:
+        with open(metrics, "a" if first else "w") as mf:
+            for step in range(first, steps):
+                r = coord.step(batch_fn(step))
+                last, done = r, step + 1
+                parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
+                             "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
+                             "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in r.parts.items()}
+                mf.write(json.dumps({"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
+                                     "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}) + "\n")
+                mf.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
+                    bar.update(1)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+    if interrupted:
+        print(f"interrupted after {done} steps; saving the latest weights (Ctrl-C again to skip)", file=sys.stderr)
     state = coord.fetch_state()
     tmp = out / "final.safetensors.tmp"
     save_arrays(state, tmp, {k: spec.dtype for k, spec in coord.plan.graph.params.items()})
     tmp.replace(out / "final.safetensors")
-    return {"steps": steps, "loss": None if last is None else last.loss}
+    summary = {"steps": done, "loss": None if last is None else last.loss, "interrupted": interrupted}
+    if interrupted:
+        raise KeyboardInterrupt(summary)
+    return summary
+
+
+def run_name(plan_dir: Path) -> str:
+    """A run's default folder name from its plan folder (``runs/tiny.plan`` -> ``tiny``; ``RUN/plan`` -> ``RUN``)."""
+    p = plan_dir.resolve()
+    name = p.parent.name if p.name == "plan" else p.name
+    return name.removesuffix(".plan") or "run"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import make_batches
-    from ..executors.coordinator import Coordinator, CoordinatorConfig
-    from ..plan import load_plan
+    from fusion.commands.report import finish_run
+    from fusion.commands.rundir import default_run_dir, prepare_run_dir
+    from fusion.data import make_batches
+    from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
+    from fusion.ir.errors import FusionError
+    from fusion.plan import load_plan
 
     plan = load_plan(args.plan)
-    out = Path(args.out)
+    if args.resume and not args.out:
+        raise FusionError("--resume continues the run in --out RUN: name it")
+    out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
+    batch_fn = make_batches(plan, args.data, plan.seed)  # fail before anything waits
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
-                            checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
-    coord = Coordinator(plan, cfg)
+                            checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
+                            startup_timeout_s=args.startup_timeout)
+    coord = Coordinator(plan, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
+    interrupted = False
     try:
-        print(f"coordinator listening on {coord.bind()}; waiting for {len(plan.parts)} executors: {', '.join(plan.parts)}",
-              file=sys.stderr)
+        print(f"run folder {out}", file=sys.stderr)
+        print(f"coordinator listening on {coord.bind()}; waiting up to {args.startup_timeout:.0f} s for "
+              f"{len(plan.parts)} executors: {', '.join(plan.parts)} (start each with "
+              f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
-        train(coord, make_batches(plan, args.data, plan.seed), first, args.steps, out, not args.no_progress)
+        try:
+            train(coord, batch_fn, first, args.steps, out, not args.no_progress)
+        except KeyboardInterrupt:
+            interrupted = True
         coord.stop()
         time.sleep(0.5)  # let stop messages leave before the sockets close
     finally:
         coord.close()
-    return 0
+        finish_run(out, f"{run_name(Path(args.plan))}: {len(plan.parts)} CompNodes")
+    print(f"{'interrupted' if interrupted else 'done'}; run folder {out} (metrics.jsonl, loss.png, final.safetensors)",
+          file=sys.stderr)
+    return 130 if interrupted else 0

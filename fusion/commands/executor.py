@@ -6,23 +6,40 @@ import os
 
 
 def add_parser(sub) -> None:
+    from fusion.commands.coordinator import positive_float, zmq_address
+
     p = sub.add_parser("executor", help="run one CompNode of a plan (one per host)",
-                       description="Load PLAN, run part NAME, and serve the coordinator at ADDR until it says stop. "
-                                   "Exit status 0 after stop, 1 after a failure or abort.")
+                       description="Load PLAN, check it and its weights, run the part named by --node (part0, part1, "
+                                   "...: see `fusion inspect PLAN`) and serve the coordinator at --coordinator ADDR "
+                                   "until it says stop. Logs what it waits for. Exit status 0 after stop, 1 after a "
+                                   "failure, an abort or a timeout, 2 for a bad plan, part name or address.")
     p.add_argument("plan", help="plan directory (plan.json + weights.safetensors)")
-    p.add_argument("--node", required=True, help="the part (CompNode) name in the plan")
-    p.add_argument("--coordinator", required=True, help="coordinator address, e.g. tcp://10.0.0.1:5555")
-    p.add_argument("--bind", default=None, help="address to bind (default: the plan's address for this part, "
-                                                "on all interfaces; tcp://127.0.0.1:* picks a free loopback port)")
-    p.add_argument("--advertise", default=None, help="address peers connect to (default: the plan's address, else the bound one)")
+    p.add_argument("--node", required=True, metavar="PART", help="the part (CompNode) to run: part0, part1, ...")
+    p.add_argument("--coordinator", required=True, type=zmq_address, metavar="ADDR",
+                   help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
+    p.add_argument("--bind", default=None, type=zmq_address, metavar="ADDR",
+                   help="address to listen on (default: the plan's address for this part, on all interfaces; "
+                        "tcp://127.0.0.1:* picks a free loopback port)")
+    p.add_argument("--advertise", default=None, type=zmq_address, metavar="ADDR",
+                   help="address peers connect to (default: the plan's address, else the bound one)")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda:0, ...)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads of the engine")
-    p.add_argument("--peer-timeout", type=float, default=10.0, help="exit when the coordinator is silent this long (s)")
-    p.add_argument("--data-timeout", type=float, default=300.0, help="longest wait for one action's inputs (s)")
-    p.add_argument("--max-message-bytes", type=int, default=1 << 30, help="reject larger messages")
-    p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) here at exit")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads of the engine (default: unchanged)")
+    p.add_argument("--startup-timeout", type=positive_float, default=120.0,
+                   help="give up when the coordinator has not answered after this long (s)")
+    p.add_argument("--peer-timeout", type=positive_float, default=10.0,
+                   help="once in touch, give up when the coordinator is silent this long (s)")
+    p.add_argument("--data-timeout", type=positive_float, default=300.0, help="longest wait for one action's inputs (s)")
+    p.add_argument("--max-message-bytes", type=int, default=None,
+                   help="reject larger messages (default: the largest tensor the plan sends this part, x4, at least 8 MiB)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (JSON) here at exit")
+    p.add_argument("--compile-parts", action="store_true",
+                   help="torch engine: torch.compile the part's generated module (slow first step; off by default)")
+    p.add_argument("--interpreted-parts", action="store_true",
+                   help="torch engine: walk the part node by node instead of one generated function")
+    p.add_argument("--trust-plugins", action="store_true",
+                   help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
     p.add_argument("--fast-exit", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, default_verbosity=1)
 
 
 def bind_address(plan_address: str) -> str:
@@ -35,20 +52,24 @@ def bind_address(plan_address: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    from ..executors.compnode import CompNode, ExecutorConfig
-    from ..ir.errors import FusionError
-    from ..plan import load_plan
+    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+    from fusion.ir.errors import FusionError
+    from fusion.plan import load_plan
 
     plan = load_plan(args.plan)
     if args.node not in plan.parts:
-        raise FusionError(f"{args.plan}: plan has no part {args.node!r} (parts: {sorted(plan.parts)})")
+        raise FusionError(f"{args.plan}: plan has no part {args.node!r} (parts: {', '.join(plan.parts)})")
     plan_addr = plan.parts[args.node].address
     bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
     if bind is None:
         raise FusionError(f"{args.plan}: part {args.node!r} has no address in the plan; pass --bind")
     advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
     cfg = ExecutorConfig(args.node, args.coordinator, bind, advertise, args.device, args.max_message_bytes,
-                         peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout, trace_path=args.trace)
+                         peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
+                         startup_timeout_s=args.startup_timeout, trace_path=args.trace,
+                         engine_options={**({"compile": True} if args.compile_parts else {}),
+                                         **({"compiled": False} if args.interpreted_parts else {})},
+                         trust_plugins=args.trust_plugins)
     status = CompNode(plan, args.plan, cfg).run()
     if args.fast_exit:
         # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch

@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspect import draw_plan, plan_report
-    from ..plan import load_plan
+    from fusion.inspect import draw_plan, plan_report
+    from fusion.plan import load_plan
 
     plan = load_plan(args.plan)
     print(plan_report(plan))

@@ -2,23 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="fit this host's speed factor lambda from a short warm-up",
                        description="Time a few Linear forward+backward steps, fit time = t0 + FLOPs / S and print "
-                                   "lambda = S / S* as JSON. With --cluster and --name, write a copy of the cluster "
-                                   "(scenario JSON format) with that device's lambda set.")
+                                   "S and lambda = S / S* as JSON (lambda needs S*: --peak-flops, or --cluster and "
+                                   "--name). With -o, write a copy of the cluster with that device's lambda set, "
+                                   "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
+                                   "the scenario format).")
     p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
                                         "default: the --name device's peak_flops")
-    p.add_argument("--device", default="cpu", help="torch device to time (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device to time")
     p.add_argument("--sizes", default="256,512,768,1024", help="Linear widths to time (comma-separated)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5, help="at least this many timed rounds (default 5)")
+    p.add_argument("--batch", type=int, default=64, help="rows per timed Linear step")
+    p.add_argument("--repeats", type=int, default=5, help="at least this many timed rounds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing (default: unchanged)")
     p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
     p.add_argument("--name", help="device name in --cluster")
-    p.add_argument("-o", "--output", help="where to write the updated cluster (.json)")
+    p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json)")
     p.set_defaults(run=run)
 
 
@@ -27,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from ..cluster import ClusterError, load_cluster
-    from ..ir.errors import FusionError
-    from ..profile import profile_host
-    from ..units import UnitError, parse_quantity
+    from fusion.cluster.model import ClusterError, load_cluster
+    from fusion.ir.errors import FusionError
+    from fusion.cost.profile import profile_host
+    from fusion.cluster.units import UnitError, parse_quantity
 
     cluster = dev_index = None
     if args.cluster or args.output or args.name:
@@ -38,25 +41,72 @@ def run(args: argparse.Namespace) -> int:
             raise FusionError("profile: --cluster and --name go together (and -o needs both)")
         cluster = load_cluster(args.cluster)
         dev_index = cluster.index(args.name)
+    peak = None
     if args.peak_flops:
         try:
             peak = parse_quantity(args.peak_flops, "flops")
         except UnitError as e:
             raise FusionError(f"--peak-flops: {e}") from None
+        if not peak > 0:
+            raise FusionError(f"--peak-flops: must be > 0, got {args.peak_flops!r}")
     elif cluster is not None:
         peak = cluster.devices[dev_index].peak_flops
-    else:
-        raise FusionError("profile: give --peak-flops, or --cluster and --name to take the device's peak_flops")
     try:
         sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-        prof = profile_host(peak, args.device, sizes, args.batch, args.repeats, threads=args.threads)
+        prof = profile_host(peak or 1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads)
     except ValueError as e:
         raise FusionError(f"profile: {e}") from None
-    print(json.dumps(prof.to_dict()))
+    result = prof.to_dict()
+    if peak is None:
+        result.update(peak_flops=None, **{"lambda": None})
+    print(json.dumps(result))
+    if peak is None:
+        print(f"measured {prof.fitted_flops / 1e9:.4g} GFLOP/s; lambda = measured / peak needs --peak-flops "
+              "(e.g. '50 GFLOPS'), or --cluster and --name", file=sys.stderr)
     if cluster is not None and args.output:
         if prof.lam <= 0:
             raise ClusterError(f"{args.cluster}: fitted lambda {prof.lam} is not positive")
-        cluster.devices[dev_index] = replace(cluster.devices[dev_index], lam=prof.lam)
-        Path(args.output).write_text(json.dumps(cluster.to_dict(), indent=1))
+        out = Path(args.output)
+        if out.suffix.lower() in (".yaml", ".yml"):
+            out.write_text(_yaml_with_lambda(Path(args.cluster), cluster, args.name, prof.lam))
+        else:
+            cluster.devices[dev_index] = replace(cluster.devices[dev_index], lam=prof.lam)
+            out.write_text(json.dumps(cluster.to_dict(), indent=1))
         print(f"wrote {args.output} with {args.name}.lambda = {prof.lam:.4g}")
     return 0
+
+
+def _yaml_with_lambda(source: Path, cluster, name: str, lam: float) -> str:
+    """The cluster file as YAML with ``lambda`` set on device ``name``.
+
+    A readable YAML file keeps its own structure and units (an entry with ``count`` that holds the device is
+    split into one entry per device, the others unchanged); anything else is written in the scenario format.
+    Comments are not kept.
+    """
+    import yaml
+    from dataclasses import replace
+
+    data = None
+    if source.suffix.lower() in (".yaml", ".yml"):
+        data = yaml.safe_load(source.read_text())
+    if not (isinstance(data, dict) and isinstance(data.get("devices"), list) and "bandwidth_bps" not in data):
+        i = cluster.index(name)
+        cluster.devices[i] = replace(cluster.devices[i], lam=lam)
+        return yaml.safe_dump(cluster.to_dict(), sort_keys=False)
+    devices = []
+    for e in data["devices"]:
+        count = e.get("count") if isinstance(e, dict) else None
+        if count is not None and name in {f"{e['name']}-{k}" for k in range(count)}:
+            base = {k: v for k, v in e.items() if k not in ("name", "count")}
+            base.setdefault("group", e["name"])
+            for k in range(count):
+                d = {"name": f"{e['name']}-{k}", **base}
+                if d["name"] == name:
+                    d["lambda"] = round(float(lam), 6)
+                devices.append(d)
+            continue
+        if isinstance(e, dict) and e.get("name") == name:
+            e = {**e, "lambda": round(float(lam), 6)}
+        devices.append(e)
+    data["devices"] = devices
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)

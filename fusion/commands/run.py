@@ -1,22 +1,30 @@
 """``fusion run MODEL|PLAN``: train a plan on this host, one executor process per CompNode.
 
 Given a model (``file.py:function``) it compiles a plan first (``fusion.compile``)
-for ``--cluster``; given a plan directory it runs that. Output directory::
+for ``--cluster``; given a plan directory it runs that. Each run writes into a
+folder of its own (``--out``, default ``runs/<name>-<YYYYmmdd-HHMMSS>``; a
+non-empty folder needs ``--resume`` or ``--overwrite``)::
 
+    run.json              the command line and start time of each run into this folder
     plan/                 the plan that ran (when compiled here)
     metrics.jsonl         one line per step: loss, iteration time, samples/s, per-part times and bytes
+    loss.png              loss and samples/s per step (also written on Ctrl-C)
+    trace.json            one Chrome/Perfetto trace of the run: every CompNode plus the coordinator's steps
     trace/<part>.json     Chrome-trace timeline of each CompNode (open in Perfetto or chrome://tracing)
     logs/<part>.log       executor logs
     checkpoints/          with --checkpoint-every; --resume continues from the newest complete one
-    final.safetensors     parameters after the last step
+    final.safetensors     parameters after the last step (also written on Ctrl-C)
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
-from .coordinator import add_common, train
+from fusion.commands.coordinator import add_common, run_name, train
 
 
 def add_parser(sub) -> None:
@@ -25,33 +33,22 @@ def add_parser(sub) -> None:
                                    "then train it with one executor process per CompNode on loopback.")
     p.add_argument("target", metavar="MODEL|PLAN", help="file.py:function or a plan directory")
     p.add_argument("--cluster", help="cluster file (needed to compile a MODEL)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<model or plan name>)")
-    from .compile import add_compile_options
+    p.add_argument("--out", default=None, metavar="RUN", help="run folder (default: runs/<model or plan>-<time>)")
+    from fusion.commands.compile import add_compile_options
 
-    defaults = add_compile_options(p, micro_batches=4, note=" a MODEL (a PLAN has these fixed already)")
+    defaults = add_compile_options(p, note=" a MODEL (a PLAN has these fixed already)")
     p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
+    p.add_argument("--trace", choices=("on", "off"), default="on",
+                   help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
+    p.add_argument("--trust-plugins", action="store_true",
+                   help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
     add_common(p)
     p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
 
-def _compile(args: argparse.Namespace, out: Path) -> Path:
-    from ..ir.errors import FusionError
-    from ..loader import load_model
-    from ..plan import save_plan
-
-    if not args.cluster:
-        raise FusionError("compiling a model needs --cluster FILE")
-    from ..cluster import load_cluster
-    from .compile import compile_from_args
-
-    model = load_model(args.target)
-    plan = compile_from_args(args, model, load_cluster(args.cluster))
-    return save_plan(plan, out / "plan", params=model.params)
-
-
 def _reject_compile_options(args: argparse.Namespace) -> None:
     """A PLAN fixes partition, schedule, optimizer and engines: an option that would be ignored is an error."""
-    from ..ir.errors import FusionError
+    from fusion.ir.errors import FusionError
 
     given = [k for k, v in args.compile_defaults.items() if getattr(args, k) != v]
     if given:
@@ -60,36 +57,103 @@ def _reject_compile_options(args: argparse.Namespace) -> None:
                           "(recompile it with `fusion compile`, or run the model file)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..data import make_batches
-    from ..executors.coordinator import CoordinatorConfig
-    from ..executors.launcher import LocalCluster
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
+
+def _sigterm_as_interrupt():
+    """SIGTERM (kill, a scheduler, systemd) stops a run like Ctrl-C: the executors are stopped, not orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusion.commands.report import finish_run
+    from fusion.commands.rundir import check_run_dir, default_run_dir, prepare_run_dir
+    from fusion.data import make_batches
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+    from fusion.ir.errors import FusionError
+    from fusion.plan import save_plan
+
+    t_start = time.monotonic()
     target = Path(args.target)
     is_plan = target.is_dir() or target.name == "plan.json"
-    name = (target.parent.name if target.name == "plan.json" else target.name) if is_plan else \
-        Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
-    out = Path(args.out or Path("runs") / name)
+    if args.resume and not args.out:
+        raise FusionError("--resume continues the run in --out RUN: name it")
     if is_plan:
         _reject_compile_options(args)
         plan_dir = target.parent if target.name == "plan.json" else target
-    elif args.resume and (out / "plan" / "plan.json").exists():
-        plan_dir = out / "plan"  # resume runs the plan compiled the first time
+        name = run_name(plan_dir)
     else:
-        plan_dir = _compile(args, out)
+        plan_dir = None
+        name = Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
+    out = Path(args.out) if args.out else default_run_dir(name)
+    check_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)  # before a long compile
+    plan = model = None
+    if not is_plan and not (args.resume and (out / "plan" / "plan.json").exists()):
+        # compile in memory first: a model or cluster error leaves no run folder behind
+        if not args.cluster:
+            raise FusionError("compiling a model needs --cluster FILE")
+        from fusion.cluster.model import load_cluster
+        from fusion.commands.compile import compile_from_args, describe_plan
+        from fusion.loader import load_model
+
+        if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
+            _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
+        cluster_ = load_cluster(args.cluster)
+        model = load_model(args.target)
+        plan = compile_from_args(args, model, cluster_)
+        _say(f"compiled: {describe_plan(plan, cluster_)} ({time.monotonic() - t_start:.1f} s)")
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)
+    if plan is not None:
+        plan_dir = save_plan(plan, out / "plan", params=model.params)
+    elif plan_dir is None:
+        plan_dir = out / "plan"  # resume runs the plan compiled the first time
+    _say(f"run folder {out}")
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
-    cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads)
+    trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
+    cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
+                           executor_args=["--trust-plugins"] if trust else None)
+    if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
+        from fusion.ir.registry import TRUST_HINT
+
+        raise FusionError(f"{plan_dir}: the plan lists plugins {cluster.plan.graph.plugins}: {TRUST_HINT}")
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
-    graceful = False
+    n = len(cluster.plan.parts)
+    _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
+         f"each; logs in {out / 'logs'}) ...")
+    graceful = interrupted = False
+    summary = None
+    previous = _sigterm_as_interrupt()
+    t_launch = time.monotonic()
     try:
         first = cluster.start(resume=args.resume)
-        if first:
-            print(f"resuming at step {first} from {out / 'checkpoints'}", file=sys.stderr)
-        train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
-        graceful = True
+        _say(f"all {n} CompNodes ready, {time.monotonic() - t_launch:.1f} s after launch "
+             f"({time.monotonic() - t_start:.1f} s since the command started)"
+             + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
+        try:
+            summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
+        except KeyboardInterrupt as e:
+            interrupted = True
+            summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None
+        graceful = True  # stop the executors so they write their traces
     finally:
-        cluster.close(graceful=graceful)
-    print(f"done: {args.steps} steps; metrics {out / 'metrics.jsonl'}, traces {out / 'trace'}, weights {out / 'final.safetensors'}",
-          file=sys.stderr)
+        cluster.close(graceful=graceful)  # after SIGTERM/Ctrl-C: terminate the executors now, kill what lingers
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        written = finish_run(out, f"{name}: {n} CompNodes")
+    what = ", ".join(f"{k} {v}" for k, v in (("metrics", out / "metrics.jsonl"), *written.items(),
+                                             ("weights", out / "final.safetensors")))
+    if interrupted:
+        steps = summary["steps"] if summary else "?"
+        _say(f"interrupted after {steps} steps; {what}")
+        return 130
+    _say(f"done: {args.steps} steps in {time.monotonic() - t_start:.1f} s; {what}")
     return 0

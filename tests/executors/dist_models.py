@@ -159,7 +159,7 @@ def plain_training(model, plain_loss, batches, micro_batches: int, make_opt):
 
 def save_hand_plan(tmp_path, model, assignment, **kw):
     """Write a hand-written plan for ``model`` under ``tmp_path/plan``; returns its directory."""
-    from fusion.executors.launcher import hand_plan
+    from fusion.executors.runtime.launcher import hand_plan
     from fusion.plan import save_plan
 
     return save_plan(hand_plan(model, assignment, **kw), tmp_path / "plan", params=model.params)
@@ -167,8 +167,8 @@ def save_hand_plan(tmp_path, model, assignment, **kw):
 
 def run_distributed(plan_dir, run_dir, batches, want_grads=True, cfg=None, **kw):
     """Train ``plan_dir`` with one executor process per part; returns (step reports, final parameters)."""
-    from fusion.executors.coordinator import CoordinatorConfig
-    from fusion.executors.launcher import LocalCluster
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
 
     with LocalCluster(plan_dir, run_dir, cfg or CoordinatorConfig(peer_timeout_s=20), threads=1, **kw) as lc:
         lc.start()

@@ -1,7 +1,7 @@
 """A mixed pipeline on the real runtime: CompNode A on the torch engine and CompNode B
 on the NumPy engine (``Part.engine = "numpy"`` in the plan), each a real
 ``fusion executor`` process driven by the real coordinator
-(:class:`fusion.executors.launcher.LocalCluster`), exchanging OP-Data over
+(:class:`fusion.executors.runtime.launcher.LocalCluster`), exchanging OP-Data over
 ZeroMQ. B's process *cannot* import torch: it starts with a test-only
 ``sitecustomize`` on its PYTHONPATH that puts a ``sys.meta_path`` blocker in
 front of every import of ``torch``/``torch.*``, logs each attempt, checks
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
 from fusion.ir.onnx_import import load_onnx
 
 import tests.ir.onnx_models as onnx_models
@@ -53,7 +53,7 @@ def _record(status=None):
     with open(_REC, "w") as f:
         json.dump({"torch_blocked": _blocked, "pid": os.getpid(),
                    "torch_modules": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
-                   "numpy_engine_loaded": "fusion.executors.numpy_engine" in sys.modules}, f)
+                   "numpy_engine_loaded": "fusion.executors.engines.numpy.engine" in sys.modules}, f)
 
 _real_exit = os._exit
 def _exit(status):
@@ -85,8 +85,8 @@ class _Distributed:
 
 
 def _run_real_executors(model, assignment, cfg, module, batches, feed, opt, tmp_path, micro=2, schedule="1f1b"):
-    from fusion.executors.coordinator import CoordinatorConfig
-    from fusion.executors.launcher import LocalCluster, hand_plan
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster, hand_plan
     from fusion.plan import load_plan, save_plan
 
     plan = hand_plan(model, assignment, schedule=schedule, micro_batches=micro, optimizer=cfg,
@@ -165,8 +165,9 @@ def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
             print("blocked")
         import numpy as np
         from fusion.ir.onnx_import import load_onnx
-        from fusion.executors.engines import make_engine_part
-        model = load_onnx({str(tmp_path / "m.onnx")!r}, loss="mse", engine="numpy")
+        from fusion.executors.engines.numpy.engine import supports
+        from fusion.executors.engines.select import make_engine_part
+        model = load_onnx({str(tmp_path / "m.onnx")!r}, loss="mse", engine="numpy", supports=supports)
         part = make_engine_part("numpy", model.graph, model.graph.subgraph(model.graph.nodes), model.params)
         x = np.ones((2, 4), np.float32)
         _, loss = part.forward(0, {{}}, {{"x": x, "y": np.zeros((2, 3), np.float32)}})

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.builder import GraphBuilder
 

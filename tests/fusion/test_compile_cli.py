@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
 
 MODEL = '''
-from fusion.testing_models import gpt_model
+from tests.testing_models import gpt_model
 
 
 def model():
@@ -134,8 +134,30 @@ def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["devices"][1]["lambda"] == pytest.approx(result["lambda"])
     assert "lambda" not in data["devices"][0]
-    assert main(["profile"]) == 2
-    assert "--peak-flops" in _err(capsys)
+    # without a peak (the README's `fusion profile --threads 1`): the measured speed, and what lambda needs
+    assert main(["profile", "--threads", "1", "--sizes", "256,512"]) == 0
+    cap = capsys.readouterr()
+    result = json.loads(cap.out.splitlines()[0])
+    assert result["fitted_flops"] > 0 and result["lambda"] is None and "--peak-flops" in cap.err
+
+
+def test_profile_writes_the_users_yaml_back_as_yaml(tmp_path, capsys):
+    """-o x.yaml keeps the user's readable format and units (a `count` entry is split to hold one lambda)."""
+    import yaml
+    from fusion.cluster.model import load_cluster
+
+    out = tmp_path / "profiled.yaml"
+    assert main(["profile", "--cluster", LOCAL, "--name", "cpu-1", "--sizes", "256,512", "--threads", "1",
+                 "-o", str(out)]) == 0
+    lam = json.loads(capsys.readouterr().out.splitlines()[0])["lambda"]
+    text = out.read_text()
+    assert "Mbit/s" in text and "bandwidth_bps" not in text, text
+    data = yaml.safe_load(text)
+    assert [d["name"] for d in data["devices"]][:2] == ["cpu-0", "cpu-1"]
+    before, after = load_cluster(LOCAL), load_cluster(out)
+    assert after.devices[1].lam == pytest.approx(lam, rel=1e-5) and after.devices[0].lam == 1.0
+    assert [d.group for d in after.devices] == [d.group for d in before.devices]
+    assert after.to_dict()["bandwidth_bps"] == before.to_dict()["bandwidth_bps"]
 
 
 @pytest.mark.parametrize("strategy", ["opfence", "equal-flops"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusion.data import Tokenizer, corpus_text, make_batches, tokenizer_for
-from fusion.executors.launcher import hand_plan
+from fusion.executors.runtime.launcher import hand_plan
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.cluster import load_cluster
+from fusion.cluster.model import load_cluster
 from fusion.compile import CompileError, compile_model
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.plan import PlanError, load_plan, load_weights, save_plan
-from fusion.testing_models import gpt_model
+from tests.testing_models import gpt_model
 
 
 def _cluster(tmp_path, memory="300 kB", n=6, far="5 Mbit/s"):

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fusion.cluster.scenarios import load_scenario
+
 MODEL_SRC = '''
 import torch
 from fusion.ir.builder import GraphBuilder
@@ -19,7 +21,6 @@ def cnn():
     b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
     return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
 '''
-SCENARIO = Path("/work/shared/scenarios/local-4-two-sites.json")
 
 
 def _fusion(*args, timeout=120):
@@ -37,7 +38,7 @@ def _run_model(tmp_path, *args):
     """``fusion run`` of MODEL_SRC's cnn on the two-site scenario into ``tmp_path/run``."""
     (tmp_path / "model.py").write_text(MODEL_SRC)
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(SCENARIO.read_text() if SCENARIO.exists() else "{}")
+    cluster.write_text(json.dumps(load_scenario("local-4-two-sites").to_dict()))
     out = tmp_path / "run"
     r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--no-progress",
                 *args, timeout=240)
@@ -106,7 +107,7 @@ def bad(step):
 
 def test_run_trains_on_the_users_data_function(tmp_path):
     """--data file.py:function: the CompNodes train on the user's batches, exactly as the in-process reference does."""
-    from fusion.executors.optim import OptimizerConfig
+    from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_function, load_model
     from fusion.plan import load_plan

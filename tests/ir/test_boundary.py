@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.boundary import BoundaryEdge, partition, part_links, part_order, subgraph
 from fusion.ir.builder import GraphBuilder

@@ -7,7 +7,7 @@ from torch import nn
 
 import fusion
 from fusion.executors.reference import ReferenceExecutor
-from fusion.executors.torch_engine import TorchPart
+from fusion.executors.engines.torch.engine import TorchPart
 from fusion.ir.boundary import subgraph
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import GraphError

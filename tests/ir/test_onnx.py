@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from fusion.cli import main as cli_main
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
+from fusion.executors.engines.numpy.engine import supports as numpy_supports
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.errors import GraphError
 from fusion.ir.node import NodeKind
@@ -179,7 +180,7 @@ def test_unsupported_ops_are_all_reported_at_load_time(tmp_path):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="ok_relu"),
              helper.make_node("Einsum", ["a", "a"], ["b"], name="my_einsum", equation="ij,ij->ij"),
-             helper.make_node("Hardmax", ["b"], ["c"], name="my_hardmax"),
+             helper.make_node("Sinh", ["b"], ["c"], name="my_sinh"),
              helper.make_node("Relu", ["c"], ["out"], name="last")]
     graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4])])
     path = tmp_path / "unsupported.onnx"
@@ -187,15 +188,20 @@ def test_unsupported_ops_are_all_reported_at_load_time(tmp_path):
     with pytest.raises(GraphError) as e:
         load_onnx(path)
     msg = str(e.value)
-    assert "2 unsupported ONNX op(s)" in msg and "'my_einsum' (Einsum)" in msg and "'my_hardmax' (Hardmax)" in msg
+    assert "2 unsupported ONNX op(s)" in msg and "'my_einsum' (Einsum)" in msg and "'my_sinh' (Sinh)" in msg
     assert "unsupported.onnx" in msg and "ok_relu" not in msg
 
 
 def test_load_time_check_for_the_numpy_engine_names_every_missing_op(exported):
     with pytest.raises(GraphError) as e:
-        load_onnx(exported["cnn"][1], loss="cross_entropy", engine="numpy")
+        load_onnx(exported["cnn"][1], loss="cross_entropy", engine="numpy", supports=numpy_supports)
     msg = str(e.value)
-    assert "(Conv)" in msg and "(BatchNormalization)" in msg and "(MaxPool)" in msg and "(AveragePool)" in msg
+    assert "for the numpy engine" in msg and "(Conv)" in msg and "(BatchNormalization)" in msg and "(MaxPool)" in msg and "(AveragePool)" in msg
+
+
+def test_another_engine_needs_its_support_predicate(exported):
+    with pytest.raises(GraphError, match=r"engine='numpy'\) needs supports="):
+        load_onnx(exported["cnn"][1], loss="cross_entropy", engine="numpy")
 
 
 def test_op_placed_on_an_engine_that_lacks_it(exported):
@@ -204,7 +210,7 @@ def test_op_placed_on_an_engine_that_lacks_it(exported):
     with pytest.raises(GraphError) as e:
         ReferenceExecutor(model, assign, engines={"a": "numpy", "b": "torch"})
     msg = str(e.value)
-    assert "'node_conv2d' (op onnx.Conv) on part 'a'" in msg and "onnx.BatchNormalization" in msg
+    assert "op onnx.Conv on numpy (part 'a'): node 'node_conv2d'" in msg and "onnx.BatchNormalization" in msg
     ReferenceExecutor(model, assign, engines={"a": "torch", "b": "torch"})  # fine on torch
 
 
@@ -254,7 +260,7 @@ def test_legacy_torchscript_export_of_the_cnn_trains_like_the_module(exported, t
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
 def test_torch_ops_agree_with_onnx_shape_inference(exported, name):
     """Running the imported graph on torch's meta device gives the shapes ONNX shape inference gave."""
-    from fusion.executors.torch_engine import infer_meta
+    from fusion.ir.shapes import infer_meta
 
     model = load_onnx(exported[name][1], loss=None if name == "gpt" else "cross_entropy")
     onnx_shapes = {n.name: [(o.shape, o.dtype, o.requires_grad) for o in n.meta.outputs] for n in model.graph.nodes.values()}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fusion.executors.torch_engine import TorchPart
+from fusion.executors.engines.torch.engine import TorchPart
 from fusion.ir.boundary import subgraph
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import GraphError

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.ir._trace_models import contiguous_parts, load_gpt, plain_step
-from fusion.executors.optim import OptimizerConfig
+from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.trace import trace
 

@@ -89,3 +89,13 @@ def test_signature_check_catches_a_width_mismatch():
     assert changed != topk_cupy.CUDA_SOURCE
     ptx, _, _ = compile_source(changed, "compute_90")
     assert ptx_entries(ptx.decode())["fusion_topk_keys_f32"] == [8, 8, 4] != [8, 8, 8]
+
+
+def test_fused_kernels_use_warp_votes_and_match():
+    """The fused path's warp aggregation survives compilation: match.any and vote.ballot in its PTX."""
+    ptx = compile_source(topk_cupy.CUDA_SOURCE, "compute_90")[0].decode()
+    bodies = {m.group(1): m.group(0) for m in re.finditer(r"\.entry\s+(\w+)\s*\(.*?\n\}", ptx, flags=re.S)}
+    for kind in topk_cupy.FUSED_KINDS:
+        assert "match.any.sync.b32" in bodies[f"fusion_topk_pass_{kind}"], kind
+        assert "vote.sync.ballot.b32" in bodies[f"fusion_topk_write_{kind}_i32"], kind
+        assert "atom.shared.add" in bodies[f"fusion_topk_pass_{kind}"], kind

@@ -275,7 +275,8 @@ def test_ratio_to_k():
 
 
 def test_codec_registry():
-    assert "topk" in CODECS and CODECS.names() == ["topk"]
+    builtin = ["delta", "hadamard-quant", "quant", "topk"]
+    assert "topk" in CODECS and CODECS.names() == builtin
     codec = CODECS.for_cfg({"algo": "topk", "ratio": 10})
     x = make("normal", 2000, torch.float32, seed=9).reshape(20, 100)
     p = codec.encode(x, {"algo": "topk", "ratio": 10})
@@ -291,7 +292,9 @@ def test_codec_registry():
     mine = CodecRegistry.with_defaults()
     with pytest.raises(FusionError, match="already registered"):
         mine.register(TopKCodec())
-    assert CODECS.names() == ["topk"]  # other registries never touch the built-in one
+    mine.register(TopKCodec(name="powersgd"))  # any Codec under a new name
+    assert "powersgd" in mine
+    assert CODECS.names() == builtin  # other registries never touch the built-in one
 
 
 def test_compress_accepts_numpy():
@@ -399,26 +402,79 @@ def cuda():
     return cp
 
 
+@pytest.mark.parametrize("kernel", topk_cupy.KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "special"])
-def test_cpu_and_cuda_agree(cuda, dtype, kind):
-    x = make(kind, 300_007, dtype, seed=8).reshape(7, -1)
-    for k, vdt in ((1, None), (3000, None), (3000, "float16"), (100_000, "bfloat16")):
+def test_cpu_and_cuda_agree(cuda, dtype, kind, kernel):
+    x = make(kind, 7 * 42_859, dtype, seed=8).reshape(7, -1)  # 300_013 elements: 7 rows exactly
+    for k, vdt in ((1, None), (3000, None), (3000, "float16"), (100_000, "bfloat16"), (x.numel(), None)):
         cpu = topk_torch.compress(x, k, vdt)
-        gpu = topk_cupy.compress(x.cuda(), k, vdt)
+        gpu = topk_cupy.compress(x.cuda(), k, vdt, kernel=kernel)
         assert gpu.indices.tobytes() == cpu.indices.tobytes()
         assert gpu.values.tobytes() == cpu.values.tobytes()
         assert (gpu.shape, gpu.dtype, gpu.value_dtype) == (cpu.shape, cpu.dtype, cpu.value_dtype)
         assert compress(x.cuda(), k, vdt).indices.tobytes() == cpu.indices.tobytes()  # dispatch
+        dev = topk_torch.compress_device(x.cuda(), k, vdt)  # the torch device path on the GPU
+        assert (dev.indices.tobytes(), dev.values.tobytes()) == (cpu.indices.tobytes(), cpu.values.tobytes())
         dense = decompress(gpu, like=x.cuda())
         assert dense.is_cuda and dense.dtype == x.dtype
         torch.testing.assert_close(dense.cpu(), decompress(cpu), rtol=0, atol=0, equal_nan=True)
 
 
-def test_cuda_accepts_cupy_arrays(cuda):
+@pytest.mark.parametrize("kernel", topk_cupy.KERNELS)
+def test_cuda_accepts_cupy_arrays(cuda, kernel):
     a = cuda.asarray(make("normal", 100_000, torch.float32, seed=12).numpy())
-    p = topk_cupy.compress(a, 1000)
+    p = topk_cupy.compress(a, 1000, kernel=kernel)
     np.testing.assert_array_equal(p.indices, reference_indices(torch.from_numpy(cuda.asnumpy(a)), 1000))
     back = topk_cupy.decompress_cupy(p)
     assert isinstance(back, cuda.ndarray) and int(cuda.count_nonzero(back)) == 1000
 
+
+
+def test_cuda_fused_path_big_tensor_and_staging_reuse(cuda):
+    """16M float32 at r=100 (the issue's size) matches the CPU path; the pinned buffer is reused."""
+    x = make("normal", 16_000_000, torch.float32, seed=13)
+    k = ratio_to_k(x.numel(), 100)
+    cpu = topk_torch.compress(x, k)
+    xc = x.cuda()
+    from fusion.kernels.staging import staging_for
+    st = staging_for(xc.device)
+    for rep in range(2):
+        gpu = topk_cupy.compress(xc, k, kernel="fused")
+        assert gpu.indices.tobytes() == cpu.indices.tobytes() and gpu.values.tobytes() == cpu.values.tobytes()
+        if rep == 0:
+            allocations = st.allocations  # earlier tests may have grown it already
+    assert st.pin and st.buffer.is_pinned() and st.allocations == allocations
+
+
+# ---------------------------------------------------------------- device encode path (torch)
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["ties", "special"])
+def test_device_encode_path_gives_the_host_path_bytes(dtype, kind):
+    """compress_device (what CUDA tensors run without CuPy), on CPU tensors here."""
+    from fusion.kernels.staging import HostStaging
+    staging = HostStaging(pin=False)
+    x = make(kind, 97 * 1031, dtype, seed=14).reshape(97, -1)
+    for k, vdt in ((0, None), (1, None), (1000, "float16"), (33_336, "bfloat16"), (x.numel(), None)):
+        want = topk_torch.compress(x, k, vdt)
+        got = topk_torch.compress_device(x, k, vdt, staging=staging)
+        assert (got.shape, got.dtype, got.value_dtype) == (want.shape, want.dtype, want.value_dtype)
+        assert got.values.dtype == want.values.dtype and got.indices.dtype == want.indices.dtype
+        assert got.values.tobytes() == want.values.tobytes(), (k, vdt)
+        assert got.indices.tobytes() == want.indices.tobytes(), (k, vdt)
+
+
+def test_staging_buffer_is_reused_and_never_aliased():
+    from fusion.kernels.staging import HostStaging
+    staging = HostStaging(pin=False)
+    x = make("normal", 50_000, torch.float32, seed=15)
+    p1 = topk_torch.compress_device(x, 500, staging=staging)
+    buf = staging.buffer.data_ptr()
+    saved = p1.values.copy()
+    p2 = topk_torch.compress_device(-x, 400, staging=staging)  # smaller message: same buffer
+    assert staging.buffer.data_ptr() == buf and staging.allocations == 1
+    np.testing.assert_array_equal(p1.values, saved)  # the second message did not overwrite the first
+    assert not np.shares_memory(p2.values, staging.buffer.numpy())
+    topk_torch.compress_device(x, 40_000, staging=staging)  # larger: grows once
+    assert staging.allocations == 2

@@ -1,0 +1,310 @@
+"""The NumPy engine: a second, torch-free engine for one sub-DAG.
+
+It implements the ``EnginePart`` protocol (``fusion.executors.engines.base``):
+arrays in, arrays out, forward with a per-micro-batch tape, backward by
+vector-Jacobian products node by node in reverse topological order, and
+local SGD/AdamW updates written in NumPy with torch's formulas. Its op table
+is :data:`OPS` (torch-style targets from ``numpy_ops`` plus ``onnx.*``
+targets from ``numpy_onnx_ops``); :func:`supports` answers compile-time
+checks. Nothing in this module's import chain imports torch, so a CompNode
+can run it on a host without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from fusion.ir.boundary import SubGraph
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta
+from fusion.executors.engines.numpy.ops import NpOp
+from fusion.executors.engines.numpy.torch_ops import TORCH_STYLE
+from fusion.executors.engines.numpy.onnx_ops import ONNX_NUMPY
+
+Key = tuple[str, "int | None"]
+
+#: every target the NumPy engine implements
+OPS: dict[str, NpOp] = {**TORCH_STYLE, **ONNX_NUMPY}
+
+
+def supports(target: str) -> bool:
+    """Whether the NumPy engine implements op ``target``."""
+    return target in OPS
+
+
+def node_problem(node: OpNode) -> str | None:
+    """Why this node cannot run on the NumPy engine (argument structure), or None."""
+    if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+        return None
+    for v in node.kwargs.values():
+        if isinstance(v, (Ref, ParamRef)):
+            return "tensor keyword arguments are not supported; pass tensors positionally"
+    for a in node.args:
+        if isinstance(a, (list, tuple, dict)) and any(isinstance(x, (Ref, ParamRef)) for x in _flat(a)):
+            return "tensors nested in lists are not supported"
+    if any(isinstance(m, TensorMeta) and m.dtype == "bfloat16" for m in node.meta.outputs):
+        return "bfloat16 tensors are not supported (NumPy has no bfloat16); run this part on the torch engine"
+    op = OPS.get(node.target)
+    if op is not None and op.module and node.kind not in (NodeKind.MODULE, NodeKind.LOSS):
+        return "a module op used as a function"
+    if op is not None and not op.module and node.kind == NodeKind.MODULE:
+        return "a function op used as a module"
+    return None
+
+
+def _flat(v):
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _flat(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _flat(x)
+    else:
+        yield v
+
+
+@dataclass
+class _Step:
+    name: str
+    kind: NodeKind
+    op: NpOp | None
+    args: tuple
+    kwargs: dict
+    attrs: dict
+    params: dict[str, str]  # module path -> graph parameter
+
+
+@dataclass
+class _Tape:
+    """What one in-flight micro-batch keeps for its backward."""
+
+    ctx: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, tuple] = field(default_factory=dict)  # the node's argument specs (refs) for routing
+    needs_grad: set[str] = field(default_factory=set)  # nodes whose output depends on something trainable
+    leaf_grad: dict[Key, bool] = field(default_factory=dict)
+    sent: dict[Key, Any] = field(default_factory=dict)
+    multi: dict[str, int] = field(default_factory=dict)  # node -> number of outputs (multi-output nodes)
+    losses: list[str] = field(default_factory=list)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating)
+
+
+def _asarray(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, str, type(None), tuple, list)):
+        return v
+    return np.asarray(v)  # NumPy arrays, and anything with __array__ (CPU torch tensors in the same process)
+
+
+class NumpyPart:
+    """One sub-DAG on the NumPy engine (``engine = "numpy"``).
+
+    params: graph parameter name -> initial value (array-like) for every
+            parameter this part's nodes read; trainable ones get gradients.
+    """
+
+    engine = "numpy"
+
+    def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str = "cpu"):
+        if str(device) not in ("cpu", "meta"):
+            raise GraphError(f"the numpy engine runs on the CPU, not on {device!r}")
+        self.graph, self.sub = graph, sub
+        self.params: dict[str, np.ndarray] = {}
+        self.trainable_names: list[str] = []
+        self._grads: dict[str, np.ndarray | None] = {}
+        self.steps: list[_Step] = []
+        for name in sub.nodes:
+            node = graph[name]
+            for pname in node.param_names():
+                if pname in self.params:
+                    continue
+                spec = graph.params[pname]
+                if pname not in params:
+                    raise GraphError(f"no initial value for parameter {pname!r}", name)
+                value = np.array(_asarray(params[pname]), dtype=spec.dtype, copy=True)
+                if tuple(value.shape) != tuple(spec.shape):
+                    raise GraphError(f"parameter {pname!r} has shape {value.shape}, graph says {spec.shape}", name)
+                self.params[pname] = value
+                if spec.trainable:
+                    self.trainable_names.append(pname)
+                    self._grads[pname] = None
+            self.steps.append(self._make_step(node))
+        self._local = set(sub.nodes)
+        self.recv_keys: dict[Key, bool] = {}
+        for e in sub.boundary.required_acts:
+            self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
+        self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        self.stash: dict[Any, _Tape] = {}
+
+    def _make_step(self, node: OpNode) -> _Step:
+        if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+            return _Step(node.name, node.kind, None, node.args, {}, {}, {})
+        op = OPS.get(node.target)
+        if op is None:
+            raise GraphError(f"the numpy engine has no op {node.target!r}", node.name)
+        why = node_problem(node)
+        if why:
+            raise GraphError(f"the numpy engine cannot run {node.target}: {why}", node.name)
+        return _Step(node.name, node.kind, op, node.args, dict(node.kwargs), dict(node.attrs), dict(node.params))
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]:
+        """Run the sub-DAG for one micro-batch (same contract as ``TorchPart.forward``)."""
+        tape = _Tape()
+        leaves: dict[Key, Any] = {}
+        for key, needs_grad in self.recv_keys.items():
+            if key not in inputs:
+                raise GraphError(f"missing activation {key} from another part", key[0])
+            leaves[key] = _asarray(inputs[key])
+            tape.leaf_grad[key] = needs_grad and _is_float(leaves[key])
+        env: dict[str, Any] = {}
+        trainable = set(self.trainable_names)
+
+        def get(r):
+            if isinstance(r, ParamRef):
+                return self.params[r.name]
+            v = env[r.node] if r.node in self._local else leaves[(r.node, r.index)]
+            return v if r.node not in self._local or r.index is None else v[r.index]
+
+        def grad_flows(r) -> bool:
+            if isinstance(r, ParamRef):
+                return r.name in trainable
+            if r.node in self._local:
+                return r.node in tape.needs_grad
+            return tape.leaf_grad.get((r.node, r.index), False)
+
+        for s in self.steps:
+            if s.kind in (NodeKind.INPUT, NodeKind.LABEL):
+                if s.name not in feeds:
+                    raise GraphError("no data fed to this placeholder", s.name)
+                env[s.name] = np.asarray(feeds[s.name])
+                continue
+            args = [get(a) if isinstance(a, (Ref, ParamRef)) else a for a in s.args]
+            refs = [a for a in s.args if isinstance(a, (Ref, ParamRef))]
+            flows = any(grad_flows(r) for r in refs) or any(p in trainable for p in s.params.values())
+            if s.kind == NodeKind.OUTPUT:
+                out, ctx = args[0], None
+            else:
+                kwargs = {k: v for k, v in s.kwargs.items()}
+                try:
+                    if s.op.module:
+                        out, ctx = s.op.fwd({p: self.params[g] for p, g in s.params.items()}, s.attrs, *args, **kwargs)
+                    else:
+                        out, ctx = s.op.fwd(*args, **kwargs)
+                except GraphError:
+                    raise
+                except Exception as e:
+                    raise GraphError(f"numpy engine failed on {self.graph[s.name].target}: {type(e).__name__}: {e}", s.name) from None
+            env[s.name] = out
+            if isinstance(out, tuple):
+                tape.multi[s.name] = len(out)
+            if flows and (s.kind == NodeKind.OUTPUT or (s.op is not None and s.op.vjp is not None)):
+                tape.needs_grad.add(s.name)
+                tape.ctx[s.name] = ctx
+            if s.kind == NodeKind.LOSS:
+                tape.losses.append(s.name)
+        sent = {}
+        for key in self.send_keys:
+            v = env[key[0]]
+            sent[key] = v if key[1] is None else v[key[1]]
+        tape.sent = sent
+        self.stash[mb_key] = tape
+        loss = float(sum(float(np.asarray(env[n])) for n in tape.losses)) if tape.losses else None
+        return dict(sent), loss
+
+    # -- backward ----------------------------------------------------------------------
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
+        """Reverse pass by VJPs; accumulates parameter gradients; returns received activations' gradients."""
+        tape = self.stash.pop(mb_key)
+        out_grad: dict[Key, np.ndarray] = {}  # (node, index) -> gradient of that output
+
+        def add(key: Key, g: np.ndarray) -> None:
+            out_grad[key] = g if key not in out_grad else out_grad[key] + g
+
+        for name in tape.losses:
+            if name in tape.needs_grad:
+                add((name, None), np.asarray(loss_scale, dtype=np.float32))
+        for key, g in grads.items():
+            if key not in tape.sent:
+                raise GraphError(f"gradient for {key} which this part did not send", key[0])
+            sent = tape.sent[key]
+            g = np.asarray(g)
+            if isinstance(sent, np.ndarray) and g.shape != sent.shape:
+                raise GraphError(f"gradient shape {g.shape} != activation shape {sent.shape}", key[0])
+            add(key, g.astype(sent.dtype, copy=False) if isinstance(sent, np.ndarray) else g)
+        leaf_out: dict[Key, np.ndarray] = {}
+        trainable = set(self.trainable_names)
+        for s in reversed(self.steps):
+            if s.name not in tape.needs_grad:
+                continue
+            n_out = tape.multi.get(s.name)
+            if n_out is None:
+                g = out_grad.pop((s.name, None), None)
+                if g is None:
+                    continue
+            else:
+                gs = [out_grad.pop((s.name, i), None) for i in range(n_out)]
+                whole = out_grad.pop((s.name, None), None)
+                if whole is not None:
+                    gs = [a if b is None else (b if a is None else a + b) for a, b in zip(gs, whole)]
+                if all(x is None for x in gs):
+                    continue
+                g = tuple(gs)
+            if s.kind == NodeKind.OUTPUT:
+                in_grads = {0: g}
+            else:
+                in_grads = s.op.vjp(tape.ctx[s.name], g)
+            for slot, gi in in_grads.items():
+                if gi is None:
+                    continue
+                if isinstance(slot, str):  # a module's parameter
+                    self._accumulate(s.params[slot], gi)
+                    continue
+                ref = s.args[slot]
+                if isinstance(ref, ParamRef):
+                    if ref.name in trainable:
+                        self._accumulate(ref.name, gi)
+                elif isinstance(ref, Ref):
+                    if ref.node in self._local:
+                        add((ref.node, ref.index), np.asarray(gi))
+                    elif tape.leaf_grad.get((ref.node, ref.index)):
+                        k = (ref.node, ref.index)
+                        leaf_out[k] = gi if k not in leaf_out else leaf_out[k] + gi
+        out: dict[Key, np.ndarray] = {}
+        for key, needs in self.recv_keys.items():
+            if needs and tape.leaf_grad.get(key):
+                g = leaf_out.get(key)
+                out[key] = np.zeros_like(self._leaf_like(key, tape)) if g is None else np.array(g, order="C")  # keeps 0-d shapes
+        return out
+
+    def _leaf_like(self, key: Key, tape: _Tape) -> np.ndarray:
+        node = self.graph[key[0]]
+        m = node.meta.outputs[key[1] or 0] if node.meta.outputs else None
+        return np.zeros(m.shape, dtype=m.dtype) if m is not None else np.zeros(())
+
+    def _accumulate(self, name: str, g: np.ndarray) -> None:
+        p = self.params[name]
+        g = np.asarray(g, dtype=p.dtype).reshape(p.shape)
+        cur = self._grads.get(name)
+        self._grads[name] = g.copy() if cur is None else cur + g
+
+    # -- parameters ------------------------------------------------------------------------
+    def trainable(self) -> dict[str, np.ndarray]:
+        return {n: self.params[n] for n in self.trainable_names}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def grads(self) -> dict[str, np.ndarray | None]:
+        return dict(self._grads)
+
+    def set_grad(self, name: str, grad: Any) -> None:
+        self._grads[name] = np.array(_asarray(grad), dtype=self.params[name].dtype, copy=True)
+
+    def zero_grad(self) -> None:
+        for n in self._grads:
+            self._grads[n] = None

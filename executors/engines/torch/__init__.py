@@ -1,0 +1,1 @@
+"""The torch engine: sub-DAGs under torch autograd, and its optimizer."""

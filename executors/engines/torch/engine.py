@@ -1,0 +1,442 @@
+"""The torch engine: runs one sub-DAG with torch autograd.
+
+An engine part takes framework-neutral inputs (NumPy arrays keyed by
+``(producer, index)``) and returns framework-neutral outputs, so parts on
+different engines can feed each other. Inside a part, torch autograd does the
+local backward; across parts, gradients arrive as arrays and are pushed into
+the part's autograd graph with ``torch.autograd.backward`` (remote autodiff).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from fusion.ir.boundary import SubGraph
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
+from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
+
+Key = tuple[str, "int | None"]
+
+log = logging.getLogger(__name__)
+
+def to_array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view (CPU) or copy (other devices) of a tensor, detached."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)  # raw bits; wire records the dtype
+    return t.numpy()
+
+
+def from_array(a: Any, device: torch.device | str = "cpu") -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a.to(device)
+    arr = np.asarray(a)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr).to(device)
+
+
+def from_wire(a: Any, dtype: str | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An array from the wire, a checkpoint or a feed as a tensor of the graph's ``dtype``.
+
+    NumPy has no bfloat16, so bfloat16 tensors travel as their raw bits in uint16
+    (or int16) arrays: those are viewed back, bit for bit. A float array fed to a
+    placeholder of another float dtype (float32 data for a bfloat16 model) is cast
+    with torch's rounding, as ``x.to(dtype)`` would.
+    """
+    t = from_array(a, device)
+    if dtype is None or dtype_name(t.dtype) == dtype:
+        return t
+    want = TORCH_DTYPES.get(dtype)
+    if want is torch.bfloat16 and t.dtype in (torch.uint16, torch.int16):
+        return t.view(torch.bfloat16)
+    if want is not None and want.is_floating_point and t.is_floating_point():
+        return t.to(want)
+    return t
+
+
+@dataclass
+class _Step:
+    """One node, prepared for the forward loop.
+
+    args/kwargs are templates: literals, and parameters already resolved to
+    their tensors; ``arg_refs``/``kw_refs`` list the slots that take values
+    computed in this run as ``(slot, env key, index)``. The env holds local
+    outputs under the node name and received activations under their
+    ``(producer, index)`` key, so one lookup serves both.
+    """
+
+    name: str
+    kind: NodeKind
+    fn: Callable[..., Any] | None
+    args: tuple
+    kwargs: dict
+    fast: bool  # args/kwargs hold only top-level refs and literals
+    arg_refs: tuple = ()
+    kw_refs: tuple = ()
+    placeholder: bool = False
+    output: bool = False
+    loss: bool = False
+
+
+@dataclass
+class _Stash:
+    """Autograd state of one in-flight micro-batch.
+
+    With recomputation the forward ran without autograd: only the part's inputs
+    (``leaves``, ``feeds``) and the RNG state are kept, and backward runs the
+    forward again before it pushes gradients. ``weight`` holds what a split
+    backward's weight-gradient action (``W``) still has to do.
+    """
+
+    leaves: dict[Key, torch.Tensor] = field(default_factory=dict)
+    sent: dict[Key, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    feeds: dict[str, Any] | None = None
+    rng: tuple | None = None
+    weight: Any = None
+
+
+class TorchPart:
+    """One sub-DAG on the torch engine.
+
+    params: graph parameter name -> initial value for every parameter this
+            part's nodes read. Trainable ones become ``nn.Parameter``.
+    compiled: run the forward as one generated function (a ``torch.fx.GraphModule``
+            of the part's nodes, :mod:`.compiled`) instead of walking the nodes in a
+            Python loop; bit-identical, faster. Falls back to the loop (logged) if the
+            part cannot be written as an fx graph.
+    compile: additionally pass that module through ``torch.compile`` (fused kernels,
+            not bit-identical; compiles on the first micro-batch).
+    recompute: activation recomputation: forward without autograd keeping only the
+            part's inputs, and run the forward again in backward.
+    """
+
+    engine = "torch"
+    #: the option names ``make_engine_part(..., options=)`` accepts for this engine
+    OPTIONS = ("compiled", "compile", "recompute")
+
+    def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
+                 compiled: bool = True, compile: bool = False, recompute: bool = False):
+        self.graph = graph
+        self.sub = sub
+        self.device = torch.device(device)
+        self.params: dict[str, torch.Tensor] = {}
+        for node_name in sub.nodes:
+            for pname in graph[node_name].param_names():
+                if pname in self.params:
+                    continue
+                spec = graph.params[pname]
+                if pname not in params and self.device.type != "meta":
+                    raise GraphError(f"no initial value for parameter {pname!r}", node_name)
+                t = from_wire(params[pname], spec.dtype, self.device).clone() if self.device.type != "meta" else \
+                    torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
+                if tuple(t.shape) != tuple(spec.shape):
+                    raise GraphError(f"parameter {pname!r} has shape {tuple(t.shape)}, graph says {spec.shape}", node_name)
+                self.params[pname] = nn.Parameter(t) if spec.trainable else t
+        self.modules: dict[str, nn.Module] = {}
+        self._local = set(sub.nodes)
+        self.steps = [self._make_step(n) for n in sub.nodes]
+        self.recv_keys: dict[Key, bool] = {}
+        for e in sub.boundary.required_acts:
+            self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
+        self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
+        self.dtypes: dict[Any, str | None] = {k: getattr(graph.output_meta(*k), "dtype", None) for k in self.recv_keys}
+        self.dtypes.update({n: getattr(graph.output_meta(n, None), "dtype", None) for n in sub.nodes
+                            if graph[n].kind in (NodeKind.INPUT, NodeKind.LABEL)})
+        self.stash: dict[Any, _Stash] = {}
+        self.recompute = bool(recompute)
+        #: running statistics (BatchNorm) a recomputed forward must not update a second time
+        self._stat_buffers = [b for m in self.modules.values() for sm in m.modules()
+                              if isinstance(sm, nn.modules.batchnorm._NormBase) for b in sm.buffers()]
+        self._fn: Callable[..., Any] | None = None
+        self._n_sent, self._has_loss = 0, False
+        if compiled or compile:
+            self._build_compiled(bool(compile))
+
+    def _build_compiled(self, use_torch_compile: bool) -> None:
+        from fusion.executors.engines.torch.compiled import build_part_module
+
+        try:
+            gm, self._n_sent, self._has_loss = build_part_module(self)
+        except Exception as e:  # an op fx cannot write out: the loop runs it, as before
+            log.warning("torch engine: part of %d nodes runs interpreted (no fx module: %s: %s)",
+                        len(self.sub.nodes), type(e).__name__, e)
+            return
+        self.module = gm
+        # gm.forward, not gm(...): no nn.Module call wrapper (a part module has no hooks)
+        self._fn = torch.compile(gm, dynamic=False) if use_torch_compile else gm.forward
+
+    @property
+    def compiled(self) -> bool:
+        """Whether forwards run as one generated function."""
+        return self._fn is not None
+
+    # -- building ---------------------------------------------------------------
+    def _make_step(self, name: str) -> _Step:
+        node = self.graph[name]
+        call, obj = node_callable(node)
+        fn = None
+        if call == "module":
+            mod = build_module(node, obj)
+            for path, pname in node.params.items():
+                set_module_tensor(mod, path, self.params[pname], self.graph.params[pname].trainable)
+            leftovers = [n for n, t in list(mod.named_parameters()) + list(mod.named_buffers()) if t.device.type == "meta"]
+            if leftovers and self.device.type != "meta":
+                raise GraphError(f"module tensors {leftovers} have no graph parameter (node.params is incomplete)", name)
+            mod.to(self.device) if self.device.type != "meta" else None
+            self.modules[name] = mod
+            fn = make_call(call, obj, mod)
+        elif call == "method" and self._tensor_arg(node):
+            fn = getattr(torch.Tensor, obj)  # the receiver is a tensor: call the unbound method, no wrapper
+        elif call in ("function", "method"):
+            fn = make_call(call, obj, None)
+        args, kwargs = on_device(node.args, self.device), on_device(dict(node.kwargs), self.device)
+        fast = all(not isinstance(a, (list, tuple, dict)) for a in args) and \
+            all(not isinstance(v, (list, tuple, dict)) for v in kwargs.values())
+        step = _Step(name, node.kind, fn, args, kwargs, fast, placeholder=node.kind in (NodeKind.INPUT, NodeKind.LABEL),
+                     output=node.kind == NodeKind.OUTPUT, loss=node.kind == NodeKind.LOSS)
+        if fast:  # resolve parameters now, leave slots for values computed per run
+            arg_refs, kw_refs = [], []
+            targs = list(args)
+            for i, a in enumerate(args):
+                if isinstance(a, ParamRef):
+                    targs[i] = self.params[a.name]
+                elif isinstance(a, Ref):
+                    arg_refs.append((i, *self._env_key(a)))
+            for k, v in kwargs.items():
+                if isinstance(v, ParamRef):
+                    kwargs[k] = self.params[v.name]
+                elif isinstance(v, Ref):
+                    kw_refs.append((k, *self._env_key(v)))
+            step.args, step.kwargs, step.arg_refs, step.kw_refs = tuple(targs), kwargs, tuple(arg_refs), tuple(kw_refs)
+        return step
+
+    def _tensor_arg(self, node) -> bool:
+        """Whether shape inference says the node's first argument is a tensor."""
+        a = node.args[0] if node.args else None
+        if isinstance(a, ParamRef):
+            return True
+        if not isinstance(a, Ref) or a.node not in self.graph.nodes:
+            return False
+        outs = self.graph[a.node].meta.outputs
+        i = a.index or 0
+        return i < len(outs) and isinstance(outs[i], TensorMeta) and (a.index is not None or len(outs) == 1)
+
+    def _env_key(self, r: Ref) -> tuple[Any, int | None]:
+        """Where a Ref's value lives in the forward env: ``(name, index)`` for a local
+        output, ``((producer, index), None)`` for an activation received from another part."""
+        return (r.node, r.index) if r.node in self._local else ((r.node, r.index), None)
+
+    # -- forward -----------------------------------------------------------------
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any],
+                record: Callable[[str, Any], None] | None = None) -> tuple[dict[Key, Any], float | None]:
+        """Run the sub-DAG for one micro-batch.
+
+        inputs: activations from other parts, keyed by ``(producer, index)``.
+        feeds:  values of this part's input/label placeholders.
+        record: called with every node's output (runs the interpreted loop).
+        Returns the activations to send (arrays or values) and this part's
+        loss (None when the part has no loss node).
+        """
+        st = _Stash()
+        for key, needs_grad in self.recv_keys.items():
+            if key not in inputs:
+                raise GraphError(f"missing activation {key} from another part", key[0])
+            v = inputs[key]
+            if isinstance(v, (np.ndarray, torch.Tensor)):
+                v = from_wire(v, self.dtypes[key], self.device)
+                if needs_grad and v.is_floating_point():
+                    v = v.detach().requires_grad_(True)
+            st.leaves[key] = v
+        fed: dict[str, Any] = {}
+        for s in self.steps:
+            if s.placeholder:
+                if s.name not in feeds:
+                    raise GraphError("no data fed to this placeholder", s.name)
+                fed[s.name] = from_wire(feeds[s.name], self.dtypes[s.name], self.device)
+        if self.recompute and record is None:
+            st.feeds, st.rng = fed, self._rng_state()
+            with torch.no_grad():
+                sent, loss = self._run(st.leaves, fed, None)
+        else:
+            sent, loss = st.sent, st.loss = self._run(st.leaves, fed, record)
+        self.stash[mb_key] = st
+        arrays = {k: (to_array(v) if isinstance(v, torch.Tensor) else v) for k, v in sent.items()}
+        return arrays, (float(loss.detach()) if loss is not None and self.device.type != "meta" else None)
+
+    def _run(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
+             record: Callable[[str, Any], None] | None) -> tuple[dict[Key, Any], torch.Tensor | None]:
+        """The part's forward: sent values by key and the summed loss (or None)."""
+        if self._fn is not None and record is None:
+            outs = self._fn(*(leaves[k] for k in self.recv_keys), *fed.values())
+            sent = dict(zip(self.send_keys, outs[:self._n_sent]))
+            return sent, (outs[self._n_sent] if self._has_loss else None)
+        env: dict[Any, Any] = dict(leaves)
+        get = None
+        losses = []
+        for s in self.steps:
+            if s.placeholder:
+                out = fed[s.name]
+            else:
+                if s.fast:
+                    args = s.args
+                    if s.arg_refs:
+                        args = list(args)
+                        for i, key, idx in s.arg_refs:
+                            v = env[key]
+                            args[i] = v if idx is None else v[idx]
+                    kwargs = s.kwargs
+                    if s.kw_refs:
+                        kwargs = dict(kwargs)
+                        for k, key, idx in s.kw_refs:
+                            v = env[key]
+                            kwargs[k] = v if idx is None else v[idx]
+                else:
+                    if get is None:
+                        get = self._resolver(env)
+                    args = map_refs(s.args, get)
+                    kwargs = map_refs(s.kwargs, get)
+                if s.output:
+                    out = args[0]
+                else:
+                    out = s.fn(*args, **kwargs)
+                    if s.loss:
+                        losses.append(out)
+            env[s.name] = out
+            if record is not None:
+                record(s.name, out)
+        sent = {}
+        for key in self.send_keys:
+            v = env[key[0]]
+            sent[key] = v if key[1] is None else v[key[1]]
+        return sent, (sum(losses[1:], losses[0]) if losses else None)
+
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _recompute(self, st: _Stash) -> None:
+        """Run the forward of a recomputed micro-batch again, with autograd, under its RNG state."""
+        saved = [b.clone() for b in self._stat_buffers]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.set_rng_state(st.rng[0])
+            if st.rng[1] is not None:
+                torch.cuda.set_rng_state(st.rng[1], self.device)
+            st.sent, st.loss = self._run(st.leaves, st.feeds, None)
+        with torch.no_grad():
+            for b, v in zip(self._stat_buffers, saved):
+                b.data.copy_(v)  # .data: a running statistic is no input of the backward (no version bump)
+        st.feeds = st.rng = None
+
+    def _resolver(self, env: dict[Any, Any]):
+        """Ref/ParamRef -> value, for arguments nested in lists, tuples or dicts."""
+        params = self.params
+
+        def get(r):
+            if isinstance(r, ParamRef):
+                return params[r.name]
+            key, idx = self._env_key(r)
+            v = env[key]
+            return v if idx is None else v[idx]
+
+        return get
+
+    # -- backward ----------------------------------------------------------------
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
+        """Backward for one micro-batch.
+
+        grads: gradients of this part's sent activations, already summed over
+               the actual users in other parts.
+        loss_scale: d(total loss)/d(this part's loss), e.g. 1/n_micro_batches.
+        Returns gradients of the received activations that require grad.
+        Parameter gradients accumulate in ``.grad`` across micro-batches.
+        """
+        st = self._pop(mb_key)
+        roots, seeds = self._roots(st, grads, loss_scale)
+        if roots:
+            torch.autograd.backward(roots, seeds)
+        return self._input_grads(st)
+
+    def backward_input(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
+        """The first half of a split backward (zero-bubble schedules' ``B``): gradients of the
+        received activations only. Parameter gradients wait for :meth:`backward_weight`."""
+        from fusion.executors.engines.torch.split_backward import input_grads
+
+        st = self.stash.get(mb_key)
+        if st is None or st.weight is not None:
+            raise RuntimeError(f"backward of micro-batch {mb_key} before its forward (or twice); the schedule is wrong")
+        roots, seeds = self._roots(st, grads, loss_scale)
+        leaves = [st.leaves[k] for k, need in self.recv_keys.items()
+                  if need and isinstance(st.leaves[k], torch.Tensor) and st.leaves[k].requires_grad]
+        st.weight = input_grads(roots, seeds, leaves, list(self.trainable().values()))
+        st.sent, st.loss = {}, None
+        return self._input_grads(st)
+
+    def backward_weight(self, mb_key: Any) -> None:
+        """The second half (``W``): accumulate the parameter gradients of micro-batch ``mb_key``."""
+        st = self.stash.get(mb_key)
+        if st is None or st.weight is None:
+            raise RuntimeError(f"weight gradient of micro-batch {mb_key} before its input gradient; the schedule is wrong")
+        del self.stash[mb_key]
+        st.weight()
+
+    def _pop(self, mb_key: Any) -> _Stash:
+        st = self.stash.pop(mb_key, None)
+        if st is None:
+            raise RuntimeError(f"backward of micro-batch {mb_key} before its forward (or twice); the schedule is wrong")
+        return st
+
+    def _roots(self, st: _Stash, grads: Mapping[Key, Any], loss_scale: float) -> tuple[list, list]:
+        """The tensors backward starts from (loss, sent activations) and their seeds."""
+        if st.feeds is not None:
+            self._recompute(st)
+        roots, seeds = [], []
+        if st.loss is not None and st.loss.requires_grad:
+            roots.append(st.loss)
+            seeds.append(torch.full_like(st.loss, loss_scale))
+        for key, g in grads.items():
+            t = st.sent.get(key)
+            if t is None:
+                raise GraphError(f"gradient for {key} which this part did not send", key[0])
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                gt = from_wire(g, dtype_name(t.dtype), self.device)
+                if tuple(gt.shape) != tuple(t.shape):
+                    raise GraphError(f"gradient shape {tuple(gt.shape)} != activation shape {tuple(t.shape)}", key[0])
+                roots.append(t)
+                seeds.append(gt.to(t.dtype))
+        return roots, seeds
+
+    def _input_grads(self, st: _Stash) -> dict[Key, np.ndarray]:
+        out: dict[Key, np.ndarray] = {}
+        for key, needs_grad in self.recv_keys.items():
+            leaf = st.leaves[key]
+            if not needs_grad or not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
+                continue
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            out[key] = to_array(g)
+        return out
+
+    # -- parameters ----------------------------------------------------------------
+    def trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.params.items() if isinstance(p, nn.Parameter)}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {n: to_array(p).copy() for n, p in self.params.items()}
+
+    def grads(self) -> dict[str, np.ndarray | None]:
+        return {n: (None if p.grad is None else to_array(p.grad)) for n, p in self.trainable().items()}
+
+    def set_grad(self, name: str, grad: Any) -> None:
+        p = self.params[name]
+        p.grad = from_wire(grad, dtype_name(p.dtype), self.device).to(p.dtype).clone()

@@ -1,0 +1,1 @@
+"""The distributed runtime: CompNodes, coordinator, transport, inbox, schedules, link emulation, checkpoints."""

@@ -1,0 +1,169 @@
+"""Checkpoints: each CompNode writes its own parameters and optimizer state.
+
+Layout under a checkpoint directory::
+
+    step-00000010/<part>.params.safetensors   parameters of the part (after 10 steps)
+    step-00000010/<part>.optim.safetensors    optimizer tensors (``param::key``)
+    step-00000010/<part>.json                 optimizer meta, step, part name
+    step-00000010/COMPLETE.json               written by the coordinator once every part has saved
+    latest.json                               {"step": 10}: the newest complete checkpoint
+
+Every file is written to a temporary name, fsynced, renamed into place and
+the folder fsynced, so a crash leaves either the old file or the new one;
+temporary files a crashed writer left behind are removed by the next save.
+``<part>.json`` holds the SHA-256 of the part's two tensor files; they are
+verified on resume (by the coordinator when the files are on its disk, and by
+each executor), and a mismatch refuses to resume with the file's name. A step
+directory without ``COMPLETE.json`` is ignored on resume. No pickle: tensors
+are safetensors, the rest is JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from fusion.ir.errors import FusionError
+from fusion.plan import atomic_write, fsync_dir, remove_stale_tmp, sha256_file
+
+LATEST = "latest.json"
+COMPLETE = "COMPLETE.json"
+
+
+class CheckpointError(FusionError):
+    """A checkpoint is missing or unreadable; the message names the file."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def _atomic_json(path: Path, data: Any) -> str:
+    return atomic_write(path, lambda p: p.write_text(json.dumps(data, indent=1)))
+
+
+def _save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> str:
+    from safetensors.numpy import save_file
+
+    return atomic_write(path, lambda p: save_file({k: np.require(v, requirements="C") for k, v in arrays.items()}, str(p)))
+
+
+def _load_arrays(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as e:  # safetensors raises its own types
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.ndarray],
+              opt_arrays: Mapping[str, np.ndarray], opt_meta: Mapping[str, Any]) -> Path:
+    """Write one part's state after ``step`` completed steps."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(d, f"{part}.")
+    sums = {f"{part}.params.safetensors": _save_arrays(d / f"{part}.params.safetensors", params),
+            f"{part}.optim.safetensors": _save_arrays(d / f"{part}.optim.safetensors", opt_arrays)}
+    _atomic_json(d / f"{part}.json", {"part": part, "step": step, "optimizer": dict(opt_meta), "sha256": sums})
+    fsync_dir(d.parent)  # the step folder itself
+    return d
+
+
+def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
+    """Delete ``part``'s files except its ``keep`` newest saves (an executor on its own host cleans up after itself)."""
+    for d in Path(root).glob("step-*"):
+        remove_stale_tmp(d, f"{part}.")
+    mine = sorted(p for p in Path(root).glob("step-*") if (p / f"{part}.json").exists())
+    for d in mine[:-keep] if keep > 0 else []:
+        for suffix in (".params.safetensors", ".optim.safetensors", ".json"):
+            (d / f"{part}{suffix}").unlink(missing_ok=True)
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
+def load_part(root: str | Path, step: int, part: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
+    """``(params, optimizer arrays, optimizer meta)`` of ``part`` at ``step``."""
+    d = step_dir(root, step)
+    try:
+        meta = json.loads((d / f"{part}.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{d / (part + '.json')}: missing (part {part!r} has no checkpoint at step {step})") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{d / (part + '.json')}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("part") != part or meta.get("step") != step:
+        raise CheckpointError(f"{d / (part + '.json')}: belongs to part {meta.get('part')!r} step {meta.get('step')!r}")
+    _verify(d, part, meta)
+    return _load_arrays(d / f"{part}.params.safetensors"), _load_arrays(d / f"{part}.optim.safetensors"), meta["optimizer"]
+
+
+def _verify(d: Path, part: str, meta: dict) -> None:
+    sums = meta.get("sha256")
+    if not isinstance(sums, dict):
+        raise CheckpointError(f"{d / (part + '.json')}: no SHA-256 manifest (written by an older fusion?); cannot verify")
+    for name in (f"{part}.params.safetensors", f"{part}.optim.safetensors"):
+        want = sums.get(name)
+        try:
+            got = sha256_file(d / name)
+        except FileNotFoundError:
+            raise CheckpointError(f"{d / name}: missing") from None
+        if got != want:
+            raise CheckpointError(f"{d / name}: checksum mismatch (SHA-256 {got[:16]}..., {part}.json says "
+                                  f"{str(want)[:16]}...): the file is corrupt; refusing to resume from it")
+
+
+def verify(root: str | Path, step: int, parts: list[str]) -> None:
+    """Check the SHA-256 of every part's files of ``step`` that are on this disk (parts on other hosts are
+    checked by their executors). Raises CheckpointError naming the first bad file."""
+    d = step_dir(root, step)
+    for part in parts:
+        f = d / f"{part}.json"
+        if not f.exists():
+            continue
+        try:
+            meta = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{f}: unreadable ({e})") from None
+        _verify(d, part, meta if isinstance(meta, dict) else {})
+
+
+def commit(root: str | Path, step: int, parts: list[str], extra: Mapping[str, Any] | None = None, keep: int = 2,
+           check_files: bool = True) -> None:
+    """Mark ``step`` complete (every part saved) and make it the latest; keep the newest ``keep``.
+
+    check_files: verify every part's files are here; a coordinator whose
+    executors run on other hosts (each writes its own disk) passes False and
+    relies on their confirmations instead.
+    """
+    d = step_dir(root, step)
+    missing = [p for p in parts if not (d / f"{p}.json").exists()] if check_files else []
+    if missing:
+        raise CheckpointError(f"{d}: parts {missing} did not save step {step}")
+    d.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(d, COMPLETE)
+    remove_stale_tmp(root, LATEST)
+    _atomic_json(d / COMPLETE, {"step": step, "parts": parts, **(extra or {})})
+    _atomic_json(Path(root) / LATEST, {"step": step})
+    complete = sorted(int(p.name[5:]) for p in Path(root).glob("step-*") if (p / COMPLETE).exists())
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def latest(root: str | Path) -> int | None:
+    """The newest complete checkpoint step under ``root``, or None."""
+    f = Path(root) / LATEST
+    try:
+        step = int(json.loads(f.read_text())["step"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if not (step_dir(root, step) / COMPLETE).exists():
+        raise CheckpointError(f"{f} points at step {step}, which is not complete")
+    return step

@@ -1,0 +1,451 @@
+"""The CompNode executor: one process that runs one part of a plan (FusionLLM §3.3).
+
+It loads its part of the plan (sub-DAG, parameters, engine), then runs
+iterations when the coordinator says so. Within an iteration it follows its
+schedule (a list of F/B actions, :mod:`fusion.executors.runtime.schedule`) in one
+engine loop: an action runs as soon as everything it needs has arrived —
+activations from producer parts for a forward, gradients from every consumer
+part for a backward. Outputs go to remote users as OP-Data: the engine loop
+hands them to ZeroMQ, whose I/O thread transmits them while the next action
+computes (with link emulation, a sender thread per link holds them for
+alpha + beta * M first); while it waits, the engine loop receives.
+Parameter gradients accumulate over micro-batches; gradients of parameters
+held by several parts (tied weights) are exchanged between their owners and
+summed in plan order, then the optimizer steps locally (synchronous
+semantics). Received messages are checked against the part's boundary
+tables before they are accepted; a bad one is logged and dropped.
+
+Nothing here imports torch: the engine module is imported through
+:mod:`fusion.executors.engines.select` only when the part's engine needs it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fusion.ir.boundary import part_links, part_order, partition
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.opdata import OpData
+from fusion.ir.wire import Message, encode_opdata, opdata_from_message
+from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
+from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
+from fusion.executors.runtime.linkemu import EmulatedLink, link_model
+from fusion.executors.runtime.inbox import Inbox
+from fusion.executors.runtime.limits import part_message_limit
+from fusion.plan import OptimizerConfig
+from fusion.executors.runtime.part import PartRuntime, make_routes
+from fusion.executors.runtime.schedule import make_schedule, splits_backward
+from fusion.executors.runtime.trace_events import Tracer, now_us
+from fusion.executors.runtime.transport import Transport
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "coordinator"
+#: control messages waiting for the engine loop (the coordinator sends one at a time; more is a flood)
+MAX_QUEUED_CTRL = 64
+
+
+class ExecutorAbort(FusionError):
+    """The executor stops: told to abort, coordinator gone, or a wait timed out."""
+
+
+@dataclass
+class ExecutorConfig:
+    """How one CompNode process runs.
+
+    part:            the part (CompNode) name in the plan.
+    coordinator:     the coordinator's address, e.g. ``tcp://10.0.0.1:5555``.
+    bind:            the address to bind (``tcp://127.0.0.1:*`` picks a free port).
+    advertise:       the address peers should connect to (default: the bound one).
+    device:          engine device, e.g. ``cpu`` or ``cuda:0``.
+    heartbeat_s:     seconds between heartbeats to the coordinator.
+    peer_timeout_s:  the coordinator silent this long means it is gone: exit.
+    data_timeout_s:  the longest wait for one action's inputs before giving up.
+    startup_timeout_s: the longest wait for the coordinator's first answer (setup) before giving up.
+    trace_path:      where to write the Chrome trace at exit (None: no trace).
+    engine_options:  options of the part's engine where it has them (torch: ``compiled``,
+                     ``compile``, ``recompute``; :func:`~fusion.executors.engines.select.make_engine_part`).
+    trust_plugins:   import the plugin files the plan lists (``--trust-plugins``); refused otherwise.
+    """
+
+    part: str
+    coordinator: str
+    bind: str = "tcp://127.0.0.1:*"
+    advertise: str | None = None
+    device: str = "cpu"
+    max_message_bytes: int | None = None  # None: derived from the plan (limits.part_message_limit)
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 10.0
+    data_timeout_s: float = 300.0
+    startup_timeout_s: float = 120.0
+    trace_path: str | None = None
+    engine_options: dict = field(default_factory=dict)
+    trust_plugins: bool = False  # import the plan's plugin files (code): only for plans the user trusts
+
+
+class CompNode:
+    """One part of a plan, driven by control messages from the coordinator."""
+
+    #: seconds between "still waiting for ..." log lines of a long wait
+    remind_s = 10.0
+
+    def __init__(self, plan, plan_dir: str | Path, cfg: ExecutorConfig):
+        if cfg.part not in plan.parts:
+            raise FusionError(f"plan has no part {cfg.part!r} (parts: {sorted(plan.parts)})")
+        self.plan, self.plan_dir, self.cfg, self.me = plan, Path(plan_dir), cfg, cfg.part
+        from fusion.ir.registry import import_plugins
+
+        # before any socket opens: refused (untrusted) plugins stop the process with the reason
+        import_plugins(plan.graph.plugins, base=str(self.plan_dir if self.plan_dir.is_dir() else self.plan_dir.parent),
+                       trusted=cfg.trust_plugins)
+        g = plan.graph
+        self.graph = g
+        self.order = part_order(g, plan.assignment)
+        self.n_micro = plan.micro_batches
+        self.actions = make_schedule(plan.schedule, self.order, part_links(g, plan.assignment), self.n_micro)[self.me]
+        self.engine_name = plan.parts[self.me].engine
+        subs = partition(g, plan.assignment)
+        self.sub = subs[self.me]
+        owners: dict[str, list[str]] = {}
+        for p in self.order:
+            for n in subs[p].nodes:
+                for pname in g[n].param_names():
+                    if g.params[pname].trainable and p not in owners.setdefault(pname, []):
+                        owners[pname].append(p)
+        self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
+        self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
+        self.tracer = Tracer(f"CompNode {self.me}", self.order.index(self.me), enabled=cfg.trace_path is not None,
+                             spill=f"{cfg.trace_path}.events.jsonl" if cfg.trace_path else None)
+        self.runtime: PartRuntime | None = None
+        self.opt = None
+        self._cv = threading.Condition()
+        self._ctrl: deque[Control] = deque()
+        self.inbox = Inbox(g, self.me, make_routes(self.sub, plan.assignment), self.n_micro, self.shared)
+        self._aborted: str | None = None
+        self._last_coord = time.monotonic()
+        self._heard_coord = False  # before first contact only the startup timeout applies
+        self._peers = self._peer_parts()
+        # only the coordinator and the parts this one exchanges OP-Data with may send to it
+        limit = cfg.max_message_bytes or part_message_limit(plan, self.me)
+        self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
+                                   max_message_bytes=limit, tracer=self.tracer,
+                                   on_error=self._on_send_error, recv_thread=False)  # the engine loop receives
+        self._hb_stop = threading.Event()
+        self._prev_sent: dict[str, tuple[int, int, float]] = {}
+        self._weights: dict[str, np.ndarray] | None = None
+
+    def _peer_parts(self) -> set[str]:
+        """Parts this one exchanges OP-Data with: producers, consumers, co-owners of tied parameters."""
+        b, a = self.sub.boundary, self.plan.assignment
+        peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
+        for owners in self.shared.values():
+            peers.update(owners)
+        peers.discard(self.me)
+        return peers
+
+    # -- receiving (called by the transport from the engine loop's waits) ----------------
+    def _on_message(self, sender: str, msg: Message) -> None:
+        if sender == COORDINATOR:
+            self._last_coord = time.monotonic()
+            self._heard_coord = True
+        if msg.kind == "ctrl":
+            if sender != COORDINATOR:
+                raise WireError(f"control message from {sender!r}; only the coordinator sends those")
+            c = decode_ctrl(msg, TO_EXECUTOR)
+            if c.op == "hb":
+                return
+            if c.op == "step":
+                self._check_feeds(c)
+            with self._cv:
+                if len(self._ctrl) >= MAX_QUEUED_CTRL and c.op != "abort":
+                    raise WireError(f"{len(self._ctrl)} control messages already queued; dropping {c.op!r}")
+                if c.op == "abort":
+                    self._aborted = f"aborted by the coordinator: {c.fields['reason']}"
+                self._ctrl.append(c)
+                self._cv.notify_all()
+            return
+        od = opdata_from_message(msg)
+        with self._cv:
+            self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
+            self._cv.notify_all()
+
+    def _check_feeds(self, c: Control) -> None:
+        """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part."""
+        mine = {n for n in self.sub.nodes if self.graph[n].kind.value in ("input", "label")}
+        for name in c.arrays:
+            mb, _, ph = name.partition("/")
+            if not (mb.isdigit() and int(mb) < self.n_micro and ph in mine):
+                raise WireError(f"step {c.fields['it']}: tensor {name[:80]!r} is not '<micro-batch>/<placeholder>' "
+                                f"of this part (micro-batches 0..{self.n_micro - 1}, placeholders {sorted(mine)})")
+
+    def _on_send_error(self, peer: str, reason: str) -> None:
+        with self._cv:
+            self._aborted = self._aborted or reason
+            self._cv.notify_all()
+
+    # -- waiting (engine loop) ---------------------------------------------------------
+    def _wait(self, ready, what: str, timeout_s: float):
+        """Receive messages until ``ready()`` returns non-None; abort, silence and timeout raise."""
+        deadline = time.monotonic() + timeout_s
+        remind = time.monotonic() + self.remind_s
+        t0 = now_us()
+        while True:
+            with self._cv:
+                v = ready()
+                if v is not None:
+                    break
+                if self._aborted:
+                    raise ExecutorAbort(self._aborted)
+            if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
+                continue
+            now = time.monotonic()
+            if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
+                raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s "
+                                    f"(it is at {self.cfg.coordinator}; --peer-timeout {self.cfg.peer_timeout_s:g})")
+            if now > deadline:
+                if not self._heard_coord:
+                    raise ExecutorAbort(f"no answer from the coordinator at {self.cfg.coordinator} within {timeout_s:g} s "
+                                        f"(--startup-timeout); is it running, and is that its address?")
+                raise ExecutorAbort(f"timed out after {timeout_s:g} s waiting for {what}")
+            if now >= remind:
+                remind = now + self.remind_s
+                log.info("%s: still waiting for %s (%.0f s of %g s)", self.me, what, now - (deadline - timeout_s), timeout_s)
+            self.transport.pump(min(0.1, deadline - now))
+        t1 = now_us()
+        if t1 - t0 > 50:
+            self.tracer.add(f"idle: {what}", "idle", t0, t1)
+        return v, (t1 - t0) / 1e6
+
+    def _next_ctrl(self, timeout_s: float) -> Control:
+        c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s)
+        if c.op == "abort":
+            raise ExecutorAbort(f"aborted by the coordinator: {c.fields['reason']}")
+        return c
+
+    # -- setup --------------------------------------------------------------------------
+    def _setup(self, c: Control) -> None:
+        f = c.fields
+        resume = f["resume_step"]
+        if resume is not None:
+            params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
+        else:
+            params, opt_arrays, opt_meta = self._plan_weights(), None, None
+        options = engine_options_for(self.me, self.engine_name, {"*": self.cfg.engine_options})
+        engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
+        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine, self.plan.compression)
+        self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
+        if opt_arrays is not None:
+            self.opt.load_state(opt_arrays, opt_meta)
+        with self._cv:
+            self.inbox.expected_iter = int(resume or 0)
+            self.inbox.open = True
+        self.checkpoint_dir = f["checkpoint_dir"]
+        peers = f["peers"]
+        for p in sorted(self._peers):
+            if p not in peers:
+                raise FusionError(f"setup gives no address for peer {p!r}")
+            link = None
+            if f["emulate_links"]:
+                m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
+                link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
+            self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
+
+    def _plan_weights(self) -> dict[str, np.ndarray]:
+        if self._weights is not None:
+            w, self._weights = self._weights, None  # the engine holds them from here on
+            return w
+        return self.check_weights()
+
+    def check_weights(self) -> dict[str, np.ndarray]:
+        """This part's parameters from the plan's weights file, each checked against the graph's shape.
+
+        Raises FusionError (file missing, truncated, a parameter missing or of another shape): a broken plan
+        is noticed before the executor listens, not when the coordinator says hello.
+        """
+        from fusion.plan import load_weights
+
+        if not self.param_names:
+            return {}
+        path = self.plan_dir / "weights.safetensors"
+        w = load_weights(path, self.param_names)
+        for name in self.param_names:
+            want = tuple(self.graph.params[name].shape)
+            if name not in w:
+                raise FusionError(f"{path}: no weights for parameter {name!r} of part {self.me!r}")
+            if tuple(w[name].shape) != want:
+                raise FusionError(f"{path}: parameter {name!r} has shape {list(w[name].shape)}, the plan's graph "
+                                  f"says {list(want)}")
+        return w
+
+    # -- one iteration ----------------------------------------------------------------
+    def _iteration(self, c: Control) -> None:
+        it = int(c.fields["it"])
+        if it != self.inbox.expected_iter:
+            raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self.inbox.expected_iter}")
+        feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]
+        for name, arr in c.arrays.items():
+            mb, _, ph = name.partition("/")
+            feeds[int(mb)][ph] = arr
+        rt, scale = self.runtime, 1.0 / self.n_micro
+        losses: list[list] = []
+        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0}
+        t_start = time.time()
+        split = splits_backward(self.actions)
+        stats["weight_s"] = []
+        for a in self.actions:
+            mb = a.micro_batch
+            if a.kind == "W":  # the parameter half of a split backward: nothing to wait for, nothing to send
+                t0 = now_us()
+                rt.weight(it, mb)
+                t1 = now_us()
+                self.tracer.add(f"W{mb}", "backward", t0, t1)
+                stats["weight_s"].append((t1 - t0) / 1e6)
+                continue
+            if a.kind == "F":
+                box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
+                t0 = now_us()
+                out, loss = rt.forward(it, mb, feeds[mb], box)
+                if loss is not None:
+                    losses.append([mb, loss])
+            else:
+                box, idle = self._wait(lambda: self.inbox.gradients(it, mb), f"gradients of B{mb}", self.cfg.data_timeout_s)
+                t0 = now_us()
+                out = rt.backward(it, mb, box, scale, split=split)
+            t1 = now_us()
+            with self._cv:
+                self.inbox.consume(it, a.kind, mb)
+            self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
+            stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
+            stats["idle_s"] += idle
+            for msg in out:
+                self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
+        t_sync = time.perf_counter()
+        with self.tracer.span("grad-sync", "sync"):
+            self._sync_shared(it)
+        stats["sync_s"] = time.perf_counter() - t_sync
+        engine = rt.engine
+        grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
+        grads = {n: np.array(g) for n, g in grads.items()}
+        t_opt = time.perf_counter()
+        with self.tracer.span("optimizer", "optimizer"):
+            self.opt.step()
+            self.opt.zero_grad()
+        stats["optimizer_s"] = time.perf_counter() - t_opt
+        if c.fields["checkpoint"]:
+            with self.tracer.span("checkpoint", "checkpoint"):
+                checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state())
+                checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
+            stats["checkpoint_step"] = it + 1
+        with self._cv:
+            self.inbox.finish(it)
+        sent = {}
+        for p, s in self.transport.stats().items():
+            prev = self._prev_sent.get(p, (0, 0, 0.0))
+            sent[p] = {"bytes": s.bytes - prev[0], "messages": s.messages - prev[1], "busy_s": s.busy_s - prev[2]}
+            self._prev_sent[p] = (s.bytes, s.messages, s.busy_s)
+        stats.update(t_start=t_start, t_end=time.time(), rejected=self.transport.rejected, escaped=self.transport.escaped, sent=sent)
+        self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=losses, stats=stats))
+
+    def _sync_shared(self, it: int) -> None:
+        """Sum gradients of parameters held by several parts, in plan part order (same bits on every owner)."""
+        if not self.shared:
+            return
+        engine = self.runtime.engine
+        mine = engine.grads()
+        users = self.graph.param_users()
+        for name, owners in sorted(self.shared.items()):
+            local = tuple(n for n in users.get(name, ()) if n in self.sub.nodes)
+            for o in owners:
+                if o != self.me:
+                    od = OpData(name=name, index=None, op_users=tuple(users.get(name, ())), actual_user=local, is_grad=True,
+                                local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=mine.get(name))
+                    self.transport.send(o, encode_opdata(od, kind="pgrad"), label=f"grad {name}")
+
+        got_all, _ = self._wait(lambda: self.inbox.param_grads(it), "tied-parameter gradients", self.cfg.data_timeout_s)
+        for name, owners in self.shared.items():
+            got = got_all[name]
+            gs = [mine.get(name) if o == self.me else got[o] for o in owners]
+            gs = [np.asarray(g) for g in gs if g is not None]
+            if gs:
+                total = gs[0].copy()
+                for g in gs[1:]:
+                    total = total + g
+                engine.set_grad(name, total)
+
+    # -- the process ------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+            self.transport.send(COORDINATOR, encode_ctrl("hb"))
+
+    def run(self) -> int:
+        """Serve the coordinator until told to stop. Returns the process exit status."""
+        status = 1
+        t0 = time.monotonic()
+        # a broken plan, and an address already in use, are the user's to fix: FusionError (one line, exit 2)
+        self._weights = self.check_weights()
+        try:
+            address = self.transport.start()
+        except FusionError:
+            self.transport.close(timeout_s=1.0, linger_s=0.0)
+            raise
+        try:
+            log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
+                     self.engine_name, self.cfg.advertise or address)
+            self.transport.connect(COORDINATOR, self.cfg.coordinator)
+            self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
+                                                         pid=os.getpid(), engine=self.engine_name))
+            threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+            log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
+                     self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)
+            c = self._next_ctrl(self.cfg.startup_timeout_s)
+            if c.op != "setup":
+                raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
+            self._setup(c)
+            self.transport.send(COORDINATOR, encode_ctrl("ready", part=self.me))
+            log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - t0,
+                     len(self._peers), ", ".join(sorted(self._peers)) or "none")
+            while True:
+                c = self._next_ctrl(float("inf"))
+                if c.op == "step":
+                    self._iteration(c)
+                elif c.op == "fetch":
+                    self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
+                elif c.op == "stop":
+                    status = 0
+                    log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
+                    break
+                else:
+                    log.warning("%s: ignoring control op %r", self.me, c.op)
+        except ExecutorAbort as e:
+            log.error("%s: stopping: %s", self.me, e)
+            if not str(e).startswith("aborted by the coordinator") and COORDINATOR in self.transport.senders:
+                self.transport.send(COORDINATOR, encode_ctrl("error", reason=str(e)))
+        except Exception as e:
+            log.exception("%s: failed", self.me)
+            if COORDINATOR in self.transport.senders:
+                self.transport.send(COORDINATOR, encode_ctrl("error", reason=f"{type(e).__name__}: {e}"))
+        finally:
+            self._hb_stop.set()
+            if self.cfg.trace_path:
+                try:
+                    self.tracer.write(self.cfg.trace_path)
+                except OSError as e:
+                    log.error("%s: cannot write trace %s: %s", self.me, self.cfg.trace_path, e)
+            self.transport.close(timeout_s=5.0 if status == 0 else 1.0)
+            log.info("%s: exiting with status %d", self.me, status)
+        return status
+
+
+def run_executor(plan_dir: str | Path, cfg: ExecutorConfig) -> int:
+    """Load the plan at ``plan_dir`` and serve part ``cfg.part``; returns the exit status."""
+    from fusion.plan import load_plan
+
+    return CompNode(load_plan(plan_dir), plan_dir, cfg).run()

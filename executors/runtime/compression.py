@@ -1,0 +1,256 @@
+"""Per-edge Top-K compression of OP-Data payloads (FusionLLM §5, AdaTopK).
+
+A plan lists :class:`~fusion.plan.EdgeCompression` entries: one cut tensor
+``(producer, index)`` on one link ``src -> dst`` with a ratio, the directions
+it applies to (``"fwd"``: the activation ``src -> dst``; ``"bwd"``: its
+gradient ``dst -> src``) and whether error feedback is on. One
+:class:`CompressionTable` per part turns that list into what the part's
+:class:`~fusion.executors.runtime.part.PartRuntime` needs: for each outgoing message,
+encode it or not; for each incoming message, densify it if it is sparse.
+Engines never see a sparse payload.
+
+Backward of a compressed activation edge (straight-through). The receiver
+computes with ``y = decompress(topk(x))`` and its engine returns ``dL/dy``.
+That gradient is sent back to the producer *as is* — the selection is treated
+as the identity in backward — and, when ``"bwd"`` is in the edge's
+directions, it is Top-K compressed independently with the edge's ratio
+(its own selection, not the forward mask). This is what FusionLLM does
+(activations and gradients are sparsified separately); masking ``dL/dy``
+with the forward selection would starve every element not sent in forward
+of gradient (99 % of them at r = 100) and would need the forward mask kept
+per micro-batch. See ``docs/compression.md``.
+
+Everything here is NumPy: selection is ``kernels.topk_host`` (the same code
+the torch codec runs for CPU tensors, so payloads are byte-identical to
+``kernels.codec.compress``) and decoding is a NumPy scatter, so NumPy-engine
+processes stay torch-free. Only error feedback uses torch
+(``kernels.error_feedback.ErrorFeedback``), imported when an edge asks for it.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import OpGraph
+from fusion.kernels.dtypes import VALUE_DTYPES, index_dtype_for
+from fusion.kernels.quant import QuantConfig, QuantPayload, dequantize, quantize
+from fusion.kernels.sparse import SparsePayload, ratio_to_k
+from fusion.kernels.topk_host import Wide
+from fusion.kernels.topk_host import select as host_select
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, "int | None"]
+
+#: tensor dtypes a payload may be compressed in; bfloat16 travels as uint16 bits, so
+#: the table tells it from a real uint16 by the graph's dtype of the edge
+COMPRESSIBLE = frozenset({"float16", "float32", "float64", "bfloat16"})
+
+
+#: codecs the runtime encodes and decodes with NumPy (so NumPy CompNodes stay torch-free)
+RUNTIME_CODECS = ("topk", "quant", "hadamard-quant")
+
+
+@dataclass(frozen=True)
+class EdgeRule:
+    """How one direction of one cut edge is compressed.
+
+    codec:          the codec cfg (``{"algo": "topk", "ratio": r}``, ``{"algo": "quant", "bits": 4, ...}``).
+    error_feedback: add the stream's unsent residual to the next message (Top-K only).
+    """
+
+    codec: dict
+    error_feedback: bool = False
+
+    @property
+    def algo(self) -> str:
+        return self.codec["algo"]
+
+    @property
+    def ratio(self) -> float:
+        """The Top-K ratio r (k = ceil(numel / r), ``kernels.sparse.ratio_to_k``)."""
+        return float(self.codec["ratio"])
+
+    def cfg(self, k: int | None = None) -> dict:
+        """The ``OpData.compress_cfg`` of a message encoded under this rule."""
+        if self.algo == "topk":
+            return {"algo": "topk", "ratio": self.ratio, "k": int(k)}
+        return dict(self.codec)
+
+
+def _rule(e: Any, direction: str) -> EdgeRule | None:
+    """The rule of one direction of a plan's ``EdgeCompression``; FusionError for a codec the runtime lacks."""
+    cfg = e.codec(direction)
+    if cfg is None:
+        return None
+    where = f"compression of {e.producer}[{e.index}] {e.src}->{e.dst} ({direction})"
+    if cfg["algo"] not in RUNTIME_CODECS:
+        raise FusionError(f"{where}: codec {cfg['algo']!r} is not one the runtime runs ({', '.join(RUNTIME_CODECS)})")
+    if cfg["algo"] == "topk":
+        if not float(cfg.get("ratio", 0)) >= 1:
+            raise FusionError(f"{where}: ratio {cfg.get('ratio')!r} < 1")
+        if float(cfg["ratio"]) == 1:
+            return None
+    else:
+        from fusion.kernels.quant import QuantConfig
+
+        QuantConfig.from_cfg(cfg, cfg["algo"] == "hadamard-quant")  # raises naming the bad key
+        if e.error_feedback:
+            raise FusionError(f"{where}: error feedback is for Top-K only")
+    return EdgeRule(cfg, bool(e.error_feedback))
+
+
+
+
+def topk_numpy(arr: np.ndarray, k: int, dtype: str | None = None) -> SparsePayload:
+    """Top-k of a float NumPy array as a :class:`SparsePayload` (same bytes as ``kernels.codec.compress``).
+
+    ``dtype="bfloat16"``: ``arr`` holds bfloat16 bits (uint16); magnitudes are ranked on their
+    exact float32 widening and the kept values stay bfloat16 bits.
+    """
+    a = np.ascontiguousarray(arr)
+    flat = a.reshape(-1)
+    name = dtype or a.dtype.name
+    wide = (flat.astype(np.uint32) << 16).view(np.float32) if name == "bfloat16" else flat
+    idx = host_select(Wide(wide), k)
+    it = np.int32 if index_dtype_for(flat.size) == "int32" else np.int64
+    return SparsePayload(flat[idx], idx.astype(it), tuple(a.shape), name, name)
+
+
+def densify(p: SparsePayload) -> np.ndarray:
+    """The dense NumPy array of a sparse payload (zeros where nothing was sent); validates first.
+
+    bfloat16 values/tensors are handled as their uint16 bits, as everywhere in fusion.
+    """
+    p.validate()
+    vals = p.values
+    if p.value_dtype != p.dtype:
+        if p.value_dtype == "bfloat16":
+            vals = (vals.astype(np.uint32) << 16).view(np.float32)
+        if p.dtype == "bfloat16":
+            raise FusionError("sparse payload: a bfloat16 tensor must carry bfloat16 values")
+        vals = vals.astype(VALUE_DTYPES[p.dtype].numpy)
+    out = np.zeros(p.numel, dtype=VALUE_DTYPES[p.dtype].numpy)
+    out[p.indices] = vals
+    return out.reshape(p.shape)
+
+
+def dense_payload(payload: Any) -> Any:
+    """What an engine gets for a received payload: sparse and quantised ones decoded, others unchanged."""
+    if isinstance(payload, SparsePayload):
+        return densify(payload)
+    if isinstance(payload, QuantPayload):
+        return dequantize(payload)
+    return payload
+
+
+@dataclass
+class CompressionTable:
+    """One part's compression rules, from the plan's ``EdgeCompression`` list.
+
+    fwd:  (tensor key, dst part) -> rule for activations this part sends.
+    bwd:  (tensor key, src part) -> rule for gradients this part sends back.
+    """
+
+    part: str
+    fwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    bwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
+    _ef: Any = field(default=None, repr=False)
+    _sent: int = field(default=0, repr=False)  # quantised messages sent (seeds stochastic rounding)
+
+    @classmethod
+    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None) -> "CompressionTable":
+        """Rules of ``part``; ratio-1 entries, and tensors of loss/label/input nodes, are dropped."""
+        t = cls(part)
+        for e in edges:
+            bad = set(e.directions) - {"fwd", "bwd"}
+            if bad:
+                raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: unknown directions {sorted(bad)}")
+            if not e.ratio >= 1:
+                raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: ratio {e.ratio!r} < 1")
+            fwd, bwd = _rule(e, "fwd"), _rule(e, "bwd")
+            if fwd is None and bwd is None:
+                continue
+            if graph is not None:
+                if e.producer not in graph.nodes:
+                    raise FusionError(f"compression names unknown node {e.producer!r}")
+                if graph[e.producer].kind.value in ("loss", "label", "input"):
+                    log.info("compression of %s (%s) ignored: losses, labels and inputs are sent dense",
+                             e.producer, graph[e.producer].kind.value)
+                    continue
+            key = (e.producer, e.index)
+            if graph is not None and getattr(graph.output_meta(*key), "dtype", None) == "bfloat16":
+                t.bfloat16.add(key)
+            if e.src == part and fwd is not None:
+                t.fwd[(key, e.dst)] = fwd
+            if e.dst == part and bwd is not None:
+                t.bwd[(key, e.src)] = bwd
+        return t
+
+    def __bool__(self) -> bool:
+        return bool(self.fwd or self.bwd)
+
+    def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int) -> tuple[Any, dict | None]:
+        """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed."""
+        rule = (self.bwd if is_grad else self.fwd).get((key, peer))
+        dtype = None
+        if isinstance(payload, np.ndarray):
+            dtype = "bfloat16" if payload.dtype == np.uint16 and key in self.bfloat16 else payload.dtype.name
+        if rule is None or dtype not in COMPRESSIBLE:
+            if rule is not None:
+                log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
+            return payload, None
+        if rule.algo != "topk":
+            cfg = QuantConfig.from_cfg(rule.codec, rule.algo == "hadamard-quant")
+            if cfg.rounding == "stochastic":  # fresh noise per message, the same on every run of the plan
+                self._sent += 1
+                cfg = cfg.with_seed(zlib.crc32(repr((self.part, key, peer, is_grad, mb, self._sent)).encode()))
+            return quantize(payload, cfg, dtype=dtype), rule.cfg()
+        k = ratio_to_k(payload.size, rule.ratio)
+        if rule.error_feedback:
+            sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload, dtype), k)
+        else:
+            sp = topk_numpy(payload, k, dtype)
+        return sp, rule.cfg(k)
+
+    def _feedback(self):
+        if self._ef is None:
+            from fusion.kernels.error_feedback import ErrorFeedback
+
+            self._ef = ErrorFeedback(enabled=True)
+        return self._ef
+
+    def residual(self, key: Key, peer: str, direction: str, mb: int):
+        """Error-feedback residual of one stream (None when there is none yet)."""
+        return None if self._ef is None else self._ef.residual((key, peer, direction, mb))
+
+
+def _as_torch(a: np.ndarray, dtype: str):
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None) -> CompressionTable | None:
+    """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
+    t = CompressionTable.build(part, edges or (), graph)
+    return t if t else None
+
+
+def check_edges(edges: Iterable[Any], assignment: Mapping[str, str]) -> None:
+    """Every entry names a node on its ``src`` part and a part that exists."""
+    parts = set(assignment.values())
+    for e in edges:
+        if e.producer not in assignment:
+            raise FusionError(f"compression names unknown node {e.producer!r}")
+        if assignment[e.producer] != e.src:
+            raise FusionError(f"compression of {e.producer!r}: src {e.src!r} but the node runs on {assignment[e.producer]!r}")
+        if e.dst not in parts:
+            raise FusionError(f"compression of {e.producer!r}: unknown dst part {e.dst!r}")

@@ -1,0 +1,327 @@
+"""The coordinator: starts iterations, feeds data, collects losses, checkpoints, detects failures.
+
+It is the rendezvous of a run: every executor knows only the coordinator's
+address; it says hello with its own address, and the coordinator answers
+with the address book (``setup``). Each iteration, the coordinator splits the
+batch into micro-batches and sends each part the placeholders (inputs and
+labels) the plan places on it, then waits for every part's ``done``. The
+loss of the iteration is the mean over micro-batches of the summed loss
+nodes, as in single-process training.
+
+Every ``checkpoint_every`` steps the executors save their own parameters and
+optimizer state; once all have, the coordinator marks the checkpoint
+complete (:mod:`fusion.executors.runtime.checkpoint`). A part that reports an error,
+whose process exits, or that sends nothing (not even a heartbeat) for
+``peer_timeout_s`` is reported by name as a :class:`CompNodeFailure`; the
+others are told to abort.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.node import NodeKind
+from fusion.ir.wire import Message
+from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime.limits import coordinator_message_limit
+from fusion.executors.runtime.control import TO_COORDINATOR, Control, decode_ctrl, encode_ctrl
+from fusion.executors.runtime.transport import Transport
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "coordinator"
+#: control messages from one part waiting to be collected (a part sends one or two per step; more is a flood)
+MAX_QUEUED_PER_PART = 64
+
+
+class CompNodeFailure(FusionError):
+    """A CompNode failed or stopped answering; ``part`` names it."""
+
+    def __init__(self, part: str, reason: str):
+        super().__init__(f"CompNode {part!r} failed: {reason}")
+        self.part, self.reason = part, reason
+
+
+class Process(Protocol):
+    """What the coordinator needs of a locally started executor process."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+@dataclass
+class CoordinatorConfig:
+    """bind: the coordinator's address; checkpoint_every: 0 = never; timeouts in seconds."""
+
+    bind: str = "tcp://127.0.0.1:*"
+    emulate_links: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    step_timeout_s: float = 3600.0
+    max_message_bytes: int | None = None  # None: derived from the plan (limits.coordinator_message_limit)
+
+
+@dataclass
+class StepReport:
+    """One iteration as the coordinator saw it.
+
+    loss: mean over micro-batches of the summed loss nodes; iteration_s: from
+    sending ``step`` to the last ``done``; parts: each part's stats
+    (forward/backward seconds per micro-batch, idle, bytes sent per peer);
+    grads: parameter gradients (when asked for), shared ones once.
+    """
+
+    step: int
+    loss: float
+    iteration_s: float
+    samples: int
+    parts: dict[str, dict] = field(default_factory=dict)
+    grads: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.iteration_s if self.iteration_s > 0 else float("nan")
+
+
+def _names(parts: list[str], first: int = 5) -> str:
+    """``part0, part1`` or ``7 parts (part0, part1, part2, ...)``: one short line however many."""
+    if len(parts) <= first:
+        return ", ".join(parts)
+    return f"{len(parts)} parts ({', '.join(parts[:first])}, ...)"
+
+
+def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, np.ndarray]]:
+    """Split every placeholder value along dim 0 into ``n`` equal micro-batches (NumPy)."""
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    for name, v in batch.items():
+        a = np.asarray(v)
+        if a.ndim == 0 or a.shape[0] % n:
+            raise FusionError(f"batch field {name!r} has shape {list(a.shape)}, not divisible into {n} micro-batches")
+        for i, c in enumerate(np.split(a, n, axis=0)):
+            out[i][name] = np.ascontiguousarray(c)
+    return out
+
+
+class Coordinator:
+    """Drives the executors of one plan."""
+
+    def __init__(self, plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None,
+                 report: Callable[[str], None] | None = None):
+        """report: called with one line per start-up event (a CompNode says hello, is ready, is still awaited)."""
+        self.plan, self.cfg = plan, cfg
+        self.report = report or (lambda line: log.info("%s", line))
+        self.parts = list(plan.parts)
+        self.processes = processes if processes is not None else {}  # by reference: a launcher may fill it later
+        g = plan.graph
+        self.feeds_of = {p: [n for n, q in plan.assignment.items() if q == p and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
+                         for p in self.parts}
+        self._cv = threading.Condition()
+        self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
+        self._last_seen: dict[str, float] = {}
+        self._errors: dict[str, str] = {}
+        self.addresses: dict[str, str] = {}
+        self.step_index = 0
+        self.transport = Transport(COORDINATOR, cfg.bind, self.parts, self._on_message,
+                                   max_message_bytes=cfg.max_message_bytes or coordinator_message_limit(plan), on_error=self._on_send_error)
+        self.address = ""
+        self._hb_stop = threading.Event()
+
+    # -- receiving ------------------------------------------------------------------
+    def _on_message(self, sender: str, msg: Message) -> None:
+        if msg.kind != "ctrl":
+            raise WireError(f"{msg.kind} message sent to the coordinator")
+        c = decode_ctrl(msg, TO_COORDINATOR)
+        with self._cv:
+            self._last_seen[sender] = time.monotonic()
+            if c.op == "error":
+                self._errors.setdefault(sender, str(c.fields["reason"]))
+            elif c.op != "hb":
+                if len(self._inbox[sender]) >= MAX_QUEUED_PER_PART:
+                    raise WireError(f"{len(self._inbox[sender])} messages from {sender} already wait; dropping {c.op!r}")
+                self._inbox[sender].append(c)
+            self._cv.notify_all()
+
+    def _on_send_error(self, peer: str, reason: str) -> None:
+        with self._cv:
+            self._errors.setdefault(peer, reason)
+            self._cv.notify_all()
+
+    def _failure(self, parts: list[str]) -> CompNodeFailure | None:
+        """The first failed part among ``parts`` (error report, dead process, silence), if any."""
+        now = time.monotonic()
+        for p in self.parts:
+            if p in self._errors:
+                return CompNodeFailure(p, self._errors[p])
+        for p in self.parts:
+            proc = self.processes.get(p)
+            rc = proc.poll() if proc is not None else None
+            if rc is not None:
+                return CompNodeFailure(p, f"its process (pid {proc.pid}) exited with status {rc}")
+        for p in parts:
+            seen = self._last_seen.get(p)
+            if seen is not None and now - seen > self.cfg.peer_timeout_s:
+                return CompNodeFailure(p, f"stopped answering (nothing received for {now - seen:.1f} s)")
+        return None
+
+    def _collect(self, op: str, parts: list[str], timeout_s: float, what: str,
+                 on_each: Callable[[str, Control], None] | None = None, remind_s: float = 0.0) -> dict[str, Control]:
+        """Wait for one ``op`` message from each of ``parts``; failures raise CompNodeFailure.
+
+        on_each(part, message) is called as each arrives; every ``remind_s`` seconds (0: never) the
+        report callback is told which parts are still awaited.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        next_remind = t0 + remind_s
+        got: dict[str, Control] = {}
+        with self._cv:
+            while True:
+                for p in parts:
+                    if p not in got:
+                        box = self._inbox[p]
+                        for i, c in enumerate(box):
+                            if c.op == op:
+                                got[p] = box.pop(i)
+                                if on_each is not None:
+                                    on_each(p, got[p])
+                                break
+                if len(got) == len(parts):
+                    return got
+                waiting = [p for p in parts if p not in got]
+                if remind_s and time.monotonic() >= next_remind:
+                    next_remind += remind_s
+                    self.report(f"still waiting for {_names(waiting)} ({what}, {time.monotonic() - t0:.0f} s of "
+                                f"{timeout_s:.0f} s)")
+                fail = self._failure(waiting)
+                if fail is None and time.monotonic() > deadline:
+                    fail = CompNodeFailure(waiting[0], f"no {op!r} within {timeout_s:.0f} s while {what} "
+                                                       f"(still waiting for {_names(waiting)})")
+                if fail is not None:
+                    self._abort_locked(f"{fail} (during {what})")
+                    raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})")
+                self._cv.wait(0.05)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def bind(self) -> str:
+        """Bind the coordinator's address (executors need it to say hello)."""
+        if not self.address:
+            self.address = self.transport.start()
+        return self.address
+
+    def start(self, resume: bool = False) -> int:
+        """Wait for every executor's hello, send setup, wait until all are ready.
+
+        Returns the first step to run: 0, or the step of the latest complete
+        checkpoint when ``resume``.
+        """
+        self.bind()
+        threading.Thread(target=self._heartbeat, name="coordinator-heartbeat", daemon=True).start()
+        t0 = time.monotonic()
+
+        def hello(p: str, c: Control) -> None:
+            f = c.fields
+            self.report(f"{p} up: pid {f.get('pid')}, {f.get('engine')} engine, listening on {f.get('address')} "
+                        f"({time.monotonic() - t0:.1f} s after launch)")
+
+        def ready(p: str, c: Control) -> None:
+            self.report(f"{p} ready: part built and weights loaded ({time.monotonic() - t0:.1f} s after launch)")
+
+        hellos = self._collect("hello", self.parts, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0)
+        resume_step = None
+        if resume:
+            if not self.cfg.checkpoint_dir:
+                raise FusionError("resume needs a checkpoint directory")
+            resume_step = checkpoint.latest(self.cfg.checkpoint_dir)
+            if resume_step is not None:  # files on this disk are verified here, before any executor loads them
+                checkpoint.verify(self.cfg.checkpoint_dir, resume_step, self.parts)
+            if resume_step is None:
+                log.warning("no complete checkpoint in %s; starting from step 0", self.cfg.checkpoint_dir)
+        for p, h in hellos.items():
+            if h.fields["part"] != p:
+                raise CompNodeFailure(p, f"says hello as {h.fields['part']!r}")
+            self.addresses[p] = str(h.fields["address"])
+            self.transport.connect(p, self.addresses[p])
+        ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
+        for p in self.parts:
+            self.transport.send(p, encode_ctrl("setup", peers=self.addresses, emulate_links=self.cfg.emulate_links,
+                                               resume_step=resume_step, checkpoint_dir=ckpt))
+        self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
+        self.step_index = resume_step or 0
+        log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
+        return self.step_index
+
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+            for p in list(self.transport.senders):
+                self.transport.send(p, encode_ctrl("hb"))
+
+    def step(self, batch: Mapping[str, Any], want_grads: bool = False) -> StepReport:
+        """Run one iteration on ``batch`` (placeholder -> array with all micro-batches)."""
+        it = self.step_index
+        n = self.plan.micro_batches
+        mbs = split_micro_batches(batch, n)
+        every = self.cfg.checkpoint_every
+        ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
+        t0 = time.monotonic()
+        for p in self.parts:
+            missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
+            if missing:
+                raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
+            arrays = {f"{m}/{ph}": mbs[m][ph] for m in range(n) for ph in self.feeds_of[p]}
+            self.transport.send(p, encode_ctrl("step", arrays, it=it, want_grads=want_grads, checkpoint=ckpt))
+        done = self._collect("done", self.parts, self.cfg.step_timeout_s, f"step {it}")
+        dt = time.monotonic() - t0
+        losses = []
+        grads: dict[str, np.ndarray] = {}
+        for p in self.parts:  # plan part order
+            c = done[p]
+            if c.fields["it"] != it:
+                raise CompNodeFailure(p, f"answered step {c.fields['it']} to step {it}")
+            losses += [float(v) for _, v in c.fields["losses"]]
+            for name, g in c.arrays.items():
+                grads.setdefault(name, np.array(g))
+        if ckpt:
+            unsaved = [p for p in self.parts if done[p].fields["stats"].get("checkpoint_step") != it + 1]
+            if unsaved:
+                raise CompNodeFailure(unsaved[0], f"did not confirm its checkpoint of step {it + 1}")
+            # each executor wrote its own files (on its own host); their confirmations make the step complete
+            checkpoint.commit(self.cfg.checkpoint_dir, it + 1, self.parts, {"time": time.time()}, check_files=False)
+        self.step_index = it + 1
+        rows = next(iter(batch.values())).shape[0] if batch else 0
+        return StepReport(it, float(np.sum(losses) / n), dt, rows, {p: done[p].fields["stats"] for p in self.parts}, grads)
+
+    def fetch_state(self, timeout_s: float = 60.0) -> dict[str, np.ndarray]:
+        """Every parameter's current value, gathered from the parts (shared ones once)."""
+        for p in self.parts:
+            self.transport.send(p, encode_ctrl("fetch"))
+        got = self._collect("state", self.parts, timeout_s, "fetching parameters")
+        out: dict[str, np.ndarray] = {}
+        for p in self.parts:
+            for k, v in got[p].arrays.items():
+                out.setdefault(k, np.array(v))
+        return out
+
+    def _abort_locked(self, reason: str) -> None:
+        for p in list(self.transport.senders):
+            self.transport.send(p, encode_ctrl("abort", reason=reason))
+
+    def stop(self) -> None:
+        """Tell every executor to finish (they flush traces and exit 0)."""
+        for p in list(self.transport.senders):
+            self.transport.send(p, encode_ctrl("stop"))
+
+    def close(self, linger_s: float = 0.5) -> None:
+        """Release the sockets; queued messages (stop, abort) get ``linger_s`` to leave."""
+        self._hb_stop.set()
+        self.transport.close(timeout_s=2.0, linger_s=linger_s)

@@ -1,0 +1,174 @@
+"""The local cluster launcher: one executor process per CompNode on loopback.
+
+:class:`LocalCluster` starts ``python -m fusion.cli executor PLAN --node P``
+for every part of a plan, binds a coordinator in this process, and tears
+everything down on exit (stop, then terminate, then kill — every wait has a
+timeout). Executor logs go to ``RUN/logs/<part>.log``, Chrome traces to
+``RUN/trace/<part>.json``, process ids to ``RUN/pids.json``.
+
+:func:`hand_plan` builds a :class:`~fusion.plan.Plan` from a model and a
+hand-written assignment (tests, benchmarks, and plans written by hand).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from fusion.ir.errors import FusionError
+from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
+
+log = logging.getLogger(__name__)
+
+
+def _dtype_name(v: Any) -> str:
+    return str(getattr(v, "dtype", "")).removeprefix("torch.")
+
+
+def local_cluster_dict(parts: list[str]) -> dict:
+    """A cluster of one device per part with no latency and unlimited bandwidth."""
+    n = len(parts)
+    return {"name": "local", "devices": [{"name": f"local-{i}", "group": "local"} for i in range(n)],
+            "delay_s": [[0.0] * n for _ in range(n)], "bandwidth_bps": [[0.0] * n for _ in range(n)]}
+
+
+def hand_plan(model, assignment: Mapping[str, str], *, devices: Mapping[str, str] | None = None,
+              cluster: dict | None = None, schedule: str = "gpipe", micro_batches: int = 1,
+              optimizer=None, seed: int = 0, engines: Mapping[str, str] | None = None, predicted: dict | None = None):
+    """A plan with a hand-written ``assignment`` (node -> part).
+
+    devices: part -> cluster device name (default: the i-th device of ``cluster`` for the i-th part).
+    cluster: a cluster dict in the scenario format (default: :func:`local_cluster_dict`).
+    """
+    from fusion.ir.boundary import part_order
+    from fusion.plan import Part, Plan
+    from fusion.plan import OptimizerConfig
+
+    order = part_order(model.graph, assignment)
+    cluster = cluster if cluster is not None else local_cluster_dict(order)
+    names = [d["name"] for d in cluster["devices"]]
+    if devices is None:
+        if len(names) < len(order):
+            raise FusionError(f"cluster has {len(names)} devices for {len(order)} parts")
+        devices = {p: names[i] for i, p in enumerate(order)}
+    parts = {p: Part(p, devices[p], engine=(engines or {}).get(p, "torch")) for p in order}
+    example = {k: {"shape": [int(s) for s in v.shape], "dtype": _dtype_name(v)} for k, v in model.example.items()}
+    plan = Plan(model.graph, cluster, parts, dict(assignment), schedule=schedule, micro_batches=micro_batches,
+                optimizer=(optimizer or OptimizerConfig()).to_dict(), seed=seed, predicted=dict(predicted or {}),
+                example=example, strategy="manual")
+    plan.check()
+    return plan
+
+
+class LocalCluster:
+    """Executors on loopback plus a coordinator in this process.
+
+    plan_dir:  a saved plan (``plan.json`` + ``weights.safetensors``).
+    run_dir:   logs, traces, checkpoints (``run_dir/checkpoints`` unless the config names one).
+    threads:   intra-op threads per executor (default: cores / parts, at least 1).
+    part_env:  extra environment variables for the executor of a part (part -> {name: value}),
+               e.g. a PYTHONPATH that changes what that process can import.
+    report:    called with one line per start-up event (each CompNode up, ready); default: the log.
+    """
+
+    def __init__(self, plan_dir: str | Path, run_dir: str | Path, cfg: CoordinatorConfig | None = None, *,
+                 threads: int | None = None, trace: bool = True, python: str = sys.executable,
+                 executor_args: list[str] | None = None, verbose: int = 1,
+                 part_env: Mapping[str, Mapping[str, str]] | None = None,
+                 report: Callable[[str], None] | None = None):
+        from fusion.plan import load_plan
+
+        self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
+        self.plan = load_plan(self.plan_dir)
+        self.cfg = cfg or CoordinatorConfig()
+        if self.cfg.checkpoint_dir is None:
+            self.cfg.checkpoint_dir = str(self.run_dir / "checkpoints")
+        n = len(self.plan.parts)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // n)
+        self.trace, self.python, self.verbose = trace, python, verbose
+        self.executor_args = list(executor_args or [])
+        self.part_env = {p: dict(e) for p, e in (part_env or {}).items()}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.coordinator: Coordinator | None = None
+        self._logs: list = []
+        self.report = report
+
+    def start(self, resume: bool = False) -> int:
+        """Spawn the executors and wait until they are ready; returns the first step to run."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.coordinator = Coordinator(self.plan, self.cfg, self.processes, report=self.report)
+        addr = self.coordinator.bind()
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
+               "PYTHONUNBUFFERED": "1"}
+        for p in self.plan.parts:
+            cmd = [self.python, "-c", _ENTRY, package_root(), *(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor",
+                   str(self.plan_dir), "--node", p, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
+                   "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
+                   *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
+                   "--fast-exit", *self.executor_args]
+            if self.trace:
+                cmd += ["--trace", str(self.run_dir / "trace" / f"{p}.json")]
+            f = open(self.run_dir / "logs" / f"{p}.log", "ab")
+            self._logs.append(f)
+            self.processes[p] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **self.part_env.get(p, {})},
+                                                 start_new_session=True)
+        (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
+        return self.coordinator.start(resume=resume)
+
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> dict[str, int | None]:
+        """Stop the executors (gracefully when asked), then terminate and kill what is left."""
+        if self.coordinator is not None and graceful:
+            self.coordinator.stop()
+        status = _wait_all(self.processes, timeout_s if graceful else 0.5)
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            left = [p for p, rc in status.items() if rc is None]
+            if not left:
+                break
+            for p in left:
+                try:
+                    os.killpg(self.processes[p].pid, sig)
+                except ProcessLookupError:
+                    pass
+            status.update(_wait_all({p: self.processes[p] for p in left}, grace))
+        if self.coordinator is not None:
+            self.coordinator.close()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        return status
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        self.close(graceful=et is None)
+
+
+#: Executor entry point: import fusion from the folder the launching process imported it from, never from
+#: the current directory (``python -m`` would put the cwd first, where a source ``fusion/`` may hide the install).
+_ENTRY = "import sys; sys.path[0] = sys.argv.pop(1); sys.argv[0] = 'fusion'; from fusion.cli import main; raise SystemExit(main())"
+
+
+def package_root() -> str:
+    """The folder holding the ``fusion`` package this process runs (site-packages, or a source checkout)."""
+    import fusion
+
+    return str(Path(fusion.__file__).resolve().parent.parent)
+
+
+def _wait_all(processes: Mapping[str, subprocess.Popen], timeout_s: float) -> dict[str, int | None]:
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, int | None] = {}
+    for p, proc in processes.items():
+        try:
+            out[p] = proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            out[p] = None
+    return out

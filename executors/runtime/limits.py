@@ -1,0 +1,60 @@
+"""Message size limits derived from the plan: a link accepts what the plan says it carries, plus headroom.
+
+A CompNode receives activations and gradients of its boundary tensors, the
+gradients of tied parameters, and the coordinator's ``step`` (its
+placeholders for every micro-batch); the coordinator receives each part's
+``done`` (its parameter gradients when asked) and ``state`` (its parameters).
+The largest of these, times :data:`HEADROOM` (data batches larger than the
+plan's example, header overhead), floored at :data:`FLOOR_BYTES`, is the
+receiver's limit: a 2 GiB message to a part whose largest tensor is 64 KiB
+is rejected by ZeroMQ before it is ever buffered whole.
+"""
+from __future__ import annotations
+
+import math
+
+from fusion.ir.boundary import partition
+from fusion.ir.node import NodeKind, TensorMeta
+
+HEADROOM = 4
+FLOOR_BYTES = 8 << 20
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+             "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+VALUE_BYTES = 64 << 10  # a non-tensor value (ints, shapes) travels in the header
+
+
+def _bytes(meta) -> int:
+    if not isinstance(meta, TensorMeta):
+        return VALUE_BYTES
+    return math.prod(meta.shape) * _ITEMSIZE.get(meta.dtype, 8)
+
+
+def _limit(n: int) -> int:
+    return max(FLOOR_BYTES, HEADROOM * n)
+
+
+def part_message_limit(plan, part: str) -> int:
+    """The largest message ``part`` should receive, with headroom (bytes)."""
+    g = plan.graph
+    sub = partition(g, plan.assignment)[part]
+    b = sub.boundary
+    biggest = 0
+    for e in list(b.required_acts) + list(b.sent_acts):  # activations in, gradients of what it sends back in
+        biggest = max(biggest, _bytes(g.output_meta(e.producer, e.index)))
+    for n in sub.nodes:
+        for p in g[n].param_names():  # a tied parameter's gradient from a co-owner
+            biggest = max(biggest, _bytes(TensorMeta(tuple(g.params[p].shape), g.params[p].dtype)))
+    feeds = sum(_bytes(g[n].meta.outputs[0]) if g[n].meta and g[n].meta.outputs else VALUE_BYTES
+                for n in sub.nodes if g[n].kind in (NodeKind.INPUT, NodeKind.LABEL))
+    biggest = max(biggest, feeds * plan.micro_batches)
+    return _limit(biggest)
+
+
+def coordinator_message_limit(plan) -> int:
+    """The largest ``done``/``state`` message a part should send the coordinator: all its parameters, with headroom."""
+    g = plan.graph
+    biggest = 0
+    for part, sub in partition(g, plan.assignment).items():
+        names = {p for n in sub.nodes for p in g[n].param_names()}
+        biggest = max(biggest, sum(_bytes(TensorMeta(tuple(g.params[p].shape), g.params[p].dtype)) for p in names))
+    return _limit(biggest)

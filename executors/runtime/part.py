@@ -1,0 +1,148 @@
+"""PartRuntime: one CompNode's sub-DAG seen from the outside — OpData in, OpData out.
+
+It wraps an engine part (torch, numpy, ...) that works on plain arrays, and
+does the bookkeeping of FusionLLM §3.3: which activations a part waits for,
+where its outputs go (and for which actual users), how gradients from several
+consumer parts are summed per tensor, and where input gradients are returned.
+The single-process reference executor and the distributed CompNode executor
+both drive this class; only how OpData travels differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+import numpy as np
+
+from fusion.ir.boundary import SubGraph
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import OpGraph
+from fusion.ir.opdata import OpData
+from fusion.executors.runtime.compression import dense_payload, table_for
+
+Key = tuple[str, "int | None"]
+
+
+class EnginePart(Protocol):
+    """What an engine provides for one sub-DAG (arrays in, arrays out)."""
+
+    engine: str
+
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]: ...
+
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]: ...
+
+    def state(self) -> dict[str, np.ndarray]: ...
+
+    def grads(self) -> dict[str, np.ndarray | None]: ...
+
+    def set_grad(self, name: str, grad: Any) -> None: ...
+
+
+@dataclass
+class Routes:
+    """Static message routing of one part, derived from the boundary tables.
+
+    send_to:     tensor key -> {dst part: actual users there}
+    recv_from:   tensor key -> src part (each required tensor has one producer part)
+    recv_users:  tensor key -> local actual users
+    grads_from:  tensor key -> parts that will return a gradient for it
+    grads_to:    tensor key -> src part to return a gradient to
+    """
+
+    send_to: dict[Key, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    recv_from: dict[Key, str] = field(default_factory=dict)
+    recv_users: dict[Key, tuple[str, ...]] = field(default_factory=dict)
+    grads_from: dict[Key, set[str]] = field(default_factory=dict)
+    grads_to: dict[Key, str] = field(default_factory=dict)
+
+
+def make_routes(sub: SubGraph, assignment: Mapping[str, str]) -> Routes:
+    r = Routes()
+    for e in sub.boundary.sent_acts:
+        dst = assignment[e.actual_user]
+        users = r.send_to.setdefault(e.key, {})
+        users[dst] = tuple(sorted(set(users.get(dst, ())) | {e.actual_user}))
+        if e.requires_grad:
+            r.grads_from.setdefault(e.key, set()).add(dst)
+    for e in sub.boundary.required_acts:
+        r.recv_from[e.key] = assignment[e.producer]
+        r.recv_users[e.key] = tuple(sorted(set(r.recv_users.get(e.key, ())) | {e.actual_user}))
+        if e.requires_grad:
+            r.grads_to[e.key] = assignment[e.producer]
+    return r
+
+
+class PartRuntime:
+    """A part's forward/backward in terms of OpData messages."""
+
+    def __init__(self, graph: OpGraph, name: str, sub: SubGraph, assignment: Mapping[str, str], engine: EnginePart,
+                 compression: "Iterable[Any] | None" = None):
+        """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
+        self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
+        self.compression = table_for(name, compression, graph)
+        self.routes = make_routes(sub, assignment)
+        self._users = {n: tuple(u) for n, u in graph.users().items()}
+        self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
+        self.has_loss = any(graph[n].kind.value == "loss" for n in sub.nodes)
+
+    # -- what a part waits for -------------------------------------------------------
+    def needs_acts(self) -> set[Key]:
+        return set(self.routes.recv_from)
+
+    def needs_grads(self) -> dict[Key, set[str]]:
+        return self.routes.grads_from
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, it: int, mb: int, feeds: Mapping[str, Any], inbox: list[OpData]) -> tuple[list[OpData], float | None]:
+        inputs: dict[Key, Any] = {}
+        for msg in inbox:
+            if msg.is_grad or msg.key not in self.routes.recv_from:
+                raise GraphError(f"part {self.name} got an unexpected activation {msg.key} from {msg.src}", msg.name)
+            inputs[msg.key] = dense_payload(msg.payload)
+        sent, loss = self.engine.forward((it, mb), inputs, {k: feeds[k] for k in self.placeholders if k in feeds})
+        out = []
+        for key, dsts in self.routes.send_to.items():
+            for dst, users in dsts.items():
+                payload, cfg = sent[key], None
+                if self.compression is not None:
+                    payload, cfg = self.compression.encode(payload, key, dst, False, mb)
+                out.append(OpData(
+                    name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=users,
+                    is_grad=False, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=payload,
+                    requires_grad=dst in self.routes.grads_from.get(key, ()), compress_cfg=cfg,
+                ))
+        return out, loss
+
+    # -- backward -----------------------------------------------------------------
+    def backward(self, it: int, mb: int, inbox: list[OpData], loss_scale: float, split: bool = False) -> list[OpData]:
+        """Sum received gradients per tensor (over actual users), run local BP, return input grads.
+
+        split: the schedule has a ``W`` action for this micro-batch: compute only the input
+               gradients now (engines without ``backward_input`` do all of backward here and
+               nothing in :meth:`weight`)."""
+        summed: dict[Key, Any] = {}
+        for msg in inbox:
+            if not msg.is_grad or msg.key not in self.routes.grads_from:
+                raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
+            g = np.asarray(dense_payload(msg.payload))
+            summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
+        if split and hasattr(self.engine, "backward_input"):
+            grads_in = self.engine.backward_input((it, mb), summed, loss_scale)
+        else:
+            grads_in = self.engine.backward((it, mb), summed, loss_scale)
+        out = []
+        for key, g in grads_in.items():
+            dst, cfg = self.routes.grads_to[key], None
+            if self.compression is not None:  # straight-through: dL/dy itself, Top-K'd on its own (compression.py)
+                g, cfg = self.compression.encode(g, key, dst, True, mb)
+            out.append(OpData(
+                name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=self.routes.recv_users[key],
+                is_grad=True, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=g, compress_cfg=cfg,
+            ))
+        return out
+
+    def weight(self, it: int, mb: int) -> None:
+        """The ``W`` action of a split backward: accumulate the parameter gradients of micro-batch ``mb``."""
+        if hasattr(self.engine, "backward_weight"):
+            self.engine.backward_weight((it, mb))

@@ -1,0 +1,129 @@
+"""Replay a schedule without a model: predict a plan's iteration time.
+
+Given how long each part's forward and backward of one micro-batch take
+(``C_p``, from the estimator or a warm-up profile), the bytes every action
+sends, and the alpha-beta parameters of every link, the replay runs the
+plan's schedule (a list of F/B actions per part) the way the CompNode
+executors do: an action starts when its part is free and its inputs have
+arrived; each message occupies its link for ``beta * M`` after the messages
+queued before it and arrives ``alpha`` later (FusionLLM §3.5,
+``T_comm = alpha + beta * M``). The iteration ends when every part has run
+its last action plus its optimizer step. Unlike the closed form of Eq. (3)
+it prices branches, 1F1B and per-link queueing exactly as executed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from fusion.ir.boundary import part_links, part_order, partition
+from fusion.ir.node import TensorMeta
+from fusion.ir.opdata import OpData
+from fusion.ir.wire import encode_opdata, frames_nbytes
+from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, link_model
+from fusion.executors.runtime.part import make_routes
+from fusion.executors.runtime.schedule import Action, make_schedule, splits_backward
+
+
+#: the share of a backward that is parameter gradients, when a split schedule's W is not measured
+W_FRACTION = 0.5
+
+
+def _cost(c: Mapping[str, float], kind: str, split: bool) -> float:
+    """Seconds of one action: F, B (whole, or the input half when the schedule splits it), W."""
+    if not split or "W" in c:
+        return float(c.get(kind, 0.0))
+    b = float(c["B"])
+    return b * W_FRACTION if kind == "W" else b * (1 - W_FRACTION) if kind == "B" else float(c[kind])
+
+
+@dataclass
+class ReplayResult:
+    """iteration_s: predicted iteration time; link_bytes: bytes per ordered part pair per iteration;
+    link_busy_s: seconds each link spends transmitting; timeline: part -> [(action, start, end)]."""
+
+    iteration_s: float
+    link_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    link_busy_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    timeline: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)
+
+
+def message_bytes(plan) -> dict[tuple[str, str], list[tuple[str, int]]]:
+    """(part, "F"/"B") -> [(destination part, wire bytes)] that one action of that part sends."""
+    g = plan.graph
+    subs = partition(g, plan.assignment)
+    out: dict[tuple[str, str], list[tuple[str, int]]] = {}
+    for p, sub in subs.items():
+        r = make_routes(sub, plan.assignment)
+        for kind, pairs in (("F", [(k, d) for k, ds in r.send_to.items() for d in ds]),
+                            ("B", list(r.grads_to.items()))):
+            msgs = out.setdefault((p, kind), [])
+            for key, dst in pairs:
+                outs = g[key[0]].meta.outputs
+                m = outs[key[1] or 0] if outs else None
+                payload = np.empty(m.shape, dtype="uint16" if m.dtype == "bfloat16" else m.dtype) \
+                    if isinstance(m, TensorMeta) else 0
+                od = OpData(key[0], key[1], tuple(g.users().get(key[0], ())), ("x" * 8,), kind == "B", 0, 0, p, dst, payload)
+                msgs.append((dst, frames_nbytes(encode_opdata(od))))
+    return out
+
+
+def replay(plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tuple[str, str], LinkModel] | None = None,
+           tail_s: Mapping[str, float] | None = None) -> ReplayResult:
+    """Predict one iteration of ``plan``.
+
+    compute: part -> {"F": seconds, "B": seconds} for one micro-batch; with a zero-bubble schedule
+             (``zb1``) also ``"W"``: then ``B`` is the input-gradient half alone. Without ``"W"``
+             the backward is split ``W_FRACTION`` to the parameter half (a linear layer's backward
+             is two matmuls of equal size: one for its input, one for its weight).
+    links:   (src part, dst part) -> LinkModel; default: from the plan's cluster and part devices.
+    tail_s:  part -> seconds after its last action (gradient sync, optimizer step).
+    """
+    g = plan.graph
+    order = part_order(g, plan.assignment)
+    actions = make_schedule(plan.schedule, order, part_links(g, plan.assignment), plan.micro_batches)
+    sends = message_bytes(plan)
+    if links is None:
+        links = {(a, b): link_model(plan.cluster, plan.parts[a].device, plan.parts[b].device)
+                 for a in order for b in order if a != b}
+    emu = {k: EmulatedLink(m) for k, m in links.items()}
+    # what each action waits for: number of messages
+    need: dict[tuple[str, str, int], int] = {}
+    for (p, kind), msgs in sends.items():
+        for dst, _ in msgs:
+            for mb in range(plan.micro_batches):
+                k = (dst, kind, mb)
+                need[k] = need.get(k, 0) + 1
+    split = {p: splits_backward(actions[p]) for p in order}
+    arrived: dict[tuple[str, str, int], list[float]] = {}
+    free = {p: 0.0 for p in order}
+    cursor = {p: 0 for p in order}
+    res = ReplayResult(0.0, timeline={p: [] for p in order})
+    while any(cursor[p] < len(actions[p]) for p in order):
+        progressed = False
+        for p in order:
+            if cursor[p] >= len(actions[p]):
+                continue
+            a: Action = actions[p][cursor[p]]
+            k = (p, a.kind, a.micro_batch)
+            got = arrived.get(k, [])
+            if len(got) < need.get(k, 0):
+                continue
+            start = max([free[p], *got])
+            end = start + _cost(compute[p], a.kind, split[p])
+            free[p] = end
+            res.timeline[p].append((str(a), start, end))
+            for dst, nbytes in sends.get((p, a.kind), []):
+                link = emu[(p, dst)]
+                s, e, d = link.schedule(nbytes, end)
+                arrived.setdefault((dst, a.kind, a.micro_batch), []).append(d)
+                res.link_bytes[(p, dst)] = res.link_bytes.get((p, dst), 0) + nbytes
+                res.link_busy_s[(p, dst)] = res.link_busy_s.get((p, dst), 0.0) + (e - s)
+            cursor[p] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule deadlock in replay at {[(p, cursor[p]) for p in order]}")
+    res.iteration_s = max(free[p] + float((tail_s or {}).get(p, 0.0)) for p in order)
+    return res

@@ -1,0 +1,367 @@
+"""The transport: ZeroMQ sockets carrying wire-encoded messages, one address per process.
+
+Each process (a CompNode executor or the coordinator) binds one ROUTER socket
+at its address; everything it receives arrives there, tagged by ZeroMQ with
+the sender's identity (its part name). To talk to a peer it opens one DEALER
+socket connected to that peer's address. ZeroMQ's own I/O thread moves the
+bytes, so a send returns at once and overlaps the sender's compute. A link
+is either *threaded* (a sender thread with a queue owns the socket; needed
+for per-link emulation, :mod:`fusion.executors.runtime.linkemu`, and for sockets
+shared by several threads) or *direct* (the one thread that uses it sends
+itself, saving a thread hand-off per message).
+
+Receiving, likewise, runs on a receive thread or in the caller's thread via
+:meth:`Transport.pump`. Either way each message is decoded and checked
+(:func:`fusion.ir.wire.decode`), then the sender identity is checked against
+the allowed names; a message that fails is logged with the reason and
+dropped, never raised. Good messages go to the ``on_message`` callback.
+
+Every wait has a timeout: sends give up after ``send_timeout_s`` on a peer
+that does not take data, and receive loops wake up to notice ``close``.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import zmq
+
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, decode, frames_nbytes
+from fusion.executors.runtime.linkemu import EmulatedLink
+from fusion.executors.runtime.trace_events import Tracer
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class _Stop:
+    """Queued last: flush what is queued, then close the socket, waiting ``linger_s`` for unsent data."""
+
+    linger_s: float
+
+
+class TransportError(FusionError):
+    """A peer could not be reached or the local address could not be bound."""
+
+
+@dataclass
+class LinkStats:
+    """Bytes and messages sent to one peer, and seconds its link spent transmitting."""
+
+    bytes: int = 0
+    messages: int = 0
+    busy_s: float = 0.0
+
+
+@dataclass(order=True)
+class _Pending:
+    deliver_at: float
+    seq: int
+    frames: list = field(compare=False)
+    nbytes: int = field(compare=False)
+    label: str = field(compare=False)
+    tx: tuple[float, float] = field(compare=False)
+
+
+def _dealer(t: "Transport", address: str):
+    sock = t.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, t.name.encode())
+    sock.setsockopt(zmq.LINGER, int(t.linger_s * 1000))
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.SNDTIMEO, int(t.send_timeout_s * 1000))
+    sock.connect(address)
+    return sock
+
+
+class _Sender(threading.Thread):
+    """Owns the DEALER socket to one peer; emulates the link when given one."""
+
+    def __init__(self, transport: "Transport", peer: str, address: str, link: EmulatedLink | None):
+        super().__init__(name=f"send-{peer}", daemon=True)
+        self.t, self.peer, self.address, self.link = transport, peer, address, link
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = LinkStats()
+        self._seq = itertools.count()
+
+    def put(self, frames: list, label: str) -> None:
+        self.q.put((frames, label))
+
+    def stop(self, linger_s: float) -> None:
+        self.q.put(_Stop(linger_s))
+
+    def run(self) -> None:
+        sock = _dealer(self.t, self.address)
+        heap: list[_Pending] = []
+        stopping: _Stop | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                while heap and heap[0].deliver_at <= now:
+                    self._send(sock, heapq.heappop(heap))
+                if stopping and not heap:
+                    break
+                timeout = max(0.0, heap[0].deliver_at - now) if heap else 0.2
+                try:
+                    item = self.q.get(timeout=timeout) if timeout > 0 else self.q.get_nowait()
+                except queue.Empty:
+                    continue
+                if isinstance(item, _Stop):
+                    stopping = item
+                    continue
+                frames, label = item
+                nbytes = frames_nbytes(frames)
+                now = time.monotonic()
+                if self.link is None:
+                    self._send(sock, _Pending(now, next(self._seq), frames, nbytes, label, (now, now)))
+                else:
+                    s, e, d = self.link.schedule(nbytes, now)
+                    heapq.heappush(heap, _Pending(d, next(self._seq), frames, nbytes, label, (s, e)))
+        finally:
+            sock.close(linger=int((stopping.linger_s if stopping else self.t.linger_s) * 1000))
+
+    def _send(self, sock, p: _Pending) -> None:
+        t0 = time.monotonic()
+        try:
+            sock.send_multipart(p.frames, copy=False)
+        except zmq.Again:
+            reason = f"peer {self.peer} at {self.address} did not take a message within {self.t.send_timeout_s:.1f} s"
+            log.error(reason)
+            self.t.report_error(self.peer, reason)
+            return
+        except zmq.ZMQError as e:
+            self.t.report_error(self.peer, f"sending to {self.peer} failed: {e}")
+            return
+        t1 = time.monotonic()
+        s, e = p.tx if self.link is not None else (t0, t1)
+        self.stats.bytes += p.nbytes
+        self.stats.messages += 1
+        self.stats.busy_s += e - s
+        if self.t.tracer is not None and p.label:
+            off = time.time() - time.monotonic()
+            self.t.tracer.add(p.label, "send", (s + off) * 1e6, (e + off) * 1e6, f"send -> {self.peer}",
+                              bytes=p.nbytes, delivered_ms=round((p.deliver_at - s) * 1e3, 3))
+
+
+class _Direct(_Sender):
+    """A link without emulation used by one thread only: the caller's thread sends (ZeroMQ's I/O thread still
+    moves the bytes in the background), saving a thread hand-off per message. Created and used by that thread."""
+
+    def __init__(self, transport: "Transport", peer: str, address: str):
+        super().__init__(transport, peer, address, None)
+        self._sock = None
+
+    def start(self) -> None:  # no thread; connect now, so that this process holds its identity at the peer from
+        # setup on (a ROUTER ignores a second connection under a taken identity: a squatter arriving later is ignored)
+        if self._sock is None:
+            self._sock = _dealer(self.t, self.address)
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def put(self, frames: list, label: str) -> None:
+        if self._sock is None:
+            self._sock = _dealer(self.t, self.address)
+        now = time.monotonic()
+        self._send(self._sock, _Pending(now, 0, frames, frames_nbytes(frames), label, (now, now)))
+
+    def stop(self, linger_s: float) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=int(linger_s * 1000))
+            self._sock = None
+
+
+class Transport:
+    """One process's messaging endpoint.
+
+    name:        this process's identity (a part name or ``"coordinator"``).
+    bind:        ZeroMQ endpoint to bind, e.g. ``tcp://127.0.0.1:*`` (ephemeral port) or ``tcp://*:5555``.
+    allowed:     names whose messages are accepted; others are logged and dropped.
+    on_message:  ``fn(sender, Message)`` called for each good message.
+    on_reject:   ``fn(sender, reason)`` called for each dropped message (after logging).
+    recv_thread: receive on a thread of the transport (``on_message`` runs there); False: the thread that
+                 called :meth:`start` receives by calling :meth:`pump` while it waits (a CompNode's engine
+                 loop, which saves a thread hand-off per message; ZeroMQ's I/O thread still receives the
+                 bytes in the background).
+    """
+
+    def __init__(self, name: str, bind: str, allowed: Iterable[str], on_message: Callable[[str, Message], None],
+                 *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tracer: Tracer | None = None,
+                 on_reject: Callable[[str, str], None] | None = None, on_error: Callable[[str, str], None] | None = None,
+                 send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True):
+        self.name, self.bind_addr = name, bind
+        self.allowed = set(allowed)
+        self.on_message, self.on_reject, self.on_error = on_message, on_reject, on_error
+        self.max_message_bytes, self.tracer = max_message_bytes, tracer
+        self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
+        self.ctx = zmq.Context()
+        self.senders: dict[str, _Sender] = {}
+        self.address = ""
+        self.rejected = 0
+        self.escaped = 0  # rejects whose reason was not a WireError (a check missing somewhere): should stay 0
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._bind_error: str | None = None
+        self._recv = threading.Thread(target=self._recv_loop, name=f"recv-{name}", daemon=True) if recv_thread else None
+        self._sock = None  # the ROUTER socket when pumped by the caller
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Bind and start receiving; returns the bound address (ephemeral port resolved)."""
+        if self._recv is None:
+            self._sock = self._bind()
+            if self._sock is None:
+                raise TransportError(f"{self.name}: cannot bind {self.bind_addr}: {self._bind_error}")
+            return self.address
+        self._recv.start()
+        if not self._bound.wait(timeout_s):
+            raise TransportError(f"{self.name}: binding {self.bind_addr} did not finish within {timeout_s} s")
+        if self._bind_error:
+            raise TransportError(f"{self.name}: cannot bind {self.bind_addr}: {self._bind_error}")
+        return self.address
+
+    def connect(self, peer: str, address: str, link: EmulatedLink | None = None, direct: bool = False) -> None:
+        """Open the outbound link to ``peer`` (idempotent).
+
+        direct: the link is used by one thread only and not emulated; that
+        thread then hands messages to ZeroMQ itself instead of through a
+        sender thread (ZeroMQ's own I/O thread still sends in the background).
+        """
+        if peer in self.senders:
+            return
+        s = _Direct(self, peer, address) if direct and link is None else _Sender(self, peer, address, link)
+        self.senders[peer] = s
+        s.start()
+
+    def send(self, peer: str, frames: list, label: str = "") -> None:
+        """Send a message to ``peer`` without waiting for it to leave. ``label`` names its trace span."""
+        s = self.senders.get(peer)
+        if s is None:
+            raise TransportError(f"{self.name}: no link to {peer!r}")
+        s.put(frames, label)
+
+    def close(self, timeout_s: float = 5.0, linger_s: float | None = None) -> None:
+        """Flush queued sends (up to ``timeout_s``), stop threads, release sockets.
+
+        linger_s: how long a closing socket may keep trying to deliver what is
+        still unsent (default: the transport's ``linger_s``); short when the
+        peers may be gone already.
+        """
+        for s in self.senders.values():
+            s.stop(self.linger_s if linger_s is None else linger_s)
+        deadline = time.monotonic() + timeout_s
+        for s in self.senders.values():
+            s.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        if self._recv is not None and self._recv.ident is not None:
+            self._recv.join(max(0.5, deadline - time.monotonic()))
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if not any(s.is_alive() for s in self.senders.values()) and not (self._recv is not None and self._recv.is_alive()):
+            self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
+
+    def stats(self) -> dict[str, LinkStats]:
+        return {p: s.stats for p, s in self.senders.items()}
+
+    def report_error(self, peer: str, reason: str) -> None:
+        if self.on_error is not None:
+            self.on_error(peer, reason)
+
+    # -- receiving --------------------------------------------------------------------
+    def _bind(self):
+        """The bound ROUTER socket, or None (``_bind_error`` says why)."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # ZeroMQ drops (without a reason) frames over twice the limit; smaller oversize ones get a logged reason
+        sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.max_message_bytes + (1 << 20), (1 << 62)))
+        try:
+            sock.bind(self.bind_addr)
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self._bind_error = str(e)
+            sock.close()
+            return None
+        return sock
+
+    def pump(self, timeout_s: float) -> int:
+        """Handle what has arrived, waiting up to ``timeout_s`` for the first message (caller-receives mode)."""
+        if self._sock is None:
+            time.sleep(timeout_s)
+            return 0
+        n = 0
+        if self._sock.poll(max(0, int(timeout_s * 1000))):
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                n += 1
+        return n
+
+    def _recv_loop(self) -> None:
+        sock = self._bind()
+        self._bound.set()
+        if sock is None:
+            return
+        sock.setsockopt(zmq.RCVTIMEO, 100)  # wake up now and then to notice close()
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = sock.recv_multipart(copy=False)
+                except zmq.Again:
+                    continue
+                self._handle(frames)
+        finally:
+            sock.close()
+
+    def _handle(self, frames: list) -> None:
+        """Decode, check and hand on one received message; nothing a peer sends can raise out of here."""
+        try:
+            sender = bytes(frames[0].buffer[:256]).decode("utf-8", "replace") if frames else "?"
+        except Exception:  # noqa: BLE001 - a frame without a buffer
+            sender = "?"
+        t0 = time.time()
+        try:
+            msg = decode(frames[1:], self.max_message_bytes)
+            if sender not in self.allowed:
+                raise WireError(f"unknown sender {sender!r} (expected one of {sorted(self.allowed)})")
+        except WireError as e:
+            self.reject(sender, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - a decoder bug must not kill the receive loop either
+            self.escaped += 1
+            log.exception("%s: decoding a message from %s raised %s", self.name, sender, type(e).__name__)
+            self.reject(sender, f"undecodable message ({type(e).__name__}: {str(e)[:200]})")
+            return
+        if self.tracer is not None and msg.kind != "ctrl":
+            self.tracer.add(f"recv {msg.header.get('name', msg.kind)}", "recv", t0 * 1e6, time.time() * 1e6, "recv",
+                            src=sender, bytes=msg.nbytes)
+        try:
+            self.on_message(sender, msg)
+        except WireError as e:
+            self.reject(sender, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the receive thread
+            self.escaped += 1
+            log.exception("%s: handling a message from %s failed", self.name, sender)
+            self.reject(sender, f"handler failed ({type(e).__name__}: {str(e)[:200]})")
+
+    def reject(self, sender: str, reason: str) -> None:
+        """Log and count a dropped message."""
+        self.rejected += 1
+        log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
+        if self.on_reject is not None:
+            try:
+                self.on_reject(sender, reason)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: on_reject failed", self.name)

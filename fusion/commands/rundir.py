@@ -1,0 +1,103 @@
+"""Run folders: one per run, never reused by accident.
+
+``fusion run`` and ``fusion coordinator`` write a run's outputs (metrics,
+traces, logs, checkpoints, weights, plots) into a folder of their own:
+``runs/<name>-<YYYYmmdd-HHMMSS>`` by default, ``--out`` to choose. A folder
+that already holds something is refused unless ``--resume`` (continue that
+run: metrics from the resumed step on are rewritten, not appended twice) or
+``--overwrite`` (replace a previous run; only a folder that a run wrote,
+marked by ``run.json``, is ever emptied).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from fusion.ir.errors import FusionError
+
+#: the marker a run writes first; ``--overwrite`` empties only folders that hold it
+MARKER = "run.json"
+
+
+def default_run_dir(name: str, root: str | Path = "runs") -> Path:
+    """``runs/<name>-<timestamp>``, with a counter when two runs start in the same second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(root) / f"{name}-{stamp}"
+    k = 1
+    while out.exists():
+        k += 1
+        out = Path(root) / f"{name}-{stamp}-{k}"
+    return out
+
+
+def _inside(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or b in a.parents
+
+
+def check_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path | None = None) -> list[str]:
+    """Raise FusionError (exit 2) when ``out`` may not receive this run: it is (or is inside) the plan
+    folder, is a file, or is a non-empty folder given neither ``--resume`` nor ``--overwrite``, or
+    ``--overwrite`` would empty a folder no run wrote. Changes nothing; returns the entries of ``out``."""
+    if resume and overwrite:
+        raise FusionError("--resume continues a run and --overwrite replaces it: give one of them")
+    if plan_dir is not None and (_inside(out, plan_dir) or _inside(plan_dir, out) and overwrite):
+        raise FusionError(f"--out {out}: that is (or holds) the plan folder {plan_dir}; "
+                          "a run writes into a folder of its own (leave --out out for runs/<name>-<time>)")
+    if out.exists() and not out.is_dir():
+        raise FusionError(f"--out {out}: exists and is not a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not resume:
+        if not overwrite:
+            what = ", ".join(entries[:4]) + (f", ... ({len(entries)} entries)" if len(entries) > 4 else "")
+            raise FusionError(f"--out {out} is not empty ({what}); pass --resume to continue that run, "
+                              "--overwrite to replace it, or choose another --out")
+        if MARKER not in entries:
+            raise FusionError(f"--out {out}: --overwrite replaces only a folder written by a fusion run "
+                              f"(it has no {MARKER}); choose another --out")
+    return entries
+
+
+def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path | None = None,
+                    argv: list[str] | None = None) -> None:
+    """:func:`check_run_dir`, then empty ``out`` for ``--overwrite``, create it and write ``run.json``."""
+    entries = check_run_dir(out, resume=resume, overwrite=overwrite, plan_dir=plan_dir)
+    if entries and not resume:
+        for name in entries:
+            p = out / name
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"argv": list(argv if argv is not None else sys.argv), "cwd": os.getcwd(), "started": time.time(),
+            "plan": str(plan_dir) if plan_dir is not None else None}
+    runs = []
+    if resume and (out / MARKER).exists():
+        try:
+            prev = json.loads((out / MARKER).read_text())
+            runs = prev.get("runs", [prev])
+        except (OSError, ValueError):
+            runs = []
+    (out / MARKER).write_text(json.dumps({**info, "runs": [*runs, info][-20:]}, indent=1))
+
+
+def trim_metrics(path: Path, first: int) -> int:
+    """Keep the lines of ``metrics.jsonl`` for steps before ``first`` (a resumed run rewrites the rest).
+
+    Returns how many lines were kept.
+    """
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) < first:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed run
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    tmp.replace(path)
+    return len(kept)

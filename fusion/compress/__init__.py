@@ -1,0 +1,1 @@
+"""Compile-time compression policy: which cut edges are compressed, and how (AdaTopK, Eq. 7)."""

@@ -1,0 +1,313 @@
+"""The estimator: predicted time and memory of a partitioned OP-DAG (FusionLLM §3.5-3.6).
+
+Notation (per micro-batch; part p runs on device d(p)):
+
+- Eq. (1) ``T(f,p) = R(Pa(f)) + C(f,p) + W(f,p)`` with ``W = 0`` (local IO
+  ignored, as in the paper) and ``R(Pa(f)) = sum over parents on other parts
+  of T_comm^{d(Pa) d(p)}(M)``.
+- Compute: ``C(f,p) = [(F_fwd + F_bwd)(f) / S*_p + (B_fwd + B_bwd)(f) / Bmem*_p] / lambda_p``
+  with F the measured FLOPs and B the bytes of memory-bound operators
+  (:mod:`fusion.cost.flops`); ``C_p = sum_{f in p} C(f,p)``.
+- Eq. (2), backward included: a tensor t (producer output, M_t bytes) made on
+  part a and used on part b != a crosses once per (t, b), whatever the number
+  of its users on b. Forward it costs ``alpha_ab + beta_ab M_t`` and counts in
+  ``R_b`` (b retrieves it); if t requires grad its gradient costs
+  ``alpha_ba + beta_ba M_t`` and counts in ``R_a``. So
+  ``R_p = sum_{t into p} T_comm^{src->p}(M_t) + sum_{t out of p, grad} T_comm^{dst->p}(M_t)``.
+  A compressed edge uses its wire bytes instead of M_t (:mod:`fusion.compress.adatopk`).
+- Eq. (3), backward included:
+  ``T_pipe = sum_p (C_p + R_p) + (n_b - 1) * max_p max(C_p, R_p)``.
+- Tied parameters held by several parts have their gradients summed after the
+  pipeline drains: owners send to the first owner and get the sum back,
+  ``T_sync = sum_params [max_o T_comm^{o->first}(P) + max_o T_comm^{first->o}(P)]``.
+- Iteration ``T_iter = T_pipe + T_sync``; Eq. (4) throughput
+  ``phi = N_s / T_iter`` with ``N_s = n_b * (samples per micro-batch)``.
+- Memory of part p: its parameters (each counted once per part) times
+  ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,
+  AdamW 2), plus saved activations times the micro-batches in flight (GPipe:
+  n_b; 1F1B: ``min(n_b, depth_p + 1)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from fusion.cluster.model import Cluster
+from fusion.cost.flops import NodeCost
+from fusion.ir.boundary import edge_requires_grad
+from fusion.ir.graph import OpGraph
+from fusion.ir.node import NodeKind, TensorMeta
+
+
+@dataclass
+class PartEstimate:
+    """Predictions for one part, seconds per micro-batch (fwd + bwd)."""
+
+    device: str
+    compute_s: float
+    comm_s: float
+    comm_fwd_s: float
+    comm_bwd_s: float
+    flops: float
+    memory_bytes: float
+    param_state_bytes: float
+    activation_bytes: float
+    in_flight: int
+    memory_limit: float
+
+
+@dataclass
+class LinkEstimate:
+    """Traffic from part ``src`` to part ``dst`` per micro-batch (activations;
+    the gradients go back on the reverse device link)."""
+
+    src: int
+    dst: int
+    tensors: int
+    fwd_bytes: float
+    bwd_bytes: float
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass
+class Estimate:
+    parts: list[PartEstimate]
+    links: list[LinkEstimate]
+    pipeline_s: float
+    sync_s: float
+    iteration_s: float
+    throughput: float
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+@dataclass
+class CostModel:
+    """A graph, its node costs and a cluster as flat arrays; built once per compile."""
+
+    graph: OpGraph
+    cluster: Cluster
+    names: list[str]
+    index: dict[str, int]
+    flops: np.ndarray  # F_fwd + F_bwd per node
+    mem: np.ndarray  # memory-bound bytes, fwd + bwd
+    saved: np.ndarray  # saved activation bytes per micro-batch
+    t_key: list[tuple[str, int | None]]  # tensors that some node consumes
+    t_prod: np.ndarray
+    t_bytes: np.ndarray
+    t_rg: np.ndarray
+    e_t: np.ndarray  # one row per (tensor, consumer node)
+    e_cons: np.ndarray
+    pn_param: np.ndarray  # parameter-node incidence
+    pn_node: np.ndarray
+    p_names: list[str]
+    p_state: np.ndarray  # bytes per parameter incl. gradient and optimizer slots
+    p_bytes: np.ndarray
+    p_trainable: np.ndarray
+    micro_batches: int
+    schedule: str
+    samples_per_micro_batch: int
+    speed: np.ndarray = field(init=False)
+    mem_speed: np.ndarray = field(init=False)
+    mem_cap: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.speed = np.array([d.peak_flops for d in self.cluster.devices]) * np.array([d.lam for d in self.cluster.devices])
+        self.mem_speed = np.array([d.memory_speed for d in self.cluster.devices])
+        self.mem_cap = np.array([d.memory_bytes for d in self.cluster.devices])
+
+    # -- construction ------------------------------------------------------------
+    @classmethod
+    def build(cls, graph: OpGraph, costs: Mapping[str, NodeCost], cluster: Cluster, micro_batches: int = 1,
+              schedule: str = "gpipe", optimizer_slots: int = 0, samples_per_micro_batch: int = 1) -> "CostModel":
+        """optimizer_slots: state tensors per trainable parameter (SGD 0, SGD+momentum 1, AdamW 2)."""
+        names = list(graph.nodes)
+        index = {n: i for i, n in enumerate(names)}
+        get = [costs.get(n, NodeCost()) for n in names]
+        flops = np.array([c.flops_fwd + c.flops_bwd for c in get], dtype=float)
+        mem = np.array([c.mem_fwd + c.mem_bwd for c in get], dtype=float)
+        saved = np.array([c.saved_bytes for c in get], dtype=float)
+        t_index: dict[tuple[str, int | None], int] = {}
+        t_key, t_prod, t_bytes, t_rg, e_t, e_cons = [], [], [], [], [], []
+        for node in graph.nodes.values():
+            for ref in dict.fromkeys(node.refs()):
+                key = (ref.node, ref.index)
+                if key not in t_index:
+                    t_index[key] = len(t_key)
+                    t_key.append(key)
+                    t_prod.append(index[ref.node])
+                    t_bytes.append(tensor_bytes(graph, ref.node, ref.index))
+                    t_rg.append(edge_requires_grad(graph, ref.node, ref.index))
+                e_t.append(t_index[key])
+                e_cons.append(index[node.name])
+        p_names = list(graph.params)
+        p_idx = {p: i for i, p in enumerate(p_names)}
+        pn_param, pn_node = [], []
+        for node in graph.nodes.values():
+            for p in node.param_names():
+                pn_param.append(p_idx[p])
+                pn_node.append(index[node.name])
+        specs = [graph.params[p] for p in p_names]
+        p_bytes = np.array([s.nbytes for s in specs], dtype=float)
+        p_train = np.array([s.trainable for s in specs], dtype=bool)
+        p_state = p_bytes * (1.0 + p_train * (1.0 + optimizer_slots))
+        ia = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+        return cls(graph, cluster, names, index, flops, mem, saved, t_key, ia(t_prod), np.array(t_bytes, dtype=float),
+                   np.array(t_rg, dtype=bool), ia(e_t), ia(e_cons), ia(pn_param), ia(pn_node), p_names, p_state,
+                   p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch)
+
+    def with_cluster(self, cluster: Cluster) -> "CostModel":
+        kw = {k: getattr(self, k) for k in self.__dataclass_fields__ if self.__dataclass_fields__[k].init}
+        kw["cluster"] = cluster
+        return CostModel(**kw)
+
+    # -- Eq. (1) ------------------------------------------------------------------
+    def compute_time(self, node: int, device: int) -> float:
+        """C(f, p) for node index ``node`` on device index ``device`` (fwd + bwd)."""
+        return float(self.flops[node] / self.speed[device] + self.mem[node] / self.mem_speed[device])
+
+    def op_time(self, node: int, node_part: np.ndarray, part_device: np.ndarray) -> float:
+        """Eq. (1): T(f,p) = R(Pa(f)) + C(f,p) + W(f,p), W = 0; forward retrieval of remote parents."""
+        p = int(node_part[node])
+        d = int(part_device[p])
+        r = 0.0
+        for t in np.unique(self.e_t[self.e_cons == node]):
+            q = int(node_part[self.t_prod[t]])
+            if q != p:
+                r += self.cluster.comm_time(int(part_device[q]), d, float(self.t_bytes[t]))
+        return r + self.compute_time(node, d)
+
+    # -- Eq. (2)-(4) and memory -------------------------------------------------------
+    def evaluate(self, node_part: np.ndarray, part_device: np.ndarray,
+                 wire: Mapping[tuple[int, int, int], tuple[float, float]] | None = None, detail: bool = True):
+        """Estimate an assignment. ``node_part[i]``: part of node i; ``part_device[p]``: device index of part p.
+
+        wire: optional (tensor, src part, dst part) -> (fwd bytes, bwd bytes) on the wire (compression).
+        Returns an :class:`Estimate` (``detail=False``: just ``(iteration_s, feasible)``).
+        """
+        node_part = np.asarray(node_part, dtype=np.int64)
+        dev = np.asarray(part_device, dtype=np.int64)
+        n_parts = len(dev)
+        flops_p = np.bincount(node_part, weights=self.flops, minlength=n_parts)
+        comp = flops_p / self.speed[dev] + np.bincount(node_part, weights=self.mem, minlength=n_parts) / self.mem_speed[dev]
+        src = node_part[self.t_prod[self.e_t]]
+        dst = node_part[self.e_cons]
+        cut = src != dst
+        pair = np.unique(self.e_t[cut] * n_parts + dst[cut])
+        pt, pdst = pair // n_parts, pair % n_parts
+        psrc = node_part[self.t_prod[pt]]
+        fb = self.t_bytes[pt].copy()
+        bb = np.where(self.t_rg[pt], fb, 0.0)
+        if wire:
+            for k, (t, a, b) in enumerate(zip(pt.tolist(), psrc.tolist(), pdst.tolist())):
+                w = wire.get((t, a, b))
+                if w is not None:
+                    fb[k] = w[0]
+                    if self.t_rg[t]:
+                        bb[k] = w[1]
+        ds, dd = dev[psrc], dev[pdst]
+        alpha, beta = self.cluster.alpha, self.cluster.beta
+        f_s = alpha[ds, dd] + beta[ds, dd] * fb
+        b_s = np.where(self.t_rg[pt], alpha[dd, ds] + beta[dd, ds] * bb, 0.0)
+        r_fwd = np.bincount(pdst, weights=f_s, minlength=n_parts)
+        r_bwd = np.bincount(psrc, weights=b_s, minlength=n_parts)
+        comm = r_fwd + r_bwd
+        n_b = self.micro_batches
+        pipe = float(np.sum(comp + comm) + (n_b - 1) * np.max(np.maximum(comp, comm)))
+        # memory
+        pp = np.unique(self.pn_param * n_parts + node_part[self.pn_node])
+        par, ppart = pp // n_parts, pp % n_parts
+        state = np.bincount(ppart, weights=self.p_state[par], minlength=n_parts)
+        acts = np.bincount(node_part, weights=self.saved, minlength=n_parts)
+        inflight = self.in_flight(n_parts, psrc, pdst)
+        memory = state + acts * inflight
+        cap = self.mem_cap[dev]
+        # tied-parameter gradient sync
+        sync = 0.0
+        if len(par):
+            owners = np.bincount(par, minlength=len(self.p_names))
+            for q in np.nonzero((owners > 1) & self.p_trainable)[0]:
+                holders = sorted(set(ppart[par == q].tolist()))
+                first, others = dev[holders[0]], dev[holders[1:]]
+                nb = self.p_bytes[q]
+                sync += float(np.max(alpha[others, first] + beta[others, first] * nb))
+                sync += float(np.max(alpha[first, others] + beta[first, others] * nb))
+        total = pipe + sync
+        over = memory > cap
+        if not detail:
+            return total, not bool(over.any())
+        names = [d.name for d in self.cluster.devices]
+        parts = [PartEstimate(names[dev[p]], float(comp[p]), float(comm[p]), float(r_fwd[p]), float(r_bwd[p]),
+                              float(flops_p[p]), float(memory[p]), float(state[p]), float(acts[p]),
+                              int(inflight[p]), float(cap[p])) for p in range(n_parts)]
+        links: dict[tuple[int, int], LinkEstimate] = {}
+        for k in range(len(pt)):
+            key = (int(psrc[k]), int(pdst[k]))
+            le = links.setdefault(key, LinkEstimate(key[0], key[1], 0, 0.0, 0.0, 0.0, 0.0))
+            le.tensors += 1
+            le.fwd_bytes += float(fb[k])
+            le.bwd_bytes += float(bb[k])
+            le.fwd_s += float(f_s[k])
+            le.bwd_s += float(b_s[k])
+        violations = [f"part {p} on {names[dev[p]]} needs {memory[p] / 1e9:.3f} GB > {cap[p] / 1e9:.3f} GB"
+                      for p in np.nonzero(over)[0]]
+        n_s = n_b * self.samples_per_micro_batch
+        return Estimate(parts, sorted(links.values(), key=lambda e: (e.src, e.dst)), pipe, sync, total,
+                        n_s / total if total > 0 else float("inf"), violations)
+
+    def in_flight(self, n_parts: int, psrc: np.ndarray, pdst: np.ndarray) -> np.ndarray:
+        """Micro-batches whose activations a part holds at once (GPipe: all; 1F1B: depth + 1; zb1: depth + 1
+        plus up to depth deferred weight gradients, counted in full)."""
+        n_b = self.micro_batches
+        if self.schedule not in ("1f1b", "zb1") or n_parts == 1:
+            return np.full(n_parts, n_b)
+        succ: dict[int, set[int]] = {p: set() for p in range(n_parts)}
+        indeg = np.zeros(n_parts, dtype=int)
+        for a, b in set(zip(psrc.tolist(), pdst.tolist())):
+            if b not in succ[a]:
+                succ[a].add(b)
+                indeg[b] += 1
+        order, ready = [], [p for p in range(n_parts) if indeg[p] == 0]
+        while ready:
+            p = ready.pop()
+            order.append(p)
+            for s in succ[p]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    ready.append(s)
+        depth = np.zeros(n_parts, dtype=int)
+        for p in reversed(order):
+            depth[p] = 1 + max((depth[s] for s in succ[p]), default=-1)
+        return np.minimum(n_b, depth + 1 + (depth if self.schedule == "zb1" else 0))
+
+
+def tensor_bytes(graph: OpGraph, producer: str, index: int | None) -> float:
+    """M_t: bytes of output ``index`` of ``producer`` (all outputs when None); 0 for non-tensors."""
+    node = graph[producer]
+    outs = node.meta.outputs
+    if index is None:
+        return float(sum(o.nbytes for o in outs if isinstance(o, TensorMeta)))
+    o = outs[index] if index < len(outs) else None
+    return float(o.nbytes) if isinstance(o, TensorMeta) else 0.0
+
+
+def optimizer_slots(name: str, momentum: float = 0.0) -> int:
+    """Optimizer state tensors per trainable parameter."""
+    if name == "adamw":
+        return 2
+    return 1 if momentum else 0
+
+
+def samples_per_micro_batch(graph: OpGraph) -> int:
+    """Batch size of one micro-batch: dim 0 of the first input placeholder (1 if unknown)."""
+    for n in graph.placeholders(NodeKind.INPUT) or graph.placeholders():
+        outs = n.meta.outputs
+        if outs and isinstance(outs[0], TensorMeta) and outs[0].shape:
+            return int(outs[0].shape[0])
+    return 1

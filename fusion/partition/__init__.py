@@ -1,0 +1,1 @@
+"""Partitioners: OP-Fence and its chain DP, and the equal-count / equal-flops baselines."""

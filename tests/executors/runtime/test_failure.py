@@ -1,0 +1,228 @@
+"""Failures: a CompNode killed mid-run, resume from checkpoint, and bad messages to a live executor."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from tests.executors.dist_models import CNN_SPLITS, GPT_SPLITS, branching_cnn, cnn_batch, cnn_plain_loss, plain_training, save_hand_plan, \
+    tied_transformer
+from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+from fusion.cluster.scenarios import load_scenario
+from fusion.executors.runtime.control import Control
+from fusion.executors.runtime.coordinator import CoordinatorConfig
+from fusion.executors.runtime.launcher import LocalCluster
+from fusion.plan import OptimizerConfig
+from fusion.ir.errors import WireError
+from fusion.ir.opdata import OpData
+from fusion.ir.wire import decode, encode, encode_opdata
+from fusion.plan import load_plan
+
+TWO_SITES = load_scenario("local-4-two-sites").to_dict()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _fusion(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "fusion.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def _finish(proc, timeout):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"fusion did not finish within {timeout} s:\n{err[-3000:]}")
+    return proc.returncode, err
+
+
+def _final(run: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run / "final.safetensors"))
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_killed_compnode_is_reported_and_resume_loses_no_step(tmp_path):
+    model = tied_transformer(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, GPT_SPLITS[2], schedule="1f1b", micro_batches=2,
+                              optimizer=OptimizerConfig("adamw", lr=0.01), cluster=TWO_SITES,
+                              devices={"p0": "cpu-0", "p1": "cpu-2"})  # 30 ms, 20 Mbit/s between them
+    steps = "14"
+    common = ["--steps", steps, "--emulate-links", "--data", "synthetic", "--no-progress", "--peer-timeout", "5"]
+    # the uninterrupted run, and beside it the same run that will be killed
+    uninterrupted = _fusion("run", str(plan_dir), "--out", str(tmp_path / "a"), *common)
+    run = tmp_path / "b"
+    proc = _fusion("run", str(plan_dir), "--out", str(run), "--checkpoint-every", "3", *common)
+    try:  # p1 dies while steps are in flight
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = run / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before the kill"
+        pids = json.loads((run / "pids.json").read_text())
+        os.kill(pids["p1"], signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc, err = _finish(proc, 60)
+        reported_after = time.monotonic() - t_kill
+    except BaseException:
+        for p in (proc, uninterrupted):
+            p.kill()
+        raise
+    rc_a, err_a = _finish(uninterrupted, 120)
+    assert rc_a == 0, err_a[-3000:]
+    assert rc != 0
+    assert "CompNode 'p1' failed" in err and "exited with status -9" in err, err[-2000:]
+    assert reported_after < 15.0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids.values()), "an executor outlived the failed run"
+    done_before = len((run / "metrics.jsonl").read_text().splitlines())
+    assert done_before < int(steps)
+    # resume from the last complete checkpoint and finish
+    rc, err = _finish(_fusion("run", str(plan_dir), "--out", str(run), "--checkpoint-every", "3", "--resume", *common), 120)
+    assert rc == 0, err[-3000:]
+    assert "resuming at step" in err
+    a, b = _final(tmp_path / "a"), _final(run)
+    assert set(a) == set(b)
+    for k in a:  # same processes, same order of operations: the same bits
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    la, lb = _losses(tmp_path / "a"), _losses(run)
+    assert sorted(lb) == list(range(int(steps)))
+    for s in range(int(steps)):
+        assert lb[s] == la[s], f"step {s}"
+
+
+def _frames_from(identity: bytes, address: str, messages: list[list], ctx) -> None:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, identity)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.connect(address)
+    for frames in messages:
+        s.send_multipart(frames, copy=True)
+    s.close()
+
+
+def test_bad_messages_to_a_live_executor_are_logged_and_dropped(tmp_path):
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    limit = 1 << 20
+    cfg = CoordinatorConfig(max_message_bytes=limit, peer_timeout_s=20)
+    batches = [cnn_batch(s, 4) for s in range(2)]
+    expected = plain_training(model, cnn_plain_loss, batches, 2, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    good = encode_opdata(OpData("conv1", None, ("conv_a", "conv_b", "add_skip"), ("conv_b",), False, 1, 0, "p0", "p1",
+                                np.zeros((2, 4, 6, 6), np.float32), requires_grad=True))
+    head = msgpack.unpackb(good[0])
+    raw = good[1].tobytes()
+    pack = lambda h: msgpack.packb(h, use_bin_type=True)  # noqa: E731
+    bad = {
+        "protocol version 99": [pack({**head, "v": 99}), raw],
+        "dtype 'object' is not allowed": [pack({**head, "t": [{"d": "object", "s": [2, 4, 6, 6]}]}), raw],
+        "needs 1152 bytes, frame has 1000": [good[0], raw[:1000]],
+        "declares 1 tensor frames, message has 0": [good[0]],
+        f"exceeds the maximum of {limit} bytes": [pack({**head, "t": [{"d": "uint8", "s": [3 << 19]}]}), bytes(3 << 19)],
+        "malformed header": [b"\x92\xc1"],
+        "unknown sender 'mallory'": good,
+    }
+    ctx = zmq.Context()
+    with LocalCluster(plan_dir, tmp_path / "run", cfg, threads=1) as lc:
+        lc.start()
+        r0 = lc.coordinator.step(batches[0], want_grads=True)
+        _frames_from(b"mallory", lc.coordinator.addresses["p1"], list(bad.values()), ctx)
+        log = tmp_path / "run" / "logs" / "p1.log"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(reason in log.read_text() for reason in bad):
+            time.sleep(0.05)
+        r1 = lc.coordinator.step(batches[1], want_grads=True)  # the executor is still alive and correct
+    ctx.term()
+    text = log.read_text()
+    for reason in bad:
+        assert reason in text, f"no logged reason {reason!r} in\n{text[-3000:]}"
+    assert r1.parts["p1"]["rejected"] == len(bad)
+    for r, (loss, grads, _) in zip([r0, r1], expected):
+        np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+        for k, g in grads.items():
+            np.testing.assert_allclose(r.grads[k], g, rtol=1e-4, atol=1e-6)
+
+
+def test_compnode_checks_each_message_against_its_boundary(tmp_path):
+    """The semantic checks, on a real CompNode set up from a real plan (no sockets needed for these)."""
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[4], micro_batches=2)
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p3", "tcp://127.0.0.1:9"))
+    node._setup(Control("setup", {"peers": {p: "tcp://127.0.0.1:9" for p in ("p0", "p1", "p2")}, "emulate_links": False,
+                                  "resume_step": None, "checkpoint_dir": None}))
+    try:
+        def msg(**kw):
+            base = dict(name="relu_a", index=None, op_users=("add_ab",), actual_user=("add_ab",), is_grad=False,
+                        local_iter=0, micro_batch=0, src="p1", dst="p3", payload=np.zeros((2, 4, 6, 6), np.float32))
+            return decode(encode_opdata(OpData(**{**base, **kw})))
+
+        node._on_message("p1", msg())  # a good one is accepted
+        cases = [
+            ("p1", msg(), "duplicate activation"),
+            ("p1", msg(micro_batch=1, payload=np.zeros((2, 4, 6, 5), np.float32)), "does not match the graph's float32[2, 4, 6, 6]"),
+            ("p1", msg(micro_batch=1, payload=np.zeros((2, 4, 6, 6), np.float64)), "float64[2, 4, 6, 6] does not match"),
+            ("p1", msg(micro_batch=1, payload=7), "expected a tensor payload"),
+            ("p1", msg(micro_batch=5), "micro-batch 5 out of range"),
+            ("p1", msg(local_iter=3), "for iteration 3, this part is at iteration 0"),
+            ("p2", msg(src="p2"), "unexpected activation ('relu_a', None)"),
+            ("p2", msg(), "claims to come from 'p1' but was sent by 'p2'"),
+            ("p1", msg(dst="p2"), "for 'p2' arrived at 'p3'"),
+            ("p1", msg(is_grad=True), "unexpected gradient"),
+            ("p1", decode(encode("ctrl", {"op": "stop", "names": []})), "only the coordinator sends those"),
+        ]
+        for sender, m, reason in cases:
+            with pytest.raises(WireError, match=re.escape(reason)):
+                node._on_message(sender, m)
+    finally:
+        node.transport.close(timeout_s=1, linger_s=0)
+
+
+def test_executors_exit_when_the_coordinator_dies(tmp_path):
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2)
+    run = tmp_path / "run"
+    proc = _fusion("run", str(plan_dir), "--out", str(run), "--steps", "100000", "--data", "synthetic", "--no-progress",
+                   "--peer-timeout", "3")
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+            time.sleep(0.05)
+        pids = json.loads((run / "pids.json").read_text())
+        proc.send_signal(signal.SIGKILL)  # no goodbye: the executors must notice the silence themselves
+        proc.wait(10)
+        t0 = time.monotonic()
+        while any(pid_alive(p) for p in pids.values()) and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        left = [p for p in pids.values() if pid_alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "executors kept running without a coordinator"
+    assert "the coordinator sent nothing for" in (run / "logs" / "p0.log").read_text()

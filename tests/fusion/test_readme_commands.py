@@ -1,0 +1,145 @@
+"""Every `fusion` command in the README's and docs' code blocks runs, as written, in a scratch folder.
+
+Commands are read from the fenced blocks of README.md and docs/*.md (continuation lines joined, comments
+dropped). The only changes: `--steps N` becomes `--steps 2` (the README's 30- and 50-step runs are the
+same commands, shorter), and the two-host recipe's host addresses and ports (10.0.0.x, 5600-5602) become
+loopback and free ports so that both "hosts" run here. Synopsis lines (`[--option]`, `PLAN_DIR`) and
+printed output (`fusion compile: error: ...`) are not commands. `pip` and `python -m pytest` lines are
+what CI runs; `python benchmarks/...` lines are benchmarks, run on their own.
+"""
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def commands(md: Path) -> list[list[str]]:
+    """The code blocks of ``md`` that hold fusion commands, each as its list of commands."""
+    blocks = []
+    for m in re.finditer(r"```[a-z]*\n(.*?)```", md.read_text(), re.S):
+        joined = m.group(1).replace("\\\n", " ")
+        cmds = []
+        for line in joined.splitlines():
+            line = line.strip()
+            if not re.match(r"fusion (graph|compile|inspect|profile|run|executor|coordinator) ", line) \
+                    or line.startswith("fusion run PLAN ──"):
+                continue  # printed output, a diagram
+            cmd = shlex.join(shlex.split(line, comments=True))  # drop the trailing comment
+            if "[" in cmd or re.search(r"\b(PLAN_DIR|MODEL\.py|CLUSTER\.json)\b", cmd):
+                continue  # a synopsis, not a command
+            cmds.append(cmd)
+        if cmds:
+            blocks.append(cmds)
+    return blocks
+
+
+def test_the_docs_hold_the_commands_we_expect():
+    """The extraction itself: if a doc's commands move or change shape, this says so."""
+    readme = [c for b in commands(ROOT / "README.md") for c in b]
+    assert any(c.startswith("fusion run examples/models/gpt.py:tiny") for c in readme)
+    assert any(c.startswith("fusion compile") and "--compress-ratio 100" in c and "equal-flops" in c for c in readme)
+    assert {c.split()[1] for c in readme} >= {"graph", "compile", "inspect", "run", "profile"}
+    runtime = [c for b in commands(ROOT / "docs" / "runtime.md") for c in b]
+    assert any(c.startswith("fusion executor plan/ --node part1") for c in runtime)
+    assert not any("--node p0" in c or "--node p1" in c for b in map(commands, DOCS) for cc in b for c in cc)
+
+
+def _fusion_env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    argv = shlex.split(cmd)
+    assert argv[0] == "fusion"
+    return subprocess.run([sys.executable, "-m", "fusion.cli", *argv[1:]], cwd=cwd, env=_fusion_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _scratch(tmp_path: Path) -> Path:
+    for d in ("examples", "benchmarks"):
+        shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def _short(cmd: str) -> str:
+    return re.sub(r"--steps \d+", "--steps 2", cmd)
+
+
+SINGLE_HOST = [d for d in DOCS if any(not any("--node" in c for c in b) for b in commands(d))]
+
+
+@pytest.mark.parametrize("md", SINGLE_HOST, ids=lambda p: p.name)
+def test_doc_commands_run_as_written(md, tmp_path):
+    cwd = _scratch(tmp_path)
+    seen = set()
+    ran = 0
+    for block in commands(md):
+        if any("--node" in c for c in block):
+            continue  # the two-host recipe: below
+        for cmd in block:
+            cmd = _short(cmd)
+            if cmd in seen:
+                continue
+            seen.add(cmd)
+            r = _run(cmd, cwd)
+            assert r.returncode == 0, f"{md.name}: `{cmd}` exited {r.returncode}:\n{r.stderr[-3000:]}"
+            ran += 1
+    assert ran
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_two_host_recipe_runs_on_loopback(tmp_path):
+    """docs/runtime.md's two-host block: compile, then the coordinator and one executor per "host" at once."""
+    cwd = _scratch(tmp_path)
+    (block,) = [b for b in commands(ROOT / "docs" / "runtime.md") if any("--node" in c for c in b)]
+    ports = dict(zip(("5600", "5601", "5602"), map(str, _free_ports(3))))
+
+    def local(text: str) -> str:
+        text = re.sub(r"10\.0\.0\.\d+", "127.0.0.1", text)
+        for old, new in ports.items():
+            text = text.replace(old, new)
+        return text.replace("/data/run1", str(tmp_path / "run1"))
+
+    cluster = cwd / "examples" / "clusters" / "two-hosts.yaml"
+    cluster.write_text(local(cluster.read_text()))
+    compile_cmd, *live = [local(_short(c)) for c in block]
+    assert compile_cmd.startswith("fusion compile") and [c.split()[1] for c in live] == ["coordinator", "executor", "executor"]
+    r = _run(compile_cmd, cwd)
+    assert r.returncode == 0, r.stderr
+    procs = []
+    try:
+        for c in live:
+            procs.append(subprocess.Popen([sys.executable, "-m", "fusion.cli", *shlex.split(c)[1:]], cwd=cwd,
+                                          env=_fusion_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for c, p, (_, err) in zip(live, procs, outs):
+        assert p.returncode == 0, f"`{c}` exited {p.returncode}:\n{err[-3000:]}"
+    coord_err = outs[0][1]
+    assert "part0 up" in coord_err and "part1 ready" in coord_err
+    assert "said hello to the coordinator" in outs[2][1]  # executors say what they wait for
+    assert len((tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()) == 2
