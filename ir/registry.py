@@ -172,8 +172,9 @@ def target_problem(target: str) -> str | None:
     if head == "onnx":
         return None if len(parts) == 1 and rest.isidentifier() else "onnx ops are onnx.<OpType>"
     if head == "aten":
-        if not 1 <= len(parts) <= 2 or not all(p.isidentifier() and not p.startswith("__") for p in parts) \
-                or parts[0] in NATIVE_DENY:
+        # operator dunders (aten.__and__.Tensor, from ``mask & mask``) are ops like any other
+        ok = [p.isidentifier() and (not p.startswith("__") or (i == 0 and p in TENSOR_DUNDERS)) for i, p in enumerate(parts)]
+        if not 1 <= len(parts) <= 2 or not all(ok) or parts[0] in NATIVE_DENY:
             return "aten ops are aten.<op>[.<overload>]"
         return None
     # torch.*

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         _reject_compile_options(args)
         plan_dir = target.parent if target.name == "plan.json" else target
         name = run_name(plan_dir)
+        from fusion.plan import load_plan
+
+        load_plan(plan_dir)  # a broken or hostile plan is refused in one line, before a run folder is made
     else:
         plan_dir = None
         name = Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
@@ -115,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
         plan_dir = save_plan(plan, out / "plan", params=model.params)
     elif plan_dir is None:
         plan_dir = out / "plan"  # resume runs the plan compiled the first time
-    _say(f"run folder {out}")
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise FusionError(f"{plan_dir}: the plan lists plugins {cluster.plan.graph.plugins}: {TRUST_HINT}")
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
+    _say(f"run folder {out}")
     n = len(cluster.plan.parts)
     _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
          f"each; logs in {out / 'logs'}) ...")

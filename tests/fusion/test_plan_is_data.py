@@ -17,7 +17,7 @@ aten.add.Tensor aten.add_.Tensor aten.arange.start aten.cross_entropy_loss.defau
 aten.embedding.default aten.flatten.using_ints aten.gelu.default aten.layer_norm.default aten.linear.default
 aten.mul.Tensor aten.mul_.Tensor aten.pow.Tensor_Scalar aten.relu.default aten.reshape.default
 aten.scaled_dot_product_attention.default aten.split.Tensor aten.sum.default aten.tanh.default aten.transpose.int
-aten.view.default builtins.getattr onnx.Add onnx.AveragePool onnx.BatchNormalization onnx.Concat onnx.Conv onnx.Div
+aten.view.default aten.__and__.Tensor builtins.getattr onnx.Add onnx.AveragePool onnx.BatchNormalization onnx.Concat onnx.Conv onnx.Div
 onnx.Flatten onnx.Gather onnx.Gelu onnx.Gemm onnx.Identity onnx.LayerNormalization onnx.MatMul onnx.MaxPool onnx.Relu
 onnx.Reshape onnx.SequenceAt onnx.Slice onnx.Softmax onnx.SoftmaxCrossEntropyLoss onnx.SplitToSequence onnx.Tanh
 onnx.Transpose onnx.Where operator.add operator.floordiv operator.getitem operator.matmul operator.mul operator.sub
@@ -38,7 +38,7 @@ torch.nn.functional.tanh
 DENIED = ["builtins.eval", "builtins.exec", "builtins.open", "builtins.__import__", "operator.call", "operator.attrgetter",
           "operator.methodcaller", "operator.itemgetter", "torch.load", "torch.save", "torch.hub.load", "torch.from_file",
           "torch.compile", "torch.vmap", "torch.set_num_threads", "torch._C.import_ir_module", "torch.jit.load",
-          "torch.utils.cpp_extension.load_inline", "aten.from_file", "aten.add.Tensor.__globals__",
+          "torch.utils.cpp_extension.load_inline", "aten.from_file", "aten.add.Tensor.__globals__", "aten.__class__", "aten.__and__.__globals__",
           "torch.Tensor.__reduce_ex__", "torch.Tensor.__getattribute__", "torch.Tensor.apply_", "torch.Tensor.register_hook",
           "torch.nn.functional.handle_torch_function", "torch.nn.Module.__init__", "math.__loader__", "operator.__dict__"]
 
