@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
     p.add_argument("--trust-plugins", action="store_true",
                    help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run each CompNode as a Ray actor on the node of an existing Ray cluster (HOST:PORT of its "
+                        "head, or auto) that has the resource fusion-dev:<device> of its device; needs "
+                        "pip install 'fusion[ray]' (see docs/runtime.md)")
     add_common(p)
     p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     t_start = time.monotonic()
+    if args.ray:
+        from fusion.executors.runtime.ray_cluster import import_ray
+
+        import_ray()  # before a long compile: without Ray, one line saying how to install it
     target = Path(args.target)
     is_plan = target.is_dir() or target.name == "plan.json"
     if args.resume and not args.out:
@@ -119,16 +127,29 @@ def run(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
-    cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
-                           executor_args=["--trust-plugins"] if trust else None)
+    executor_args = ["--trust-plugins"] if trust else None
+    if args.ray:
+        from fusion.executors.runtime.ray_cluster import RayCluster
+
+        cluster = RayCluster(args.ray, plan_dir, out, cfg, threads=args.threads, report=_say,
+                             trace=args.trace == "on", executor_args=executor_args,
+                             verbose=1 + args.verbose + args.verbose_after)
+    else:
+        cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
+                               executor_args=executor_args)
     if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
         from fusion.ir.registry import TRUST_HINT
 
         raise FusionError(f"{plan_dir}: the plan lists plugins {cluster.plan.graph.plugins}: {TRUST_HINT}")
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
     n = len(cluster.plan.parts)
-    _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
-         f"each; logs in {out / 'logs'}) ...")
+    if args.ray:
+        cluster.connect()  # a missing node or device resource is one line before anything starts
+        _say(f"starting {n} CompNode{'s' if n > 1 else ''} as Ray actors on {args.ray} "
+             f"(logs in {out / 'logs'}) ...")
+    else:
+        _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
+             f"each; logs in {out / 'logs'}) ...")
     graceful = interrupted = False
     summary = None
     previous = _sigterm_as_interrupt()
