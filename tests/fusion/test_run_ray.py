@@ -9,6 +9,7 @@ Each node is `ray start --block` in a session of its own, ended by its process g
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -154,23 +155,56 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def ray_recipe(md: Path) -> list[str]:
+    """The lines of ``md``'s code block that holds `--ray` (the real-cluster recipe), comments dropped."""
+    for m in re.finditer(r"```[a-z]*\n(.*?)```", md.read_text(), re.S):
+        lines = [ln.strip() for ln in m.group(1).replace("\\\n", " ").splitlines()]
+        lines = [shlex.join(shlex.split(ln, comments=True)) for ln in lines if ln and not ln.startswith("#")]
+        if any("--ray" in ln for ln in lines):
+            return lines
+    raise AssertionError(f"{md.name} has no --ray block")
+
+
+def test_the_ray_recipe_is_the_one_tested():
+    """docs/runtime.md's recipe starts one node per device of two-hosts.yaml; the README shows the same commands."""
+    doc = ray_recipe(ROOT / "docs" / "runtime.md")
+    starts = [ln for ln in doc if ln.startswith("ray start")]
+    assert len(starts) == 2 and device_resource("host-a") in starts[0] and device_resource("host-b") in starts[1]
+    assert [ln.split()[1] for ln in doc if ln.startswith("fusion ")] == ["compile", "run"]
+    readme = ray_recipe(ROOT / "README.md")
+    assert [ln for ln in readme if ln.startswith("fusion ")] == [ln for ln in doc if ln.startswith("fusion ")]
+
+
 def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
+    """docs/runtime.md's recipe as written (address, --out, --steps 3 substituted; one thread, no progress bar)
+    against the same `fusion run` without `--ray`."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'fusion[ray]')")
     t0 = time.monotonic()
-    plan = tmp_path / "tiny.plan"
-    r = _fusion("compile", MODEL, "--cluster", CLUSTER, "--strategy", "equal-flops", "-o", str(plan), cwd=tmp_path)
+    compile_cmd, run_cmd = [shlex.split(ln) for ln in ray_recipe(ROOT / "docs" / "runtime.md") if ln.startswith("fusion ")]
+    shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    r = _fusion(*compile_cmd[1:], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    plan = tmp_path / compile_cmd[compile_cmd.index("-o") + 1]
     parts = json.loads((plan / "plan.json").read_text())["parts"]
     assert sorted(p["device"] for p in parts.values()) == ["host-a", "host-b"], parts
-    # the run without Ray goes on while the Ray nodes start (both mostly wait on imports)
-    local = subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", str(plan), "--steps", "3", "--threads", "1",
-                              "--out", str(tmp_path / "local"), "--no-progress"], cwd=tmp_path, env=_env(),
+
+    def as_here(out: str, ray: str | None) -> list[str]:
+        cmd = list(run_cmd[1:])
+        cmd[cmd.index("--steps") + 1] = "3"
+        cmd[cmd.index("--out") + 1] = str(tmp_path / out)
+        i = cmd.index("--ray")
+        if ray:
+            cmd[i + 1] = ray
+        else:
+            del cmd[i:i + 2]
+        return [*cmd, "--threads", "1", "--no-progress"]
+
+    local = subprocess.Popen([sys.executable, "-m", "fusion.cli", *as_here("local", None)], cwd=tmp_path, env=_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         address = request.getfixturevalue("ray_cluster")
         t_ray = time.monotonic()
-        on_ray = _fusion("run", str(plan), "--steps", "3", "--threads", "1", "--out", str(tmp_path / "ray"),
-                         "--no-progress", "--ray", address, cwd=tmp_path)
+        on_ray = _fusion(*as_here("ray", address), cwd=tmp_path)
         wall = time.monotonic() - t_ray
         _, local_err = local.communicate(timeout=120)
     finally:
