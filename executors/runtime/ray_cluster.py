@@ -74,7 +74,7 @@ def missing_devices(devices: Mapping[str, str], resources: Mapping[str, float]) 
     return sorted({d for d in devices.values() if resources.get(device_resource(d), 0) <= 0})
 
 
-def _check_reachable(address: str, timeout_s: float) -> None:
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     """A ``HOST:PORT`` address that accepts no TCP connection is a one-line error, not a long Ray retry loop."""
     if address in ("auto", "local") or "://" in address:
         return
@@ -246,7 +246,7 @@ class RayCluster:
     def connect(self):
         """Connect to the Ray cluster and check it has a node for every device of the plan."""
         ray = import_ray()
-        _check_reachable(self.address, min(10.0, self.connect_timeout_s))
+        check_reachable(self.address, min(10.0, self.connect_timeout_s))
         try:
             ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING,
                      configure_logging=False, namespace="fusion")

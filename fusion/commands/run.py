@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     if args.ray:
-        from fusion.executors.runtime.ray_cluster import import_ray
+        from fusion.executors.runtime.ray_cluster import check_reachable, import_ray
 
         import_ray()  # before a long compile: without Ray, one line saying how to install it
+        check_reachable(args.ray)  # and a head that is not there is one line too
     target = Path(args.target)
     is_plan = target.is_dir() or target.name == "plan.json"
     if args.resume and not args.out:

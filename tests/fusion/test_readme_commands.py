@@ -100,8 +100,18 @@ def test_doc_commands_run_as_written(md, tmp_path):
             seen.add(cmd)
             r = _run(cmd, cwd)
             assert r.returncode == 0, f"{md.name}: `{cmd}` exited {r.returncode}:\n{r.stderr[-3000:]}"
+            if cmd.startswith("fusion compile") and "--compress-ratio" in cmd:
+                _shows_cut_and_compression(md, cmd, r.stdout + r.stderr)
             ran += 1
     assert ran
+
+
+def _shows_cut_and_compression(md: Path, cmd: str, output: str) -> None:
+    """A compile example that names compression shows it: several parts and compressed cut edges."""
+    m = re.search(r"(\d+) parts? on .*?(\d+) compressed edges", output)
+    assert m, f"{md.name}: `{cmd}` printed no part/compressed-edge summary:\n{output[-2000:]}"
+    parts, edges = int(m.group(1)), int(m.group(2))
+    assert parts > 1 and edges > 0, f"{md.name}: `{cmd}` gives {parts} parts and {edges} compressed edges"
 
 
 def _free_ports(n: int) -> list[int]:

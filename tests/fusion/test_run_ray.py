@@ -61,6 +61,21 @@ def test_ray_missing_says_how_to_install(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_ray_address_where_no_head_answers_is_one_line(tmp_path):
+    """Nothing listening at --ray HOST:PORT: one line naming it and how to start a head, before any compile."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'fusion[ray]')")
+    (port,) = _free_ports(1)
+    r = _fusion("run", MODEL, "--cluster", CLUSTER, "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"),
+                cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"fusion run: error: --ray 127.0.0.1:{port}: no Ray head answers there") and \
+        f"ray start --head --port={port}" in line, line
+    assert not (tmp_path / "run").exists()
+    r = _fusion("run", MODEL, "--cluster", CLUSTER, "--ray", "headnode", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "expected HOST:PORT" in r.stderr, r.stderr
+
+
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
