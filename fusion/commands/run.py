@@ -3,7 +3,10 @@
 Given a model (``file.py:function``) it compiles a plan first (``fusion.compile``)
 for ``--cluster``; given a plan directory it runs that. Each run writes into a
 folder of its own (``--out``, default ``runs/<name>-<YYYYmmdd-HHMMSS>``; a
-non-empty folder needs ``--resume`` or ``--overwrite``)::
+non-empty folder needs ``--resume`` or ``--overwrite``). With ``--ray ADDRESS`` the
+executors run as Ray actors on the nodes of an existing Ray cluster instead of on
+this host (``fusion.executors.runtime.ray_cluster``; the coordinator and the run
+folder stay here)::
 
     run.json              the command line and start time of each run into this folder
     plan/                 the plan that ran (when compiled here)
@@ -24,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import add_common, run_name, train
+from fusion.commands.coordinator import add_common, positive_int, run_name, train
 
 
 def add_parser(sub) -> None:
@@ -37,7 +40,8 @@ def add_parser(sub) -> None:
     from fusion.commands.compile import add_compile_options
 
     defaults = add_compile_options(p, note=" a MODEL (a PLAN has these fixed already)")
-    p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="threads per executor (default: cores / CompNodes; with --ray, torch's default on each node)")
     p.add_argument("--trace", choices=("on", "off"), default="on",
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
     p.add_argument("--trust-plugins", action="store_true",
