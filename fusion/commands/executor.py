@@ -1,4 +1,4 @@
-"""``fusion executor PLAN --node NAME --coordinator ADDR``: run one CompNode (one per host)."""
+"""``fusion executor PLAN --node PART --coordinator ADDR``: run one CompNode (one per host)."""
 from __future__ import annotations
 
 import argparse

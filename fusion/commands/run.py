@@ -3,7 +3,10 @@
 Given a model (``file.py:function``) it compiles a plan first (``fusion.compile``)
 for ``--cluster``; given a plan directory it runs that. Each run writes into a
 folder of its own (``--out``, default ``runs/<name>-<YYYYmmdd-HHMMSS>``; a
-non-empty folder needs ``--resume`` or ``--overwrite``)::
+non-empty folder needs ``--resume`` or ``--overwrite``). With ``--ray ADDRESS`` the
+executors run as Ray actors on the nodes of an existing Ray cluster instead of on
+this host (``fusion.executors.runtime.ray_cluster``; the coordinator and the run
+folder stay here)::
 
     run.json              the command line and start time of each run into this folder
     plan/                 the plan that ran (when compiled here)
@@ -24,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import add_common, run_name, train
+from fusion.commands.coordinator import add_common, positive_int, run_name, train
 
 
 def add_parser(sub) -> None:
@@ -37,11 +40,16 @@ def add_parser(sub) -> None:
     from fusion.commands.compile import add_compile_options
 
     defaults = add_compile_options(p, note=" a MODEL (a PLAN has these fixed already)")
-    p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="threads per executor (default: cores / CompNodes; with --ray, torch's default on each node)")
     p.add_argument("--trace", choices=("on", "off"), default="on",
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
     p.add_argument("--trust-plugins", action="store_true",
                    help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run each CompNode as a Ray actor on the node of an existing Ray cluster (HOST:PORT of its "
+                        "head, or auto) that has the resource fusion-dev:<device> of its device; needs "
+                        "pip install 'fusion[ray]' (see docs/runtime.md)")
     add_common(p)
     p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
@@ -82,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     t_start = time.monotonic()
+    if args.ray:
+        from fusion.executors.runtime.ray_cluster import check_reachable, import_ray
+
+        import_ray()  # before a long compile: without Ray, one line saying how to install it
+        check_reachable(args.ray)  # and a head that is not there is one line too
     target = Path(args.target)
     is_plan = target.is_dir() or target.name == "plan.json"
     if args.resume and not args.out:
@@ -121,8 +134,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
-    cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
-                           executor_args=["--trust-plugins"] if trust else None)
+    executor_args = ["--trust-plugins"] if trust else None
+    if args.ray:
+        from fusion.executors.runtime.ray_cluster import RayCluster
+
+        cluster = RayCluster(args.ray, plan_dir, out, cfg, threads=args.threads, report=_say,
+                             trace=args.trace == "on", executor_args=executor_args,
+                             verbose=1 + args.verbose + args.verbose_after)
+    else:
+        cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
+                               executor_args=executor_args)
     if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
         from fusion.ir.registry import TRUST_HINT
 
@@ -130,8 +151,13 @@ def run(args: argparse.Namespace) -> int:
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)
-    _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
-         f"each; logs in {out / 'logs'}) ...")
+    if args.ray:
+        cluster.connect()  # a missing node or device resource is one line before anything starts
+        _say(f"starting {n} CompNode{'s' if n > 1 else ''} as Ray actors on {args.ray} "
+             f"(logs in {out / 'logs'}) ...")
+    else:
+        _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "
+             f"each; logs in {out / 'logs'}) ...")
     graceful = interrupted = False
     summary = None
     previous = _sigterm_as_interrupt()

@@ -5,7 +5,8 @@ dropped). The only changes: `--steps N` becomes `--steps 2` (the README's 30- an
 same commands, shorter), and the two-host recipe's host addresses and ports (10.0.0.x, 5600-5602) become
 loopback and free ports so that both "hosts" run here. Synopsis lines (`[--option]`, `PLAN_DIR`) and
 printed output (`fusion compile: error: ...`) are not commands. `pip` and `python -m pytest` lines are
-what CI runs; `python benchmarks/...` lines are benchmarks, run on their own.
+what CI runs; `python benchmarks/...` lines are benchmarks, run on their own. A block with `--ray` is the
+recipe for a real Ray cluster: tests/fusion/test_run_ray.py runs it on a two-node Ray cluster it starts.
 """
 import os
 import re
@@ -76,7 +77,12 @@ def _short(cmd: str) -> str:
     return re.sub(r"--steps \d+", "--steps 2", cmd)
 
 
-SINGLE_HOST = [d for d in DOCS if any(not any("--node" in c for c in b) for b in commands(d))]
+def multi_host(block: list[str]) -> bool:
+    """The two-host recipe (`--node`) and the Ray cluster recipe (`--ray`) need more than this folder."""
+    return any("--node" in c or "--ray" in c for c in block)
+
+
+SINGLE_HOST = [d for d in DOCS if any(not multi_host(b) for b in commands(d))]
 
 
 @pytest.mark.parametrize("md", SINGLE_HOST, ids=lambda p: p.name)
@@ -85,8 +91,8 @@ def test_doc_commands_run_as_written(md, tmp_path):
     seen = set()
     ran = 0
     for block in commands(md):
-        if any("--node" in c for c in block):
-            continue  # the two-host recipe: below
+        if multi_host(block):
+            continue  # the two-host recipe: below; the Ray recipe: tests/fusion/test_run_ray.py
         for cmd in block:
             cmd = _short(cmd)
             if cmd in seen:
@@ -94,8 +100,18 @@ def test_doc_commands_run_as_written(md, tmp_path):
             seen.add(cmd)
             r = _run(cmd, cwd)
             assert r.returncode == 0, f"{md.name}: `{cmd}` exited {r.returncode}:\n{r.stderr[-3000:]}"
+            if cmd.startswith("fusion compile") and "--compress-ratio" in cmd:
+                _shows_cut_and_compression(md, cmd, r.stdout + r.stderr)
             ran += 1
     assert ran
+
+
+def _shows_cut_and_compression(md: Path, cmd: str, output: str) -> None:
+    """A compile example that names compression shows it: several parts and compressed cut edges."""
+    m = re.search(r"(\d+) parts? on .*?(\d+) compressed edges", output)
+    assert m, f"{md.name}: `{cmd}` printed no part/compressed-edge summary:\n{output[-2000:]}"
+    parts, edges = int(m.group(1)), int(m.group(2))
+    assert parts > 1 and edges > 0, f"{md.name}: `{cmd}` gives {parts} parts and {edges} compressed edges"
 
 
 def _free_ports(n: int) -> list[int]:
