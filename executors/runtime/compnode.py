@@ -240,6 +240,8 @@ class CompNode:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         options = engine_options_for(self.me, self.engine_name, {"*": self.cfg.engine_options})
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
+        log.info("%s: %s engine on %s%s", self.me, self.engine_name, self.cfg.device,
+                 "".join(f", {k}={v}" for k, v in sorted(options.items())))
         self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine, self.plan.compression)
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                         "tcp://127.0.0.1:* picks a free loopback port)")
     p.add_argument("--advertise", default=None, type=zmq_address, metavar="ADDR",
                    help="address peers connect to (default: the plan's address, else the bound one)")
-    p.add_argument("--device", default="cpu", help="engine device (cpu, cuda:0, ...)")
+    p.add_argument("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads of the engine (default: unchanged)")
     p.add_argument("--startup-timeout", type=positive_float, default=120.0,
                    help="give up when the coordinator has not answered after this long (s)")
@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan
 
+    from fusion.executors.engines.torch.device import check_device
+
+    device = check_device(args.device)  # before the plan and the sockets: a bad device is one line
     plan = load_plan(args.plan)
     if args.node not in plan.parts:
         raise FusionError(f"{args.plan}: plan has no part {args.node!r} (parts: {', '.join(plan.parts)})")
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if bind is None:
         raise FusionError(f"{args.plan}: part {args.node!r} has no address in the plan; pass --bind")
     advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
-    cfg = ExecutorConfig(args.node, args.coordinator, bind, advertise, args.device, args.max_message_bytes,
+    cfg = ExecutorConfig(args.node, args.coordinator, bind, advertise, device, args.max_message_bytes,
                          peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
                          startup_timeout_s=args.startup_timeout, trace_path=args.trace,
                          engine_options={**({"compile": True} if args.compile_parts else {}),

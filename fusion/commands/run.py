@@ -46,6 +46,13 @@ def add_parser(sub) -> None:
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
     p.add_argument("--trust-plugins", action="store_true",
                    help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="torch device of every CompNode's engine (cpu, cuda, cuda:0, ...); CompNodes may share one GPU")
+    parts = p.add_mutually_exclusive_group()
+    parts.add_argument("--compile-parts", action="store_true",
+                       help="torch engine: torch.compile each part's generated module (slow first step)")
+    parts.add_argument("--interpreted-parts", action="store_true",
+                       help="torch engine: walk each part node by node instead of one generated function")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="run each CompNode as a Ray actor on the node of an existing Ray cluster (HOST:PORT of its "
                         "head, or auto) that has the resource fusion-dev:<device> of its device; needs "
@@ -63,6 +70,18 @@ def _reject_compile_options(args: argparse.Namespace) -> None:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise FusionError(f"{flags} only apply when compiling a MODEL; {args.target} is a plan "
                           "(recompile it with `fusion compile`, or run the model file)")
+
+
+def executor_flags(args: argparse.Namespace, trust: bool) -> list[str]:
+    """The ``fusion executor`` flags this run passes on to every CompNode."""
+    flags = ["--trust-plugins"] if trust else []
+    if args.device != "cpu":
+        flags += ["--device", args.device]
+    if args.compile_parts:
+        flags.append("--compile-parts")
+    if args.interpreted_parts:
+        flags.append("--interpreted-parts")
+    return flags
 
 
 def _say(line: str) -> None:
@@ -90,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     t_start = time.monotonic()
+    if not args.ray:  # a Ray node checks its own devices
+        from fusion.executors.engines.torch.device import check_device
+
+        check_device(args.device)
     if args.ray:
         from fusion.executors.runtime.ray_cluster import check_reachable, import_ray
 
@@ -134,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
-    executor_args = ["--trust-plugins"] if trust else None
+    executor_args = executor_flags(args, trust)
     if args.ray:
         from fusion.executors.runtime.ray_cluster import RayCluster
 

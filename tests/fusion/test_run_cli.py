@@ -36,6 +36,7 @@ def test_missing_plan_or_model_is_a_one_line_error(tmp_path):
 
 def _run_model(tmp_path, *args):
     """``fusion run`` of MODEL_SRC's cnn on the two-site scenario into ``tmp_path/run``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "model.py").write_text(MODEL_SRC)
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(load_scenario("local-4-two-sites").to_dict()))
@@ -161,3 +162,32 @@ def test_bfloat16_gpt_trains_on_four_compnodes_and_saves_bfloat16(tmp_path):
     assert np.isfinite(losses).all() and np.mean(losses[-3:]) < losses[0] - 0.3, losses
     final = load_file(str(out / "final.safetensors"))
     assert final and all(t.dtype == torch.bfloat16 for t in final.values())
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_device_and_part_flags_reach_every_compnode(tmp_path):
+    """``--device cpu --interpreted-parts`` is passed to each executor: they log it, and losses equal the default run."""
+    a, out_a = _run_model(tmp_path / "a", "--steps", "2")
+    b, out_b = _run_model(tmp_path / "b", "--steps", "2", "--device", "cpu", "--interpreted-parts")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    assert np.allclose(_losses(out_a), _losses(out_b), rtol=1e-6, atol=0)
+    logs = [p.read_text() for p in sorted((out_b / "logs").glob("*.log"))]
+    assert logs and all("engine on cpu, compiled=False" in log for log in logs), logs[0][-2000:]
+
+
+def test_a_device_this_host_lacks_is_one_line_before_anything_starts(tmp_path):
+    import torch
+
+    cases = ["tpu9", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda:0"]) + \
+        (["cuda:%d" % torch.cuda.device_count()] if torch.cuda.is_available() else [])
+    for dev in cases:
+        r, out = _run_model(tmp_path / dev.replace(":", "_"), "--steps", "1", "--device", dev)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and dev in lines[0], r.stderr
+        assert not out.exists()
+    r = _fusion("executor", str(tmp_path / "noplan"), "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
+                "--device", "tpu9")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "tpu9" in r.stderr, r.stderr
