@@ -32,6 +32,7 @@ from fusion.cluster.topology import device_clusters
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("opfence", "equal-count", "equal-flops")
+RECOMPUTE = ("auto", "off", "all")
 COST_MODEL = "fusion.estimate/1"
 
 
@@ -42,7 +43,7 @@ class CompileError(FusionError):
 def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", micro_batches: int = 1,
                   compress_ratio: float | None = None, schedule: str = "gpipe",
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
-                  compress: CompressRequest | None = None) -> Plan:
+                  compress: CompressRequest | None = None, recompute: str = "auto") -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -51,6 +52,9 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     compress:       per-direction codecs, applied where they pay (:mod:`fusion.compress.policy`);
                     exclusive with ``compress_ratio``.
     schedule:       ``gpipe``, ``1f1b`` or ``zb1`` (changes the activation memory in flight).
+    recompute:      activation recomputation per part: ``auto`` turns it on only for parts that would
+                    not fit their device otherwise (and lets the partitioner count on it when nothing
+                    fits without it), ``off`` never, ``all`` on every part.
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -64,36 +68,70 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         raise CompileError("give either compress_ratio (AdaTopK) or compress (codecs), not both")
     if compress_ratio is not None and not compress_ratio >= 1:
         raise CompileError(f"compress_ratio must be >= 1, got {compress_ratio!r}")
+    if recompute not in RECOMPUTE:
+        raise CompileError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     graph = model.graph
     _ensure_shapes(model)
     costs = measure_costs(graph, progress=len(graph) > 200)
     cm = CostModel.build(graph, costs, cluster, micro_batches, schedule,
                          optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
-    _check_fits(cm, cluster)
+    cm.recompute_all = recompute == "all"
     clusters = device_clusters(cluster, seed)
-    if strategy == "opfence":
-        try:
-            part = op_fence(cm, clusters, seed=seed, progress=len(cluster) > 128)
-        except NoFitError:
-            raise CompileError(_no_fit_message(cm, cluster)) from None
-    else:
-        part = BASELINES[strategy](cm, build_chain(cm))
-    dense = cm.evaluate(part.node_part, part.part_device)
+    part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
+    rc = _recompute_choice(cm, part, recompute)
+    dense = cm.evaluate(part.node_part, part.part_device, recompute=rc)
     if dense.violations:
-        raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit: {dense.violations[0]}")
+        raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit"
+                           f"{'' if recompute == 'off' else ' even with activation recomputation'}: {dense.violations[0]}")
     names = [f"part{k}" for k in range(len(part.part_device))]
     compression, wire = [], {}
     if compress_ratio is not None and compress_ratio > 1:
         compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
     elif compress is not None:
         compression, wire = choose(cm, part.node_part, part.part_device, names, compress)
-    est = cm.evaluate(part.node_part, part.part_device, wire) if wire else dense
+    est = cm.evaluate(part.node_part, part.part_device, wire, recompute=rc) if wire else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
+    for k, name in enumerate(names):
+        plan.parts[name].recompute = bool(rc[k])
+    if rc.any():
+        log.info("activation recomputation on %s (they would not fit their devices otherwise)",
+                 ", ".join(n for n, r in zip(names, rc) if r))
     plan.predicted["compile_s"] = round(time.perf_counter() - t0, 4)
     log.info("compiled %d nodes onto %d of %d devices with %s: predicted %.4g s/iteration",
              len(graph), len(names), len(cluster), strategy, est.iteration_s)
     return plan
+
+
+def _partition(cm: CostModel, cluster: Cluster, clusters, strategy: str, seed: int, retry_recompute: bool) -> Partition:
+    """Node -> part and part -> device by ``strategy``. With ``retry_recompute``, a model that fits no
+    device split as it is gets a second try priced with activation recomputation on every part."""
+    try:
+        _check_fits(cm, cluster)
+        if strategy == "opfence":
+            try:
+                return op_fence(cm, clusters, seed=seed, progress=len(cluster) > 128)
+            except NoFitError:
+                raise CompileError(_no_fit_message(cm, cluster)) from None
+        return BASELINES[strategy](cm, build_chain(cm))  # a fixed split: recomputation is chosen per part after
+    except CompileError:
+        if not retry_recompute or cm.recompute_all:
+            raise
+        log.info("nothing fits without activation recomputation; partitioning again with it")
+        cm.recompute_all = True
+        try:
+            return _partition(cm, cluster, clusters, strategy, seed, retry_recompute=False)
+        finally:
+            cm.recompute_all = False
+
+
+def _recompute_choice(cm: CostModel, part: Partition, mode: str) -> np.ndarray:
+    """Which parts recompute: all, none, or (``auto``) those over their device's memory without it."""
+    n = len(part.part_device)
+    if mode != "auto":
+        return np.full(n, mode == "all")
+    est = cm.evaluate(part.node_part, part.part_device, recompute=np.zeros(n, dtype=bool))
+    return np.array([pe.memory_bytes > pe.memory_limit for pe in est.parts], dtype=bool)
 
 
 def _ensure_shapes(model: Model) -> None:
@@ -110,14 +148,14 @@ def _ensure_shapes(model: Model) -> None:
 def _check_fits(cm: CostModel, cluster: Cluster) -> None:
     """Fail early, naming the field, when the model cannot fit even spread over every device."""
     need_state = float(cm.p_state.sum())
-    need_act = float(cm.saved.sum()) * (cm.micro_batches if cm.schedule == "gpipe" else 1)
+    need_act = float(cm.saved.sum()) * (cm.micro_batches if cm.schedule == "gpipe" and not cm.recompute_all else 1)
     have = float(cm.mem_cap.sum())
     if need_state + need_act > have:
         raise CompileError(
             f"{cluster.source}: devices[].memory_bytes: the model needs {(need_state + need_act) / 1e9:.3f} GB "
             f"(parameters, gradients and optimizer state {need_state / 1e9:.3f} GB + activations {need_act / 1e9:.3f} GB "
             f"for {cm.micro_batches} micro-batch(es)) but all {len(cluster)} devices hold {have / 1e9:.3f} GB")
-    per_node = cm.saved * cm.micro_batches
+    per_node = cm.saved * (1 if cm.recompute_all else cm.micro_batches)
     biggest = int(np.argmax(per_node + np.bincount(cm.pn_node, weights=cm.p_state[cm.pn_param], minlength=len(cm.names))))
     node_need = float(per_node[biggest] + cm.p_state[cm.pn_param[cm.pn_node == biggest]].sum())
     if node_need > cm.mem_cap.max():
@@ -126,7 +164,8 @@ def _check_fits(cm: CostModel, cluster: Cluster) -> None:
 
 
 def _no_fit_message(cm: CostModel, cluster: Cluster) -> str:
-    return (f"{cluster.source}: devices[].memory_bytes: no split of the model over the devices fits their memory "
+    how = " even with activation recomputation" if cm.recompute_all else ""
+    return (f"{cluster.source}: devices[].memory_bytes: no split of the model over the devices fits their memory{how} "
             f"({cm.p_state.sum() / 1e9:.3f} GB of parameter state + {cm.saved.sum() / 1e9:.3f} GB of activations per "
             f"micro-batch x {cm.micro_batches}; devices hold {cm.mem_cap.sum() / 1e9:.3f} GB in total)")
 

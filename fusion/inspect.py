@@ -87,13 +87,15 @@ def plan_report(plan: Plan) -> str:
         count[p] = count.get(p, 0) + 1
     ppred = pr.get("parts", {})
     lines.append("")
-    lines.append(f"{'part':<8} {'device':<16} {'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} {'comm s':>10}")
+    lines.append(f"{'part':<8} {'device':<16} {'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} {'comm s':>10}"
+                 "  engine")
     for p in order:
         part = plan.parts[p]
         lim = ppred.get(p, {}).get("memory_limit")
         mem = _fmt_bytes(part.memory_bytes) + (f" / {_fmt_bytes(lim)}" if lim else "")
         lines.append(f"{p:<8} {part.device:<16} {count.get(p, 0):>5} {flops.get(p, 0.0) / 1e9:>10.2f} {mem:>22} "
-                     f"{part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}")
+                     f"{part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}  {part.engine}"
+                     + (" (recompute)" if part.recompute else ""))
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")

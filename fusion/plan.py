@@ -102,7 +102,9 @@ class EdgeCompression:
 class Part:
     """One CompNode: name (part id), the cluster device it runs on, its
     address (``tcp://host:port``), its engine (``torch`` or ``numpy``), and
-    the estimator's predictions in seconds per micro-batch."""
+    the estimator's predictions in seconds per micro-batch. ``recompute``: the compiler chose
+    activation recomputation for this part (it keeps only its inputs per micro-batch in flight and
+    runs its forward again in backward) because it would not fit its device otherwise."""
 
     name: str
     device: str
@@ -111,6 +113,7 @@ class Part:
     predicted_compute_s: float = 0.0
     predicted_comm_s: float = 0.0
     memory_bytes: float = 0.0
+    recompute: bool = False
 
 
 @dataclass
@@ -211,6 +214,12 @@ class Plan:
                 if cfg is not None and not (isinstance(cfg, dict) and isinstance(cfg.get("algo"), str)):
                     raise PlanError(f"{source}: compression of {c.producer}: {field_name} must be a codec cfg "
                                     f"with an 'algo' name, got {cfg!r}")
+        for p in self.parts.values():
+            if not isinstance(p.recompute, bool):
+                raise PlanError(f"{source}: parts.{p.name}.recompute must be true or false, got {p.recompute!r}")
+            if p.recompute and p.engine != "torch":
+                raise PlanError(f"{source}: parts.{p.name} needs activation recomputation, which the {p.engine} "
+                                "engine does not do (only torch)")
         devices = self.cluster.get("devices") if isinstance(self.cluster, dict) else None
         if isinstance(devices, list) and devices:
             names = {e.get("name") for e in devices if isinstance(e, dict)}

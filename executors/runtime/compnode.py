@@ -238,7 +238,8 @@ class CompNode:
             params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
-        options = engine_options_for(self.me, self.engine_name, {"*": self.cfg.engine_options})
+        chosen = {"recompute": True} if self.plan.parts[self.me].recompute else {}  # by the compiler, to fit
+        options = engine_options_for(self.me, self.engine_name, {"*": {**chosen, **self.cfg.engine_options}})
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
         log.info("%s: %s engine on %s%s", self.me, self.engine_name, self.cfg.device,
                  "".join(f", {k}={v}" for k, v in sorted(options.items())))

@@ -45,6 +45,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--compress-bwd", default=None, metavar="none|auto|CODEC[:K=V,...]",
                        help="codec for the gradients sent back (default: as --compress)"),
         g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
+        g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
+                       help="activation recomputation per part: auto turns it on only where a part would not fit "
+                            "its device otherwise"),
         g.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="optimizer of every part"),
         g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
         g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
@@ -72,7 +75,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=args.micro_batches,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
-                         compress=compress)
+                         compress=compress, recompute=args.recompute)
     assign_engines(plan, args.engine)
     return plan
 
@@ -104,6 +107,10 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
             raise FusionError(f"--engine {spec}: the plan has no part {part!r} (parts: {', '.join(engines)})")
         else:
             engines[part] = engine
+    for p, engine in engines.items():
+        if plan.parts[p].recompute and engine != "torch":
+            raise FusionError(f"--engine {p}={engine}: {p} fits its device only with activation recomputation, "
+                              f"which the {engine} engine does not do (only torch)")
     check_engines(plan.graph, plan.assignment, engines)
     for p, engine in engines.items():
         plan.parts[p].engine = engine

@@ -38,7 +38,7 @@ from fusion.cluster.model import Cluster
 from fusion.cost.flops import NodeCost
 from fusion.ir.boundary import edge_requires_grad
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, TensorMeta
+from fusion.ir.node import PLACEHOLDER_KINDS, NodeKind, TensorMeta
 
 
 @dataclass
@@ -113,6 +113,10 @@ class CostModel:
     micro_batches: int
     schedule: str
     samples_per_micro_batch: int
+    fwd_flops: np.ndarray | None = None  # F_fwd per node (the forward a recomputing part runs twice)
+    fwd_mem: np.ndarray | None = None  # memory-bound bytes of the forward per node
+    input_bytes: np.ndarray | None = None  # bytes a placeholder node feeds per micro-batch (0 for other nodes)
+    recompute_all: bool = False  # price every part as recomputing its activations (see :meth:`evaluate`)
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)
@@ -158,9 +162,13 @@ class CostModel:
         p_train = np.array([s.trainable for s in specs], dtype=bool)
         p_state = p_bytes * (1.0 + p_train * (1.0 + optimizer_slots))
         ia = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+        fwd_flops = np.array([c.flops_fwd for c in get], dtype=float)
+        fwd_mem = np.array([c.mem_fwd for c in get], dtype=float)
+        input_bytes = np.array([tensor_bytes(graph, n, None) if graph[n].kind in PLACEHOLDER_KINDS else 0.0
+                                for n in names], dtype=float)
         return cls(graph, cluster, names, index, flops, mem, saved, t_key, ia(t_prod), np.array(t_bytes, dtype=float),
                    np.array(t_rg, dtype=bool), ia(e_t), ia(e_cons), ia(pn_param), ia(pn_node), p_names, p_state,
-                   p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch)
+                   p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch, fwd_flops, fwd_mem, input_bytes)
 
     def with_cluster(self, cluster: Cluster) -> "CostModel":
         kw = {k: getattr(self, k) for k in self.__dataclass_fields__ if self.__dataclass_fields__[k].init}
@@ -185,17 +193,27 @@ class CostModel:
 
     # -- Eq. (2)-(4) and memory -------------------------------------------------------
     def evaluate(self, node_part: np.ndarray, part_device: np.ndarray,
-                 wire: Mapping[tuple[int, int, int], tuple[float, float]] | None = None, detail: bool = True):
+                 wire: Mapping[tuple[int, int, int], tuple[float, float]] | None = None, detail: bool = True,
+                 recompute: np.ndarray | None = None):
         """Estimate an assignment. ``node_part[i]``: part of node i; ``part_device[p]``: device index of part p.
 
         wire: optional (tensor, src part, dst part) -> (fwd bytes, bwd bytes) on the wire (compression).
+        recompute: optional bool per part: the part keeps only its inputs per micro-batch in flight and
+            runs its forward again in backward (activation recomputation). Its Eq. (1) compute time gains
+            the forward's time, and its activation memory becomes inputs x in-flight + one micro-batch's
+            saved activations (those of the forward being recomputed). None: ``recompute_all`` for all.
         Returns an :class:`Estimate` (``detail=False``: just ``(iteration_s, feasible)``).
         """
         node_part = np.asarray(node_part, dtype=np.int64)
         dev = np.asarray(part_device, dtype=np.int64)
         n_parts = len(dev)
+        rc = np.full(n_parts, self.recompute_all) if recompute is None else np.asarray(recompute, dtype=bool)
         flops_p = np.bincount(node_part, weights=self.flops, minlength=n_parts)
         comp = flops_p / self.speed[dev] + np.bincount(node_part, weights=self.mem, minlength=n_parts) / self.mem_speed[dev]
+        if rc.any():
+            fwd = (np.bincount(node_part, weights=self.fwd_flops, minlength=n_parts) / self.speed[dev]
+                   + np.bincount(node_part, weights=self.fwd_mem, minlength=n_parts) / self.mem_speed[dev])
+            comp = comp + np.where(rc, fwd, 0.0)
         src = node_part[self.t_prod[self.e_t]]
         dst = node_part[self.e_cons]
         cut = src != dst
@@ -227,6 +245,10 @@ class CostModel:
         acts = np.bincount(node_part, weights=self.saved, minlength=n_parts)
         inflight = self.in_flight(n_parts, psrc, pdst)
         memory = state + acts * inflight
+        if rc.any():  # a recomputing part holds its inputs (received dense, or fed) per micro-batch in flight
+            held = np.bincount(pdst, weights=self.t_bytes[pt], minlength=n_parts) \
+                + np.bincount(node_part, weights=self.input_bytes, minlength=n_parts)
+            memory = np.where(rc, state + held * inflight + acts, memory)
         cap = self.mem_cap[dev]
         # tied-parameter gradient sync
         sync = 0.0

@@ -128,6 +128,10 @@ def chain_dp(ch: Chain, cm: CostModel, order: list[int], pos: np.ndarray, bound:
     F, M, S, P = ch.flops[pos], ch.mem[pos], ch.saved[pos], ch.state[pos]
     XF, NF, XB, NB = ch.cut_fwd_bytes[pos], ch.cut_fwd_count[pos], ch.cut_bwd_bytes[pos], ch.cut_bwd_count[pos]
     memw = P + n_b * S
+    if cm.recompute_all:  # a recomputing range holds one micro-batch's activations and its inputs per micro-batch
+        need = (P[None, :] - P[:, None]) + (S[None, :] - S[:, None]) + (n_b * XF)[:, None]
+    else:
+        need = memw[None, :] - memw[:, None]
     I, J = np.meshgrid(np.arange(U + 1), np.arange(U + 1), indexing="ij")
     upper = I < J
     f_prev = np.full(U + 1, np.inf)
@@ -147,7 +151,7 @@ def chain_dp(ch: Chain, cm: CostModel, order: list[int], pos: np.ndarray, bound:
             bwd[U] = 0.0
         comp = W[None, :] - W[:, None]
         comm = fwd[:, None] + bwd[None, :]
-        ok = upper & (comp <= bound) & (comm <= bound) & ((memw[None, :] - memw[:, None]) <= cm.mem_cap[d])
+        ok = upper & (comp <= bound) & (comm <= bound) & (need <= cm.mem_cap[d])
         val = np.where(ok, f_prev[:, None] + comp + comm, np.inf)
         arg = np.argmin(val, axis=0)
         f = val[arg, np.arange(U + 1)]
