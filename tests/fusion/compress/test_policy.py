@@ -27,11 +27,19 @@ def test_specs_parse_into_codec_cfgs():
 
 @pytest.mark.parametrize("spec,match", [
     ("zip", "unknown codec 'zip'"), ("quant:bits=3", "bits must be one of"), ("quant:bits", "expected KEY=VALUE"),
-    ("quant:colour=red", "colour"), ("delta:bits=4", "sample ids"),
+    ("quant:colour=red", "colour"), ("delta:bits=3", "bits must be one of"), ("delta:first_visit=zip", "first_visit"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CompressSpecError, match=match):
         parse_spec(spec)
+
+
+def test_delta_is_for_activations_and_gives_the_gradients_8_bit_quant():
+    r = request("delta:bits=2")
+    assert r.fwd == {"algo": "delta", "bits": 2} and r.bwd == {"algo": "quant", "bits": 8, "block": 64}
+    assert request("delta:bits=4", "none").bwd is None
+    with pytest.raises(CompressSpecError, match="activations only"):
+        request("quant:bits=8", "delta:bits=4")
 
 
 def _two_devices(bandwidth_bps: float) -> Cluster:
