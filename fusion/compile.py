@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fusion.compress.adatopk import adatopk
-from fusion.compress.policy import CompressRequest, choose
+from fusion.compress.policy import CompressRequest, choose, codec_prices
 from fusion.partition.baselines import BASELINES
 from fusion.partition.chain import build_chain
 from fusion.cluster.model import Cluster
@@ -71,6 +71,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                          optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
     _check_fits(cm, cluster)
     clusters = device_clusters(cluster, seed)
+    if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
+        cm.codec_prices = codec_prices(cm, compress)
     if strategy == "opfence":
         try:
             part = op_fence(cm, clusters, seed=seed, progress=len(cluster) > 128)
@@ -78,7 +80,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
             raise CompileError(_no_fit_message(cm, cluster)) from None
     else:
         part = BASELINES[strategy](cm, build_chain(cm))
-    dense = cm.evaluate(part.node_part, part.part_device)
+    dense = cm.evaluate(part.node_part, part.part_device, priced=False)
     if dense.violations:
         raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit: {dense.violations[0]}")
     names = [f"part{k}" for k in range(len(part.part_device))]
@@ -87,7 +89,10 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
     elif compress is not None:
         compression, wire = choose(cm, part.node_part, part.part_device, names, compress)
-    est = cm.evaluate(part.node_part, part.part_device, wire) if wire else dense
+    if compress is not None:  # the same edges choose() compressed, with their encode/decode time
+        est = cm.evaluate(part.node_part, part.part_device)
+    else:
+        est = cm.evaluate(part.node_part, part.part_device, wire) if wire else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
     plan.predicted["compile_s"] = round(time.perf_counter() - t0, 4)

@@ -132,6 +132,28 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
     return o
 
 
+def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
+    """Each tensor's wire bytes and encode + decode seconds under the requested codecs, for
+    :attr:`CostModel.codec_prices` (so that partitioning prices every candidate cut with its codec)."""
+    import numpy as np
+
+    from fusion.cost.estimate import CodecPrices
+    from fusion.kernels.codec import CODECS
+
+    n = len(cm.t_key)
+    out = {k: np.full(n, np.inf) for k in ("fwd_wire", "fwd_s", "bwd_wire", "bwd_s")}
+    for t in range(n):
+        meta = _meta(cm, t)
+        if meta is None:
+            continue
+        for d, cfg in (("fwd", req.fwd), ("bwd", req.bwd)):
+            if cfg is None:
+                continue
+            out[f"{d}_wire"][t] = float(CODECS.get(cfg["algo"]).wire_nbytes(meta.numel, meta.dtype, cfg))
+            out[f"{d}_s"][t] = float(meta.nbytes) / CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"])
+    return CodecPrices(**out)
+
+
 def pays(cm: CostModel, src_dev: int, dst_dev: int, meta: TensorMeta, cfg: dict) -> tuple[bool, float]:
     """(whether ``cfg`` shortens this edge's transfer, the compressed wire bytes)."""
     from fusion.kernels.codec import CODECS
