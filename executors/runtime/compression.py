@@ -1,4 +1,8 @@
-"""Per-edge Top-K compression of OP-Data payloads (FusionLLM §5, AdaTopK).
+"""Per-edge compression of OP-Data payloads (FusionLLM §5, AdaTopK; quant; AQ-SGD deltas).
+
+Codecs per direction: ``topk``, ``quant``, ``hadamard-quant`` (stateless) and
+``delta`` (AQ-SGD, activations only, stateful: per-sample buffers at both ends
+of the edge, :mod:`fusion.executors.runtime.delta_edges`).
 
 A plan lists :class:`~fusion.plan.EdgeCompression` entries: one cut tensor
 ``(producer, index)`` on one link ``src -> dst`` with a ratio, the directions
