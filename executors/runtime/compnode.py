@@ -32,10 +32,9 @@ import numpy as np
 
 from fusion.ir.boundary import part_links, part_order, partition
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.opdata import OpData
+from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges
-from fusion.ir.opdata import SAMPLE_IDS
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
