@@ -189,3 +189,48 @@ def test_batches_for_a_delta_plan_must_carry_sample_ids(tmp_path):
     with pytest.raises(FusionError, match="a sample appears twice"):
         batch_sample_ids(plan, {**cnn_batch(0, 4), SAMPLE_IDS: np.array([1, 2, 2, 3])})
     np.testing.assert_array_equal(batch_sample_ids(plan, batch(1)), [4, 5, 6, 7])
+
+
+def test_a_numpy_compnode_without_torch_runs_both_ends_of_delta_edges(tmp_path):
+    """A torch CompNode sends AQ-SGD deltas to a NumPy CompNode whose process cannot import torch, which
+    decodes them with its own buffers: the run equals the in-process reference executor with the same engines
+    and codecs, and the NumPy process never loaded torch."""
+    import json
+
+    import tests.ir.onnx_models as onnx_models
+    from tests.executors.test_mixed_engines import _blocked_env
+    from fusion.executors.runtime.launcher import LocalCluster, hand_plan
+    from fusion.ir.boundary import partition
+    from fusion.ir.onnx_import import load_onnx
+    from fusion.plan import save_plan
+
+    tt = onnx_models.tiny_transformer_module()
+    module, args = tt.model()
+    model = load_onnx(onnx_models.export(module, args, tmp_path / "tt.onnx"))
+    assign = {n: ("A" if p == "a" else "B") for n, p in onnx_models.two_part_assignment(model.graph).items()}
+    comp = [EdgeCompression(e.producer, e.index, "A", "B", fwd_codec=D4, bwd_codec=Q8)
+            for e in {(e.producer, e.index): e for e in partition(model.graph, assign)["A"].boundary.sent_acts}.values()]
+    assert comp
+    g = np.random.default_rng(5)
+    data = [(g.integers(0, 13, (4, 8)), g.integers(0, 13, (4, 8))) for _ in range(2)]
+    batches = [{"idx": data[s % 2][0], "targets": data[s % 2][1], SAMPLE_IDS: np.arange(4) + 4 * (s % 2)}
+               for s in range(5)]
+    opt = OptimizerConfig("sgd", lr=0.1, momentum=0.9)
+    ref = ReferenceExecutor(model, assign, opt, micro_batches=2, schedule="1f1b", engines={"A": "torch", "B": "numpy"},
+                            compression=comp)
+    expected = [ref.step(b).loss for b in batches]
+    dense = ReferenceExecutor(model, assign, opt, micro_batches=2, schedule="1f1b", engines={"A": "torch", "B": "numpy"})
+    assert [dense.step(b).loss for b in batches] != expected  # the deltas change the numbers: they really ran
+    plan = hand_plan(model, assign, schedule="1f1b", micro_batches=2, optimizer=opt, engines={"A": "torch", "B": "numpy"})
+    plan.compression = comp
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    env_b, record = _blocked_env(tmp_path)
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30), threads=1, trace=False,
+                      part_env={"B": env_b}) as lc:
+        lc.start()
+        losses = [lc.coordinator.step(b).loss for b in batches]
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    bufs = ref.parts["B"].compression.delta.buffers  # float cut tensors go as deltas (others dense)
+    assert bufs and all(len(b) == 8 for b in bufs.values())  # every sample buffered at B
+    rec = json.loads(record.read_text())
+    assert rec["torch_blocked"] is True and rec["torch_modules"] == [] and rec["numpy_engine_loaded"]
