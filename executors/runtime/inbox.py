@@ -82,7 +82,11 @@ class Inbox:
 
     def _check_payload(self, od: OpData) -> None:
         m = self._meta(od)
-        if isinstance(od.payload, DeltaPayload) and isinstance(m, TensorMeta):
+        if isinstance(od.payload, DeltaPayload):
+            if self.check is None:  # only a part with delta edges has buffers to decode one with
+                raise WireError(f"{od.key}: delta payload, but {self.me} has no delta (AQ-SGD) edge")
+            if not isinstance(m, TensorMeta):
+                raise WireError(f"{od.key}: delta payload for a value that is not a tensor")
             p = od.payload  # rows are samples: the tensor, its leading dimension split per sample if need be
             ms = tuple(m.shape)
             ok = bool(ms) and p.rows > 0 and ms[0] % p.rows == 0 and p.dtype == m.dtype and \

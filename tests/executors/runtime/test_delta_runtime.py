@@ -176,6 +176,28 @@ def test_a_compnode_rejects_delta_payloads_it_cannot_decode_and_keeps_serving(tm
         node.transport.close(timeout_s=1, linger_s=0)
 
 
+def test_a_part_without_delta_edges_refuses_a_delta_payload(tmp_path, caplog):
+    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+    from fusion.executors.runtime.control import Control
+    from fusion.plan import load_plan
+
+    plan_dir = _plan_dir(tmp_path)
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p2", "tcp://127.0.0.1:9"))  # conv1 comes dense
+    node._setup(Control("setup", {"peers": {p: "tcp://127.0.0.1:9" for p in ("p0", "p3")},
+                                  "emulate_links": False, "resume_step": None, "checkpoint_dir": None}))
+    try:
+        x = np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32)
+        f = encode_opdata(OpData("conv1", None, ("conv_a", "conv_b", "add_skip"), ("conv_b",), False, 0, 0, src="p0",
+                                 dst="p2", payload=DeltaBuffer(D4).encode(x, [0, 1]), requires_grad=True, compress_cfg=D4))
+        caplog.set_level(logging.WARNING)
+        node.transport._handle([zmq.Frame(b"p0"), *[zmq.Frame(bytes(memoryview(b))) for b in f]])
+        assert node.transport.rejected == 1 and node.transport.escaped == 0
+        assert "delta payload, but p2 has no delta (AQ-SGD) edge" in caplog.text
+        assert not node.inbox._data
+    finally:
+        node.transport.close(timeout_s=1, linger_s=0)
+
+
 def test_batches_for_a_delta_plan_must_carry_sample_ids(tmp_path):
     from fusion.data import make_batches
     from fusion.executors.runtime.delta_edges import batch_sample_ids
