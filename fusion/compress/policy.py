@@ -14,7 +14,10 @@ alpha-beta model of FusionLLM Eq. (2) and the codec's exact wire bytes
     alpha_ab + beta_ab * wire(t) + M_t / codec_rate  <  alpha_ab + beta_ab * M_t
 
 i.e. when the bytes saved on the link take longer to send than encoding and
-decoding them take. ``codec_rate`` (dense bytes per second through encode +
+decoding them take. :func:`codec_prices` gives the estimator the same prices
+for every tensor, so OP-Fence scores each candidate cut with its codec
+(compression-aware partitioning) and :func:`choose` then compresses exactly
+the edges the partitioner priced as compressed. ``codec_rate`` (dense bytes per second through encode +
 decode, :data:`CODEC_RATE`) comes from ``benchmarks/bench_codecs.py`` on one
 CPU thread. Unlike Eq. (7), which is relative (the slowest edge always gets
 the largest ratio, even when every link is 10 Gbit/s), this compresses nothing
