@@ -29,7 +29,12 @@ Both must train identically (the JSON's ``max_loss_diff_simulated_vs_emulated``)
 Outputs PNG loss curves (against the last clock), a markdown table of the time
 to a target loss, and a final JSON line.
 
-    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--out docs/img] [--clock both]
+Codec runs (``--runs``): ``quant8``, ``quant4``, ``hquant4`` (both directions through one codec) and
+``delta4``, ``delta2`` (AQ-SGD activation deltas at 4 / 2 bits, gradients 4-bit ``quant``). Data: by
+default a fixed dataset of ``--samples 512`` windows / images visited in epochs, each with its sample id,
+so that ``delta`` sees every sample again (``--samples 0``: fresh random batches, the first edition's data).
+
+    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--out docs/img] [--clock both] [--samples 512]
 """
 from __future__ import annotations
 
@@ -55,8 +60,8 @@ from fusion.executors.runtime.linkemu import link_model  # noqa: E402
 from fusion.plan import OptimizerConfig  # noqa: E402
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.boundary import partition  # noqa: E402
-from fusion.kernels.sparse import SparsePayload  # noqa: E402
 from fusion.plan import EdgeCompression  # noqa: E402
+from fusion.ir.opdata import SAMPLE_IDS  # noqa: E402
 
 log = logging.getLogger("convergence")
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
@@ -76,7 +81,31 @@ def text_corpus() -> np.ndarray:
     return np.where(a == 10, 0, tok)
 
 
-def gpt_batches(tokens: np.ndarray, steps: int, batch: int, seq: int, seed: int):
+def epoch_order(samples: int, steps: int, batch: int, seed: int):
+    """Sample indices of each step's batch: a fresh permutation of the ``samples`` each epoch (a batch never
+    holds a sample twice: ``samples`` must be a multiple of ``batch``)."""
+    if samples % batch:
+        raise SystemExit(f"convergence.py: --samples {samples} is not a multiple of the batch ({batch})")
+    g = np.random.default_rng([seed, 99])
+    order = np.empty(0, dtype=np.int64)
+    for _ in range(steps):
+        if order.size == 0:
+            order = g.permutation(samples)
+        yield order[:batch]
+        order = order[batch:]
+
+
+def gpt_batches(tokens: np.ndarray, steps: int, batch: int, seq: int, seed: int, samples: int = 0):
+    """``samples`` = 0: random windows (the first edition's data, no sample revisited on purpose); else a fixed
+    dataset of that many windows spread over the corpus, in epochs, each window's index its sample id
+    (``#sample_ids``, what the ``delta`` runs key their buffers by; the other runs ignore it)."""
+    if samples:
+        starts = np.linspace(0, tokens.size - seq - 2, samples).astype(np.int64)
+        for pick in epoch_order(samples, steps, batch, seed):
+            win = np.stack([tokens[s:s + seq + 1] for s in starts[pick]])
+            yield {"idx": np.ascontiguousarray(win[:, :-1]), "targets": np.ascontiguousarray(win[:, 1:]),
+                   SAMPLE_IDS: pick.astype(np.int64)}
+        return
     g = np.random.default_rng(seed)
     for _ in range(steps):
         start = g.integers(0, tokens.size - seq - 1, batch)
@@ -84,9 +113,16 @@ def gpt_batches(tokens: np.ndarray, steps: int, batch: int, seq: int, seed: int)
         yield {"idx": np.ascontiguousarray(win[:, :-1]), "targets": np.ascontiguousarray(win[:, 1:])}
 
 
-def cnn_batches(steps: int, batch: int, seed: int, classes: int, image: int):
+def cnn_batches(steps: int, batch: int, seed: int, classes: int, image: int, samples: int = 0):
+    """Class templates plus noise; ``samples`` > 0: a fixed dataset of that many images in epochs, with ids."""
     g = np.random.default_rng(seed)
     templates = np.random.default_rng(1234).standard_normal((classes, 3, image, image)).astype(np.float32)
+    if samples:
+        y_all = g.integers(0, classes, samples)
+        x_all = templates[y_all] + 1.5 * g.standard_normal((samples, 3, image, image)).astype(np.float32)
+        for pick in epoch_order(samples, steps, batch, seed):
+            yield {"x": x_all[pick], "y": y_all[pick], SAMPLE_IDS: pick.astype(np.int64)}
+        return
     for _ in range(steps):
         y = g.integers(0, classes, batch)
         x = templates[y] + 1.5 * g.standard_normal((batch, 3, image, image)).astype(np.float32)
@@ -123,18 +159,28 @@ def uniform_edges(model, assignment, ratio: float) -> list[EdgeCompression]:
     return list(out.values())
 
 
-#: codec runs: every cut edge, activations and gradients through one codec (``--runs`` picks them)
+#: codec runs: every cut edge, activations and gradients through one codec (``--runs`` picks them); a pair is
+#: (activations, gradients): AQ-SGD's delta is for activations, its gradients go through 4-bit quant as in quant4
+_Q4 = {"algo": "quant", "bits": 4, "block": 64}
 CODEC_RUNS = {
     "quant8": {"algo": "quant", "bits": 8, "block": 64},
-    "quant4": {"algo": "quant", "bits": 4, "block": 64},
+    "quant4": _Q4,
+    "quant2": {"algo": "quant", "bits": 2, "block": 64},
+    "quant2fwd": ({"algo": "quant", "bits": 2, "block": 64}, _Q4),  # delta2's comparator: same bits each way
     "hquant4": {"algo": "hadamard-quant", "bits": 4, "block": 64},
+    "delta4": ({"algo": "delta", "bits": 4, "block": 64}, _Q4),
+    "delta2": ({"algo": "delta", "bits": 2, "block": 64}, _Q4),
 }
+#: runs that need a fixed dataset in epochs (``--samples``): their buffers are per training sample
+DELTA_RUNS = ("delta4", "delta2")
 TOPK_RUNS = ("uniform", "adatopk", "adatopk+ef")
 
 
-def codec_edges(model, assignment, cfg: dict) -> list[EdgeCompression]:
-    """Every cut edge (producer output -> consumer part), both directions, through codec ``cfg``."""
-    return [dataclasses.replace(e, ratio=1.0, fwd_codec=dict(cfg), bwd_codec=dict(cfg))
+def codec_edges(model, assignment, cfg) -> list[EdgeCompression]:
+    """Every cut edge (producer output -> consumer part), both directions, through codec ``cfg`` (a dict for
+    both directions, or a (fwd, bwd) pair)."""
+    fwd, bwd = cfg if isinstance(cfg, tuple) else (cfg, cfg)
+    return [dataclasses.replace(e, ratio=1.0, fwd_codec=dict(fwd), bwd_codec=dict(bwd))
             for e in uniform_edges(model, assignment, 1.0)]
 
 
@@ -154,7 +200,7 @@ def train(model, plan, compression, batches, lr: float):
         def account(out, dt):
             clock["compute"] += dt
             for m in out:
-                n = m.payload.nbytes if isinstance(m.payload, (np.ndarray, SparsePayload)) else 8
+                n = int(m.payload.nbytes) if hasattr(m.payload, "nbytes") else 8  # dense, sparse, quant, delta
                 clock["bytes"] += n
                 clock["comm"] += links[(m.src, m.dst)].time(n)
 
@@ -309,6 +355,9 @@ def report(name: str, res: dict, clocks: tuple[str, ...]) -> tuple[dict, list[st
             # what dense had reached when this run ended: is compression worth its cost at equal time?
             dt, de = res["dense"][clock]["times"], ema(res["dense"]["losses"])
             row[clock]["dense_ema_at_same_time"] = round(float(de[min(np.searchsorted(dt, c["times"][-1]), len(de) - 1)]), 4)
+            _, t_final = _time_to(c["times"], ema(r["losses"]), float(de[-1]))  # to dense's final (smoothed) loss
+            row[clock]["time_to_dense_final_s"] = None if t_final is None else round(t_final, 2)
+            row[clock]["time_to_dense_final_ratio"] = None if t_final is None else round(t_final / float(dt[-1]), 3)
             for t in ("early", "late"):
                 d, x = res["dense"][clock][f"time_to_{t}_s"], c[f"time_to_{t}_s"]
                 row[clock][f"time_to_{t}_s"] = None if x is None else round(x, 2)
@@ -355,8 +404,14 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=None, help="run directories of the emulated runs (default: a temp dir)")
     ap.add_argument("--runs", default=",".join(("dense", *TOPK_RUNS, *CODEC_RUNS)),
                     help=f"runs to train (dense always): {', '.join((*TOPK_RUNS, *CODEC_RUNS))}")
+    ap.add_argument("--samples", type=int, default=512,
+                    help="a fixed dataset of this many samples (GPT windows, CNN images) visited in epochs, each "
+                         "with its sample id (the delta runs need it); 0: the first edition's fresh random batches")
     args = ap.parse_args(argv)
     wanted = tuple(args.runs.split(","))
+    if args.samples == 0 and set(wanted) & set(DELTA_RUNS):
+        raise SystemExit(f"convergence.py: runs {sorted(set(wanted) & set(DELTA_RUNS))} keep a buffer per training "
+                         "sample and need a fixed dataset: --samples N (N > 0)")
     unknown = sorted(set(wanted) - {"dense", *TOPK_RUNS, *CODEC_RUNS})
     if unknown:
         raise SystemExit(f"convergence.py: unknown runs {unknown}")
@@ -373,10 +428,10 @@ def main(argv=None) -> None:
             if name == "gpt":
                 tokens = text_corpus()
                 log.info("gpt corpus: %d characters of stdlib source", tokens.size)
-                res, target = study("gpt", gpt(mb=8, seq=32), lambda: gpt_batches(tokens, args.steps, 16, 32, 1),
+                res, target = study("gpt", gpt(mb=8, seq=32), lambda: gpt_batches(tokens, args.steps, 16, 32, 1, args.samples),
                                     args.steps, args.ratio, 3e-3, args.out, clocks, work, wanted)
             elif name == "cnn":
-                res, target = study("cnn", cnn(mb=16), lambda: cnn_batches(args.steps, 32, 1, 10, 8), args.steps,
+                res, target = study("cnn", cnn(mb=16), lambda: cnn_batches(args.steps, 32, 1, 10, 8, args.samples), args.steps,
                                     args.ratio, 3e-3, args.out, clocks, work, wanted)
             else:
                 raise SystemExit(f"convergence.py: unknown model {name!r} (gpt, cnn)")
@@ -387,6 +442,7 @@ def main(argv=None) -> None:
             log.info("%s: target losses %s", name, target)
     print("\n".join(table))
     print(json.dumps({"benchmark": "convergence", "ratio": args.ratio, "steps": args.steps, "clocks": list(clocks),
+                      "samples": args.samples,
                       **summary}))
 
 

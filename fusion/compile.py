@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fusion.compress.adatopk import adatopk
-from fusion.compress.policy import CompressRequest, choose
+from fusion.compress.policy import CompressRequest, choose, codec_prices
 from fusion.partition.baselines import BASELINES
 from fusion.partition.chain import build_chain
 from fusion.cluster.model import Cluster
@@ -77,9 +77,11 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                          optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
     cm.recompute_all = recompute == "all"
     clusters = device_clusters(cluster, seed)
+    if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
+        cm.codec_prices = codec_prices(cm, compress)
     part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
     rc = _recompute_choice(cm, part, recompute)
-    dense = cm.evaluate(part.node_part, part.part_device, recompute=rc)
+    dense = cm.evaluate(part.node_part, part.part_device, recompute=rc, priced=False)
     if dense.violations:
         raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit"
                            f"{'' if recompute == 'off' else ' even with activation recomputation'}: {dense.violations[0]}")
@@ -89,7 +91,10 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
     elif compress is not None:
         compression, wire = choose(cm, part.node_part, part.part_device, names, compress)
-    est = cm.evaluate(part.node_part, part.part_device, wire, recompute=rc) if wire else dense
+    if compress is not None:  # the same edges choose() compressed, with their encode/decode time
+        est = cm.evaluate(part.node_part, part.part_device, recompute=rc)
+    else:
+        est = cm.evaluate(part.node_part, part.part_device, wire, recompute=rc) if wire else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
     for k, name in enumerate(names):

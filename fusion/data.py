@@ -24,6 +24,7 @@ import numpy as np
 
 from fusion.ir.errors import FusionError
 from fusion.ir.node import NodeKind, TensorMeta
+from fusion.ir.opdata import SAMPLE_IDS
 
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]
 _ITEMS = ["apple", "book", "coin", "shell", "stone", "card", "key", "cup"]
@@ -92,11 +93,26 @@ class TextBatches:
             raise FusionError(f"corpus of {len(tokens)} tokens is too short for sequences of {seq_len}")
         self.tokens, self.rows, self.seq_len, self.seed = tokens, rows, seq_len, seed
 
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    def _starts(self, step: int) -> np.ndarray:
         g = np.random.default_rng([self.seed, step])
-        starts = g.integers(0, len(self.tokens) - self.seq_len - 1, self.rows)
-        w = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+        return g.integers(0, len(self.tokens) - self.seq_len - 1, self.rows)
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        w = np.stack([self.tokens[s:s + self.seq_len + 1] for s in self._starts(step)])
         return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """The sample id of each row of ``batch(step)``: its window's start token, so a window drawn again
+        is the same sample (what ``delta`` edges key their buffers by). A window drawn twice in one batch
+        gets ``start + k * len(tokens)`` for its k-th repeat, keeping the ids of a batch unique."""
+        starts = self._starts(step).astype(np.int64)
+        seen: dict[int, int] = {}
+        out = np.empty_like(starts)
+        for j, s in enumerate(starts.tolist()):
+            k = seen.get(s, 0)
+            seen[s] = k + 1
+            out[j] = s + k * len(self.tokens)
+        return out
 
 
 def _shape(spec: dict) -> tuple[int, ...]:
@@ -134,6 +150,12 @@ def _int_high(graph, name: str) -> int:
     return 2
 
 
+def _delta_edges(plan) -> list[str]:
+    """The plan's ``delta`` (AQ-SGD) edges as ``producer src->dst``: they need sample ids from the data."""
+    return [f"{e.producer} {e.src}->{e.dst}" for e in plan.compression or ()
+            if (e.codec("fwd") or {}).get("algo") == "delta"]
+
+
 def feed_dtype(name: str) -> np.dtype:
     """The NumPy dtype a placeholder of dtype ``name`` is fed in: NumPy has no bfloat16, so a
     bfloat16 placeholder takes float32 data, which the engine rounds as ``x.to(torch.bfloat16)``."""
@@ -164,6 +186,9 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     fn = load_function(spec, "data")
     specs, nm = _placeholder_specs(plan), plan.micro_batches
     want = {n: (_shape(s)[0] * nm, *_shape(s)[1:]) for n, s in specs.items()}
+    delta = _delta_edges(plan)
+    inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
+    rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
@@ -175,7 +200,9 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
         if not isinstance(got, dict):
             raise FusionError(f"data {spec!r}: step {step}: returned {type(got).__name__}, expected a dict "
                               f"of placeholder -> array ({', '.join(want)})")
-        missing, extra = [n for n in want if n not in got], [n for n in got if n not in want]
+        missing, extra = [n for n in want if n not in got], [n for n in got if n not in want and n != SAMPLE_IDS]
+        if delta and SAMPLE_IDS not in got:
+            missing.append(SAMPLE_IDS)
         if missing or extra:
             raise FusionError(f"data {spec!r}: step {step}: " + "; ".join(
                 ([f"missing field(s) {missing}"] if missing else []) + ([f"unknown field(s) {extra}"] if extra else []))
@@ -190,6 +217,12 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
                 raise FusionError(f"data {spec!r}: step {step}: field {n!r} has shape {list(a.shape)}, the plan expects "
                                   f"{list(shape)} ({nm} micro-batch(es) of {list(_shape(specs[n]))})")
             out[n] = np.ascontiguousarray(a, dtype=dt)
+        if SAMPLE_IDS in got:
+            ids = np.asarray(got[SAMPLE_IDS])
+            if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size != rows or np.unique(ids).size != ids.size:
+                raise FusionError(f"data {spec!r}: step {step}: field {SAMPLE_IDS!r} must be {rows} distinct integer "
+                                  f"sample ids (one per row), got {ids.dtype}{list(ids.shape)}")
+            out[SAMPLE_IDS] = ids.astype(np.int64)
         return out
 
     first = {0: batch(0)}  # fail before any process starts; step 0 is then served from here, not fetched twice
@@ -212,6 +245,7 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
         raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic, or file.py:function)")
     g, nm = plan.graph, plan.micro_batches
     specs = _placeholder_specs(plan)
+    delta = _delta_edges(plan)
     ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
     labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
     lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
@@ -228,10 +262,17 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
 
         def text_batch(step: int) -> dict[str, np.ndarray]:
             a, b = src.batch(step)
-            return {x: a.astype(specs[x]["dtype"]), y: b.reshape(lshape).astype(specs[y]["dtype"])}
+            out = {x: a.astype(specs[x]["dtype"]), y: b.reshape(lshape).astype(specs[y]["dtype"])}
+            if delta:
+                out[SAMPLE_IDS] = src.sample_ids(step)
+            return out
 
         text_batch.tokenizer = tok  # type: ignore[attr-defined]
         return text_batch
+    if delta:
+        raise FusionError(f"the plan compresses {delta[0]} with delta (AQ-SGD), which keeps a buffer per training "
+                          "sample; synthetic batches never show a sample twice and carry no sample ids: use the text "
+                          f"corpus or a --data function that returns {SAMPLE_IDS!r}")
     highs = {n: _int_high(g, n) for n, s in specs.items() if _is_int(s["dtype"])}
 
     def synthetic_batch(step: int) -> dict[str, np.ndarray]:

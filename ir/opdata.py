@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the batch field (and, per micro-batch, the feed ``<mb>/#sample_ids`` of every part) holding the int64
+#: sample id of each row: stable per training sample, so ``delta`` (AQ-SGD) edges can keep per-sample buffers.
+#: ``#`` keeps it apart from any placeholder (node names are identifiers).
+SAMPLE_IDS = "#sample_ids"
+
 
 @dataclass
 class OpData:

@@ -4,6 +4,7 @@ Layout under a checkpoint directory::
 
     step-00000010/<part>.params.safetensors   parameters of the part (after 10 steps)
     step-00000010/<part>.optim.safetensors    optimizer tensors (``param::key``)
+    step-00000010/<part>.delta.safetensors    AQ-SGD buffers of the part's delta edges (only when it has some)
     step-00000010/<part>.json                 optimizer meta, step, part name
     step-00000010/COMPLETE.json               written by the coordinator once every part has saved
     latest.json                               {"step": 10}: the newest complete checkpoint
@@ -63,14 +64,23 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
+DELTA = "delta.safetensors"
+
+
 def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.ndarray],
-              opt_arrays: Mapping[str, np.ndarray], opt_meta: Mapping[str, Any]) -> Path:
-    """Write one part's state after ``step`` completed steps."""
+              opt_arrays: Mapping[str, np.ndarray], opt_meta: Mapping[str, Any],
+              delta: Mapping[str, np.ndarray] | None = None) -> Path:
+    """Write one part's state after ``step`` completed steps.
+
+    delta: the part's AQ-SGD buffers (``DeltaEdges.state_arrays``); written, and listed in the SHA-256
+    manifest, when given (even empty: a part whose delta edges saw no sample yet)."""
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(d, f"{part}.")
     sums = {f"{part}.params.safetensors": _save_arrays(d / f"{part}.params.safetensors", params),
             f"{part}.optim.safetensors": _save_arrays(d / f"{part}.optim.safetensors", opt_arrays)}
+    if delta is not None:
+        sums[f"{part}.{DELTA}"] = _save_arrays(d / f"{part}.{DELTA}", delta)
     _atomic_json(d / f"{part}.json", {"part": part, "step": step, "optimizer": dict(opt_meta), "sha256": sums})
     fsync_dir(d.parent)  # the step folder itself
     return d
@@ -82,7 +92,7 @@ def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
         remove_stale_tmp(d, f"{part}.")
     mine = sorted(p for p in Path(root).glob("step-*") if (p / f"{part}.json").exists())
     for d in mine[:-keep] if keep > 0 else []:
-        for suffix in (".params.safetensors", ".optim.safetensors", ".json"):
+        for suffix in (".params.safetensors", ".optim.safetensors", f".{DELTA}", ".json"):
             (d / f"{part}{suffix}").unlink(missing_ok=True)
         if not any(d.iterdir()):
             d.rmdir()
@@ -90,6 +100,19 @@ def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
 
 def load_part(root: str | Path, step: int, part: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
     """``(params, optimizer arrays, optimizer meta)`` of ``part`` at ``step``."""
+    d, meta = _part_meta(root, step, part)
+    return _load_arrays(d / f"{part}.params.safetensors"), _load_arrays(d / f"{part}.optim.safetensors"), meta["optimizer"]
+
+
+def load_delta(root: str | Path, step: int, part: str) -> dict[str, np.ndarray] | None:
+    """The AQ-SGD buffers ``part`` saved at ``step`` (verified), or None when it saved none."""
+    d, meta = _part_meta(root, step, part)
+    if f"{part}.{DELTA}" not in meta["sha256"]:
+        return None
+    return _load_arrays(d / f"{part}.{DELTA}")
+
+
+def _part_meta(root: str | Path, step: int, part: str) -> tuple[Path, dict]:
     d = step_dir(root, step)
     try:
         meta = json.loads((d / f"{part}.json").read_text())
@@ -100,14 +123,15 @@ def load_part(root: str | Path, step: int, part: str) -> tuple[dict[str, np.ndar
     if not isinstance(meta, dict) or meta.get("part") != part or meta.get("step") != step:
         raise CheckpointError(f"{d / (part + '.json')}: belongs to part {meta.get('part')!r} step {meta.get('step')!r}")
     _verify(d, part, meta)
-    return _load_arrays(d / f"{part}.params.safetensors"), _load_arrays(d / f"{part}.optim.safetensors"), meta["optimizer"]
+    return d, meta
 
 
 def _verify(d: Path, part: str, meta: dict) -> None:
     sums = meta.get("sha256")
     if not isinstance(sums, dict):
         raise CheckpointError(f"{d / (part + '.json')}: no SHA-256 manifest (written by an older fusion?); cannot verify")
-    for name in (f"{part}.params.safetensors", f"{part}.optim.safetensors"):
+    extra = [n for n in sums if n == f"{part}.{DELTA}"]
+    for name in (f"{part}.params.safetensors", f"{part}.optim.safetensors", *extra):
         want = sums.get(name)
         try:
             got = sha256_file(d / name)

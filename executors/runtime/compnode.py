@@ -32,9 +32,9 @@ import numpy as np
 
 from fusion.ir.boundary import part_links, part_order, partition
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.opdata import OpData
+from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
-from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime import checkpoint, delta_edges
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
@@ -180,9 +180,11 @@ class CompNode:
     def _check_feeds(self, c: Control) -> None:
         """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part."""
         mine = {n for n in self.sub.nodes if self.graph[n].kind.value in ("input", "label")}
-        for name in c.arrays:
+        for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
-            if not (mb.isdigit() and int(mb) < self.n_micro and ph in mine):
+            if ph == SAMPLE_IDS and (arr.ndim != 1 or arr.dtype != np.int64):  # every part gets the sample ids
+                raise WireError(f"step {c.fields['it']}: {name!r} must be a 1-D int64 array, got {arr.dtype}{list(arr.shape)}")
+            if not (mb.isdigit() and int(mb) < self.n_micro and (ph in mine or ph == SAMPLE_IDS)):
                 raise WireError(f"step {c.fields['it']}: tensor {name[:80]!r} is not '<micro-batch>/<placeholder>' "
                                 f"of this part (micro-batches 0..{self.n_micro - 1}, placeholders {sorted(mine)})")
 
@@ -247,6 +249,7 @@ class CompNode:
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
+        delta_edges.attach(self.runtime, self.inbox, f["checkpoint_dir"], resume)
         with self._cv:
             self.inbox.expected_iter = int(resume or 0)
             self.inbox.open = True
@@ -344,7 +347,8 @@ class CompNode:
         stats["optimizer_s"] = time.perf_counter() - t_opt
         if c.fields["checkpoint"]:
             with self.tracer.span("checkpoint", "checkpoint"):
-                checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state())
+                checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state(),
+                                     delta=delta_edges.checkpoint_arrays(rt))
                 checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
             stats["checkpoint_step"] = it + 1
         with self._cv:

@@ -1,4 +1,8 @@
-"""Per-edge Top-K compression of OP-Data payloads (FusionLLM §5, AdaTopK).
+"""Per-edge compression of OP-Data payloads (FusionLLM §5, AdaTopK; quant; AQ-SGD deltas).
+
+Codecs per direction: ``topk``, ``quant``, ``hadamard-quant`` (stateless) and
+``delta`` (AQ-SGD, activations only, stateful: per-sample buffers at both ends
+of the edge, :mod:`fusion.executors.runtime.delta_edges`).
 
 A plan lists :class:`~fusion.plan.EdgeCompression` entries: one cut tensor
 ``(producer, index)`` on one link ``src -> dst`` with a ratio, the directions
@@ -35,8 +39,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from fusion.ir.errors import FusionError
+from fusion.ir.errors import FusionError, WireError
 from fusion.ir.graph import OpGraph
+from fusion.kernels.delta import DeltaConfig, DeltaPayload
+from fusion.executors.runtime.delta_edges import DeltaEdges
 from fusion.kernels.dtypes import VALUE_DTYPES, index_dtype_for
 from fusion.kernels.quant import QuantConfig, QuantPayload, dequantize, quantize
 from fusion.kernels.sparse import SparsePayload, ratio_to_k
@@ -53,7 +59,7 @@ COMPRESSIBLE = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
 #: codecs the runtime encodes and decodes with NumPy (so NumPy CompNodes stay torch-free)
-RUNTIME_CODECS = ("topk", "quant", "hadamard-quant")
+RUNTIME_CODECS = ("topk", "quant", "hadamard-quant", "delta")
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,14 @@ def _rule(e: Any, direction: str) -> EdgeRule | None:
     where = f"compression of {e.producer}[{e.index}] {e.src}->{e.dst} ({direction})"
     if cfg["algo"] not in RUNTIME_CODECS:
         raise FusionError(f"{where}: codec {cfg['algo']!r} is not one the runtime runs ({', '.join(RUNTIME_CODECS)})")
+    if cfg["algo"] == "delta":
+        if direction != "fwd":
+            raise FusionError(f"{where}: delta (AQ-SGD) compresses activations only; give the gradients "
+                              "another codec (--compress-bwd)")
+        if e.error_feedback:
+            raise FusionError(f"{where}: error feedback is for Top-K only")
+        DeltaConfig.from_cfg(cfg)  # raises naming the bad key
+        return EdgeRule(cfg, False)
     if cfg["algo"] == "topk":
         if not float(cfg.get("ratio", 0)) >= 1:
             raise FusionError(f"{where}: ratio {cfg.get('ratio')!r} < 1")
@@ -155,14 +169,23 @@ class CompressionTable:
 
     fwd:  (tensor key, dst part) -> rule for activations this part sends.
     bwd:  (tensor key, src part) -> rule for gradients this part sends back.
+    recv: (tensor key, src part) -> ``delta`` rule of activations this part receives (the receiving
+          end of an AQ-SGD edge keeps buffers too; other codecs decode statelessly).
+    delta: the AQ-SGD buffers of this part's delta edges (:mod:`.delta_edges`).
     """
 
     part: str
     fwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
     bwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    recv: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    delta: DeltaEdges = None  # type: ignore[assignment]  # set in __post_init__
     bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
     _ef: Any = field(default=None, repr=False)
     _sent: int = field(default=0, repr=False)  # quantised messages sent (seeds stochastic rounding)
+
+    def __post_init__(self):
+        if self.delta is None:
+            self.delta = DeltaEdges(self.part)
 
     @classmethod
     def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None) -> "CompressionTable":
@@ -191,13 +214,43 @@ class CompressionTable:
                 t.fwd[(key, e.dst)] = fwd
             if e.dst == part and bwd is not None:
                 t.bwd[(key, e.src)] = bwd
+            if e.dst == part and fwd is not None and fwd.algo == "delta":
+                t.recv[(key, e.src)] = fwd
         return t
 
     def __bool__(self) -> bool:
-        return bool(self.fwd or self.bwd)
+        return bool(self.fwd or self.bwd or self.recv)
 
-    def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int) -> tuple[Any, dict | None]:
-        """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed."""
+    def delta_cfgs(self) -> dict[tuple[str, Key, str], dict]:
+        """(role, tensor key, peer) -> codec cfg of every delta edge of this part, both ends."""
+        out = {("send", k, p): r.codec for (k, p), r in self.fwd.items() if r.algo == "delta"}
+        out.update({("recv", k, p): r.codec for (k, p), r in self.recv.items()})
+        return out
+
+    def check_incoming(self, od: Any) -> None:
+        """WireError for a delta payload this part cannot decode: on a gradient or an edge without a delta
+        rule here, or a delta row whose sample has no buffer (cache miss). Other payloads pass."""
+        if not isinstance(od.payload, DeltaPayload):
+            return
+        if od.is_grad or (od.key, od.src) not in self.recv:
+            raise WireError(f"delta payload of {od.key[0]}[{od.key[1]}] from {od.src}: the plan does not compress "
+                            f"that {'gradient' if od.is_grad else 'activation'} with delta towards {self.part}")
+        self.delta.check(od.payload, od.key, od.src, od.micro_batch)
+
+    def decode(self, od: Any, shape: tuple[int, ...] | None = None) -> Any:
+        """What the engine gets for a received message: :func:`dense_payload`, and for a delta payload the
+        activation rebuilt from this end's buffers (which it updates), reshaped to ``shape``."""
+        if isinstance(od.payload, DeltaPayload):
+            self.check_incoming(od)
+            return self.delta.decode(od.payload, od.key, od.src, self.recv[(od.key, od.src)].codec, shape)
+        return dense_payload(od.payload)
+
+    def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int, ids: Any = None,
+               it: int | None = None) -> tuple[Any, dict | None]:
+        """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed.
+
+        ids: the micro-batch's sample ids (``delta`` edges need them); it: the iteration (seeds a
+        delta edge's stochastic rounding)."""
         rule = (self.bwd if is_grad else self.fwd).get((key, peer))
         dtype = None
         if isinstance(payload, np.ndarray):
@@ -206,6 +259,9 @@ class CompressionTable:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
             return payload, None
+        if rule.algo == "delta":
+            p = self.delta.encode(payload, dtype, key, peer, rule.codec, ids, it, mb)
+            return (payload, None) if p is None else (p, rule.cfg())
         if rule.algo != "topk":
             cfg = QuantConfig.from_cfg(rule.codec, rule.algo == "hadamard-quant")
             if cfg.rounding == "stochastic":  # fresh noise per message, the same on every run of the plan

@@ -270,7 +270,13 @@ class Coordinator:
         """Run one iteration on ``batch`` (placeholder -> array with all micro-batches)."""
         it = self.step_index
         n = self.plan.micro_batches
+        from fusion.executors.runtime.delta_edges import batch_sample_ids
+        from fusion.ir.opdata import SAMPLE_IDS
+
+        ids = batch_sample_ids(self.plan, batch)  # None unless the plan has delta (AQ-SGD) edges
+        batch = {k: v for k, v in batch.items() if k != SAMPLE_IDS}
         mbs = split_micro_batches(batch, n)
+        mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, n)
         every = self.cfg.checkpoint_every
         ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
         t0 = time.monotonic()
@@ -279,6 +285,8 @@ class Coordinator:
             if missing:
                 raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
             arrays = {f"{m}/{ph}": mbs[m][ph] for m in range(n) for ph in self.feeds_of[p]}
+            if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
+                arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[m][SAMPLE_IDS] for m in range(n)})
             self.transport.send(p, encode_ctrl("step", arrays, it=it, want_grads=want_grads, checkpoint=ckpt))
         done = self._collect("done", self.parts, self.cfg.step_timeout_s, f"step {it}")
         dt = time.monotonic() - t0

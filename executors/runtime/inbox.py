@@ -13,11 +13,12 @@ The inbox is not thread-safe by itself: the CompNode guards it with its lock.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from fusion.ir.errors import WireError
+from fusion.kernels.delta import DeltaPayload
 from fusion.kernels.quant import QuantPayload
 from fusion.kernels.sparse import SparsePayload
 from fusion.ir.graph import OpGraph
@@ -28,7 +29,11 @@ from fusion.executors.runtime.part import Key, Routes
 
 class Inbox:
     """graph, me: the plan's graph and this part's name; routes: its boundary routing;
-    n_micro: micro-batches per iteration; shared: tied parameter -> owner parts (this one included)."""
+    n_micro: micro-batches per iteration; shared: tied parameter -> owner parts (this one included).
+
+    check: called with each activation or gradient that passed the routing checks, before it is kept; it
+    raises WireError to refuse it (the CompNode sets it to the compression table's ``check_incoming``,
+    which refuses an AQ-SGD delta this end has no buffer for)."""
 
     def __init__(self, graph: OpGraph, me: str, routes: Routes, n_micro: int, shared: Mapping[str, list[str]]):
         self.graph, self.me, self.routes, self.n_micro, self.shared = graph, me, routes, n_micro, shared
@@ -36,6 +41,7 @@ class Inbox:
         self.open = False  # set once the part is built; nothing is accepted before
         self._data: dict[tuple[int, str, int], list[OpData]] = {}
         self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
+        self.check: Callable[[OpData], None] | None = None
 
     # -- accepting --------------------------------------------------------------------
     def accept(self, sender: str, od: OpData, param_grad: bool = False) -> None:
@@ -64,6 +70,8 @@ class Inbox:
         elif r.recv_from.get(od.key) != sender:
             raise WireError(f"unexpected activation {od.key} (this part takes {sorted(r.recv_from)} from their producer parts)")
         self._check_payload(od)
+        if self.check is not None:
+            self.check(od)
         box = self._data.setdefault((od.local_iter, "B" if od.is_grad else "F", od.micro_batch), [])
         if any(m.key == od.key and m.src == od.src for m in box):
             raise WireError(f"duplicate {'gradient' if od.is_grad else 'activation'} {od.key} micro-batch {od.micro_batch}")
@@ -74,6 +82,19 @@ class Inbox:
 
     def _check_payload(self, od: OpData) -> None:
         m = self._meta(od)
+        if isinstance(od.payload, DeltaPayload):
+            if self.check is None:  # only a part with delta edges has buffers to decode one with
+                raise WireError(f"{od.key}: delta payload, but {self.me} has no delta (AQ-SGD) edge")
+            if not isinstance(m, TensorMeta):
+                raise WireError(f"{od.key}: delta payload for a value that is not a tensor")
+            p = od.payload  # rows are samples: the tensor, its leading dimension split per sample if need be
+            ms = tuple(m.shape)
+            ok = bool(ms) and p.rows > 0 and ms[0] % p.rows == 0 and p.dtype == m.dtype and \
+                p.shape == (ms if ms[0] == p.rows else (p.rows, ms[0] // p.rows, *ms[1:]))
+            if not ok:
+                raise WireError(f"{od.key}: delta payload of {p.dtype}{list(p.shape)} does not match "
+                                f"the graph's {m.dtype}{list(m.shape)}")
+            return
         if isinstance(od.payload, (SparsePayload, QuantPayload)) and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
             if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype != m.dtype:

@@ -17,7 +17,7 @@ import numpy as np
 from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
-from fusion.ir.opdata import OpData
+from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.executors.runtime.compression import dense_payload, table_for
 
 Key = tuple[str, "int | None"]
@@ -99,20 +99,25 @@ class PartRuntime:
         for msg in inbox:
             if msg.is_grad or msg.key not in self.routes.recv_from:
                 raise GraphError(f"part {self.name} got an unexpected activation {msg.key} from {msg.src}", msg.name)
-            inputs[msg.key] = dense_payload(msg.payload)
+            inputs[msg.key] = dense_payload(msg.payload) if self.compression is None else \
+                self.compression.decode(msg, self._shape(msg.key))
         sent, loss = self.engine.forward((it, mb), inputs, {k: feeds[k] for k in self.placeholders if k in feeds})
         out = []
         for key, dsts in self.routes.send_to.items():
             for dst, users in dsts.items():
                 payload, cfg = sent[key], None
                 if self.compression is not None:
-                    payload, cfg = self.compression.encode(payload, key, dst, False, mb)
+                    payload, cfg = self.compression.encode(payload, key, dst, False, mb, ids=feeds.get(SAMPLE_IDS), it=it)
                 out.append(OpData(
                     name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=users,
                     is_grad=False, local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=payload,
                     requires_grad=dst in self.routes.grads_from.get(key, ()), compress_cfg=cfg,
                 ))
         return out, loss
+
+    def _shape(self, key: Key) -> tuple[int, ...] | None:
+        meta = self.graph.output_meta(*key)
+        return tuple(meta.shape) if hasattr(meta, "shape") else None
 
     # -- backward -----------------------------------------------------------------
     def backward(self, it: int, mb: int, inbox: list[OpData], loss_scale: float, split: bool = False) -> list[OpData]:
@@ -122,7 +127,8 @@ class PartRuntime:
                gradients now (engines without ``backward_input`` do all of backward here and
                nothing in :meth:`weight`)."""
         summed: dict[Key, Any] = {}
-        for msg in inbox:
+        for msg in sorted(inbox, key=lambda m: m.src):  # one summation order whatever the arrival order: same bits
+            # on every run (a resumed run equals an uninterrupted one), and the reference executor's order
             if not msg.is_grad or msg.key not in self.routes.grads_from:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
             g = np.asarray(dense_payload(msg.payload))

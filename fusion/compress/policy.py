@@ -1,8 +1,11 @@
 """Which cut edges get a codec, and which one: compress only where the cost model says it pays.
 
 ``--compress`` takes ``none``, ``auto`` or a codec spec ``CODEC[:KEY=VALUE,...]``
-(``quant:bits=4,block=64``, ``hadamard-quant:bits=4``, ``topk:ratio=100``);
-``--compress-bwd`` overrides the gradients' codec (``none`` sends them dense).
+(``quant:bits=4,block=64``, ``hadamard-quant:bits=4``, ``topk:ratio=100``,
+``delta:bits=4``); ``--compress-bwd`` overrides the gradients' codec (``none``
+sends them dense). ``delta`` (AQ-SGD activation deltas) is for activations
+only: with it the gradients default to 8-bit ``quant`` (:data:`DELTA_BWD`), and
+``--compress-bwd delta`` is refused.
 
 The rule for one cut edge (tensor t from part a to part b), priced with the
 alpha-beta model of FusionLLM Eq. (2) and the codec's exact wire bytes
@@ -11,7 +14,10 @@ alpha-beta model of FusionLLM Eq. (2) and the codec's exact wire bytes
     alpha_ab + beta_ab * wire(t) + M_t / codec_rate  <  alpha_ab + beta_ab * M_t
 
 i.e. when the bytes saved on the link take longer to send than encoding and
-decoding them take. ``codec_rate`` (dense bytes per second through encode +
+decoding them take. :func:`codec_prices` gives the estimator the same prices
+for every tensor, so OP-Fence scores each candidate cut with its codec
+(compression-aware partitioning) and :func:`choose` then compresses exactly
+the edges the partitioner priced as compressed. ``codec_rate`` (dense bytes per second through encode +
 decode, :data:`CODEC_RATE`) comes from ``benchmarks/bench_codecs.py`` on one
 CPU thread. Unlike Eq. (7), which is relative (the slowest edge always gets
 the largest ratio, even when every link is 10 Gbit/s), this compresses nothing
@@ -34,10 +40,14 @@ from fusion.plan import EdgeCompression
 
 #: dense bytes per second through one encode + decode on one CPU thread (bench_codecs.py, 1M float32:
 #: quant ~10 ms, hadamard-quant ~60 ms, Top-K ~2 ms; rounded down)
-CODEC_RATE = {"quant": 300e6, "hadamard-quant": 60e6, "topk": 400e6}
+CODEC_RATE = {"quant": 300e6, "hadamard-quant": 60e6, "topk": 400e6, "delta": 150e6}
 
 #: what ``auto`` chooses on an edge where compression pays
 AUTO = {"algo": "quant", "bits": 8, "block": 64}
+
+#: the gradients' codec when ``--compress delta:...`` is given without ``--compress-bwd`` (AQ-SGD sends
+#: gradients directly quantised; 8 bits as SWARM)
+DELTA_BWD = {"algo": "quant", "bits": 8, "block": 64}
 
 
 class CompressSpecError(FusionError):
@@ -66,9 +76,9 @@ def parse_spec(spec: str, flag: str = "--compress") -> dict | None | str:
     algo, _, rest = text.partition(":")
     if algo not in CODECS:
         raise CompressSpecError(f"{flag} {spec!r}: unknown codec {algo!r}; known: none, auto, {', '.join(CODECS.names())}")
-    if algo == "delta":
-        raise CompressSpecError(f"{flag} {spec!r}: delta needs sample ids through the pipeline, which the runtime "
-                                "does not carry yet")
+    if algo == "delta" and flag == "--compress-bwd":
+        raise CompressSpecError(f"{flag} {spec!r}: delta (AQ-SGD) compresses activations only; give the gradients "
+                                "another codec (e.g. quant:bits=8) or none")
     cfg: dict[str, Any] = {"algo": algo}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -101,7 +111,12 @@ def request(fwd_spec: str | None, bwd_spec: str | None = None) -> CompressReques
         if bwd == "auto":
             return CompressRequest(dict(AUTO), dict(AUTO), auto=True)
         return CompressRequest(dict(AUTO), bwd, auto=True)
-    bwd = parse_spec(bwd_spec, "--compress-bwd") if bwd_spec is not None else fwd
+    if bwd_spec is not None:
+        bwd = parse_spec(bwd_spec, "--compress-bwd")
+    elif isinstance(fwd, dict) and fwd["algo"] == "delta":
+        bwd = dict(DELTA_BWD)  # per-sample deltas of gradients make no sense: AQ-SGD quantises them directly
+    else:
+        bwd = fwd
     if bwd == "auto":
         bwd = dict(AUTO)
     if fwd is None and bwd is None:
@@ -118,6 +133,28 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
     if not isinstance(o, TensorMeta) or not o.dtype.startswith(("float", "bfloat")) or o.numel == 0:
         return None
     return o
+
+
+def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
+    """Each tensor's wire bytes and encode + decode seconds under the requested codecs, for
+    :attr:`CostModel.codec_prices` (so that partitioning prices every candidate cut with its codec)."""
+    import numpy as np
+
+    from fusion.cost.estimate import CodecPrices
+    from fusion.kernels.codec import CODECS
+
+    n = len(cm.t_key)
+    out = {k: np.full(n, np.inf) for k in ("fwd_wire", "fwd_s", "bwd_wire", "bwd_s")}
+    for t in range(n):
+        meta = _meta(cm, t)
+        if meta is None:
+            continue
+        for d, cfg in (("fwd", req.fwd), ("bwd", req.bwd)):
+            if cfg is None:
+                continue
+            out[f"{d}_wire"][t] = float(CODECS.get(cfg["algo"]).wire_nbytes(meta.numel, meta.dtype, cfg))
+            out[f"{d}_s"][t] = float(meta.nbytes) / CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"])
+    return CodecPrices(**out)
 
 
 def pays(cm: CostModel, src_dev: int, dst_dev: int, meta: TensorMeta, cfg: dict) -> tuple[bool, float]:

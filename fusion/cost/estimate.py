@@ -15,6 +15,13 @@ Notation (per micro-batch; part p runs on device d(p)):
   ``alpha_ba + beta_ba M_t`` and counts in ``R_a``. So
   ``R_p = sum_{t into p} T_comm^{src->p}(M_t) + sum_{t out of p, grad} T_comm^{dst->p}(M_t)``.
   A compressed edge uses its wire bytes instead of M_t (:mod:`fusion.compress.adatopk`).
+  With :class:`CodecPrices` set (``--compress CODEC``), every candidate cut is
+  priced with the codec it would get: a direction costs
+  ``min(alpha + beta M_t, alpha + beta W_t + M_t / rate)`` (W_t the codec's
+  wire bytes, rate its encode + decode throughput), the rule by which
+  :func:`fusion.compress.policy.choose` compresses an edge afterwards, so
+  OP-Fence minimises the compressed iteration time (FusionLLM Eq. 5 with
+  compression) instead of cutting for dense traffic.
 - Eq. (3), backward included:
   ``T_pipe = sum_p (C_p + R_p) + (n_b - 1) * max_p max(C_p, R_p)``.
 - Tied parameters held by several parts have their gradients summed after the
@@ -39,6 +46,22 @@ from fusion.cost.flops import NodeCost
 from fusion.ir.boundary import edge_requires_grad
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import PLACEHOLDER_KINDS, NodeKind, TensorMeta
+
+
+@dataclass
+class CodecPrices:
+    """What a codec costs on each tensor of a :class:`CostModel` (index t as ``t_key``).
+
+    fwd_wire, bwd_wire: bytes on the wire of the activation / its gradient under the codec
+                        (``inf`` where the direction is not compressed: the tensor is not a float
+                        tensor, or no codec is asked for that direction).
+    fwd_s, bwd_s:       seconds of encode + decode of one message (dense bytes / codec rate).
+    """
+
+    fwd_wire: np.ndarray
+    fwd_s: np.ndarray
+    bwd_wire: np.ndarray
+    bwd_s: np.ndarray
 
 
 @dataclass
@@ -120,6 +143,8 @@ class CostModel:
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)
+    #: set by the compiler for ``--compress CODEC``: :meth:`evaluate` then prices cut edges with the codec
+    codec_prices: CodecPrices | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.speed = np.array([d.peak_flops for d in self.cluster.devices]) * np.array([d.lam for d in self.cluster.devices])
@@ -194,7 +219,7 @@ class CostModel:
     # -- Eq. (2)-(4) and memory -------------------------------------------------------
     def evaluate(self, node_part: np.ndarray, part_device: np.ndarray,
                  wire: Mapping[tuple[int, int, int], tuple[float, float]] | None = None, detail: bool = True,
-                 recompute: np.ndarray | None = None):
+                 recompute: np.ndarray | None = None, priced: bool = True):
         """Estimate an assignment. ``node_part[i]``: part of node i; ``part_device[p]``: device index of part p.
 
         wire: optional (tensor, src part, dst part) -> (fwd bytes, bwd bytes) on the wire (compression).
@@ -202,6 +227,7 @@ class CostModel:
             runs its forward again in backward (activation recomputation). Its Eq. (1) compute time gains
             the forward's time, and its activation memory becomes inputs x in-flight + one micro-batch's
             saved activations (those of the forward being recomputed). None: ``recompute_all`` for all.
+        priced: use :attr:`codec_prices` when set and no ``wire`` is given (False: the dense estimate).
         Returns an :class:`Estimate` (``detail=False``: just ``(iteration_s, feasible)``).
         """
         node_part = np.asarray(node_part, dtype=np.int64)
@@ -233,6 +259,15 @@ class CostModel:
         alpha, beta = self.cluster.alpha, self.cluster.beta
         f_s = alpha[ds, dd] + beta[ds, dd] * fb
         b_s = np.where(self.t_rg[pt], alpha[dd, ds] + beta[dd, ds] * bb, 0.0)
+        cp = self.codec_prices if priced and not wire else None
+        if cp is not None:  # each direction of each cut edge: its codec where that is faster than dense
+            with np.errstate(invalid="ignore"):
+                f_c = alpha[ds, dd] + beta[ds, dd] * cp.fwd_wire[pt] + cp.fwd_s[pt]
+                b_c = alpha[dd, ds] + beta[dd, ds] * cp.bwd_wire[pt] + cp.bwd_s[pt]
+            use_f = f_c < f_s
+            use_b = self.t_rg[pt] & (b_c < b_s)
+            f_s, fb = np.where(use_f, f_c, f_s), np.where(use_f, cp.fwd_wire[pt], fb)
+            b_s, bb = np.where(use_b, b_c, b_s), np.where(use_b, cp.bwd_wire[pt], bb)
         r_fwd = np.bincount(pdst, weights=f_s, minlength=n_parts)
         r_bwd = np.bincount(psrc, weights=b_s, minlength=n_parts)
         comm = r_fwd + r_bwd

@@ -123,3 +123,56 @@ def test_bfloat16_placeholders_are_fed_float32():
     plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=1)
     assert plan.example["x"]["dtype"] == "bfloat16"
     assert make_batches(plan, "synthetic")(0)["x"].dtype == np.float32
+
+
+DELTA_DATA = '''
+import numpy as np
+
+
+def with_ids(step):
+    g = np.random.default_rng(step)
+    return {"idx": g.integers(0, 5, (4, 8)), "targets": g.integers(0, 5, (4, 8)),
+            "#sample_ids": np.arange(4) + 4 * (step % 3)}
+
+
+def without_ids(step):
+    return {k: v for k, v in with_ids(step).items() if k != "#sample_ids"}
+
+
+def repeated_ids(step):
+    return {**with_ids(step), "#sample_ids": np.array([0, 1, 1, 2])}
+'''
+
+
+def test_a_delta_plan_takes_data_with_sample_ids_only(tmp_path):
+    """AQ-SGD keys its buffers by sample: the text corpus gives each window's start (unique in a batch),
+    a user function returns '#sample_ids' (checked), synthetic data and functions without ids are refused."""
+    from fusion.ir.opdata import SAMPLE_IDS
+    from fusion.plan import EdgeCompression
+
+    (tmp_path / "data.py").write_text(DELTA_DATA)
+    model = _lm(64)
+    assign = {n: ("p1" if n in ("head", "flat", "flat_t", "targets", "loss") else "p0") for n in model.graph.nodes}
+    plan = hand_plan(model, assign, micro_batches=2)
+    assert SAMPLE_IDS not in make_batches(plan, "auto")(0)  # no delta edge: no ids asked for
+    plan.compression = [EdgeCompression("wte", None, "p0", "p1", fwd_codec={"algo": "delta", "bits": 4})]
+    text = make_batches(plan, "auto", seed=1)
+    for step in range(20):
+        ids = text(step)[SAMPLE_IDS]
+        assert ids.dtype == np.int64 and ids.shape == (4,) and np.unique(ids).size == 4
+    np.testing.assert_array_equal(text(3)[SAMPLE_IDS], text(3)[SAMPLE_IDS])  # stable: a pure function of the step
+    np.testing.assert_array_equal(make_batches(plan, f"{tmp_path / 'data.py'}:with_ids")(4)[SAMPLE_IDS], [4, 5, 6, 7])
+    with pytest.raises(FusionError, match=r"missing field\(s\) \['#sample_ids'\]"):
+        make_batches(plan, f"{tmp_path / 'data.py'}:without_ids")
+    with pytest.raises(FusionError, match="must be 4 distinct integer sample ids"):
+        make_batches(plan, f"{tmp_path / 'data.py'}:repeated_ids")
+    with pytest.raises(FusionError, match="synthetic batches never show a sample twice"):
+        make_batches(plan, "synthetic")
+
+
+def test_a_window_drawn_twice_in_one_batch_gets_distinct_ids():
+    from fusion.data import TextBatches
+
+    src = TextBatches(np.arange(12), rows=64, seq_len=4, seed=0)  # 7 windows, 64 rows: many repeats
+    starts, ids = src._starts(0), src.sample_ids(0)
+    assert np.unique(ids).size == 64 and np.array_equal(ids % 12, starts)

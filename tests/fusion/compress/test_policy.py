@@ -27,11 +27,19 @@ def test_specs_parse_into_codec_cfgs():
 
 @pytest.mark.parametrize("spec,match", [
     ("zip", "unknown codec 'zip'"), ("quant:bits=3", "bits must be one of"), ("quant:bits", "expected KEY=VALUE"),
-    ("quant:colour=red", "colour"), ("delta:bits=4", "sample ids"),
+    ("quant:colour=red", "colour"), ("delta:bits=3", "bits must be one of"), ("delta:first_visit=zip", "first_visit"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CompressSpecError, match=match):
         parse_spec(spec)
+
+
+def test_delta_is_for_activations_and_gives_the_gradients_8_bit_quant():
+    r = request("delta:bits=2")
+    assert r.fwd == {"algo": "delta", "bits": 2} and r.bwd == {"algo": "quant", "bits": 8, "block": 64}
+    assert request("delta:bits=4", "none").bwd is None
+    with pytest.raises(CompressSpecError, match="activations only"):
+        request("quant:bits=8", "delta:bits=4")
 
 
 def _two_devices(bandwidth_bps: float) -> Cluster:
@@ -60,3 +68,64 @@ def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["fusion compile: error: --compress 'quant:bits=3': "
                                              "quant cfg: bits must be one of 2, 4, 8, got 3"]
+
+
+def test_the_estimator_prices_every_cut_with_its_codec_as_the_policy_chooses():
+    """Compression-aware partitioning: with codec prices set, ``CostModel.evaluate`` (what OP-Fence scores
+    candidate cuts with) compresses exactly the edges ``choose`` compresses afterwards, adds their encode and
+    decode time, and prices the cut below dense on a slow link and as dense on a fast one."""
+    from fusion.compress.policy import choose, codec_prices
+    from fusion.cost.estimate import CostModel
+    from fusion.cost.flops import measure_costs
+    from fusion.partition.baselines import BASELINES
+    from fusion.partition.chain import build_chain
+
+    model = gpt_model(2, 64, 4, 128, 32, 4, device="meta")
+    for bandwidth, cheaper in ((20e6, True), (100e9, False)):
+        cm = CostModel.build(model.graph, measure_costs(model.graph), _two_devices(bandwidth), 2)
+        part = BASELINES["equal-flops"](cm, build_chain(cm))
+        req = request("quant:bits=4", "quant:bits=8")
+        edges, wire = choose(cm, part.node_part, part.part_device, ["part0", "part1"], req)
+        dense = cm.evaluate(part.node_part, part.part_device)
+        cm.codec_prices = codec_prices(cm, req)
+        priced = cm.evaluate(part.node_part, part.part_device)
+        assert cm.evaluate(part.node_part, part.part_device, priced=False).iteration_s == dense.iteration_s
+        assert (priced.iteration_s < dense.iteration_s) is cheaper and bool(edges) is cheaper
+        fast, _ = cm.evaluate(part.node_part, part.part_device, detail=False)  # OP-Fence's call
+        assert fast == pytest.approx(priced.iteration_s)
+        if cheaper:  # the same wire bytes on every link as the chosen codecs give, plus codec time
+            by_wire = cm.evaluate(part.node_part, part.part_device, wire)
+            assert len(priced.links) == len(by_wire.links)
+            for link, other in zip(priced.links, by_wire.links):
+                assert link.fwd_bytes == pytest.approx(other.fwd_bytes) and link.bwd_bytes == pytest.approx(other.bwd_bytes)
+            assert by_wire.iteration_s < priced.iteration_s < dense.iteration_s
+        else:
+            assert priced.iteration_s == dense.iteration_s
+
+
+def test_compile_with_a_codec_partitions_for_the_compressed_time():
+    """On slow devices joined by 20 Mbit/s, cutting for dense traffic keeps the model on one device (the
+    transfers cost more than the compute saved); priced with 2-bit quant, OP-Fence splits it and predicts a
+    shorter iteration, encode/decode time included."""
+    from fusion.compress.policy import codec_prices
+    from fusion.cost.estimate import CostModel
+    from fusion.cost.flops import measure_costs
+
+    model = gpt_model(4, 128, 4, 128, 32, 4, device="meta")
+    n = 2
+    alpha = np.full((n, n), 1e-3) - np.eye(n) * 1e-3
+    beta = (np.full((n, n), 8.0 / 20e6) - np.eye(n) * (8.0 / 20e6))
+    cluster = Cluster("slow-two", [Device(f"d{i}", 1.7e10, 1e9) for i in range(n)], alpha, beta, "test")
+    req = request("quant:bits=2")
+    aware = compile_model(model, cluster, strategy="opfence", micro_batches=2, compress=req)
+    blind = compile_model(model, cluster, strategy="opfence", micro_batches=2)  # cut for dense traffic
+    assert len(blind.parts) == 1 and len(aware.parts) == 2
+    cm = CostModel.build(model.graph, measure_costs(model.graph), cluster, 2)
+    cm.codec_prices = codec_prices(cm, req)
+    names = {nm: i for i, nm in enumerate(cm.names)}
+    order = sorted(aware.parts)
+    node_part = np.array([order.index(aware.assignment[nm]) for nm in cm.names])
+    devs = [next(i for i, d in enumerate(cluster.devices) if d.name == aware.parts[p].device) for p in order]
+    assert names and aware.predicted["iteration_s"] == pytest.approx(cm.evaluate(node_part, devs).iteration_s, rel=1e-6)
+    assert aware.predicted["iteration_s"] < blind.predicted["iteration_s"] < aware.predicted["dense_iteration_s"]
+    assert aware.compression  # and the plan compresses the cut it was priced with
