@@ -11,6 +11,8 @@ def check_device(spec: str) -> str:
     lacks it (no CUDA, or fewer CUDA devices than the index), so a bad ``--device`` is one line,
     not an executor traceback. Several CompNodes may name the same device: one GPU can host them all.
     """
+    if spec == "cpu":  # no torch import: a NumPy CompNode's process stays torch-free
+        return "cpu"
     import torch
 
     try:
