@@ -35,11 +35,12 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime.allreduce import RingInbox, flatten, make_buckets, ring_average, unflatten
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.inbox import Inbox
-from fusion.executors.runtime.limits import part_message_limit
+from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import make_schedule, splits_backward
@@ -108,11 +109,14 @@ class CompNode:
                        trusted=cfg.trust_plugins)
         g = plan.graph
         self.graph = g
-        self.order = part_order(g, plan.assignment)
+        # the pipeline of this part's replica: node -> its part (replica 0: the plan's assignment)
+        self.replica = plan.parts[self.me].replica
+        self.assignment = plan.replica_assignment(self.replica)
+        self.order = part_order(g, self.assignment)
         self.n_micro = plan.micro_batches
-        self.actions = make_schedule(plan.schedule, self.order, part_links(g, plan.assignment), self.n_micro)[self.me]
+        self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro)[self.me]
         self.engine_name = plan.parts[self.me].engine
-        subs = partition(g, plan.assignment)
+        subs = partition(g, self.assignment)
         self.sub = subs[self.me]
         owners: dict[str, list[str]] = {}
         for p in self.order:
@@ -122,19 +126,25 @@ class CompNode:
                         owners[pname].append(p)
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
         self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
-        self.tracer = Tracer(f"CompNode {self.me}", self.order.index(self.me), enabled=cfg.trace_path is not None,
+        self.tracer = Tracer(f"CompNode {self.me}", list(plan.parts).index(self.me), enabled=cfg.trace_path is not None,
                              spill=f"{cfg.trace_path}.events.jsonl" if cfg.trace_path else None)
         self.runtime: PartRuntime | None = None
         self.opt = None
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
-        self.inbox = Inbox(g, self.me, make_routes(self.sub, plan.assignment), self.n_micro, self.shared)
+        self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        # data parallelism: this stage's replicas average their gradients over a ring (allreduce.py)
+        self.dp_group = plan.dp_group(self.me)
+        trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
+        self.ring = RingInbox(self.me, self.dp_group, make_buckets(trainable)) if len(self.dp_group) > 1 else None
         self._aborted: str | None = None
         self._last_coord = time.monotonic()
         self._heard_coord = False  # before first contact only the startup timeout applies
         self._peers = self._peer_parts()
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
-        limit = cfg.max_message_bytes or part_message_limit(plan, self.me)
+        limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
+        if self.ring is not None and not cfg.max_message_bytes:
+            limit = max(limit, allreduce_message_limit(self.ring.buckets, len(self.dp_group)))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False)  # the engine loop receives
@@ -144,10 +154,12 @@ class CompNode:
 
     def _peer_parts(self) -> set[str]:
         """Parts this one exchanges OP-Data with: producers, consumers, co-owners of tied parameters."""
-        b, a = self.sub.boundary, self.plan.assignment
+        b, a = self.sub.boundary, self.assignment
         peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
         for owners in self.shared.values():
             peers.update(owners)
+        if self.ring is not None:  # ring neighbours in the data-parallel group
+            peers.update({self.ring.prev, self.ring.next})
         peers.discard(self.me)
         return peers
 
@@ -170,6 +182,13 @@ class CompNode:
                 if c.op == "abort":
                     self._aborted = f"aborted by the coordinator: {c.fields['reason']}"
                 self._ctrl.append(c)
+                self._cv.notify_all()
+            return
+        if msg.kind == "allreduce":
+            with self._cv:
+                if self.ring is None:
+                    raise WireError(f"all-reduce message from {sender!r}, but {self.me} has no data-parallel group")
+                self.ring.accept(sender, msg)
                 self._cv.notify_all()
             return
         od = opdata_from_message(msg)
@@ -240,12 +259,15 @@ class CompNode:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         options = engine_options_for(self.me, self.engine_name, {"*": self.cfg.engine_options})
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
-        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine, self.plan.compression)
+        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.assignment, engine,
+                                   self.plan.replica_compression(self.replica))
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
         with self._cv:
             self.inbox.expected_iter = int(resume or 0)
+            if self.ring is not None:
+                self.ring.expected_iter = int(resume or 0)
             self.inbox.open = True
         self.checkpoint_dir = f["checkpoint_dir"]
         peers = f["peers"]
@@ -331,6 +353,11 @@ class CompNode:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_shared(it)
         stats["sync_s"] = time.perf_counter() - t_sync
+        if self.ring is not None:
+            t_ar = time.perf_counter()
+            with self.tracer.span("allreduce", "sync"):
+                self._allreduce(it)
+            stats["allreduce_s"] = time.perf_counter() - t_ar
         engine = rt.engine
         grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
         grads = {n: np.array(g) for n, g in grads.items()}
@@ -346,6 +373,8 @@ class CompNode:
             stats["checkpoint_step"] = it + 1
         with self._cv:
             self.inbox.finish(it)
+            if self.ring is not None:
+                self.ring.finish(it)
         sent = {}
         for p, s in self.transport.stats().items():
             prev = self._prev_sent.get(p, (0, 0, 0.0))
@@ -379,6 +408,24 @@ class CompNode:
                 for g in gs[1:]:
                     total = total + g
                 engine.set_grad(name, total)
+
+    def _allreduce(self, it: int) -> None:
+        """Average the parameter gradients over this stage's replicas (ring all-reduce, NumPy)."""
+        engine = self.runtime.engine
+        grads = engine.grads()
+        buffers = [flatten(b, grads) for b in self.ring.buckets]
+
+        def send(peer: str, frames: list, label: str) -> None:
+            self.transport.send(peer, frames, label=label)
+
+        def wait(ready, what: str):
+            return self._wait(ready, what, self.cfg.data_timeout_s)[0]
+
+        ring_average(self.ring, it, buffers, send, wait)
+        for b, flat in zip(self.ring.buckets, buffers):
+            for name, g in unflatten(b, flat).items():
+                if grads.get(name) is not None:  # a parameter without a gradient keeps none (on every replica)
+                    engine.set_grad(name, g)
 
     # -- the process ------------------------------------------------------------------
     def _heartbeat(self) -> None:

@@ -124,7 +124,9 @@ class Coordinator:
         self.parts = list(plan.parts)
         self.processes = processes if processes is not None else {}  # by reference: a launcher may fill it later
         g = plan.graph
-        self.feeds_of = {p: [n for n, q in plan.assignment.items() if q == p and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
+        self.replica_of = {p: plan.parts[p].replica for p in self.parts}
+        self.feeds_of = {p: [n for n, q in plan.assignment.items()
+                             if q == plan.stage_of(p) and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
                          for p in self.parts}
         self._cv = threading.Condition()
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
@@ -269,8 +271,12 @@ class Coordinator:
     def step(self, batch: Mapping[str, Any], want_grads: bool = False) -> StepReport:
         """Run one iteration on ``batch`` (placeholder -> array with all micro-batches)."""
         it = self.step_index
-        n = self.plan.micro_batches
-        mbs = split_micro_batches(batch, n)
+        n, R = self.plan.micro_batches, self.plan.replicas
+        rows = next(iter(batch.values())).shape[0] if batch else 0
+        if self.plan.global_batch and rows != self.plan.global_batch:
+            raise FusionError(f"batch has {rows} rows; the plan's global_batch is {self.plan.global_batch}")
+        # the global batch: R equal contiguous shares (replica r takes share r), each n micro-batches
+        mbs = split_micro_batches(batch, n * R)
         every = self.cfg.checkpoint_every
         ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
         t0 = time.monotonic()
@@ -278,7 +284,8 @@ class Coordinator:
             missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
             if missing:
                 raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
-            arrays = {f"{m}/{ph}": mbs[m][ph] for m in range(n) for ph in self.feeds_of[p]}
+            share = mbs[self.replica_of[p] * n:(self.replica_of[p] + 1) * n]
+            arrays = {f"{m}/{ph}": share[m][ph] for m in range(n) for ph in self.feeds_of[p]}
             self.transport.send(p, encode_ctrl("step", arrays, it=it, want_grads=want_grads, checkpoint=ckpt))
         done = self._collect("done", self.parts, self.cfg.step_timeout_s, f"step {it}")
         dt = time.monotonic() - t0
@@ -298,16 +305,18 @@ class Coordinator:
             # each executor wrote its own files (on its own host); their confirmations make the step complete
             checkpoint.commit(self.cfg.checkpoint_dir, it + 1, self.parts, {"time": time.time()}, check_files=False)
         self.step_index = it + 1
-        rows = next(iter(batch.values())).shape[0] if batch else 0
-        return StepReport(it, float(np.sum(losses) / n), dt, rows, {p: done[p].fields["stats"] for p in self.parts}, grads)
+        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares
+        return StepReport(it, float(np.sum(losses) / (n * R)), dt, rows, {p: done[p].fields["stats"] for p in self.parts},
+                          grads)
 
-    def fetch_state(self, timeout_s: float = 60.0) -> dict[str, np.ndarray]:
-        """Every parameter's current value, gathered from the parts (shared ones once)."""
-        for p in self.parts:
+    def fetch_state(self, timeout_s: float = 60.0, replica: int = 0) -> dict[str, np.ndarray]:
+        """Every parameter's current value, gathered from the parts of ``replica`` (shared ones once)."""
+        parts = [p for p in self.parts if self.replica_of[p] == replica]
+        for p in parts:
             self.transport.send(p, encode_ctrl("fetch"))
-        got = self._collect("state", self.parts, timeout_s, "fetching parameters")
+        got = self._collect("state", parts, timeout_s, "fetching parameters")
         out: dict[str, np.ndarray] = {}
-        for p in self.parts:
+        for p in parts:
             for k, v in got[p].arrays.items():
                 out.setdefault(k, np.array(v))
         return out

@@ -34,8 +34,16 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
                        help="partitioner (OP-Fence may put a small model on one device; equal-count/equal-flops "
                             "use every device of the cluster file, blind to links)"),
-        g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
-                       help="n_b: micro-batches per iteration"),
+        g.add_argument("--micro-batches", type=positive_int, default=None,
+                       help=f"n_b: micro-batches per iteration (per replica; default {MICRO_BATCHES}, or what "
+                            "--global-batch makes of it)"),
+        g.add_argument("--replicas", type=positive_int, default=1, metavar="R",
+                       help="data-parallel replicas of the compiled pipeline: replica 0 is the compiled one, each "
+                            "further replica puts the same stages on the fastest free devices that hold them "
+                            "(gradients averaged every step; default 1)"),
+        g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
+                       help="rows of one step's batch over all replicas: split into R equal shares, each into "
+                            "micro-batches of the model's example size (sets --micro-batches)"),
         g.add_argument("--compress-ratio", type=float, default=None, metavar="R",
                        help="AdaTopK ratio r (Eq. 7) for the cut edges (default: no compression)"),
         g.add_argument("--compress", default=None, metavar="none|auto|CODEC[:K=V,...]",
@@ -70,9 +78,19 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     compress = request(args.compress, args.compress_bwd)
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
-    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=args.micro_batches,
+    micro = args.micro_batches
+    if args.global_batch is not None:
+        from fusion.replicas import split_global_batch
+
+        rows = {int(v.shape[0]) for v in (model.example or {}).values() if getattr(v, "ndim", 0)}
+        micro = split_global_batch(args.global_batch, args.replicas, micro or 0, rows.pop() if len(rows) == 1 else None)
+    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro or MICRO_BATCHES,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress)
+    if args.replicas > 1 or args.global_batch is not None:
+        from fusion.replicas import next_free_devices, replicate
+
+        plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0)
     assign_engines(plan, args.engine)
     return plan
 
@@ -80,8 +98,8 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 def add_engine_arg(p):
     return p.add_argument("--engine", action="append", default=[], metavar="[PART=]ENGINE",
                           help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); "
-                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order "
-                               "(default: torch)")
+                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order, "
+                               "replica r's r<r>.part0, ... (default: torch)")
 
 
 def assign_engines(plan, specs: list[str]) -> dict[str, str]:
@@ -104,7 +122,8 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
             raise FusionError(f"--engine {spec}: the plan has no part {part!r} (parts: {', '.join(engines)})")
         else:
             engines[part] = engine
-    check_engines(plan.graph, plan.assignment, engines)
+    for r in range(plan.replicas):
+        check_engines(plan.graph, plan.replica_assignment(r), engines)
     for p, engine in engines.items():
         plan.parts[p].engine = engine
     return engines
@@ -126,7 +145,8 @@ def describe_plan(plan, cluster) -> str:
     """``4 parts on 4 of 4 devices (equal-flops), 3 compressed edges; engines ...; predicted ...``."""
     engines = {p: part.engine for p, part in plan.parts.items()}
     pr = plan.predicted
-    return (f"{len(plan.parts)} parts on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
+    reps = f" ({plan.replicas} replicas x {len(plan.parts) // plan.replicas} stages)" if plan.replicas > 1 else ""
+    return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
             f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)")
