@@ -175,7 +175,10 @@ def compile_replicated(model: Model, cluster: Cluster, cut: Mapping[str, int], d
     names = [f"part{s}" for s in range(n_stages)]
     est = cm.evaluate(node_part, row0)
     part = Partition(node_part, row0, est.iteration_s, {"replicas": len(devices)})
-    plan = _assemble(model, cluster, cm, part, names, est, est, [], [], strategy, schedule, micro_batches, optimizer, seed)
+    from fusion.cluster.topology import device_clusters
+
+    plan = _assemble(model, cluster, cm, part, names, est, est, [], device_clusters(cluster, seed), strategy, schedule,
+                     micro_batches, optimizer, seed)
     from fusion.ir.boundary import part_order
 
     if part_order(graph, plan.assignment) != names:
