@@ -58,6 +58,10 @@ class ExecutorAbort(FusionError):
     """The executor stops: told to abort, coordinator gone, or a wait timed out."""
 
 
+class Regroup(Exception):
+    """The coordinator dropped a replica: the current attempt is abandoned (a wait raises this)."""
+
+
 @dataclass
 class ExecutorConfig:
     """How one CompNode process runs.
@@ -138,6 +142,8 @@ class CompNode:
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
         self.ring = RingInbox(self.me, self.dp_group, make_buckets(trainable)) if len(self.dp_group) > 1 else None
         self._aborted: str | None = None
+        self._regroup: Control | None = None  # a replica was dropped: abandon the attempt (failover runs)
+        self.failover = False
         self._last_coord = time.monotonic()
         self._heard_coord = False  # before first contact only the startup timeout applies
         self._peers = self._peer_parts()
@@ -176,6 +182,11 @@ class CompNode:
                 return
             if c.op == "step":
                 self._check_feeds(c)
+            if c.op == "regroup":
+                with self._cv:
+                    self._regroup = c
+                    self._cv.notify_all()
+                return
             with self._cv:
                 if len(self._ctrl) >= MAX_QUEUED_CTRL and c.op != "abort":
                     raise WireError(f"{len(self._ctrl)} control messages already queued; dropping {c.op!r}")
@@ -218,11 +229,13 @@ class CompNode:
         t0 = now_us()
         while True:
             with self._cv:
+                if self._aborted:
+                    raise ExecutorAbort(self._aborted)
+                if self._regroup is not None:
+                    raise Regroup()
                 v = ready()
                 if v is not None:
                     break
-                if self._aborted:
-                    raise ExecutorAbort(self._aborted)
             if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
                 continue
             now = time.monotonic()
@@ -270,6 +283,7 @@ class CompNode:
                 self.ring.expected_iter = int(resume or 0)
             self.inbox.open = True
         self.checkpoint_dir = f["checkpoint_dir"]
+        self.failover = f.get("failover") is True
         peers = f["peers"]
         for p in sorted(self._peers):
             if p not in peers:
@@ -358,6 +372,11 @@ class CompNode:
             with self.tracer.span("allreduce", "sync"):
                 self._allreduce(it)
             stats["allreduce_s"] = time.perf_counter() - t_ar
+        if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
+            self.transport.send(COORDINATOR, encode_ctrl("reduced", it=it))
+            c2 = self._next_ctrl(self.cfg.data_timeout_s)
+            if c2.op != "commit" or c2.fields["it"] != it:
+                raise ExecutorAbort(f"expected commit of iteration {it} from the coordinator, got {c2.op!r}")
         engine = rt.engine
         grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
         grads = {n: np.array(g) for n, g in grads.items()}
@@ -408,6 +427,35 @@ class CompNode:
                 for g in gs[1:]:
                     total = total + g
                 engine.set_grad(name, total)
+
+    def _apply_regroup(self) -> None:
+        """A replica was dropped: forget the abandoned attempt, shrink the ring, take the new micro-batch count."""
+        with self._cv:
+            c, self._regroup = self._regroup, None
+        it, drop, n = int(c.fields["it"]), set(c.fields["drop"]), int(c.fields["micro_batches"])
+        if self.me in drop:
+            raise ExecutorAbort(f"this part's replica was dropped at iteration {it}")
+        if self.opt is not None:
+            self.opt.zero_grad()  # gradients of the abandoned attempt (a committed one has stepped and zeroed them)
+        stash = getattr(self.runtime.engine, "stash", None) if self.runtime is not None else None
+        if isinstance(stash, dict):
+            stash.clear()
+        with self._cv:
+            # late messages and queued orders of the abandoned attempt are refused from here on
+            self._ctrl = deque(x for x in self._ctrl if not (x.op in ("step", "commit") and x.fields["it"] <= it))
+            if self.inbox.expected_iter <= it:
+                self.inbox.finish(it)
+            self.n_micro = n
+            self.inbox.n_micro = n
+            self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n)[self.me]
+            self.dp_group = [p for p in self.dp_group if p not in drop]
+            buckets = self.ring.buckets if self.ring is not None else []
+            self.ring = RingInbox(self.me, self.dp_group, buckets) if len(self.dp_group) > 1 else None
+            if self.ring is not None:
+                self.ring.expected_iter = self.inbox.expected_iter
+        log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
+                    ", ".join(sorted(drop)), it, self.dp_group, n)
+        self.transport.send(COORDINATOR, encode_ctrl("regrouped", it=self.inbox.expected_iter))
 
     def _allreduce(self, it: int) -> None:
         """Average the parameter gradients over this stage's replicas (ring all-reduce, NumPy)."""
@@ -460,10 +508,15 @@ class CompNode:
             log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - t0,
                      len(self._peers), ", ".join(sorted(self._peers)) or "none")
             while True:
-                c = self._next_ctrl(float("inf"))
-                if c.op == "step":
-                    self._iteration(c)
-                elif c.op == "fetch":
+                try:
+                    c = self._next_ctrl(float("inf"))
+                    if c.op == "step":
+                        self._iteration(c)
+                        continue
+                except Regroup:
+                    self._apply_regroup()
+                    continue
+                if c.op == "fetch":
                     self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
                 elif c.op == "stop":
                     status = 0
