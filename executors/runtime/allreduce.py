@@ -9,8 +9,12 @@ sorted order), each bucket split into G chunks, and reduced by the ring algorith
 sends chunk ``(i - k) mod G`` to rank ``i + 1`` and adds the chunk ``(i - k - 1) mod G`` it gets from
 rank ``i - 1``, leave rank i holding the full sum of chunk ``(i + 1) mod G``; it divides that by G and
 ``G - 1`` all-gather steps pass the averaged chunks round. Each rank sends ``2 (G - 1) / G`` of the
-buffer whatever G is; for G = 2 the ring is the direct exchange of halves. Every rank ends with the
+buffer whatever G is. Every rank ends with the
 same bits (each chunk is summed once, on its owner, then copied).
+
+Two replicas skip the ring: each sends its whole buffer to the other and both compute
+``(a + b) / 2`` (IEEE addition is commutative, so the two get the same bits). On full-duplex links
+that moves the same bytes as the two-step ring in one step: one latency instead of two.
 
 Messages are wire messages of kind ``"allreduce"`` (header ``it, bucket, step, chunk, src, dst``,
 one 1-D tensor). A receiver accepts one only from its ring predecessor, for the current
@@ -112,8 +116,9 @@ class RingInbox:
         self.rank = self.group.index(me)
         self.prev = self.group[(self.rank - 1) % self.g]
         self.next = self.group[(self.rank + 1) % self.g]
-        self.steps = ring_steps(self.g, self.rank)
-        self.bounds = [chunk_bounds(b.total, self.g) for b in self.buckets]
+        self.exchange = self.g == 2  # two replicas: one whole-buffer exchange instead of a two-step ring
+        self.steps = [(0, 0, True)] if self.exchange else ring_steps(self.g, self.rank)
+        self.bounds = [chunk_bounds(b.total, 1 if self.exchange else self.g) for b in self.buckets]
         self.expected_iter = 0
         self._got: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -188,6 +193,14 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     """
     g = inbox.g
     if g == 1:
+        return
+    if inbox.exchange:
+        for b, buf in enumerate(buffers):
+            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, buf.copy()), f"allreduce b{b}")
+        for b, buf in enumerate(buffers):
+            got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
+            buf += got
+            buf /= 2
         return
     for b, buf in enumerate(buffers):
         bounds = inbox.bounds[b]

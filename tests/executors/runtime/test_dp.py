@@ -140,26 +140,35 @@ def test_ring_steps_average_exactly_once_per_chunk(g):
 
 
 def _msg(**over):
-    h = dict(it=0, bucket=0, step=0, chunk=1, src="r1.p0", dst="p0", data=np.zeros(3, np.float32))
+    h = dict(it=0, bucket=0, step=0, chunk=1, src="r2.p0", dst="p0", data=np.zeros(3, np.float32))
     h.update(over)
     frames = encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"])
     return decode(frames)
 
 
 def test_ring_inbox_rejects_what_the_ring_does_not_expect():
-    inbox = RingInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((5,), "float32")}))
+    inbox = RingInbox("p0", ["p0", "r1.p0", "r2.p0"], make_buckets({"w": ((5,), "float32")}))
+    # rank 0 of 3, 5 elements in chunks [0,2) [2,4) [4,5): step 0 brings chunk 2 from r2.p0
     with pytest.raises(WireError, match=r"'p1', which is not in p0's data-parallel group"):
         inbox.accept("p1", _msg(src="p1"))
-    with pytest.raises(WireError, match="chunk 1, not 0"):
-        inbox.accept("r1.p0", _msg(chunk=0, data=np.zeros(3, np.float32)))
-    with pytest.raises(WireError, match=r"expected float32\[2\]"):
-        inbox.accept("r1.p0", _msg(data=np.zeros(3, np.float32)))
+    with pytest.raises(WireError, match=r"takes them from 'r2.p0' only"):
+        inbox.accept("r1.p0", _msg(src="r1.p0"))
+    with pytest.raises(WireError, match="chunk 2, not 1"):
+        inbox.accept("r2.p0", _msg(chunk=1, data=np.zeros(2, np.float32)))
+    with pytest.raises(WireError, match=r"expected float32\[1\]"):
+        inbox.accept("r2.p0", _msg(chunk=2, data=np.zeros(3, np.float32)))
     with pytest.raises(WireError, match="iteration 1"):
-        inbox.accept("r1.p0", _msg(it=1, data=np.zeros(2, np.float32)))
-    inbox.accept("r1.p0", _msg(data=np.ones(2, np.float32)))
+        inbox.accept("r2.p0", _msg(it=1, chunk=2, data=np.zeros(1, np.float32)))
+    with pytest.raises(WireError, match="step 4"):
+        inbox.accept("r2.p0", _msg(step=4, chunk=2, data=np.zeros(1, np.float32)))
+    inbox.accept("r2.p0", _msg(chunk=2, data=np.ones(1, np.float32)))
     with pytest.raises(WireError, match="duplicate"):
-        inbox.accept("r1.p0", _msg(data=np.ones(2, np.float32)))
-    np.testing.assert_array_equal(inbox.take(0, 0, 0), np.ones(2, np.float32))
+        inbox.accept("r2.p0", _msg(chunk=2, data=np.ones(1, np.float32)))
+    np.testing.assert_array_equal(inbox.take(0, 0, 0), np.ones(1, np.float32))
+    pair = RingInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((5,), "float32")}))  # two: one whole exchange
+    with pytest.raises(WireError, match=r"expected float32\[5\]"):
+        pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(2, np.float32)))
+    pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(5, np.float32)))
 
 
 def test_compnode_logs_and_drops_an_allreduce_message_from_outside_its_group(tmp_path, caplog):
@@ -173,12 +182,12 @@ def test_compnode_logs_and_drops_an_allreduce_message_from_outside_its_group(tmp
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p0", "tcp://127.0.0.1:1"))
     try:
         assert node.dp_group == ["p0", "r1.p0"] and "p1" in node.transport.allowed
-        n = node.ring.bounds[0][1][1] - node.ring.bounds[0][1][0]
-        frames = encode_chunk(0, 0, 0, 1, "p1", "p0", np.zeros(n, np.float32))
+        n = node.ring.bounds[0][0][1]  # two replicas: the whole buffer in one exchange
+        frames = encode_chunk(0, 0, 0, 0, "p1", "p0", np.zeros(n, np.float32))
         node.transport._handle([_Frame(b"p1"), *frames])
         assert node.transport.rejected == 1 and not node.ring._got
         assert "not in p0's data-parallel group" in caplog.text
-        frames = encode_chunk(0, 0, 0, 1, "r1.p0", "p0", np.zeros(n, np.float32))
+        frames = encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32))
         node.transport._handle([_Frame(b"r1.p0"), *frames])
         assert node.transport.rejected == 1 and len(node.ring._got) == 1  # the group member's is kept
     finally:
