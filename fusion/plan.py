@@ -155,6 +155,8 @@ class Plan:
     stage), on devices no other replica uses. The parts of one stage form its data-parallel group,
     whose parameter gradients are averaged every step before the optimizer steps. A plan without
     replica fields is one pipeline (R = 1).
+    dp_codec:      None (gradients averaged exactly) or a ``quant`` codec cfg (``{"algo": "quant", "bits": 8}``)
+                   for the all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
     """
 
     graph: OpGraph
@@ -171,6 +173,7 @@ class Plan:
     strategy: str = ""
     boundaries: dict[str, dict[str, list]] = field(default_factory=dict)
     global_batch: int = 0
+    dp_codec: dict | None = None
 
     # -- replicas (DP x PP) ---------------------------------------------------------------
     def stage_of(self, part: str) -> str:
@@ -218,7 +221,7 @@ class Plan:
             "schedule": self.schedule, "micro_batches": self.micro_batches,
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
-            "global_batch": self.global_batch,
+            "global_batch": self.global_batch, "dp_codec": self.dp_codec,
         }
 
     @classmethod
@@ -243,7 +246,7 @@ class Plan:
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
-                   dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source))
+                   dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"))
         plan.check(source)
         return plan
 
@@ -329,6 +332,9 @@ class Plan:
                 if prev != n and self.parts[prev].replica != p.replica:
                     raise PlanError(f"{source}: parts.{n}.device {p.device!r} is also used by part {prev!r} of another "
                                     "replica (replicas run on disjoint devices)")
+        if self.dp_codec is not None and not (isinstance(self.dp_codec, dict) and self.dp_codec.get("algo") == "quant"):
+            raise PlanError(f"{source}: dp_codec must be a quant codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
+                            f"got {self.dp_codec!r}")
         if self.global_batch < 0:
             raise PlanError(f"{source}: global_batch must be >= 0, got {self.global_batch}")
         if self.global_batch and self.global_batch % (r_count * self.micro_batches):

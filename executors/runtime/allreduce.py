@@ -22,6 +22,13 @@ iteration, with the chunk, dtype and length that step must carry, and not twice;
 raises :class:`~fusion.ir.errors.WireError` (the transport logs and drops it, nothing is applied).
 In particular a message from a CompNode outside the group is rejected by name.
 
+Codec (``Plan.dp_codec``, ``--dp-codec quant:bits=8``): every chunk travels block-quantised
+(:mod:`fusion.kernels.quant`, NumPy, so NumPy CompNodes take part); the receiver adds the decoded
+chunk. The averaged chunks are quantised once, by their owner, which keeps the *decoded* values
+itself, and forwarded unchanged round the ring, so the replicas still hold the same bits; the
+gradient is then the average to within the codec's step (lossy: not equal to single-process
+training). Two replicas each send ``quant(own)`` and both average the two decoded buffers.
+
 Overlap: the stages finish their backward one after the other (the last stage first), so a
 stage's all-reduce runs while the stages before it still compute their backward; ZeroMQ's I/O
 thread moves each chunk while the engine loop adds the previous one.
@@ -91,9 +98,30 @@ def make_buckets(params: Mapping[str, tuple[Sequence[int], str]]) -> list[Bucket
     return [Bucket(d, tuple(ns), tuple(tuple(int(x) for x in params[n][0]) for n in ns)) for d, ns in sorted(by.items())]
 
 
-def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: np.ndarray) -> list[Any]:
-    """Frames of one ring message."""
-    return encode(KIND, {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst}, [data])
+def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any) -> list[Any]:
+    """Frames of one ring message; ``data`` a 1-D array or a :class:`~fusion.kernels.quant.QuantPayload` of one."""
+    from fusion.kernels.quant import QuantPayload
+
+    h = {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst}
+    if isinstance(data, QuantPayload):
+        return encode(KIND, {**h, "payload": {"type": "quant", **data.header()}}, data.arrays())
+    return encode(KIND, {**h, "payload": {"type": "dense"}}, [data])
+
+
+def _payload(msg: Message) -> Any:
+    """The chunk a ring message carries: a dense 1-D array or a QuantPayload (checked; WireError otherwise)."""
+    from fusion.kernels.quant import QuantPayload, as_bytes
+
+    meta = msg.header.get("payload", {"type": "dense"})
+    if not isinstance(meta, dict) or meta.get("type") not in ("dense", "quant"):
+        raise WireError(f"all-reduce message: payload must be dense or quant, got {repr(meta)[:80]}")
+    if meta["type"] == "dense":
+        if len(msg.arrays) != 1:
+            raise WireError(f"all-reduce message carries {len(msg.arrays)} tensors, not 1")
+        return msg.arrays[0]
+    if len(msg.arrays) != 3:
+        raise WireError(f"quantised all-reduce chunk needs 3 frames (scales, offsets, codes), got {len(msg.arrays)}")
+    return QuantPayload.from_msg({k: v for k, v in meta.items() if k != "type"}, [as_bytes(a) for a in msg.arrays])
 
 
 def _nat(h: dict, key: str) -> int:
@@ -107,11 +135,13 @@ class RingInbox:
     """What one CompNode accepts of its ring predecessor's messages (not thread-safe: the CompNode locks it).
 
     me: this part; group: its data-parallel group in ring order (replica order), ``me`` included;
-    buckets: as :func:`make_buckets` of this part's parameters (the same on every replica).
+    buckets: as :func:`make_buckets` of this part's parameters (the same on every replica);
+    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``) or None (dense chunks).
     """
 
-    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket]):
+    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None = None):
         self.me, self.group, self.buckets = me, list(group), list(buckets)
+        self.codec = dict(codec) if codec else None
         self.g = len(self.group)
         self.rank = self.group.index(me)
         self.prev = self.group[(self.rank - 1) % self.g]
@@ -142,12 +172,14 @@ class RingInbox:
         want = self.steps[step][1]
         if chunk != want:
             raise WireError(f"all-reduce step {step} carries chunk {want}, not {chunk}")
-        if len(msg.arrays) != 1:
-            raise WireError(f"all-reduce message carries {len(msg.arrays)} tensors, not 1")
-        a = msg.arrays[0]
+        a = _payload(msg)
+        if isinstance(a, np.ndarray) == bool(self.codec):
+            raise WireError(f"all-reduce chunk is {'dense' if isinstance(a, np.ndarray) else 'quantised'}; this group "
+                            f"sends {'quantised' if self.codec else 'dense'} chunks")
         lo, hi = self.bounds[b][chunk]
-        if a.ndim != 1 or a.shape[0] != hi - lo or a.dtype.name != self.buckets[b].dtype:
-            raise WireError(f"all-reduce chunk {chunk} of bucket {b} is {a.dtype.name}{list(a.shape)}, expected "
+        shape, dtype = (tuple(a.shape), a.dtype if isinstance(a.dtype, str) else a.dtype.name)
+        if len(shape) != 1 or shape[0] != hi - lo or dtype != self.buckets[b].dtype:
+            raise WireError(f"all-reduce chunk {chunk} of bucket {b} is {dtype}{list(shape)}, expected "
                             f"{self.buckets[b].dtype}[{hi - lo}]")
         key = (it, b, step)
         if key in self._got:
@@ -194,25 +226,45 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     g = inbox.g
     if g == 1:
         return
+    from fusion.kernels.quant import dequantize, quantize
+
+    codec = inbox.codec
+
+    def enc(a: np.ndarray):
+        return quantize(a, codec) if codec else a.copy()
+
+    def dec(p) -> np.ndarray:
+        return dequantize(p) if codec else p
+
     if inbox.exchange:
-        for b, buf in enumerate(buffers):
-            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, buf.copy()), f"allreduce b{b}")
+        mine = [enc(buf) for buf in buffers]
+        for b, q in enumerate(mine):
+            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, q), f"allreduce b{b}")
         for b, buf in enumerate(buffers):
             got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
-            buf += got
+            if codec:  # both sides average the two decoded buffers: the same bits on both
+                buf[:] = dec(mine[b])
+            buf += dec(got)
             buf /= 2
         return
     for b, buf in enumerate(buffers):
         bounds = inbox.bounds[b]
+        forward = None  # in the all-gather, what arrived is passed on as it came (no re-encoding)
         for step, (send_c, recv_c, reduce) in enumerate(inbox.steps):
             lo, hi = bounds[send_c]
-            send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, buf[lo:hi].copy()),
-                 f"allreduce b{b} s{step}")
+            if forward is not None:
+                payload = forward
+            else:
+                payload = enc(buf[lo:hi])
+                if codec and not reduce:  # the owner's averaged chunk: keep what the others will decode
+                    buf[lo:hi] = dec(payload)
+            send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, payload), f"allreduce b{b} s{step}")
             got = wait(lambda: inbox.take(it, b, step), f"all-reduce step {step} of bucket {b} from {inbox.prev}")
             lo, hi = bounds[recv_c]
             if reduce:
-                buf[lo:hi] += got
+                buf[lo:hi] += dec(got)
                 if step == g - 2:  # the last reduce-scatter step: this rank now holds the full sum of recv_c
                     buf[lo:hi] /= g
             else:
-                buf[lo:hi] = got
+                buf[lo:hi] = dec(got)
+                forward = got

@@ -140,7 +140,8 @@ class CompNode:
         # data parallelism: this stage's replicas average their gradients over a ring (allreduce.py)
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
-        self.ring = RingInbox(self.me, self.dp_group, make_buckets(trainable)) if len(self.dp_group) > 1 else None
+        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec)
+                     if len(self.dp_group) > 1 else None)
         self._aborted: str | None = None
         self._regroup: Control | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -450,7 +451,7 @@ class CompNode:
             self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n)[self.me]
             self.dp_group = [p for p in self.dp_group if p not in drop]
             buckets = self.ring.buckets if self.ring is not None else []
-            self.ring = RingInbox(self.me, self.dp_group, buckets) if len(self.dp_group) > 1 else None
+            self.ring = RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec) if len(self.dp_group) > 1 else None
             if self.ring is not None:
                 self.ring.expected_iter = self.inbox.expected_iter
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,

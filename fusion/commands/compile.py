@@ -41,6 +41,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="data-parallel replicas of the compiled pipeline: replica 0 is the compiled one, each "
                             "further replica puts the same stages on the fastest free devices that hold them "
                             "(gradients averaged every step; default 1)"),
+        g.add_argument("--dp-codec", default=None, metavar="quant:bits=8[,block=N]",
+                       help="quantise the gradient all-reduce between replicas (lossy; default: exact)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -73,7 +75,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         opt = OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay)
     except ValueError as e:
         raise FusionError(f"--optimizer/--lr: {e}") from None
-    from fusion.compress.policy import request
+    from fusion.compress.policy import parse_spec, request
 
     compress = request(args.compress, args.compress_bwd)
     if compress is not None and args.compress_ratio is not None:
@@ -87,10 +89,18 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro or MICRO_BATCHES,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress)
+    dp_codec = None
+    if args.dp_codec is not None:
+        dp_codec = parse_spec(args.dp_codec, "--dp-codec")
+        if dp_codec is not None and (not isinstance(dp_codec, dict) or dp_codec["algo"] != "quant"):
+            raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes quant:bits=B[,block=N] or none")
+        if dp_codec is not None and args.replicas < 2:
+            raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
         from fusion.replicas import next_free_devices, replicate
 
-        plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0)
+        plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
+                         dp_codec=dp_codec)
     assign_engines(plan, args.engine)
     return plan
 

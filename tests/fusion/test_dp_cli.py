@@ -64,7 +64,13 @@ def test_bad_global_batch_and_too_many_replicas_exit_2_with_one_line(tmp_path, c
     assert "not --micro-batches 3" in _one_line(capsys)
     assert main(["compile", m, "--cluster", LOCAL, "--replicas", "5", "-o", str(tmp_path / "d")]) == 2
     assert "no free device for replica 4" in _one_line(capsys)
-    assert not any((tmp_path / x).exists() for x in "abcd")
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--dp-codec", "topk:ratio=10", "-o",
+                 str(tmp_path / "e")]) == 2
+    assert "--dp-codec topk:ratio=10: the all-reduce takes quant" in _one_line(capsys)
+    assert not any((tmp_path / x).exists() for x in "abcde")
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--dp-codec", "quant:bits=8", "-o",
+                 str(tmp_path / "f")]) == 0
+    assert load_plan(tmp_path / "f").dp_codec == {"algo": "quant", "bits": 8}
 
 
 def test_run_with_replicas_trains_like_one_process_on_the_global_batch(tmp_path):
