@@ -11,10 +11,12 @@ link is delayed and rate-limited by the cluster's alpha/beta (1 Gbit/s and 1 ms 
 * anchor ``1x2``: one pipeline on cpu-0 -> cpu-1 (site a), ``--micro`` micro-batches per step;
 * ``2x2``: that pipeline plus a second on cpu-2 -> cpu-3 (site b), the same micro-batches per replica
   (twice the global batch), each stage's two replicas averaging gradients across the 20 Mbit/s link;
-* ``2x2_same_global``: the same grid at the anchor's global batch (half the micro-batches per replica).
+* ``2x2_same_global``: the same grid at the anchor's global batch (half the micro-batches per replica);
+* ``2x2_quant8``: ``2x2`` with the gradient exchange quantised to 8 bits (``--dp-codec quant:bits=8``, lossy).
 
 samples/s = rows per step / median iteration seconds over ``--steps`` steps after ``--warmup``.
-Final JSON line: samples/s of each and the ratios ``dp2x2_over_1x2`` and ``dp2x2_same_global_over_1x2``.
+Final JSON line: samples/s of each and the ratios ``dp2x2_over_1x2``, ``dp2x2_same_global_over_1x2`` and
+``dp2x2_quant8_over_1x2``.
 The host's cores are shared by every CompNode (4 processes for 2x2), so the ratio is a lower bound of
 what 4 separate machines would see.
 """
@@ -33,7 +35,7 @@ CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
 
-def make_plan(grid: list[list[str]], micro: int, out: Path) -> Path:
+def make_plan(grid: list[list[str]], micro: int, out: Path, dp_codec: dict | None = None) -> Path:
     from fusion.cluster.model import load_cluster
     from fusion.executors.reference import contiguous_parts
     from fusion.ir.boundary import part_order
@@ -47,7 +49,8 @@ def make_plan(grid: list[list[str]], micro: int, out: Path) -> Path:
     cut = {n: order.index(p) for n, p in asg.items()}
     rows = 2
     plan = compile_replicated(model, load_cluster(CLUSTER), cut, grid, micro_batches=micro,
-                              global_batch=len(grid) * micro * rows, optimizer=OptimizerConfig("sgd", lr=0.01))
+                              global_batch=len(grid) * micro * rows, optimizer=OptimizerConfig("sgd", lr=0.01),
+                              dp_codec=dp_codec)
     return save_plan(plan, out, params=model.params)
 
 
@@ -77,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cases = {"1x2": ([["cpu-0", "cpu-1"]], args.micro),
-                 "2x2": ([["cpu-0", "cpu-1"], ["cpu-2", "cpu-3"]], args.micro),
-                 "2x2_same_global": ([["cpu-0", "cpu-1"], ["cpu-2", "cpu-3"]], args.micro // 2)}
-        for name, (grid, micro) in cases.items():
-            plan = make_plan(grid, micro, tmp / f"{name}.plan")
+        two = [["cpu-0", "cpu-1"], ["cpu-2", "cpu-3"]]
+        cases = {"1x2": ([["cpu-0", "cpu-1"]], args.micro, None),
+                 "2x2": (two, args.micro, None),
+                 "2x2_same_global": (two, args.micro // 2, None),
+                 "2x2_quant8": (two, args.micro, {"algo": "quant", "bits": 8})}
+        for name, (grid, micro, codec) in cases.items():
+            plan = make_plan(grid, micro, tmp / f"{name}.plan", codec)
             res[name] = measure(plan, tmp / f"{name}.run", args.steps, args.warmup)
             print(f"{name}: {res[name]['parts']} CompNodes, {res[name]['rows_per_step']} rows/step, "
                   f"{res[name]['iteration_s']:.4f} s/iteration, {res[name]['samples_per_s']:.1f} samples/s",
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       "iteration_s": {k: v["iteration_s"] for k, v in res.items()},
                       "dp2x2_over_1x2": round(res["2x2"]["samples_per_s"] / anchor, 3),
                       "dp2x2_same_global_over_1x2": round(res["2x2_same_global"]["samples_per_s"] / anchor, 3),
+                      "dp2x2_quant8_over_1x2": round(res["2x2_quant8"]["samples_per_s"] / anchor, 3),
                       "wall_s": round(time.time() - t0, 1)}))
     return 0
 
