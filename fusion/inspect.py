@@ -72,9 +72,9 @@ def plan_report(plan: Plan) -> str:
     order = part_order(plan.graph, plan.assignment)
     n_dev = len(plan.cluster.get("devices", []))
     R = plan.replicas
-    reps = (f" x {R} data-parallel replicas ({len(plan.parts)} parts), global batch "
-            f"{plan.global_batch or '?'} rows" if R > 1 else "")
-    lines = [f"plan: {len(plan.graph)} nodes, strategy {plan.strategy or '?'}, {len(order)} parts{reps} on "
+    reps = (f" ({len(order)} stage{'s' if len(order) > 1 else ''} x {R} data-parallel replicas, global batch "
+            f"{plan.global_batch or '?'} rows)" if R > 1 else "")
+    lines = [f"plan: {len(plan.graph)} nodes, strategy {plan.strategy or '?'}, {len(plan.parts)} parts{reps} on "
              f"{len({p.device for p in plan.parts.values()})} of {n_dev} devices ({plan.cluster.get('name', '')}), "
              f"schedule {plan.schedule} x {plan.micro_batches} micro-batches" + (" per replica" if R > 1 else "")]
     if pr:

@@ -34,13 +34,12 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
                        help="partitioner (OP-Fence may put a small model on one device; equal-count/equal-flops "
                             "use every device of the cluster file, blind to links)"),
-        g.add_argument("--micro-batches", type=positive_int, default=None,
-                       help=f"n_b: micro-batches per iteration (per replica; default {MICRO_BATCHES}, or what "
-                            "--global-batch makes of it)"),
+        g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
+                       help="n_b: micro-batches per iteration"),
         g.add_argument("--replicas", type=positive_int, default=1, metavar="R",
                        help="data-parallel replicas of the compiled pipeline: replica 0 is the compiled one, each "
                             "further replica puts the same stages on the fastest free devices that hold them "
-                            "(gradients averaged every step; default 1)"),
+                            "(gradients averaged every step; --micro-batches then counts per replica; default 1)"),
         g.add_argument("--dp-codec", default=None, metavar="quant:bits=8[,block=N]",
                        help="quantise the gradient all-reduce between replicas (lossy; default: exact)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
@@ -85,8 +84,10 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         from fusion.replicas import split_global_batch
 
         rows = {int(v.shape[0]) for v in (model.example or {}).values() if getattr(v, "ndim", 0)}
-        micro = split_global_batch(args.global_batch, args.replicas, micro or 0, rows.pop() if len(rows) == 1 else None)
-    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro or MICRO_BATCHES,
+        # the default --micro-batches gives way to what the global batch makes; another value must agree with it
+        micro = split_global_batch(args.global_batch, args.replicas, 0 if micro == MICRO_BATCHES else micro,
+                                   rows.pop() if len(rows) == 1 else None)
+    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress)
     dp_codec = None
@@ -155,7 +156,8 @@ def describe_plan(plan, cluster) -> str:
     """``4 parts on 4 of 4 devices (equal-flops), 3 compressed edges; engines ...; predicted ...``."""
     engines = {p: part.engine for p, part in plan.parts.items()}
     pr = plan.predicted
-    reps = f" ({plan.replicas} replicas x {len(plan.parts) // plan.replicas} stages)" if plan.replicas > 1 else ""
+    stages = len(plan.parts) // plan.replicas
+    reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
             f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "

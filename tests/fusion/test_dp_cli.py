@@ -42,7 +42,7 @@ def test_compile_places_replicas_on_the_next_fastest_free_devices(tmp_path, caps
     out = tmp_path / "dp.plan"
     assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "12",
                  "-o", str(out)]) == 0
-    assert "2 replicas x 1 stages" in capsys.readouterr().out
+    assert "2 replicas x 1 stage)" in capsys.readouterr().out
     plan = load_plan(out)
     assert plan.replicas == 2 and plan.global_batch == 12 and plan.micro_batches == 3  # 12 rows / 2 replicas / 2 rows
     assert {p: (x.device, x.replica, x.stage) for p, x in plan.parts.items()} == {
