@@ -268,8 +268,10 @@ def test_a_plan_whose_replicas_differ_is_refused_with_one_line(tmp_path, edit, m
 
 # -- losing a replica ------------------------------------------------------------------------------
 
-def test_losing_a_replica_mid_run_goes_on_with_the_others(tmp_path):
-    """2 x 2: r1.p1 is killed (SIGKILL) after step 1. Step 2 finds it dead while the others wait in the ring:
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_losing_a_replica_mid_run_goes_on_with_the_others(tmp_path, sig):
+    """2 x 2: r1.p1 is killed (SIGKILL) or frozen (SIGSTOP: it falls silent, found by the peer timeout) after
+    step 1. Step 2 finds it dead while the others wait in the ring:
     replica 1 is dropped, its other CompNode stopped, and step 2 is redone on replica 0 with the whole global
     batch (4 micro-batches instead of 2). The drop is recorded, and every loss and the final weights equal
     plain PyTorch on the global batches: the same step is neither lost nor applied twice."""
@@ -283,12 +285,13 @@ def test_losing_a_replica_mid_run_goes_on_with_the_others(tmp_path):
     model = build(mb=MB)
     plan_dir = save_dp_plan(tmp_path, model, splits[2], 2, schedule="1f1b", micro_batches=MICRO, optimizer=SGD[0])
     batches = [batch_fn(s, 2 * MICRO * MB) for s in range(5)]
-    cfg = CoordinatorConfig(peer_timeout_s=30, drop_failed_replicas=True)
+    cfg = CoordinatorConfig(peer_timeout_s=30 if sig == "SIGKILL" else 4, drop_failed_replicas=True)
     with LocalCluster(plan_dir, tmp_path / "run", cfg, threads=1) as lc:
         lc.start()
         reports = [lc.coordinator.step(b, want_grads=True) for b in batches[:2]]
-        os.killpg(lc.processes["r1.p1"].pid, signal.SIGKILL)
-        lc.processes["r1.p1"].wait(10)
+        os.killpg(lc.processes["r1.p1"].pid, getattr(signal, sig))
+        if sig == "SIGKILL":
+            lc.processes["r1.p1"].wait(10)
         reports += [lc.coordinator.step(b, want_grads=True) for b in batches[2:]]
         state = lc.coordinator.fetch_state()
         assert lc.coordinator.live == ["p0", "p1"] and lc.coordinator.n_micro == 2 * MICRO
@@ -296,5 +299,6 @@ def test_losing_a_replica_mid_run_goes_on_with_the_others(tmp_path):
         assert r1p0.wait(10) is not None  # the dropped replica's other CompNode was stopped
     (drop,) = reports[2].dropped
     assert drop["replica"] == 1 and drop["step"] == 2 and drop["part"] == "r1.p1" and drop["redone"]
+    assert ("exited" if sig == "SIGKILL" else "stopped answering") in drop["reason"]
     assert not any(r.dropped for r in reports[:2] + reports[3:])
     assert_matches_plain(reports, state, plain_training(model, plain_loss, batches, 2 * MICRO, SGD[1]))
