@@ -306,7 +306,12 @@ class Coordinator:
                         with self._cv:
                             self._abort_locked(str(e))
                     raise
-                drops.append(self._drop_replica(e, abandoned=not committed[0]))
+                try:
+                    drops.append(self._drop_replica(e, abandoned=not committed[0]))
+                except CompNodeFailure as e2:  # a second failure while regrouping: give up as without failover
+                    with self._cv:
+                        self._abort_locked(str(e2))
+                    raise
                 if committed[0]:  # every survivor applied this step: collect the rest of its reports
                     return self._finish_committed(batch, done, drops, want_grads)
 
