@@ -96,3 +96,53 @@ def test_run_with_replicas_trains_like_one_process_on_the_global_batch(tmp_path)
     final = load_weights(out / "final.safetensors")
     for k, v in ref.state().items():
         np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+DATA_SRC = '''
+import json, os, signal
+from pathlib import Path
+import numpy as np
+
+def batches(step):
+    if step == 2:  # before step 2: kill replica 1's CompNode, as a crash would
+        pids = json.loads((Path(os.environ["DP_TEST_RUN"]) / "pids.json").read_text())
+        os.killpg(pids["r1.part0"], signal.SIGKILL)
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
+'''
+
+
+def test_run_drops_a_dead_replica_and_records_it(tmp_path):
+    """`fusion run --drop-failed-replicas`: replica 1's CompNode is killed before step 2; the run goes on with
+    replica 0, metrics.jsonl records the drop at step 2, and every loss equals the reference on the global batch."""
+    import os
+
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_function, load_model
+
+    (tmp_path / "data.py").write_text(DATA_SRC)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                        "--steps", "4", "--no-progress", "--drop-failed-replicas", "--data", f"{tmp_path / 'data.py'}:batches"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "DP_TEST_RUN": str(out)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dropped replica 1 at step 2" in r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    (drop,) = lines[2]["dropped"]
+    assert drop["replica"] == 1 and drop["step"] == 2 and drop["part"] == "r1.part0" and drop["redone"]
+    assert "dropped" not in lines[3] and set(lines[3]["parts"]) == {"part0"}
+    ref = ReferenceExecutor(load_model(_model(tmp_path)), optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9),
+                            micro_batches=4)
+    fn = load_function(f"{tmp_path / 'data.py'}:batches", "data")
+    want = [ref.step(fn(s) if s != 2 else _no_kill(s)).loss for s in range(4)]
+    np.testing.assert_allclose([x["loss"] for x in lines], want, rtol=1e-5)
+    final = load_weights(out / "final.safetensors")
+    for k, v in ref.state().items():
+        np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def _no_kill(step):
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
