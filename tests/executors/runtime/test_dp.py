@@ -302,3 +302,26 @@ def test_losing_a_replica_mid_run_goes_on_with_the_others(tmp_path, sig):
     assert ("exited" if sig == "SIGKILL" else "stopped answering") in drop["reason"]
     assert not any(r.dropped for r in reports[:2] + reports[3:])
     assert_matches_plain(reports, state, plain_training(model, plain_loss, batches, 2 * MICRO, SGD[1]))
+
+
+def test_replicated_run_checkpoints_and_resumes(tmp_path):
+    """Every replica's CompNodes checkpoint their own state; a run resumed from step 2 continues exactly."""
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    build, splits, plain_loss, batch_fn = MODELS["cnn"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, splits[2], 2, micro_batches=MICRO, optimizer=ADAMW[0])
+    batches = [batch_fn(s, 2 * MICRO * MB) for s in range(4)]
+    cfg = dict(peer_timeout_s=30, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(**cfg), threads=1) as lc:
+        lc.start()
+        reports = [lc.coordinator.step(b, want_grads=True) for b in batches[:3]]  # step 3 is never checkpointed
+    with LocalCluster(plan_dir, tmp_path / "run2", CoordinatorConfig(**cfg), threads=1) as lc:
+        assert lc.start(resume=True) == 2
+        reports = reports[:2] + [lc.coordinator.step(b, want_grads=True) for b in batches[2:]]
+        state = lc.coordinator.fetch_state()
+        other = lc.coordinator.fetch_state(replica=1)
+    assert_matches_plain(reports, state, plain_training(model, plain_loss, batches, 2 * MICRO, ADAMW[1]))
+    for k, v in state.items():
+        np.testing.assert_array_equal(other[k], v, err_msg=k)
