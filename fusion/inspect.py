@@ -245,7 +245,8 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     ax1.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
     ax1.axis("off")
     cuts = sum(1 for nd in g.nodes.values() for p in nd.producers() if plan.assignment[p] != plan.assignment[nd.name])
-    ax1.set_title(f"OP-DAG: {n} nodes in {len(order)} parts, {cuts} cut edges (red); layers top to bottom"
+    what = f"{len(order)} stages x {plan.replicas} replicas" if plan.replicas > 1 else f"{len(order)} parts"
+    ax1.set_title(f"OP-DAG: {n} nodes in {what}, {cuts} cut edges (red); layers top to bottom"
                   + (f" in {ncols} columns" if ncols > 1 else ""), fontsize=10)
     R = plan.replicas
     # the legend groups parts by replica: one row per replica (a column per stage), replica 0 first
