@@ -176,7 +176,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
 
     The function takes the step number and returns a mapping placeholder name ->
     array holding all micro-batches of the iteration (dim 0 = micro-batch size x
-    ``plan.micro_batches``); it should be a pure function of the step so that a
+    ``plan.micro_batches`` x ``plan.replicas``: the global batch); it should be a pure function of the step so that a
     resumed run sees the batches an uninterrupted one would. Arrays are cast to the
     plan's dtype when the kind (float, integer, bool) agrees; anything else is a
     :class:`FusionError` naming the function, the step and the field.
@@ -184,7 +184,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     from fusion.loader import load_function
 
     fn = load_function(spec, "data")
-    specs, nm = _placeholder_specs(plan), plan.micro_batches
+    specs, nm = _placeholder_specs(plan), plan.micro_batches * plan.replicas
     want = {n: (_shape(s)[0] * nm, *_shape(s)[1:]) for n, s in specs.items()}
     delta = _delta_edges(plan)
     inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
@@ -243,7 +243,7 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
         if ":" in kind:
             return user_batches(plan, kind)
         raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic, or file.py:function)")
-    g, nm = plan.graph, plan.micro_batches
+    g, nm = plan.graph, plan.micro_batches * plan.replicas  # the global batch: every replica's micro-batches
     specs = _placeholder_specs(plan)
     delta = _delta_edges(plan)
     ins = [n for n in specs if g[n].kind == NodeKind.INPUT]

@@ -71,9 +71,12 @@ def plan_report(plan: Plan) -> str:
     pr = plan.predicted
     order = part_order(plan.graph, plan.assignment)
     n_dev = len(plan.cluster.get("devices", []))
-    lines = [f"plan: {len(plan.graph)} nodes, strategy {plan.strategy or '?'}, {len(order)} parts on "
+    R = plan.replicas
+    reps = (f" ({len(order)} stage{'s' if len(order) > 1 else ''} x {R} data-parallel replicas, global batch "
+            f"{plan.global_batch or '?'} rows)" if R > 1 else "")
+    lines = [f"plan: {len(plan.graph)} nodes, strategy {plan.strategy or '?'}, {len(plan.parts)} parts{reps} on "
              f"{len({p.device for p in plan.parts.values()})} of {n_dev} devices ({plan.cluster.get('name', '')}), "
-             f"schedule {plan.schedule} x {plan.micro_batches} micro-batches"]
+             f"schedule {plan.schedule} x {plan.micro_batches} micro-batches" + (" per replica" if R > 1 else "")]
     if pr:
         lines.append(f"predicted iteration {pr.get('iteration_s', float('nan')):.4g} s "
                      f"(pipeline {pr.get('pipeline_s', float('nan')):.4g} s + tied-gradient sync {pr.get('sync_s', 0.0):.4g} s; "
@@ -87,15 +90,25 @@ def plan_report(plan: Plan) -> str:
         count[p] = count.get(p, 0) + 1
     ppred = pr.get("parts", {})
     lines.append("")
-    lines.append(f"{'part':<8} {'device':<16} {'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} {'comm s':>10}"
-                 "  engine")
-    for p in order:
-        part = plan.parts[p]
-        lim = ppred.get(p, {}).get("memory_limit")
-        mem = _fmt_bytes(part.memory_bytes) + (f" / {_fmt_bytes(lim)}" if lim else "")
-        lines.append(f"{p:<8} {part.device:<16} {count.get(p, 0):>5} {flops.get(p, 0.0) / 1e9:>10.2f} {mem:>22} "
-                     f"{part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}  {part.engine}"
-                     + (" (recompute)" if part.recompute else ""))
+    w = max(8, max(len(p) for p in plan.parts))
+    lines.append(f"{'part':<{w}} {'replica':>7} {'device':<16} {'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} "
+                 f"{'comm s':>10}  engine")
+    for r in range(R):
+        m = plan.replica_parts(r)
+        for stage in order:
+            p = m[stage]
+            part = plan.parts[p]
+            lim = ppred.get(p, {}).get("memory_limit")
+            mem = _fmt_bytes(part.memory_bytes) + (f" / {_fmt_bytes(lim)}" if lim else "")
+            lines.append(f"{p:<{w}} {r:>7} {part.device:<16} {count.get(stage, 0):>5} {flops.get(stage, 0.0) / 1e9:>10.2f} "
+                         f"{mem:>22} {part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}  {part.engine}"
+                         + (" (recompute)" if part.recompute else ""))
+    if R > 1:
+        lines.append("")
+        lines.append("data-parallel groups (each stage's replicas average their gradients every step, ring all-reduce):")
+        for stage in order:
+            group = plan.dp_group(stage)
+            lines.append(f"  {stage}: " + " -> ".join(f"{p} ({plan.parts[p].device})" for p in group) + f" -> {group[0]}")
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")
@@ -233,12 +246,17 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     ax1.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
     ax1.axis("off")
     cuts = sum(1 for nd in g.nodes.values() for p in nd.producers() if plan.assignment[p] != plan.assignment[nd.name])
-    ax1.set_title(f"OP-DAG: {n} nodes in {len(order)} parts, {cuts} cut edges (red); layers top to bottom"
+    what = f"{len(order)} stages x {plan.replicas} replicas" if plan.replicas > 1 else f"{len(order)} parts"
+    ax1.set_title(f"OP-DAG: {n} nodes in {what}, {cuts} cut edges (red); layers top to bottom"
                   + (f" in {ncols} columns" if ncols > 1 else ""), fontsize=10)
-    handles = [plt.Line2D([], [], marker="o", ls="", color=color[p], markeredgecolor="k",
-                          label=f"{p} on {plan.parts[p].device}") for p in order]
+    R = plan.replicas
+    # the legend groups parts by replica: one row per replica (a column per stage), replica 0 first
+    handles = [plt.Line2D([], [], marker="o", ls="", color=color[s], markeredgecolor="k",
+                          label=(f"r{r}: " if R > 1 else "") + f"{plan.replica_parts(r)[s]} on "
+                                f"{plan.parts[plan.replica_parts(r)[s]].device}")
+               for r in range(R) for s in order]
     ax1.legend(handles=handles[:24], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.01),
-               ncol=min(8, len(handles)), frameon=False)
+               ncol=min(8, len(order)) if R > 1 else min(8, len(handles)), frameon=False)
     # -- the devices by Louvain cluster -------------------------------------------------------------------
     from fusion.cluster.model import Cluster
 
@@ -265,9 +283,11 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
         for k, d in enumerate(members):
             a = math.pi / 2 - 2 * math.pi * k / max(1, len(members))
             pos[d] = (cx + r * math.cos(a), cy + r * math.sin(a)) if len(members) > 1 else (cx, cy)
-    part_of: dict[str, str] = {}
-    for p in order:
-        part_of.setdefault(plan.parts[p].device, p)
+    part_of: dict[str, str] = {}  # device -> the part on it (every replica's), coloured by its stage
+    for r in range(R):
+        for s in order:
+            p = plan.replica_parts(r)[s]
+            part_of.setdefault(plan.parts[p].device, p)
     idx = {d: i for i, d in enumerate(devs)}
 
     def bw_label(a: str, b: str) -> str:
@@ -303,10 +323,20 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     small = 6 if len(pos) > 200 else 40
     ax2.scatter([pos[d][0] for d in free], [pos[d][1] for d in free], s=small, color="0.8", zorder=2)
     ax2.scatter([pos[d][0] for d in used], [pos[d][1] for d in used], s=small * 3, zorder=4,
-                color=[color[part_of[d]] for d in used], edgecolors="k")
+                color=[color[plan.stage_of(part_of[d])] for d in used], edgecolors="k")
     for d in (used if len(pos) > 40 else list(pos)):
-        ax2.annotate(d, pos[d], fontsize=7, xytext=(4, 4), textcoords="offset points", zorder=5)
+        label = f"{d}\n{part_of[d]}" if R > 1 and d in part_of else d
+        ax2.annotate(label, pos[d], fontsize=7, xytext=(4, 4), textcoords="offset points", zorder=5)
     links = [(lk["src_device"], lk["dst_device"]) for lk in plan.predicted.get("links", {}).values()]
+    if R > 1:  # every replica's pipeline: replica 0's links moved onto its devices
+        on0 = {plan.parts[p].device: p for p in order}
+        links = [(plan.parts[plan.replica_parts(r)[on0[a]]].device, plan.parts[plan.replica_parts(r)[on0[b]]].device)
+                 for r in range(R) for a, b in links if a in on0 and b in on0]
+        for s in order:  # each data-parallel group's ring, dashed
+            ring = [plan.parts[p].device for p in plan.dp_group(s)]
+            for a, b in zip(ring, ring[1:] + ring[:1]):
+                if a in pos and b in pos and a != b:
+                    ax2.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], ls="--", lw=1.2, color=color[s], zorder=3)
     links = [(a, b) for a, b in links if a in pos and b in pos and a != b]
     on_arrows = len(links) <= 4 and len(pos) <= 16  # else the labels overlap: list them in a box instead
     for a, b in links:
@@ -321,8 +351,9 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
         text = "data-flow links\n" + "\n".join(rows[:12]) + (f"\n... {len(rows) - 12} more" if len(rows) > 12 else "")
         ax2.text(0.0, -0.02, text, transform=ax2.transAxes, fontsize=7, color="darkred", va="top", ha="left",
                  bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="0.8"), zorder=7)
-    ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters;\nused devices coloured by part, "
-                  "data flow red (bandwidth, latency)", fontsize=10)
+    ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters;\nused devices coloured by "
+                  + ("stage, data flow red, each stage's all-reduce ring dashed" if R > 1
+                     else "part, data flow red (bandwidth, latency)"), fontsize=10)
     pxs, pys = [q[0] for q in pos.values()] or [0.0], [q[1] for q in pos.values()] or [0.0]
     half = max(max(pxs) - min(pxs), max(pys) - min(pys), 1.0) / 2 + 0.75
     mx, my = (max(pxs) + min(pxs)) / 2, (max(pys) + min(pys)) / 2

@@ -102,9 +102,17 @@ class EdgeCompression:
 class Part:
     """One CompNode: name (part id), the cluster device it runs on, its
     address (``tcp://host:port``), its engine (``torch`` or ``numpy``), and
-    the estimator's predictions in seconds per micro-batch. ``recompute``: the compiler chose
-    activation recomputation for this part (it keeps only its inputs per micro-batch in flight and
-    runs its forward again in backward) because it would not fit its device otherwise."""
+    the estimator's predictions in seconds per micro-batch.
+
+    replica: which data-parallel replica pipeline the part belongs to (0 .. R-1).
+    stage:   the stage whose sub-DAG it runs, named by replica 0's part of that stage (the part name
+             :attr:`Plan.assignment` uses); ``""`` for a replica-0 part (its own name is its stage).
+             Replica ``r > 0`` names its part of stage ``S`` ``r<r>.<S>`` (e.g. ``r1.part0``), see
+             :func:`replica_part_name`. Plans written before these fields load as replica 0.
+    recompute: the compiler chose activation recomputation for this part (it keeps only its inputs
+             per micro-batch in flight and runs its forward again in backward) because it would not
+             fit its device otherwise.
+    """
 
     name: str
     device: str
@@ -113,7 +121,14 @@ class Part:
     predicted_compute_s: float = 0.0
     predicted_comm_s: float = 0.0
     memory_bytes: float = 0.0
+    replica: int = 0
+    stage: str = ""
     recompute: bool = False
+
+
+def replica_part_name(stage: str, replica: int) -> str:
+    """The part of replica ``replica`` that runs ``stage``: the stage's own name for replica 0, else ``r<replica>.<stage>``."""
+    return stage if replica == 0 else f"r{replica}.{stage}"
 
 
 @dataclass
@@ -134,6 +149,18 @@ class Plan:
     boundaries:    part -> its boundary tables (FusionLLM Table 3) as written by
                    :func:`boundary_tables`; optional (derivable from graph and
                    assignment), checked against them on load when present.
+    global_batch:  rows of one step's global batch over all replicas (0: not fixed; then
+                   ``replicas x micro_batches`` micro-batches of the example's size). Each step's
+                   batch is split into ``replicas`` equal contiguous shares (replica r takes share r),
+                   each share into ``micro_batches`` micro-batches.
+
+    Data parallelism (DP x PP): ``assignment`` maps every node to a part of replica 0 (the *stages*);
+    replica ``r`` runs the same sub-DAGs on its own parts (``Part.replica == r``, ``Part.stage`` the
+    stage), on devices no other replica uses. The parts of one stage form its data-parallel group,
+    whose parameter gradients are averaged every step before the optimizer steps. A plan without
+    replica fields is one pipeline (R = 1).
+    dp_codec:      None (gradients averaged exactly) or a ``quant`` codec cfg (``{"algo": "quant", "bits": 8}``)
+                   for the all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
     """
 
     graph: OpGraph
@@ -149,6 +176,44 @@ class Plan:
     example: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy: str = ""
     boundaries: dict[str, dict[str, list]] = field(default_factory=dict)
+    global_batch: int = 0
+    dp_codec: dict | None = None
+
+    # -- replicas (DP x PP) ---------------------------------------------------------------
+    def stage_of(self, part: str) -> str:
+        """The stage (replica 0's part name) whose sub-DAG ``part`` runs."""
+        p = self.parts[part]
+        return p.stage or p.name
+
+    @property
+    def replicas(self) -> int:
+        """R: the number of replica pipelines (1 for a plain pipeline plan)."""
+        return 1 + max((p.replica for p in self.parts.values()), default=0)
+
+    def replica_parts(self, replica: int) -> dict[str, str]:
+        """Stage -> the part of ``replica`` that runs it."""
+        return {self.stage_of(n): n for n, p in self.parts.items() if p.replica == replica}
+
+    def replica_assignment(self, replica: int) -> dict[str, str]:
+        """Node -> part of ``replica`` (replica 0: :attr:`assignment` itself)."""
+        if replica == 0:
+            return self.assignment
+        m = self.replica_parts(replica)
+        return {n: m[s] for n, s in self.assignment.items()}
+
+    def replica_compression(self, replica: int) -> list[EdgeCompression]:
+        """The compressed edges as replica ``replica`` sees them (src/dst renamed to its parts)."""
+        if replica == 0:
+            return list(self.compression)
+        from dataclasses import replace
+
+        m = self.replica_parts(replica)
+        return [replace(c, src=m[c.src], dst=m[c.dst]) for c in self.compression]
+
+    def dp_group(self, part: str) -> list[str]:
+        """The data-parallel group of ``part``: every replica's part of its stage, by replica."""
+        stage = self.stage_of(part)
+        return sorted((n for n in self.parts if self.stage_of(n) == stage), key=lambda n: self.parts[n].replica)
 
     def to_dict(self) -> dict:
         return {
@@ -160,6 +225,7 @@ class Plan:
             "schedule": self.schedule, "micro_batches": self.micro_batches,
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
+            "global_batch": self.global_batch, "dp_codec": self.dp_codec,
         }
 
     @classmethod
@@ -184,7 +250,7 @@ class Plan:
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
-                   dict(d.get("boundaries", {})))
+                   dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"))
         plan.check(source)
         return plan
 
@@ -226,6 +292,7 @@ class Plan:
             for p in self.parts.values():
                 if p.device not in names:
                     raise PlanError(f"{source}: parts.{p.name}.device names unknown device {p.device!r} (not in cluster.devices)")
+        self._check_replicas(source)
         from fusion.ir.boundary import part_order
         from fusion.ir.errors import GraphError
 
@@ -238,6 +305,51 @@ class Plan:
             for part in sorted(set(want) | set(self.boundaries)):
                 if self.boundaries.get(part) != want.get(part):
                     raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
+
+
+    def _check_replicas(self, source: str) -> None:
+        """Replicas run the same cut on disjoint devices; the global batch divides over them."""
+        stages = set(self.assignment.values())
+        seen: dict[tuple[int, str], str] = {}
+        for n, p in self.parts.items():
+            if not isinstance(p.replica, int) or isinstance(p.replica, bool) or p.replica < 0:
+                raise PlanError(f"{source}: parts.{n}.replica must be an integer >= 0, got {p.replica!r}")
+            stage = p.stage or n
+            if p.replica == 0 and stage != n:
+                raise PlanError(f"{source}: parts.{n}: a replica-0 part is its own stage, but stage is {p.stage!r}")
+            if stage not in stages:
+                raise PlanError(f"{source}: parts.{n}.stage {stage!r} is not a stage of the assignment "
+                                f"(replicas must run the same cut; stages: {sorted(stages)})")
+            if p.replica > 0 and n != replica_part_name(stage, p.replica):
+                raise PlanError(f"{source}: parts.{n}: replica {p.replica}'s part of stage {stage!r} must be named "
+                                f"{replica_part_name(stage, p.replica)!r}")
+            if (p.replica, stage) in seen:
+                raise PlanError(f"{source}: parts.{n}: replica {p.replica} already runs stage {stage!r} on part "
+                                f"{seen[p.replica, stage]!r} (replicas must have the same cut)")
+            seen[p.replica, stage] = n
+        r_count = 1 + max((p.replica for p in self.parts.values()), default=0)
+        for r in range(r_count):
+            for stage in sorted(stages):
+                if (r, stage) not in seen:
+                    other = next((n for (rr, _), n in seen.items() if rr == r), None)
+                    where = f"parts.{other}" if other else f"replica {r}"
+                    raise PlanError(f"{source}: {where}: replica {r} has no part for stage {stage!r} "
+                                    "(replicas must have the same cut)")
+        if r_count > 1:
+            owner: dict[str, str] = {}
+            for n, p in self.parts.items():
+                prev = owner.setdefault(p.device, n)
+                if prev != n and self.parts[prev].replica != p.replica:
+                    raise PlanError(f"{source}: parts.{n}.device {p.device!r} is also used by part {prev!r} of another "
+                                    "replica (replicas run on disjoint devices)")
+        if self.dp_codec is not None and not (isinstance(self.dp_codec, dict) and self.dp_codec.get("algo") == "quant"):
+            raise PlanError(f"{source}: dp_codec must be a quant codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
+                            f"got {self.dp_codec!r}")
+        if self.global_batch < 0:
+            raise PlanError(f"{source}: global_batch must be >= 0, got {self.global_batch}")
+        if self.global_batch and self.global_batch % (r_count * self.micro_batches):
+            raise PlanError(f"{source}: global_batch {self.global_batch} does not divide into {r_count} replica(s) x "
+                            f"{self.micro_batches} micro-batch(es)")
 
 
 def _int_field(d: dict, name: str, default: int, source: str) -> int:

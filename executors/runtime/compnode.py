@@ -35,11 +35,12 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges
+from fusion.executors.runtime.allreduce import RingInbox, flatten, make_buckets, ring_average, unflatten
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.inbox import Inbox
-from fusion.executors.runtime.limits import part_message_limit
+from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import make_schedule, splits_backward
@@ -55,6 +56,10 @@ MAX_QUEUED_CTRL = 64
 
 class ExecutorAbort(FusionError):
     """The executor stops: told to abort, coordinator gone, or a wait timed out."""
+
+
+class Regroup(Exception):
+    """The coordinator dropped a replica: the current attempt is abandoned (a wait raises this)."""
 
 
 @dataclass
@@ -108,11 +113,14 @@ class CompNode:
                        trusted=cfg.trust_plugins)
         g = plan.graph
         self.graph = g
-        self.order = part_order(g, plan.assignment)
+        # the pipeline of this part's replica: node -> its part (replica 0: the plan's assignment)
+        self.replica = plan.parts[self.me].replica
+        self.assignment = plan.replica_assignment(self.replica)
+        self.order = part_order(g, self.assignment)
         self.n_micro = plan.micro_batches
-        self.actions = make_schedule(plan.schedule, self.order, part_links(g, plan.assignment), self.n_micro)[self.me]
+        self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro)[self.me]
         self.engine_name = plan.parts[self.me].engine
-        subs = partition(g, plan.assignment)
+        subs = partition(g, self.assignment)
         self.sub = subs[self.me]
         owners: dict[str, list[str]] = {}
         for p in self.order:
@@ -122,19 +130,28 @@ class CompNode:
                         owners[pname].append(p)
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
         self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
-        self.tracer = Tracer(f"CompNode {self.me}", self.order.index(self.me), enabled=cfg.trace_path is not None,
+        self.tracer = Tracer(f"CompNode {self.me}", list(plan.parts).index(self.me), enabled=cfg.trace_path is not None,
                              spill=f"{cfg.trace_path}.events.jsonl" if cfg.trace_path else None)
         self.runtime: PartRuntime | None = None
         self.opt = None
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
-        self.inbox = Inbox(g, self.me, make_routes(self.sub, plan.assignment), self.n_micro, self.shared)
+        self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        # data parallelism: this stage's replicas average their gradients over a ring (allreduce.py)
+        self.dp_group = plan.dp_group(self.me)
+        trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
+        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec)
+                     if len(self.dp_group) > 1 else None)
         self._aborted: str | None = None
+        self._regroup: Control | None = None  # a replica was dropped: abandon the attempt (failover runs)
+        self.failover = False
         self._last_coord = time.monotonic()
         self._heard_coord = False  # before first contact only the startup timeout applies
         self._peers = self._peer_parts()
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
-        limit = cfg.max_message_bytes or part_message_limit(plan, self.me)
+        limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
+        if self.ring is not None and not cfg.max_message_bytes:
+            limit = max(limit, allreduce_message_limit(self.ring.buckets, len(self.dp_group)))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False)  # the engine loop receives
@@ -144,10 +161,12 @@ class CompNode:
 
     def _peer_parts(self) -> set[str]:
         """Parts this one exchanges OP-Data with: producers, consumers, co-owners of tied parameters."""
-        b, a = self.sub.boundary, self.plan.assignment
+        b, a = self.sub.boundary, self.assignment
         peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
         for owners in self.shared.values():
             peers.update(owners)
+        if self.ring is not None:  # ring neighbours in the data-parallel group
+            peers.update({self.ring.prev, self.ring.next})
         peers.discard(self.me)
         return peers
 
@@ -164,12 +183,24 @@ class CompNode:
                 return
             if c.op == "step":
                 self._check_feeds(c)
+            if c.op == "regroup":
+                with self._cv:
+                    self._regroup = c
+                    self._cv.notify_all()
+                return
             with self._cv:
                 if len(self._ctrl) >= MAX_QUEUED_CTRL and c.op != "abort":
                     raise WireError(f"{len(self._ctrl)} control messages already queued; dropping {c.op!r}")
                 if c.op == "abort":
                     self._aborted = f"aborted by the coordinator: {c.fields['reason']}"
                 self._ctrl.append(c)
+                self._cv.notify_all()
+            return
+        if msg.kind == "allreduce":
+            with self._cv:
+                if self.ring is None:
+                    raise WireError(f"all-reduce message from {sender!r}, but {self.me} has no data-parallel group")
+                self.ring.accept(sender, msg)
                 self._cv.notify_all()
             return
         od = opdata_from_message(msg)
@@ -201,11 +232,13 @@ class CompNode:
         t0 = now_us()
         while True:
             with self._cv:
+                if self._aborted:
+                    raise ExecutorAbort(self._aborted)
+                if self._regroup is not None:
+                    raise Regroup()
                 v = ready()
                 if v is not None:
                     break
-                if self._aborted:
-                    raise ExecutorAbort(self._aborted)
             if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
                 continue
             now = time.monotonic()
@@ -245,15 +278,19 @@ class CompNode:
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
         log.info("%s: %s engine on %s%s", self.me, self.engine_name, self.cfg.device,
                  "".join(f", {k}={v}" for k, v in sorted(options.items())))
-        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.plan.assignment, engine, self.plan.compression)
+        self.runtime = PartRuntime(self.graph, self.me, self.sub, self.assignment, engine,
+                                   self.plan.replica_compression(self.replica))
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
         delta_edges.attach(self.runtime, self.inbox, f["checkpoint_dir"], resume)
         with self._cv:
             self.inbox.expected_iter = int(resume or 0)
+            if self.ring is not None:
+                self.ring.expected_iter = int(resume or 0)
             self.inbox.open = True
         self.checkpoint_dir = f["checkpoint_dir"]
+        self.failover = f.get("failover") is True
         peers = f["peers"]
         for p in sorted(self._peers):
             if p not in peers:
@@ -337,6 +374,16 @@ class CompNode:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_shared(it)
         stats["sync_s"] = time.perf_counter() - t_sync
+        if self.ring is not None:
+            t_ar = time.perf_counter()
+            with self.tracer.span("allreduce", "sync"):
+                self._allreduce(it)
+            stats["allreduce_s"] = time.perf_counter() - t_ar
+        if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
+            self.transport.send(COORDINATOR, encode_ctrl("reduced", it=it))
+            c2 = self._next_ctrl(self.cfg.data_timeout_s)
+            if c2.op != "commit" or c2.fields["it"] != it:
+                raise ExecutorAbort(f"expected commit of iteration {it} from the coordinator, got {c2.op!r}")
         engine = rt.engine
         grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
         grads = {n: np.array(g) for n, g in grads.items()}
@@ -353,6 +400,8 @@ class CompNode:
             stats["checkpoint_step"] = it + 1
         with self._cv:
             self.inbox.finish(it)
+            if self.ring is not None:
+                self.ring.finish(it)
         sent = {}
         for p, s in self.transport.stats().items():
             prev = self._prev_sent.get(p, (0, 0, 0.0))
@@ -387,6 +436,53 @@ class CompNode:
                     total = total + g
                 engine.set_grad(name, total)
 
+    def _apply_regroup(self) -> None:
+        """A replica was dropped: forget the abandoned attempt, shrink the ring, take the new micro-batch count."""
+        with self._cv:
+            c, self._regroup = self._regroup, None
+        it, drop, n = int(c.fields["it"]), set(c.fields["drop"]), int(c.fields["micro_batches"])
+        if self.me in drop:
+            raise ExecutorAbort(f"this part's replica was dropped at iteration {it}")
+        if self.opt is not None:
+            self.opt.zero_grad()  # gradients of the abandoned attempt (a committed one has stepped and zeroed them)
+        stash = getattr(self.runtime.engine, "stash", None) if self.runtime is not None else None
+        if isinstance(stash, dict):
+            stash.clear()
+        with self._cv:
+            # late messages and queued orders of the abandoned attempt are refused from here on
+            self._ctrl = deque(x for x in self._ctrl if not (x.op in ("step", "commit") and x.fields["it"] <= it))
+            if self.inbox.expected_iter <= it:
+                self.inbox.finish(it)
+            self.n_micro = n
+            self.inbox.n_micro = n
+            self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n)[self.me]
+            self.dp_group = [p for p in self.dp_group if p not in drop]
+            buckets = self.ring.buckets if self.ring is not None else []
+            self.ring = RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec) if len(self.dp_group) > 1 else None
+            if self.ring is not None:
+                self.ring.expected_iter = self.inbox.expected_iter
+        log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
+                    ", ".join(sorted(drop)), it, self.dp_group, n)
+        self.transport.send(COORDINATOR, encode_ctrl("regrouped", it=self.inbox.expected_iter))
+
+    def _allreduce(self, it: int) -> None:
+        """Average the parameter gradients over this stage's replicas (ring all-reduce, NumPy)."""
+        engine = self.runtime.engine
+        grads = engine.grads()
+        buffers = [flatten(b, grads) for b in self.ring.buckets]
+
+        def send(peer: str, frames: list, label: str) -> None:
+            self.transport.send(peer, frames, label=label)
+
+        def wait(ready, what: str):
+            return self._wait(ready, what, self.cfg.data_timeout_s)[0]
+
+        ring_average(self.ring, it, buffers, send, wait)
+        for b, flat in zip(self.ring.buckets, buffers):
+            for name, g in unflatten(b, flat).items():
+                if grads.get(name) is not None:  # a parameter without a gradient keeps none (on every replica)
+                    engine.set_grad(name, g)
+
     # -- the process ------------------------------------------------------------------
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
@@ -420,10 +516,15 @@ class CompNode:
             log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - t0,
                      len(self._peers), ", ".join(sorted(self._peers)) or "none")
             while True:
-                c = self._next_ctrl(float("inf"))
-                if c.op == "step":
-                    self._iteration(c)
-                elif c.op == "fetch":
+                try:
+                    c = self._next_ctrl(float("inf"))
+                    if c.op == "step":
+                        self._iteration(c)
+                        continue
+                except Regroup:
+                    self._apply_regroup()
+                    continue
+                if c.op == "fetch":
                     self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
                 elif c.op == "stop":
                     status = 0

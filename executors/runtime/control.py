@@ -11,6 +11,10 @@ conversation of one run::
     executor -> coordinator   done {it, losses: [[mb, loss]], stats}   tensors: parameter gradients if asked
     coordinator -> executor   fetch {}                            executor -> coordinator  state {}  tensors: parameters
     coordinator -> executor   stop {} | abort {reason}
+    with replica failover (setup's optional ``failover: true``), between the all-reduce and the optimizer step:
+    executor -> coordinator   reduced {it}                        coordinator -> executor   commit {it}
+    coordinator -> executor   regroup {it, drop: [parts], micro_batches}   (a replica is dropped; iteration ``it``
+                              is abandoned unless it was committed)   executor -> coordinator   regrouped {it}
     either way                hb {}  (heartbeat; any message counts as a sign of life)
     executor -> coordinator   error {reason}
 
@@ -64,11 +68,16 @@ FIELDS: dict[str, dict[str, Any]] = {
     "abort": {"reason": _STR},
     "hb": {},
     "error": {"reason": _STR},
+    "reduced": {"it": _nat},
+    "commit": {"it": _nat},
+    "regroup": {"it": _nat, "drop": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "micro_batches": lambda v: _nat(v) and v >= 1},
+    "regrouped": {"it": _nat},
 }
 OPS: dict[str, tuple[str, ...]] = {op: tuple(f) for op, f in FIELDS.items()}
 #: ops each side may receive: an executor takes these from the coordinator, the coordinator the others
-TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb"})
-TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb"})
+TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb", "commit", "regroup"})
+TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb", "reduced", "regrouped"})
 
 
 @dataclass

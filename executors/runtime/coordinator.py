@@ -70,6 +70,9 @@ class CoordinatorConfig:
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 3600.0
     max_message_bytes: int | None = None  # None: derived from the plan (limits.coordinator_message_limit)
+    #: a replicated plan survives the loss of a replica: its CompNodes are stopped, the step is redone (or, when
+    #: it was already committed, kept) with the global batch re-split over the surviving replicas
+    drop_failed_replicas: bool = False
 
 
 @dataclass
@@ -88,6 +91,7 @@ class StepReport:
     samples: int
     parts: dict[str, dict] = field(default_factory=dict)
     grads: dict[str, np.ndarray] = field(default_factory=dict)
+    dropped: list[dict] = field(default_factory=list)  # replicas dropped during this step: {replica, step, part, reason}
 
     @property
     def samples_per_s(self) -> float:
@@ -124,7 +128,9 @@ class Coordinator:
         self.parts = list(plan.parts)
         self.processes = processes if processes is not None else {}  # by reference: a launcher may fill it later
         g = plan.graph
-        self.feeds_of = {p: [n for n, q in plan.assignment.items() if q == p and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
+        self.replica_of = {p: plan.parts[p].replica for p in self.parts}
+        self.feeds_of = {p: [n for n, q in plan.assignment.items()
+                             if q == plan.stage_of(p) and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
                          for p in self.parts}
         self._cv = threading.Condition()
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
@@ -136,6 +142,10 @@ class Coordinator:
                                    max_message_bytes=cfg.max_message_bytes or coordinator_message_limit(plan), on_error=self._on_send_error)
         self.address = ""
         self._hb_stop = threading.Event()
+        self.live = list(self.parts)  # parts of the replicas still training
+        self.n_micro = plan.micro_batches  # micro-batches per live replica (grows when a replica is dropped)
+        self.iter_offset = 0  # executor iteration = step + abandoned attempts
+        self.dropped: list[dict] = []
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -160,10 +170,10 @@ class Coordinator:
     def _failure(self, parts: list[str]) -> CompNodeFailure | None:
         """The first failed part among ``parts`` (error report, dead process, silence), if any."""
         now = time.monotonic()
-        for p in self.parts:
+        for p in self.live:
             if p in self._errors:
                 return CompNodeFailure(p, self._errors[p])
-        for p in self.parts:
+        for p in self.live:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None else None
             if rc is not None:
@@ -175,16 +185,18 @@ class Coordinator:
         return None
 
     def _collect(self, op: str, parts: list[str], timeout_s: float, what: str,
-                 on_each: Callable[[str, Control], None] | None = None, remind_s: float = 0.0) -> dict[str, Control]:
+                 on_each: Callable[[str, Control], None] | None = None, remind_s: float = 0.0,
+                 got: dict[str, Control] | None = None, abort: bool = True) -> dict[str, Control]:
         """Wait for one ``op`` message from each of ``parts``; failures raise CompNodeFailure.
 
         on_each(part, message) is called as each arrives; every ``remind_s`` seconds (0: never) the
-        report callback is told which parts are still awaited.
+        report callback is told which parts are still awaited. got: collects into this dict (what
+        arrived before a failure stays there); abort: tell every executor to abort on a failure.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         next_remind = t0 + remind_s
-        got: dict[str, Control] = {}
+        got = {} if got is None else got
         with self._cv:
             while True:
                 for p in parts:
@@ -208,7 +220,8 @@ class Coordinator:
                     fail = CompNodeFailure(waiting[0], f"no {op!r} within {timeout_s:.0f} s while {what} "
                                                        f"(still waiting for {_names(waiting)})")
                 if fail is not None:
-                    self._abort_locked(f"{fail} (during {what})")
+                    if abort:
+                        self._abort_locked(f"{fail} (during {what})")
                     raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})")
                 self._cv.wait(0.05)
 
@@ -255,7 +268,7 @@ class Coordinator:
         ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
         for p in self.parts:
             self.transport.send(p, encode_ctrl("setup", peers=self.addresses, emulate_links=self.cfg.emulate_links,
-                                               resume_step=resume_step, checkpoint_dir=ckpt))
+                                               resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover))
         self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
         self.step_index = resume_step or 0
         log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
@@ -266,36 +279,136 @@ class Coordinator:
             for p in list(self.transport.senders):
                 self.transport.send(p, encode_ctrl("hb"))
 
+    @property
+    def _failover(self) -> bool:
+        return bool(self.cfg.drop_failed_replicas and self.plan.replicas > 1)
+
+    def live_replicas(self) -> list[int]:
+        return sorted({self.replica_of[p] for p in self.live})
+
     def step(self, batch: Mapping[str, Any], want_grads: bool = False) -> StepReport:
-        """Run one iteration on ``batch`` (placeholder -> array with all micro-batches)."""
-        it = self.step_index
-        n = self.plan.micro_batches
+        """Run one iteration on ``batch`` (placeholder -> array with all micro-batches).
+
+        With ``drop_failed_replicas``, a CompNode failure drops its replica (:meth:`_drop_replica`) and the
+        step goes on with the surviving replicas; the report lists the drops in ``dropped``.
+        """
+        drops: list[dict] = []
+        while True:
+            committed: list[bool] = [False]
+            done: dict[str, Control] = {}
+            try:
+                r = self._step_once(batch, want_grads, committed, done)
+                r.dropped = drops
+                return r
+            except CompNodeFailure as e:
+                if not self._failover or not self._can_drop(e.part):
+                    if self._failover:
+                        with self._cv:
+                            self._abort_locked(str(e))
+                    raise
+                try:
+                    drops.append(self._drop_replica(e, abandoned=not committed[0]))
+                except CompNodeFailure as e2:  # a second failure while regrouping: give up as without failover
+                    with self._cv:
+                        self._abort_locked(str(e2))
+                    raise
+                if committed[0]:  # every survivor applied this step: collect the rest of its reports
+                    return self._finish_committed(batch, done, drops, want_grads)
+
+    def _can_drop(self, part: str) -> bool:
+        reps = self.live_replicas()
+        total = self.n_micro * len(reps)
+        return part in self.live and len(reps) > 1 and total % (len(reps) - 1) == 0
+
+    def _drop_replica(self, e: CompNodeFailure, abandoned: bool) -> dict:
+        """Stop the failed part's replica, tell the survivors to regroup, wait until they have."""
+        r = self.replica_of[e.part]
+        reps = self.live_replicas()
+        gone = [p for p in self.live if self.replica_of[p] == r]
+        self.live = [p for p in self.live if self.replica_of[p] != r]
+        self.n_micro = self.n_micro * len(reps) // (len(reps) - 1)
+        exec_it = self.step_index + self.iter_offset
+        for p in gone:
+            self.transport.send(p, encode_ctrl("abort", reason=f"replica {r} dropped: {e}"))
+        for p in self.live:
+            self.transport.send(p, encode_ctrl("regroup", it=exec_it, drop=gone, micro_batches=self.n_micro))
+        self._collect("regrouped", self.live, self.cfg.startup_timeout_s, f"regrouping without replica {r}", abort=False)
+        if abandoned:
+            self.iter_offset += 1
+        rec = {"replica": r, "step": self.step_index, "part": e.part, "reason": e.reason, "redone": abandoned,
+               "replicas_left": len(reps) - 1, "micro_batches": self.n_micro}
+        self.dropped.append(rec)
+        self.report(f"dropped replica {r} at step {self.step_index} ({e}); "
+                    f"{'redoing the step' if abandoned else 'the step was already applied'} on {len(reps) - 1} replica(s) "
+                    f"of {self.n_micro} micro-batches")
+        log.warning("dropped replica %d at step %d: %s", r, self.step_index, e)
+        return rec
+
+    def _send_step(self, batch: Mapping[str, Any], want_grads: bool, ckpt: bool) -> int:
         from fusion.executors.runtime.delta_edges import batch_sample_ids
         from fusion.ir.opdata import SAMPLE_IDS
 
+        n, reps = self.n_micro, self.live_replicas()
         ids = batch_sample_ids(self.plan, batch)  # None unless the plan has delta (AQ-SGD) edges
         batch = {k: v for k, v in batch.items() if k != SAMPLE_IDS}
-        mbs = split_micro_batches(batch, n)
-        mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, n)
-        every = self.cfg.checkpoint_every
-        ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
-        t0 = time.monotonic()
-        for p in self.parts:
+        rows = next(iter(batch.values())).shape[0] if batch else 0
+        if self.plan.global_batch and rows != self.plan.global_batch:
+            raise FusionError(f"batch has {rows} rows; the plan's global_batch is {self.plan.global_batch}")
+        # the global batch: one equal contiguous share per live replica, each n micro-batches
+        mbs = split_micro_batches(batch, n * len(reps))
+        mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, n * len(reps))
+        exec_it = self.step_index + self.iter_offset
+        for p in self.live:
             missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
             if missing:
                 raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
-            arrays = {f"{m}/{ph}": mbs[m][ph] for m in range(n) for ph in self.feeds_of[p]}
+            k = reps.index(self.replica_of[p])
+            share = mbs[k * n:(k + 1) * n]
+            arrays = {f"{m}/{ph}": share[m][ph] for m in range(n) for ph in self.feeds_of[p]}
             if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
-                arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[m][SAMPLE_IDS] for m in range(n)})
-            self.transport.send(p, encode_ctrl("step", arrays, it=it, want_grads=want_grads, checkpoint=ckpt))
-        done = self._collect("done", self.parts, self.cfg.step_timeout_s, f"step {it}")
+                arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[k * n + m][SAMPLE_IDS] for m in range(n)})
+            self.transport.send(p, encode_ctrl("step", arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt))
+        return rows
+
+    def _step_once(self, batch: Mapping[str, Any], want_grads: bool, committed: list[bool],
+                   done: dict[str, Control]) -> StepReport:
+        it = self.step_index
+        exec_it = it + self.iter_offset
+        every = self.cfg.checkpoint_every
+        ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
+        if ckpt and (self.dropped or self.iter_offset):
+            # executors number their files by iteration, which a redone step has moved past the step; and a
+            # checkpoint of fewer replicas than the plan cannot resume it: none after a drop (not built)
+            log.warning("step %d: no checkpoint after a replica was dropped", it)
+            ckpt = False
+        t0 = time.monotonic()
+        rows = self._send_step(batch, want_grads, ckpt)
+        if self._failover:  # commit only when every live part has its averaged gradients: all step or none
+            self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
+            for p in self.live:
+                self.transport.send(p, encode_ctrl("commit", it=exec_it))
+            committed[0] = True
+        self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=not self._failover)
+        return self._report(it, exec_it, rows, done, t0, ckpt)
+
+    def _finish_committed(self, batch, done: dict[str, Control], drops: list[dict], want_grads: bool) -> StepReport:
+        it = self.step_index
+        t0 = time.monotonic()
+        self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=False)
+        rows = next(iter(batch.values())).shape[0] if batch else 0
+        r = self._report(it, it + self.iter_offset, rows, {p: done[p] for p in self.live}, t0, False)
+        r.dropped = drops
+        return r
+
+    def _report(self, it: int, exec_it: int, rows: int, done: dict[str, Control], t0: float, ckpt: bool) -> StepReport:
         dt = time.monotonic() - t0
+        n, R = self.n_micro, len(self.live_replicas())
         losses = []
         grads: dict[str, np.ndarray] = {}
-        for p in self.parts:  # plan part order
+        for p in self.live:  # plan part order
             c = done[p]
-            if c.fields["it"] != it:
-                raise CompNodeFailure(p, f"answered step {c.fields['it']} to step {it}")
+            if c.fields["it"] != exec_it:
+                raise CompNodeFailure(p, f"answered iteration {c.fields['it']} to iteration {exec_it}")
             losses += [float(v) for _, v in c.fields["losses"]]
             for name, g in c.arrays.items():
                 grads.setdefault(name, np.array(g))
@@ -306,16 +419,21 @@ class Coordinator:
             # each executor wrote its own files (on its own host); their confirmations make the step complete
             checkpoint.commit(self.cfg.checkpoint_dir, it + 1, self.parts, {"time": time.time()}, check_files=False)
         self.step_index = it + 1
-        rows = next(iter(batch.values())).shape[0] if batch else 0
-        return StepReport(it, float(np.sum(losses) / n), dt, rows, {p: done[p].fields["stats"] for p in self.parts}, grads)
+        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares
+        return StepReport(it, float(np.sum(losses) / (n * R)), dt, rows, {p: done[p].fields["stats"] for p in self.live},
+                          grads)
 
-    def fetch_state(self, timeout_s: float = 60.0) -> dict[str, np.ndarray]:
-        """Every parameter's current value, gathered from the parts (shared ones once)."""
-        for p in self.parts:
+    def fetch_state(self, timeout_s: float = 60.0, replica: int | None = None) -> dict[str, np.ndarray]:
+        """Every parameter's current value, gathered from the parts of ``replica`` (default: the first
+        live one; shared ones once)."""
+        if replica is None:
+            replica = self.live_replicas()[0]
+        parts = [p for p in self.live if self.replica_of[p] == replica]
+        for p in parts:
             self.transport.send(p, encode_ctrl("fetch"))
-        got = self._collect("state", self.parts, timeout_s, "fetching parameters")
+        got = self._collect("state", parts, timeout_s, "fetching parameters")
         out: dict[str, np.ndarray] = {}
-        for p in self.parts:
+        for p in parts:
             for k, v in got[p].arrays.items():
                 out.setdefault(k, np.array(v))
         return out
@@ -325,7 +443,7 @@ class Coordinator:
             self.transport.send(p, encode_ctrl("abort", reason=reason))
 
     def stop(self) -> None:
-        """Tell every executor to finish (they flush traces and exit 0)."""
+        """Tell every executor to finish (they flush traces and exit 0; a dropped replica's were aborted)."""
         for p in list(self.transport.senders):
             self.transport.send(p, encode_ctrl("stop"))
 

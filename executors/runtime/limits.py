@@ -58,3 +58,9 @@ def coordinator_message_limit(plan) -> int:
         names = {p for n in sub.nodes for p in g[n].param_names()}
         biggest = max(biggest, sum(_bytes(TensorMeta(tuple(g.params[p].shape), g.params[p].dtype)) for p in names))
     return _limit(biggest)
+
+
+def allreduce_message_limit(buckets, group_size: int) -> int:
+    """The largest ring all-reduce chunk a part of a data-parallel group of ``group_size`` receives, with headroom."""
+    biggest = max((-(-b.total // group_size)) * _ITEMSIZE.get(b.dtype, 8) for b in buckets) if buckets else 0
+    return _limit(biggest)

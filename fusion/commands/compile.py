@@ -36,6 +36,15 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "use every device of the cluster file, blind to links)"),
         g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
                        help="n_b: micro-batches per iteration"),
+        g.add_argument("--replicas", type=positive_int, default=1, metavar="R",
+                       help="data-parallel replicas of the compiled pipeline: replica 0 is the compiled one, each "
+                            "further replica puts the same stages on the fastest free devices that hold them "
+                            "(gradients averaged every step; --micro-batches then counts per replica; default 1)"),
+        g.add_argument("--dp-codec", default=None, metavar="quant:bits=8[,block=N]",
+                       help="quantise the gradient all-reduce between replicas (lossy; default: exact)"),
+        g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
+                       help="rows of one step's batch over all replicas: split into R equal shares, each into "
+                            "micro-batches of the model's example size (sets --micro-batches)"),
         g.add_argument("--compress-ratio", type=float, default=None, metavar="R",
                        help="AdaTopK ratio r (Eq. 7) for the cut edges (default: no compression)"),
         g.add_argument("--compress", default=None, metavar="none|auto|CODEC[:K=V,...]",
@@ -68,14 +77,34 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         opt = OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay)
     except ValueError as e:
         raise FusionError(f"--optimizer/--lr: {e}") from None
-    from fusion.compress.policy import request
+    from fusion.compress.policy import parse_spec, request
 
     compress = request(args.compress, args.compress_bwd)
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
-    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=args.micro_batches,
+    micro = args.micro_batches
+    if args.global_batch is not None:
+        from fusion.replicas import split_global_batch
+
+        rows = {int(v.shape[0]) for v in (model.example or {}).values() if getattr(v, "ndim", 0)}
+        # the default --micro-batches gives way to what the global batch makes; another value must agree with it
+        micro = split_global_batch(args.global_batch, args.replicas, 0 if micro == MICRO_BATCHES else micro,
+                                   rows.pop() if len(rows) == 1 else None)
+    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute)
+    dp_codec = None
+    if args.dp_codec is not None:
+        dp_codec = parse_spec(args.dp_codec, "--dp-codec")
+        if dp_codec is not None and (not isinstance(dp_codec, dict) or dp_codec["algo"] != "quant"):
+            raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes quant:bits=B[,block=N] or none")
+        if dp_codec is not None and args.replicas < 2:
+            raise FusionError("--dp-codec needs --replicas 2 or more")
+    if args.replicas > 1 or args.global_batch is not None:
+        from fusion.replicas import next_free_devices, replicate
+
+        plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
+                         dp_codec=dp_codec)
     assign_engines(plan, args.engine)
     return plan
 
@@ -83,8 +112,8 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 def add_engine_arg(p):
     return p.add_argument("--engine", action="append", default=[], metavar="[PART=]ENGINE",
                           help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); "
-                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order "
-                               "(default: torch)")
+                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order, "
+                               "replica r's r<r>.part0, ... (default: torch)")
 
 
 def assign_engines(plan, specs: list[str]) -> dict[str, str]:
@@ -111,7 +140,8 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
         if plan.parts[p].recompute and engine != "torch":
             raise FusionError(f"--engine {p}={engine}: {p} fits its device only with activation recomputation, "
                               f"which the {engine} engine does not do (only torch)")
-    check_engines(plan.graph, plan.assignment, engines)
+    for r in range(plan.replicas):
+        check_engines(plan.graph, plan.replica_assignment(r), engines)
     for p, engine in engines.items():
         plan.parts[p].engine = engine
     return engines
@@ -133,7 +163,9 @@ def describe_plan(plan, cluster) -> str:
     """``4 parts on 4 of 4 devices (equal-flops), 3 compressed edges; engines ...; predicted ...``."""
     engines = {p: part.engine for p, part in plan.parts.items()}
     pr = plan.predicted
-    return (f"{len(plan.parts)} parts on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
+    stages = len(plan.parts) // plan.replicas
+    reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
+    return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
             f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)")

@@ -73,6 +73,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="training data: auto (generated text corpus for language models, synthetic otherwise), "
                         "or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
     p.add_argument("--peer-timeout", type=positive_float, default=10.0, help="a CompNode silent this long has failed (s)")
+    p.add_argument("--drop-failed-replicas", action="store_true",
+                   help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on "
+                        "with the others (the step is redone on them with the global batch re-split; metrics.jsonl "
+                        "records the replica and step)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -121,8 +125,11 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
                              "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
                              "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in r.parts.items()}
-                mf.write(json.dumps({"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
-                                     "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}) + "\n")
+                line = {"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
+                        "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}
+                if getattr(r, "dropped", None):
+                    line["dropped"] = r.dropped  # replicas lost during this step: which one, why, redone or not
+                mf.write(json.dumps(line) + "\n")
                 mf.flush()
                 if bar is not None:
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
@@ -167,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
-                            startup_timeout_s=args.startup_timeout)
+                            startup_timeout_s=args.startup_timeout,
+                            drop_failed_replicas=args.drop_failed_replicas)
     coord = Coordinator(plan, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
     interrupted = False
     try:

@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     elif plan_dir is None:
         plan_dir = out / "plan"  # resume runs the plan compiled the first time
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
-                            checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
+                            checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
+                            drop_failed_replicas=args.drop_failed_replicas)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     executor_args = executor_flags(args, trust)
     if args.ray:

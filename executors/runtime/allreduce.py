@@ -1,0 +1,270 @@
+"""Ring all-reduce of parameter gradients between a stage's data-parallel replicas (NumPy, over the transport).
+
+The G CompNodes of one stage (one per replica, ordered by replica: ``Plan.dp_group``) average their
+parameter gradients every step before the optimizer steps, so every replica applies the same
+update and training equals single-process training on the global batch. The gradients of the
+part's trainable parameters are laid end to end in one flat buffer per dtype (a *bucket*, names in
+sorted order), each bucket split into G chunks, and reduced by the ring algorithm
+(Patarasuk & Yuan 2009; what NCCL and Horovod do): ``G - 1`` reduce-scatter steps, in which rank i
+sends chunk ``(i - k) mod G`` to rank ``i + 1`` and adds the chunk ``(i - k - 1) mod G`` it gets from
+rank ``i - 1``, leave rank i holding the full sum of chunk ``(i + 1) mod G``; it divides that by G and
+``G - 1`` all-gather steps pass the averaged chunks round. Each rank sends ``2 (G - 1) / G`` of the
+buffer whatever G is. Every rank ends with the
+same bits (each chunk is summed once, on its owner, then copied).
+
+Two replicas skip the ring: each sends its whole buffer to the other and both compute
+``(a + b) / 2`` (IEEE addition is commutative, so the two get the same bits). On full-duplex links
+that moves the same bytes as the two-step ring in one step: one latency instead of two.
+
+Messages are wire messages of kind ``"allreduce"`` (header ``it, bucket, step, chunk, src, dst``,
+one 1-D tensor). A receiver accepts one only from its ring predecessor, for the current
+iteration, with the chunk, dtype and length that step must carry, and not twice; anything else
+raises :class:`~fusion.ir.errors.WireError` (the transport logs and drops it, nothing is applied).
+In particular a message from a CompNode outside the group is rejected by name.
+
+Codec (``Plan.dp_codec``, ``--dp-codec quant:bits=8``): every chunk travels block-quantised
+(:mod:`fusion.kernels.quant`, NumPy, so NumPy CompNodes take part); the receiver adds the decoded
+chunk. The averaged chunks are quantised once, by their owner, which keeps the *decoded* values
+itself, and forwarded unchanged round the ring, so the replicas still hold the same bits; the
+gradient is then the average to within the codec's step (lossy: not equal to single-process
+training). Two replicas each send ``quant(own)`` and both average the two decoded buffers.
+
+Overlap: the stages finish their backward one after the other (the last stage first), so a
+stage's all-reduce runs while the stages before it still compute their backward; ZeroMQ's I/O
+thread moves each chunk while the engine loop adds the previous one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.wire import Message, encode
+
+log = logging.getLogger(__name__)
+
+KIND = "allreduce"
+#: gradient dtypes the ring adds (bfloat16 travels as raw bits and cannot be added as such)
+REDUCIBLE = frozenset({"float16", "float32", "float64"})
+
+
+def chunk_bounds(total: int, g: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each of ``g`` chunks of a ``total``-long buffer (sizes differ by at most one)."""
+    base, extra = divmod(total, g)
+    out, lo = [], 0
+    for c in range(g):
+        hi = lo + base + (1 if c < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def ring_steps(g: int, rank: int) -> list[tuple[int, int, bool]]:
+    """Rank ``rank``'s steps: ``(chunk it sends, chunk it receives, add (reduce-scatter) or copy (all-gather))``."""
+    rs = [((rank - k) % g, (rank - k - 1) % g, True) for k in range(g - 1)]
+    ag = [((rank + 1 - k) % g, (rank - k) % g, False) for k in range(g - 1)]
+    return rs + ag
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The gradients of one dtype laid end to end: ``names`` (sorted) with their shapes and offsets."""
+
+    dtype: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def make_buckets(params: Mapping[str, tuple[Sequence[int], str]]) -> list[Bucket]:
+    """Buckets for trainable parameters ``name -> (shape, dtype)``; raises FusionError for a dtype the ring cannot add."""
+    by: dict[str, list[str]] = {}
+    for name in sorted(params):
+        shape, dtype = params[name]
+        if dtype not in REDUCIBLE:
+            raise FusionError(f"parameter {name!r} is {dtype}: data-parallel gradient averaging needs one of "
+                              f"{sorted(REDUCIBLE)}")
+        by.setdefault(dtype, []).append(name)
+    return [Bucket(d, tuple(ns), tuple(tuple(int(x) for x in params[n][0]) for n in ns)) for d, ns in sorted(by.items())]
+
+
+def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any) -> list[Any]:
+    """Frames of one ring message; ``data`` a 1-D array or a :class:`~fusion.kernels.quant.QuantPayload` of one."""
+    from fusion.kernels.quant import QuantPayload
+
+    h = {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst}
+    if isinstance(data, QuantPayload):
+        return encode(KIND, {**h, "payload": {"type": "quant", **data.header()}}, data.arrays())
+    return encode(KIND, {**h, "payload": {"type": "dense"}}, [data])
+
+
+def _payload(msg: Message) -> Any:
+    """The chunk a ring message carries: a dense 1-D array or a QuantPayload (checked; WireError otherwise)."""
+    from fusion.kernels.quant import QuantPayload, as_bytes
+
+    meta = msg.header.get("payload", {"type": "dense"})
+    if not isinstance(meta, dict) or meta.get("type") not in ("dense", "quant"):
+        raise WireError(f"all-reduce message: payload must be dense or quant, got {repr(meta)[:80]}")
+    if meta["type"] == "dense":
+        if len(msg.arrays) != 1:
+            raise WireError(f"all-reduce message carries {len(msg.arrays)} tensors, not 1")
+        return msg.arrays[0]
+    if len(msg.arrays) != 3:
+        raise WireError(f"quantised all-reduce chunk needs 3 frames (scales, offsets, codes), got {len(msg.arrays)}")
+    return QuantPayload.from_msg({k: v for k, v in meta.items() if k != "type"}, [as_bytes(a) for a in msg.arrays])
+
+
+def _nat(h: dict, key: str) -> int:
+    v = h.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise WireError(f"all-reduce message: field {key!r} must be an integer >= 0, got {repr(v)[:40]}")
+    return v
+
+
+class RingInbox:
+    """What one CompNode accepts of its ring predecessor's messages (not thread-safe: the CompNode locks it).
+
+    me: this part; group: its data-parallel group in ring order (replica order), ``me`` included;
+    buckets: as :func:`make_buckets` of this part's parameters (the same on every replica);
+    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``) or None (dense chunks).
+    """
+
+    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None = None):
+        self.me, self.group, self.buckets = me, list(group), list(buckets)
+        self.codec = dict(codec) if codec else None
+        self.g = len(self.group)
+        self.rank = self.group.index(me)
+        self.prev = self.group[(self.rank - 1) % self.g]
+        self.next = self.group[(self.rank + 1) % self.g]
+        self.exchange = self.g == 2  # two replicas: one whole-buffer exchange instead of a two-step ring
+        self.steps = [(0, 0, True)] if self.exchange else ring_steps(self.g, self.rank)
+        self.bounds = [chunk_bounds(b.total, 1 if self.exchange else self.g) for b in self.buckets]
+        self.expected_iter = 0
+        self._got: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def accept(self, sender: str, msg: Message) -> None:
+        """Keep a ring message from ``sender`` or raise WireError saying why not."""
+        if sender not in self.group:
+            raise WireError(f"all-reduce message from {sender!r}, which is not in {self.me}'s data-parallel group "
+                            f"{self.group}")
+        if sender != self.prev:
+            raise WireError(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
+        h = msg.header
+        if h.get("src") != sender or h.get("dst") != self.me:
+            raise WireError(f"all-reduce message says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{self.me!r}")
+        it, b, step, chunk = (_nat(h, k) for k in ("it", "bucket", "step", "chunk"))
+        if it != self.expected_iter:
+            raise WireError(f"all-reduce message for iteration {it}, this part is at iteration {self.expected_iter}")
+        if b >= len(self.buckets):
+            raise WireError(f"all-reduce message for bucket {b}; this part has {len(self.buckets)}")
+        if step >= len(self.steps):
+            raise WireError(f"all-reduce message for step {step}; a ring of {self.g} has {len(self.steps)}")
+        want = self.steps[step][1]
+        if chunk != want:
+            raise WireError(f"all-reduce step {step} carries chunk {want}, not {chunk}")
+        a = _payload(msg)
+        if isinstance(a, np.ndarray) == bool(self.codec):
+            raise WireError(f"all-reduce chunk is {'dense' if isinstance(a, np.ndarray) else 'quantised'}; this group "
+                            f"sends {'quantised' if self.codec else 'dense'} chunks")
+        lo, hi = self.bounds[b][chunk]
+        shape, dtype = (tuple(a.shape), a.dtype if isinstance(a.dtype, str) else a.dtype.name)
+        if len(shape) != 1 or shape[0] != hi - lo or dtype != self.buckets[b].dtype:
+            raise WireError(f"all-reduce chunk {chunk} of bucket {b} is {dtype}{list(shape)}, expected "
+                            f"{self.buckets[b].dtype}[{hi - lo}]")
+        key = (it, b, step)
+        if key in self._got:
+            raise WireError(f"duplicate all-reduce message (iteration {it}, bucket {b}, step {step})")
+        self._got[key] = a
+
+    def take(self, it: int, bucket: int, step: int) -> np.ndarray | None:
+        return self._got.pop((it, bucket, step), None)
+
+    def finish(self, it: int) -> None:
+        """Iteration ``it`` is over: only messages of ``it + 1`` are accepted from now on."""
+        self.expected_iter = it + 1
+        for k in [k for k in self._got if k[0] <= it]:
+            del self._got[k]
+
+
+def flatten(bucket: Bucket, grads: Mapping[str, Any]) -> np.ndarray:
+    """The bucket's gradients end to end (a missing gradient counts as zeros)."""
+    out = np.zeros(bucket.total, dtype=bucket.dtype)
+    lo = 0
+    for name, size in zip(bucket.names, bucket.sizes):
+        g = grads.get(name)
+        if g is not None:
+            out[lo:lo + size] = np.asarray(g, dtype=bucket.dtype).reshape(-1)
+        lo += size
+    return out
+
+
+def unflatten(bucket: Bucket, flat: np.ndarray) -> dict[str, np.ndarray]:
+    out, lo = {}, 0
+    for name, size, shape in zip(bucket.names, bucket.sizes, bucket.shapes):
+        out[name] = flat[lo:lo + size].reshape(shape)
+        lo += size
+    return out
+
+
+def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
+                 wait: Callable[[Callable[[], Any], str], Any]) -> None:
+    """Average ``buffers`` (one per bucket, changed in place) over the ring of ``inbox``.
+
+    send(peer, frames, label) hands a message to the transport; wait(ready, what) receives until
+    ``ready()`` is not None and returns it (raising on abort, silence or timeout).
+    """
+    g = inbox.g
+    if g == 1:
+        return
+    from fusion.kernels.quant import dequantize, quantize
+
+    codec = inbox.codec
+
+    def enc(a: np.ndarray):
+        return quantize(a, codec) if codec else a.copy()
+
+    def dec(p) -> np.ndarray:
+        return dequantize(p) if codec else p
+
+    if inbox.exchange:
+        mine = [enc(buf) for buf in buffers]
+        for b, q in enumerate(mine):
+            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, q), f"allreduce b{b}")
+        for b, buf in enumerate(buffers):
+            got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
+            if codec:  # both sides average the two decoded buffers: the same bits on both
+                buf[:] = dec(mine[b])
+            buf += dec(got)
+            buf /= 2
+        return
+    for b, buf in enumerate(buffers):
+        bounds = inbox.bounds[b]
+        forward = None  # in the all-gather, what arrived is passed on as it came (no re-encoding)
+        for step, (send_c, recv_c, reduce) in enumerate(inbox.steps):
+            lo, hi = bounds[send_c]
+            if forward is not None:
+                payload = forward
+            else:
+                payload = enc(buf[lo:hi])
+                if codec and not reduce:  # the owner's averaged chunk: keep what the others will decode
+                    buf[lo:hi] = dec(payload)
+            send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, payload), f"allreduce b{b} s{step}")
+            got = wait(lambda: inbox.take(it, b, step), f"all-reduce step {step} of bucket {b} from {inbox.prev}")
+            lo, hi = bounds[recv_c]
+            if reduce:
+                buf[lo:hi] += dec(got)
+                if step == g - 2:  # the last reduce-scatter step: this rank now holds the full sum of recv_c
+                    buf[lo:hi] /= g
+            else:
+                buf[lo:hi] = dec(got)
+                forward = got

@@ -1,0 +1,148 @@
+"""`fusion compile/run --replicas R --global-batch ROWS` through the real CLI; bad input exits 2 with one line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fusion.cli import main
+from fusion.plan import OptimizerConfig, load_plan, load_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
+
+MODEL_SRC = '''
+import torch
+from fusion.ir.builder import GraphBuilder
+
+def cnn():
+    b = GraphBuilder()
+    x, y = b.input("x"), b.label("y")
+    h = b.module("conv", "torch.nn.Conv2d", x, in_channels=3, out_channels=4, kernel_size=3, padding=1)
+    h = b.function("flat", "torch.flatten", h, 1)
+    o = b.module("fc", "torch.nn.Linear", h, in_features=4 * 6 * 6, out_features=5)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
+'''
+
+
+def _model(tmp_path) -> str:
+    (tmp_path / "model.py").write_text(MODEL_SRC)
+    return f"{tmp_path / 'model.py'}:cnn"
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_compile_places_replicas_on_the_next_fastest_free_devices(tmp_path, capsys):
+    out = tmp_path / "dp.plan"
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "12",
+                 "-o", str(out)]) == 0
+    assert "2 replicas x 1 stage)" in capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.replicas == 2 and plan.global_batch == 12 and plan.micro_batches == 3  # 12 rows / 2 replicas / 2 rows
+    assert {p: (x.device, x.replica, x.stage) for p, x in plan.parts.items()} == {
+        "part0": ("cpu-0", 0, ""), "r1.part0": ("cpu-1", 1, "part0")}
+    assert [r["devices"] for r in plan.predicted["replicas"]] == [["cpu-0"], ["cpu-1"]]
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "replica" in text and "r1.part0" in text
+
+
+def test_bad_global_batch_and_too_many_replicas_exit_2_with_one_line(tmp_path, capsys):
+    m = _model(tmp_path)
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--global-batch", "13", "-o", str(tmp_path / "a")]) == 2
+    assert "--global-batch 13 does not divide over 2 replicas" in _one_line(capsys)
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--global-batch", "6", "-o", str(tmp_path / "b")]) == 2
+    assert "3 rows, not a multiple of the micro-batch of 2 rows" in _one_line(capsys)
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8", "--micro-batches", "3",
+                 "-o", str(tmp_path / "c")]) == 2
+    assert "not --micro-batches 3" in _one_line(capsys)
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "5", "-o", str(tmp_path / "d")]) == 2
+    assert "no free device for replica 4" in _one_line(capsys)
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--dp-codec", "topk:ratio=10", "-o",
+                 str(tmp_path / "e")]) == 2
+    assert "--dp-codec topk:ratio=10: the all-reduce takes quant" in _one_line(capsys)
+    assert not any((tmp_path / x).exists() for x in "abcde")
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--dp-codec", "quant:bits=8", "-o",
+                 str(tmp_path / "f")]) == 0
+    assert load_plan(tmp_path / "f").dp_codec == {"algo": "quant", "bits": 8}
+
+
+def test_run_with_replicas_trains_like_one_process_on_the_global_batch(tmp_path):
+    """`fusion run MODEL --replicas 2`: two CompNode processes, each on half of every global batch, average their
+    gradients; the logged losses and the final weights equal the single-process reference on the whole batch."""
+    from fusion.data import make_batches
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_model
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                        "--steps", "3", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = load_plan(out / "plan")
+    assert plan.replicas == 2 and plan.micro_batches == 2
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    model = load_model(_model(tmp_path))
+    ref = ReferenceExecutor(model, optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9), micro_batches=4)
+    batch = make_batches(plan, "auto", plan.seed)
+    want = [ref.step(batch(s)).loss for s in range(3)]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    final = load_weights(out / "final.safetensors")
+    for k, v in ref.state().items():
+        np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+DATA_SRC = '''
+import json, os, signal
+from pathlib import Path
+import numpy as np
+
+def batches(step):
+    if step == 2:  # before step 2: kill replica 1's CompNode, as a crash would
+        pids = json.loads((Path(os.environ["DP_TEST_RUN"]) / "pids.json").read_text())
+        os.killpg(pids["r1.part0"], signal.SIGKILL)
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
+'''
+
+
+def test_run_drops_a_dead_replica_and_records_it(tmp_path):
+    """`fusion run --drop-failed-replicas`: replica 1's CompNode is killed before step 2; the run goes on with
+    replica 0, metrics.jsonl records the drop at step 2, and every loss equals the reference on the global batch."""
+    import os
+
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_function, load_model
+
+    (tmp_path / "data.py").write_text(DATA_SRC)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                        "--steps", "4", "--no-progress", "--drop-failed-replicas", "--data", f"{tmp_path / 'data.py'}:batches"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "DP_TEST_RUN": str(out)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dropped replica 1 at step 2" in r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    (drop,) = lines[2]["dropped"]
+    assert drop["replica"] == 1 and drop["step"] == 2 and drop["part"] == "r1.part0" and drop["redone"]
+    assert "dropped" not in lines[3] and set(lines[3]["parts"]) == {"part0"}
+    ref = ReferenceExecutor(load_model(_model(tmp_path)), optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9),
+                            micro_batches=4)
+    fn = load_function(f"{tmp_path / 'data.py'}:batches", "data")
+    want = [ref.step(fn(s) if s != 2 else _no_kill(s)).loss for s in range(4)]
+    np.testing.assert_allclose([x["loss"] for x in lines], want, rtol=1e-5)
+    final = load_weights(out / "final.safetensors")
+    for k, v in ref.state().items():
+        np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def _no_kill(step):
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
