@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads per executor (default: cores / CompNodes)")
     p.add_argument("--trace", choices=("on", "off"), default="on",
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no CURVE: links between the local processes are neither authenticated nor encrypted, and any "
+                        "process on this host can send them messages (default: fresh keys for this run in OUT/keys)")
     p.add_argument("--trust-plugins", action="store_true",
                    help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
     add_common(p)
@@ -120,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
-                           executor_args=["--trust-plugins"] if trust else None)
+                           executor_args=["--trust-plugins"] if trust else None, curve=not args.insecure)
+    if args.insecure:
+        _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
     if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
         from fusion.ir.registry import TRUST_HINT
 
