@@ -44,7 +44,7 @@ from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
-from fusion.executors.runtime.keys import Security
+from fusion.executors.runtime.keys import Security, insecure_warning
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport
 
@@ -407,6 +407,8 @@ class CompNode:
         try:
             log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
                      self.engine_name, self.cfg.advertise or address)
+            if self.cfg.security is None:
+                log.warning("%s", insecure_warning(self.me, address))
             self.transport.connect(COORDINATOR, self.cfg.coordinator)
             self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
                                                          pid=os.getpid(), engine=self.engine_name,

@@ -250,6 +250,13 @@ class ZapHandler(threading.Thread):
         self._done.set()
 
 
+def insecure_warning(me: str, address: str) -> str:
+    """The warning a process without CURVE logs once it listens."""
+    return (f"{me}: listening on {address} without CURVE (--insecure or no --key): links are neither authenticated "
+            f"nor encrypted, and any process that reaches this address can send messages here (make keys with "
+            f"`fusion keys PLAN`)")
+
+
 def curve_server(sock: zmq.Socket, security: Security) -> None:
     """Make ``sock`` (before bind) a CURVE server with this process's keys, checked by the ZAP handler."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)

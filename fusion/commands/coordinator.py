@@ -179,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         print(f"run folder {out}", file=sys.stderr)
+        if security is None:
+            from fusion.executors.runtime.keys import insecure_warning
+
+            log.warning("%s", insecure_warning(COORDINATOR, coord.bind()))
         print(f"coordinator listening on {coord.bind()}; waiting up to {args.startup_timeout:.0f} s for "
               f"{len(plan.parts)} executors: {', '.join(plan.parts)} (start each with "
               f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)

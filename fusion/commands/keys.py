@@ -71,9 +71,7 @@ def security_from_args(args: argparse.Namespace, plan_dir: str | Path, names: li
     if args.insecure:
         if args.key:
             raise FusionError("--key runs CURVE and --insecure turns it off: give one of them")
-        log.warning("%s: --insecure: links are neither authenticated nor encrypted; any process that reaches %s "
-                    "can send messages to this one", me, listen)
-        return None
+        return None  # the process warns once it listens (insecure_warning)
     if args.key:
         return security_for(args.key, public, names, me)
     if public.exists():
@@ -82,9 +80,7 @@ def security_from_args(args: argparse.Namespace, plan_dir: str | Path, names: li
     if not is_loopback(listen):
         raise FusionError(f"listening on {listen} without CURVE keys: make them with `fusion keys {plan_dir}` and "
                           f"pass --key FILE, or pass --insecure (loopback experiments only)")
-    log.warning("%s: no --key: links on loopback are neither authenticated nor encrypted (make keys with "
-                "`fusion keys %s`)", me, plan_dir)
-    return None
+    return None  # loopback only: the process warns once it listens (insecure_warning)
 
 
 def bind_address(plan_address: str) -> str:

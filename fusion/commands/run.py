@@ -75,6 +75,15 @@ def _sigterm_as_interrupt():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
+    """Refuse, with the reason, a plan with plugins the user has not trusted, before any executor starts."""
+    if plan.graph.plugins and not trust:
+        from fusion.ir.errors import FusionError
+        from fusion.ir.registry import TRUST_HINT
+
+        raise FusionError(f"{plan_dir}: the plan lists plugins {plan.graph.plugins}: {TRUST_HINT}")
+
+
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import check_run_dir, default_run_dir, prepare_run_dir
@@ -99,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_run_dir(name)
     check_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)  # before a long compile
     plan = model = None
+    trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
+    if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
+        from fusion.plan import load_plan
+
+        _refuse_untrusted(load_plan(plan_dir), plan_dir, trust)
     if not is_plan and not (args.resume and (out / "plan" / "plan.json").exists()):
         # compile in memory first: a model or cluster error leaves no run folder behind
         if not args.cluster:
@@ -121,15 +135,11 @@ def run(args: argparse.Namespace) -> int:
     _say(f"run folder {out}")
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout)
-    trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
                            executor_args=["--trust-plugins"] if trust else None, curve=not args.insecure)
     if args.insecure:
         _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
-    if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
-        from fusion.ir.registry import TRUST_HINT
-
-        raise FusionError(f"{plan_dir}: the plan lists plugins {cluster.plan.graph.plugins}: {TRUST_HINT}")
+    _refuse_untrusted(cluster.plan, plan_dir, trust)
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
     n = len(cluster.plan.parts)
     _say(f"starting {n} CompNode process{'es' if n > 1 else ''} ({cluster.threads} thread{'s' if cluster.threads > 1 else ''} "

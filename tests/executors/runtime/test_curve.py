@@ -66,6 +66,9 @@ def _opdata(src="p0", it=1):
                                 payload=np.full((2, 4, 6, 6), 1e6, np.float32)))
 
 
+#: the issue's packets (as in test_hostile.py): a list as message kind, a zero-size tensor with a huge dimension
+HOSTILE = [[msgpack.packb({"v": 1, "k": [], "h": {}, "t": []})],
+           [msgpack.packb({"v": 1, "k": "opdata", "h": {}, "t": [{"d": "float32", "s": [0, 2**63 - 1]}]}), b""]]
 ABORT = encode("ctrl", {"op": "abort", "names": [], "reason": "you are hacked"})
 
 
@@ -148,7 +151,9 @@ def test_a_valid_key_cannot_speak_under_another_name(tmp_path):
         s = _dealer(ctx, lc.coordinator.addresses["p1"], b"coordinator", p0, lc.cfg.security.peers["p1"])
         s.send_multipart(ABORT)  # a control message under p0's key: not the coordinator's
         s.send_multipart(_opdata(src="coordinator"))  # an activation that claims another sender
-        assert _wait_for(lambda: log.read_text().count("rejected message from 'p0'") >= 2)
+        for frames in HOSTILE:  # the issue's packets, from an authenticated peer: decoded, rejected, nothing breaks
+            s.send_multipart(frames)
+        assert _wait_for(lambda: log.read_text().count("rejected message from 'p0'") >= 2 + len(HOSTILE))
         s.close(linger=0)
 
     hit, alive = _train(plan_dir, tmp_path / "hit", batches, attack)
@@ -158,6 +163,7 @@ def test_a_valid_key_cannot_speak_under_another_name(tmp_path):
     text = log.read_text()
     assert "control message from 'p0'; only the coordinator sends those" in text
     assert "message claims to come from 'coordinator' but was sent by 'p0'" in text
+    assert "unknown message kind []" in text and "dimension over the message limit" in text
 
 
 def test_secret_key_files_must_be_private(tmp_path):
