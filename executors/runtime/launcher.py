@@ -153,6 +153,8 @@ class LocalCluster:
             for p in left:
                 try:
                     os.killpg(self.processes[p].pid, sig)
+                    if sig == signal.SIGTERM:  # a stopped (SIGSTOP) executor acts on SIGTERM only once continued
+                        os.killpg(self.processes[p].pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
             status.update(_wait_all({p: self.processes[p] for p in left}, grace))
