@@ -187,8 +187,8 @@ def make_run_keys(names: Iterable[str], folder: str | Path) -> tuple[dict[str, P
 class ZapHandler(threading.Thread):
     """The ZAP handler of one ZeroMQ context: accepts CURVE clients whose key is listed, names them.
 
-    ``on_reject(address, key)`` is called (after a warning is logged, at most once per key and address
-    every few seconds: a refused client retries) for each refused handshake.
+    ``on_reject(address, key)`` is called for each refused handshake; a warning is logged at most once per key
+    and address every few seconds (a refused client retries).
     """
 
     def __init__(self, ctx: zmq.Context, owner: str, security: Security, on_reject=None):
@@ -239,11 +239,11 @@ class ZapHandler(threading.Thread):
         if now - last > 5.0:
             self._last_logged[(addr, key)] = now
             log.warning("%s: refused a connection from %s with public key %s: %s", self.owner, addr or "?", key, reason)
-            if self.on_reject is not None:
-                try:
-                    self.on_reject(addr, key)
-                except Exception:  # noqa: BLE001
-                    log.exception("%s: on_reject failed", self.owner)
+        if self.on_reject is not None:
+            try:
+                self.on_reject(addr, key)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: on_reject failed", self.owner)
         return [b"1.0", rid, b"400", reason.encode(), b"", b""]
 
     def stop(self) -> None:
@@ -255,6 +255,57 @@ def insecure_warning(me: str, address: str) -> str:
     return (f"{me}: listening on {address} without CURVE (--insecure or no --key): links are neither authenticated "
             f"nor encrypted, and any process that reaches this address can send messages here (make keys with "
             f"`fusion keys PLAN`)")
+
+
+#: handshake failures a CURVE server reports on its monitor socket (ZAP refusals are logged by the ZAP handler)
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+class HandshakeMonitor(threading.Thread):
+    """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
+    a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, a warning at
+    most every few seconds. Create it in the thread that owns ``sock``, right after bind."""
+
+    def __init__(self, sock: zmq.Socket, owner: str, on_fail=None):
+        super().__init__(name=f"monitor-{owner}", daemon=True)
+        self.owner, self.on_fail = owner, on_fail
+        self.failed = 0
+        self._done = threading.Event()
+        self._mon = sock.get_monitor_socket(HANDSHAKE_FAILED)
+
+    def run(self) -> None:
+        import time
+
+        from zmq.utils.monitor import recv_monitor_message
+
+        last, quiet = -1e9, 0
+        try:
+            while not self._done.is_set():
+                if not self._mon.poll(100):
+                    continue
+                ev = recv_monitor_message(self._mon)
+                self.failed += 1
+                code = ev.get("value")
+                why = ("not a CURVE client" if code == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", None)
+                       else f"handshake error {code}")
+                reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
+                if self.on_fail is not None:
+                    self.on_fail(reason)
+                now = time.monotonic()
+                if now - last > 5.0:
+                    log.warning("%s: a connection to %s failed the handshake: %s%s", self.owner,
+                                ev.get("endpoint", b"?").decode("utf-8", "replace"), why,
+                                f" ({quiet} more since the last warning)" if quiet else "")
+                    last, quiet = now, 0
+                else:
+                    quiet += 1
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._mon.close(linger=0)
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def curve_server(sock: zmq.Socket, security: Security) -> None:

@@ -41,7 +41,7 @@ import zmq
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, decode, frames_nbytes
-from fusion.executors.runtime.keys import Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.keys import HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -219,6 +219,7 @@ class Transport:
         self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
         self.ctx = zmq.Context()
         self.zap: ZapHandler | None = None
+        self.monitor: HandshakeMonitor | None = None
         if security is not None:  # the ZAP handler is bound in this context before any socket binds
             self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
             self.zap.start()
@@ -285,9 +286,10 @@ class Transport:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self.zap is not None:
-            self.zap.stop()
-            self.zap.join(1.0)
+        for t in (self.zap, self.monitor):
+            if t is not None:
+                t.stop()
+                t.join(1.0)
         if not any(s.is_alive() for s in self.senders.values()) and not (self._recv is not None and self._recv.is_alive()):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
@@ -315,6 +317,10 @@ class Transport:
             self._bind_error = str(e)
             sock.close()
             return None
+        if self.security is not None:
+            self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
+                                                                                          quiet=True))
+            self.monitor.start()
         return sock
 
     def pump(self, timeout_s: float) -> int:
@@ -362,7 +368,8 @@ class Transport:
             return "?"
 
     def _on_refused(self, address: str, key: str) -> None:
-        self.reject(f"key {key} at {address or '?'}", "refused at the CURVE handshake: its key is not in the run's key list")
+        self.reject(f"key {key} at {address or '?'}", "refused at the CURVE handshake: its key is not in the run's key list",
+                    quiet=True)  # the ZAP handler logged it
 
     def _handle(self, frames: list) -> None:
         """Check the sender, decode, check and hand on one received message; nothing a peer sends raises out of here."""
@@ -392,10 +399,11 @@ class Transport:
             log.exception("%s: handling a message from %s failed", self.name, sender)
             self.reject(sender, f"handler failed ({type(e).__name__}: {str(e)[:200]})")
 
-    def reject(self, sender: str, reason: str) -> None:
-        """Log and count a dropped message."""
+    def reject(self, sender: str, reason: str, quiet: bool = False) -> None:
+        """Log (unless ``quiet``: the caller logged it) and count a dropped message."""
         self.rejected += 1
-        log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
+        if not quiet:
+            log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
         if self.on_reject is not None:
             try:
                 self.on_reject(sender, reason)

@@ -133,6 +133,7 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
     assert [r.loss for r in hit] == [r.loss for r in clean]  # the next steps are the undisturbed run's, bit for bit
     text = log.read_text()
     assert "its key is not in the run's key list" in text
+    assert "failed the handshake: not a CURVE client" in text  # the two without CURVE
     assert "aborted" not in text and "you are hacked" not in text
     assert hit[1].parts["p1"]["rejected"] >= 1  # the refused handshake is counted with the executor's rejects
 
