@@ -29,6 +29,7 @@ that does not take data, and receive loops wake up to notice ``close``.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import itertools
 import logging
 import queue
@@ -46,6 +47,13 @@ from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
 log = logging.getLogger(__name__)
+
+#: a sender with more rejected messages than this within REJECT_WINDOW_S is cut off: named, and everything it sends
+#: afterwards is dropped unread (a peer of the run cut off this way is reported through ``on_error``: the run stops)
+REJECT_LIMIT = 100
+REJECT_WINDOW_S = 10.0
+#: senders whose recent rejects are remembered (an attacker rotating names cannot grow this without bound)
+MAX_TRACKED_SENDERS = 1024
 
 @dataclass(frozen=True)
 class _Stop:
@@ -227,6 +235,9 @@ class Transport:
         self.address = ""
         self.rejected = 0
         self.escaped = 0  # rejects whose reason was not a WireError (a check missing somewhere): should stay 0
+        self.cut_off: dict[str, str] = {}  # sender -> why its messages are dropped unread
+        self._recent_rejects: dict[str, deque] = {}
+        self._reject_lock = threading.Lock()
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: str | None = None
@@ -367,6 +378,29 @@ class Transport:
         except Exception:  # noqa: BLE001 - a frame without a buffer
             return "?"
 
+    def _count_reject(self, sender: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._reject_lock:
+            if sender in self.cut_off:
+                return
+            recent = self._recent_rejects.get(sender)
+            if recent is None:
+                if len(self._recent_rejects) >= MAX_TRACKED_SENDERS:
+                    self._recent_rejects.clear()
+                recent = self._recent_rejects[sender] = deque()
+            recent.append(now)
+            while recent and recent[0] < now - REJECT_WINDOW_S:
+                recent.popleft()
+            if len(recent) <= REJECT_LIMIT:
+                return
+            why = (f"{sender} sent {len(recent)} rejected messages within {REJECT_WINDOW_S:g} s (the last: "
+                   f"{reason[:200]}); everything it sends is dropped from now on")
+            self.cut_off[sender] = why
+            del self._recent_rejects[sender]
+        log.error("%s: %s", self.name, why)
+        if sender in self.allowed:  # a peer of the run that misbehaves: the run cannot go on exactly; say who
+            self.report_error(sender, f"peer {why}")
+
     def _on_refused(self, address: str, key: str) -> None:
         self.reject(f"key {key} at {address or '?'}", "refused at the CURVE handshake: its key is not in the run's key list",
                     quiet=True)  # the ZAP handler logged it
@@ -374,6 +408,9 @@ class Transport:
     def _handle(self, frames: list) -> None:
         """Check the sender, decode, check and hand on one received message; nothing a peer sends raises out of here."""
         sender = self._sender(frames)
+        if sender in self.cut_off:  # named once already; its messages are not even decoded any more
+            self.rejected += 1
+            return
         t0 = time.time()
         try:
             if sender not in self.allowed:  # before a byte is decoded
@@ -400,10 +437,12 @@ class Transport:
             self.reject(sender, f"handler failed ({type(e).__name__}: {str(e)[:200]})")
 
     def reject(self, sender: str, reason: str, quiet: bool = False) -> None:
-        """Log (unless ``quiet``: the caller logged it) and count a dropped message."""
+        """Log (unless ``quiet``: the caller logged it) and count a dropped message; cut off a sender whose rejects
+        come faster than REJECT_LIMIT per REJECT_WINDOW_S."""
         self.rejected += 1
         if not quiet:
             log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
+        self._count_reject(sender, reason)
         if self.on_reject is not None:
             try:
                 self.on_reject(sender, reason)
