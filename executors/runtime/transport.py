@@ -301,7 +301,8 @@ class Transport:
             if t is not None:
                 t.stop()
                 t.join(1.0)
-        if not any(s.is_alive() for s in self.senders.values()) and not (self._recv is not None and self._recv.is_alive()):
+        helpers = [t for t in (self._recv, self.zap, self.monitor) if t is not None]
+        if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
     def stats(self) -> dict[str, LinkStats]:
