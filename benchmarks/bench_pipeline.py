@@ -32,9 +32,10 @@ All measured in one run, on this host, loopback only:
    iteration time.
 4. ``curve_overhead``: the 2-stage throughput pipeline (as in 1.) with every
    link authenticated and encrypted by CURVE (``fusion run``'s default) over
-   the same without (``--insecure``): samples/s with / without, best of
-   ``--rounds`` alternating rounds each (target >= 0.95). The losses of the
-   two must be the same bits.
+   the same without (``--insecure``): samples/s with / without, the median
+   over ``--rounds`` rounds that run both back to back (target >= 0.95);
+   also the best rounds' ratio and the CPU-time ratio. The losses of the two
+   must be the same bits.
 
 Prints human lines, then one JSON line.
 """
@@ -247,25 +248,37 @@ def throughput(cfg, tmp: Path) -> dict:
     return out
 
 
-def curve_overhead(cfg, tmp: Path) -> float:
-    """Throughput of the 2-stage pipeline with CURVE on every link over the same without; best round each."""
+def curve_overhead(cfg, tmp: Path) -> dict:
+    """Throughput of the 2-stage pipeline with CURVE on every link over the same without.
+
+    Each round runs both back to back (which goes first alternates), so the two see about the same load from
+    other work on the host; the median of the rounds' ratios is ``curve_overhead``. The best round of each
+    side and the executors' CPU seconds per iteration (median; less sensitive to load) are reported too.
+    """
     model = build_model(cfg.d, cfg.hidden, cfg.blocks, cfg.rows)
     rows = cfg.rows * cfg.micro
     plan_dir = save_plan_for(model, 2, cfg.blocks, cfg.micro, tmp, "plan-curve")
-    best = {True: float("inf"), False: float("inf")}
+    its: dict[bool, list] = {True: [], False: []}
+    cpus: dict[bool, list] = {True: [], False: []}
     for rnd in range(cfg.rounds):
         losses = {}
-        for curve in (True, False):
-            rs = run_fusion(plan_dir, tmp / f"run-curve-{curve}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, curve=curve)
-            it = sum(r.iteration_s for r in rs) / len(rs)
-            best[curve] = min(best[curve], it)
+        for curve in ((True, False) if rnd % 2 == 0 else (False, True)):
+            cpu: dict = {}
+            rs = run_fusion(plan_dir, tmp / f"run-curve-{curve}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu,
+                            curve=curve)
+            its[curve].append(sum(r.iteration_s for r in rs) / len(rs))
+            cpus[curve].append(cpu["per_iteration_s"])
             losses[curve] = [r.loss for r in rs]
-            print(f"[curve] round {rnd}: {'CURVE   ' if curve else 'insecure'} {rows / it:7.1f} samples/s", flush=True)
+            print(f"[curve] round {rnd}: {'CURVE   ' if curve else 'insecure'} {rows / its[curve][-1]:7.1f} samples/s "
+                  f"({cpus[curve][-1]:.3f} CPU-s/iteration)", flush=True)
         assert losses[True] == losses[False], "CURVE changed what was trained"
-    ratio = best[False] / best[True]
-    print(f"[curve] best rounds: CURVE {rows / best[True]:.1f}, insecure {rows / best[False]:.1f} samples/s; "
-          f"ratio {ratio:.3f}; losses the same bits", flush=True)
-    return ratio
+    ratios = [b / a for a, b in zip(its[True], its[False])]
+    out = {"curve_overhead": statistics.median(ratios), "best": min(its[False]) / min(its[True]),
+           "cpu": statistics.median(cpus[False]) / statistics.median(cpus[True]), "rounds": ratios}
+    print(f"[curve] samples/s with CURVE / without: median of {len(ratios)} paired rounds {out['curve_overhead']:.3f} "
+          f"(rounds {', '.join(f'{r:.2f}' for r in ratios)}), best rounds {out['best']:.3f}; CPU-s per iteration "
+          f"without / with {out['cpu']:.3f}; losses the same bits", flush=True)
+    return out
 
 
 def fitted_cluster(cfg):
@@ -399,7 +412,9 @@ def main() -> None:
             "cpu_efficiency_vs_torch_pipelining_4": round(ratios[4][1], 3),
         })
     if curve is not None:
-        out["curve_overhead"] = round(curve, 3)  # samples/s with CURVE on every link / without (target >= 0.95)
+        out["curve_overhead"] = round(curve["curve_overhead"], 3)  # samples/s with CURVE / without (target >= 0.95)
+        out["curve_overhead_best_rounds"] = round(curve["best"], 3)
+        out["curve_cpu_ratio"] = round(curve["cpu"], 3)  # executor CPU-s per iteration without / with CURVE
     if detail:
         out.update({
             "predicted_over_measured": round(pom, 3),  # the compiler's Eq. 1-4 on the fitted cluster
