@@ -47,4 +47,4 @@ def digest_mismatch(mine: str, theirs: str, who: str, whose_mine: str) -> str | 
     if not mine or not theirs or mine == theirs:
         return None
     return (f"{who} runs another plan: its digest is {theirs[:16]}, {whose_mine} is {mine[:16]}; copy the same "
-            f"plan folder to every host")
+            f"plan folder to every host (`fusion inspect PLAN` prints a plan's digest)")
