@@ -30,6 +30,12 @@ All measured in one run, on this host, loopback only:
    directions of the 20 Mbit/s pair, which GPipe uses in turn: activations
    forward, then gradients back) divided by its capacity times the measured
    iteration time.
+4. ``curve_overhead``: the 2-stage throughput pipeline (as in 1.) with every
+   link authenticated and encrypted by CURVE (``fusion run``'s default) over
+   the same without (``--insecure``): samples/s with / without, the median
+   over ``--rounds`` rounds that run both back to back (target >= 0.95);
+   also the best rounds' ratio and the CPU-time ratio. The losses of the two
+   must be the same bits.
 
 Prints human lines, then one JSON line.
 """
@@ -182,13 +188,13 @@ def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path) -> dict:
 
 
 def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int, d: int, emulate: bool = False,
-               cpu: dict | None = None) -> list:
+               cpu: dict | None = None, curve: bool = False) -> list:
     """Steps of a local run (after ``warmup``); ``cpu`` gets the executors' CPU seconds per measured iteration."""
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
 
     with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=emulate, peer_timeout_s=60), threads=1,
-                      trace=True, verbose=0) as lc:
+                      trace=True, verbose=0, curve=curve) as lc:
         lc.start()
         reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup)]
         c0 = {p: _proc_cpu_s(pr.pid) for p, pr in lc.processes.items()}
@@ -239,6 +245,39 @@ def throughput(cfg, tmp: Path) -> dict:
         print(f"[throughput] {stages} stages: best rounds fusion {rows / min(ours_it):.1f} vs torch {rows / min(theirs_it):.1f} "
               f"samples/s, ratio {out[stages][0]:.3f}; CPU-s per iteration (median) torch/fusion {out[stages][1]:.3f}; "
               "losses agree to 1e-4", flush=True)
+    return out
+
+
+def curve_overhead(cfg, tmp: Path) -> dict:
+    """Throughput of the 2-stage pipeline with CURVE on every link over the same without.
+
+    Each round runs both back to back (which goes first alternates), so the two see about the same load from
+    other work on the host; the median of the rounds' ratios is ``curve_overhead``. The best round of each
+    side and the executors' CPU seconds per iteration (median; less sensitive to load) are reported too.
+    """
+    model = build_model(cfg.d, cfg.hidden, cfg.blocks, cfg.rows)
+    rows = cfg.rows * cfg.micro
+    plan_dir = save_plan_for(model, 2, cfg.blocks, cfg.micro, tmp, "plan-curve")
+    its: dict[bool, list] = {True: [], False: []}
+    cpus: dict[bool, list] = {True: [], False: []}
+    for rnd in range(cfg.rounds):
+        losses = {}
+        for curve in ((True, False) if rnd % 2 == 0 else (False, True)):
+            cpu: dict = {}
+            rs = run_fusion(plan_dir, tmp / f"run-curve-{curve}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu,
+                            curve=curve)
+            its[curve].append(sum(r.iteration_s for r in rs) / len(rs))
+            cpus[curve].append(cpu["per_iteration_s"])
+            losses[curve] = [r.loss for r in rs]
+            print(f"[curve] round {rnd}: {'CURVE   ' if curve else 'insecure'} {rows / its[curve][-1]:7.1f} samples/s "
+                  f"({cpus[curve][-1]:.3f} CPU-s/iteration)", flush=True)
+        assert losses[True] == losses[False], "CURVE changed what was trained"
+    ratios = [b / a for a, b in zip(its[True], its[False])]
+    out = {"curve_overhead": statistics.median(ratios), "best": min(its[False]) / min(its[True]),
+           "cpu": statistics.median(cpus[False]) / statistics.median(cpus[True]), "rounds": ratios}
+    print(f"[curve] samples/s with CURVE / without: median of {len(ratios)} paired rounds {out['curve_overhead']:.3f} "
+          f"(rounds {', '.join(f'{r:.2f}' for r in ratios)}), best rounds {out['best']:.3f}; CPU-s per iteration "
+          f"without / with {out['cpu']:.3f}; losses the same bits", flush=True)
     return out
 
 
@@ -350,7 +389,7 @@ def main() -> None:
     ap.add_argument("--emu-rows", type=int, default=16, help="rows per micro-batch (emulated part)")
     ap.add_argument("--emu-steps", type=int, default=5, help="measured steps (emulated part)")
     ap.add_argument("--emu-micro", type=int, default=16, help="micro-batches (emulated part)")
-    ap.add_argument("--only", choices=["throughput", "emulated"], help="run one half of the benchmark")
+    ap.add_argument("--only", choices=["throughput", "emulated", "curve"], help="run one part of the benchmark")
     ap.add_argument("--quick", action="store_true", help="small and short (a smoke run, not a measurement)")
     cfg = ap.parse_args()
     if cfg.torch_worker:
@@ -359,8 +398,9 @@ def main() -> None:
         cfg.d, cfg.hidden, cfg.steps, cfg.emu_d, cfg.emu_steps, cfg.warmup, cfg.rounds = 128, 256, 2, 256, 2, 1, 1
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="fusion-bench-") as tmp:
-        ratios = throughput(cfg, Path(tmp)) if cfg.only != "emulated" else {}
-        pom, rom, util, detail = emulated(cfg, Path(tmp)) if cfg.only != "throughput" else (None,) * 4
+        ratios = throughput(cfg, Path(tmp)) if cfg.only in (None, "throughput") else {}
+        pom, rom, util, detail = emulated(cfg, Path(tmp)) if cfg.only in (None, "emulated") else (None,) * 4
+        curve = curve_overhead(cfg, Path(tmp)) if cfg.only in (None, "curve") else None
     print(f"total {time.time() - t0:.0f} s on {os.cpu_count()} cores", flush=True)
     out: dict = {}
     if ratios:
@@ -371,6 +411,10 @@ def main() -> None:
             "cpu_efficiency_vs_torch_pipelining_2": round(ratios[2][1], 3),
             "cpu_efficiency_vs_torch_pipelining_4": round(ratios[4][1], 3),
         })
+    if curve is not None:
+        out["curve_overhead"] = round(curve["curve_overhead"], 3)  # samples/s with CURVE / without (target >= 0.95)
+        out["curve_overhead_best_rounds"] = round(curve["best"], 3)
+        out["curve_cpu_ratio"] = round(curve["cpu"], 3)  # executor CPU-s per iteration without / with CURVE
     if detail:
         out.update({
             "predicted_over_measured": round(pom, 3),  # the compiler's Eq. 1-4 on the fitted cluster

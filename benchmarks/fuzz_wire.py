@@ -192,9 +192,10 @@ def corpus(graph, me: str, routes, n_micro: int) -> list[tuple[str, list[bytes]]
     out += [
         (c, encode_ctrl("step", {"0/x": np.zeros((2, 8), np.float32), "0/y": np.zeros(2, np.int64)}, it=0, want_grads=True,
                         checkpoint=False)),
-        (c, encode_ctrl("setup", peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None, checkpoint_dir=None)),
+        (c, encode_ctrl("setup", peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None, checkpoint_dir=None,
+                        digest="")),
         (c, encode_ctrl("fetch")), (c, encode_ctrl("stop")), (c, encode_ctrl("abort", reason="x")), (c, encode_ctrl("hb")),
-        ("p0", encode_ctrl("hello", part="p0", address="tcp://127.0.0.1:9", pid=1, engine="torch")),
+        ("p0", encode_ctrl("hello", part="p0", address="tcp://127.0.0.1:9", pid=1, engine="torch", digest="")),
         ("p0", encode_ctrl("ready", part="p0")),
         ("p0", encode_ctrl("done", {"w": np.zeros(3, np.float32)}, it=0, losses=[[0, 1.5]], stats={"rejected": 0})),
         ("p0", encode_ctrl("state", {"w": np.zeros(3, np.float32)})), ("p0", encode_ctrl("error", reason="x")),

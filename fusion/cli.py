@@ -23,6 +23,7 @@ COMMANDS = [
     "fusion.commands.run",
     "fusion.commands.executor",
     "fusion.commands.coordinator",
+    "fusion.commands.keys",
 ]
 
 

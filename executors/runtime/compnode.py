@@ -45,6 +45,8 @@ from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
+from fusion.executors.runtime.keys import Security, insecure_warning
+from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class ExecutorConfig:
     trace_path: str | None = None
     engine_options: dict = field(default_factory=dict)
     trust_plugins: bool = False  # import the plan's plugin files (code): only for plans the user trusts
+    security: Security | None = None  # CURVE keys (executors.runtime.keys); None: plain TCP (--insecure)
+    plan_digest: str = ""  # this host's plan digest (plandigest.plan_digest), compared with the coordinator's
 
 
 class CompNode:
@@ -154,7 +158,8 @@ class CompNode:
             limit = max(limit, allreduce_message_limit(self.ring.buckets, len(self.dp_group)))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
-                                   on_error=self._on_send_error, recv_thread=False)  # the engine loop receives
+                                   on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
+                                   security=cfg.security)
         self._hb_stop = threading.Event()
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
         self._weights: dict[str, np.ndarray] | None = None
@@ -268,6 +273,9 @@ class CompNode:
     # -- setup --------------------------------------------------------------------------
     def _setup(self, c: Control) -> None:
         f = c.fields
+        bad = digest_mismatch(self.cfg.plan_digest, str(f.get("digest", "")), "the coordinator", f"CompNode {self.me}'s")
+        if bad:
+            raise ExecutorAbort(bad)
         resume = f["resume_step"]
         if resume is not None:
             params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
@@ -502,9 +510,12 @@ class CompNode:
         try:
             log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
                      self.engine_name, self.cfg.advertise or address)
+            if self.cfg.security is None:
+                log.warning("%s", insecure_warning(self.me, address))
             self.transport.connect(COORDINATOR, self.cfg.coordinator)
             self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
-                                                         pid=os.getpid(), engine=self.engine_name))
+                                                         pid=os.getpid(), engine=self.engine_name,
+                                                         digest=self.cfg.plan_digest))
             threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
             log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
                      self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)

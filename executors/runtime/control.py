@@ -4,8 +4,8 @@ A control message is a wire message of kind ``"ctrl"`` whose header has an
 ``op`` and whose tensors are named by the header's ``names`` list. The
 conversation of one run::
 
-    executor -> coordinator   hello {part, address, pid, engine}
-    coordinator -> executor   setup {peers: {part: address}, emulate_links, resume_step, checkpoint_dir}
+    executor -> coordinator   hello {part, address, pid, engine, digest}
+    coordinator -> executor   setup {peers: {part: address}, emulate_links, resume_step, checkpoint_dir, digest}
     executor -> coordinator   ready {part}
     coordinator -> executor   step {it, want_grads, checkpoint}   tensors "<micro-batch>/<placeholder>"
     executor -> coordinator   done {it, losses: [[mb, loss]], stats}   tensors: parameter gradients if asked
@@ -57,8 +57,9 @@ def _losses(v: Any) -> bool:
 
 
 FIELDS: dict[str, dict[str, Any]] = {
-    "hello": {"part": _STR, "address": _STR, "pid": _int, "engine": _STR},
-    "setup": {"peers": _str_map, "emulate_links": _BOOL, "resume_step": _opt(_nat), "checkpoint_dir": _opt(lambda v: isinstance(v, str))},
+    "hello": {"part": _STR, "address": _STR, "pid": _int, "engine": _STR, "digest": _STR},
+    "setup": {"peers": _str_map, "emulate_links": _BOOL, "resume_step": _opt(_nat), "checkpoint_dir": _opt(lambda v: isinstance(v, str)),
+              "digest": _STR},
     "ready": {"part": _STR},
     "step": {"it": _nat, "want_grads": _BOOL, "checkpoint": _BOOL},
     "done": {"it": _nat, "losses": _losses, "stats": lambda v: isinstance(v, dict)},

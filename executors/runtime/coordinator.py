@@ -32,6 +32,8 @@ from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.control import TO_COORDINATOR, Control, decode_ctrl, encode_ctrl
+from fusion.executors.runtime.keys import Security
+from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class CoordinatorConfig:
     #: a replicated plan survives the loss of a replica: its CompNodes are stopped, the step is redone (or, when
     #: it was already committed, kept) with the global batch re-split over the surviving replicas
     drop_failed_replicas: bool = False
+    security: Security | None = None  # CURVE keys (executors.runtime.keys); None: plain TCP (--insecure)
+    plan_digest: str = ""  # the plan's digest (plandigest.plan_digest); executors with another one are refused
 
 
 @dataclass
@@ -139,7 +143,8 @@ class Coordinator:
         self.addresses: dict[str, str] = {}
         self.step_index = 0
         self.transport = Transport(COORDINATOR, cfg.bind, self.parts, self._on_message,
-                                   max_message_bytes=cfg.max_message_bytes or coordinator_message_limit(plan), on_error=self._on_send_error)
+                                   max_message_bytes=cfg.max_message_bytes or coordinator_message_limit(plan), on_error=self._on_send_error,
+                                   security=cfg.security)
         self.address = ""
         self._hb_stop = threading.Event()
         self.live = list(self.parts)  # parts of the replicas still training
@@ -265,10 +270,16 @@ class Coordinator:
                 raise CompNodeFailure(p, f"says hello as {h.fields['part']!r}")
             self.addresses[p] = str(h.fields["address"])
             self.transport.connect(p, self.addresses[p])
+        for p, h in hellos.items():  # after connecting: the abort reaches every executor
+            bad = digest_mismatch(self.cfg.plan_digest, str(h.fields.get("digest", "")), f"CompNode {p!r}", "the coordinator's")
+            if bad:
+                self._abort_locked(bad)
+                raise FusionError(bad)
         ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
         for p in self.parts:
             self.transport.send(p, encode_ctrl("setup", peers=self.addresses, emulate_links=self.cfg.emulate_links,
-                                               resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover))
+                                               resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover,
+                                               digest=self.cfg.plan_digest))
         self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
         self.step_index = resume_step or 0
         log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)

@@ -75,13 +75,16 @@ class LocalCluster:
     part_env:  extra environment variables for the executor of a part (part -> {name: value}),
                e.g. a PYTHONPATH that changes what that process can import.
     report:    called with one line per start-up event (each CompNode up, ready); default: the log.
+    curve:     authenticate and encrypt every link with CURVE: fresh key pairs for this run in
+               ``run_dir/keys`` (secret files 0600), the executors get theirs with ``--key``; False runs
+               plain TCP on loopback (``--insecure``).
     """
 
     def __init__(self, plan_dir: str | Path, run_dir: str | Path, cfg: CoordinatorConfig | None = None, *,
                  threads: int | None = None, trace: bool = True, python: str = sys.executable,
                  executor_args: list[str] | None = None, verbose: int = 1,
                  part_env: Mapping[str, Mapping[str, str]] | None = None,
-                 report: Callable[[str], None] | None = None):
+                 report: Callable[[str], None] | None = None, curve: bool = False):
         from fusion.plan import load_plan
 
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
@@ -98,11 +101,16 @@ class LocalCluster:
         self.coordinator: Coordinator | None = None
         self._logs: list = []
         self.report = report
+        self.curve = curve
 
     def start(self, resume: bool = False) -> int:
         """Spawn the executors and wait until they are ready; returns the first step to run."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        from fusion.executors.runtime.plandigest import plan_digest
+
+        self.cfg.plan_digest = self.cfg.plan_digest or plan_digest(self.plan_dir)
+        key_args = self._keys()
         self.coordinator = Coordinator(self.plan, self.cfg, self.processes, report=self.report)
         addr = self.coordinator.bind()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
@@ -112,7 +120,7 @@ class LocalCluster:
                    str(self.plan_dir), "--node", p, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
                    "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
                    *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
-                   "--fast-exit", *self.executor_args]
+                   "--fast-exit", *key_args[p], *self.executor_args]
             if self.trace:
                 cmd += ["--trace", str(self.run_dir / "trace" / f"{p}.json")]
             f = open(self.run_dir / "logs" / f"{p}.log", "ab")
@@ -121,6 +129,17 @@ class LocalCluster:
                                                  start_new_session=True)
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
         return self.coordinator.start(resume=resume)
+
+    def _keys(self) -> dict[str, list[str]]:
+        """Each executor's security arguments; with CURVE, fresh keys for this run (the coordinator's set in cfg)."""
+        if not self.curve:
+            return {p: ["--insecure"] for p in self.plan.parts}
+        from fusion.executors.runtime.keys import security_for, make_run_keys
+
+        names = ["coordinator", *self.plan.parts]
+        secrets, public = make_run_keys(names, self.run_dir / "keys")
+        self.cfg.security = security_for(secrets["coordinator"], public, names, "coordinator")
+        return {p: ["--key", str(secrets[p]), "--public-keys", str(public)] for p in self.plan.parts}
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> dict[str, int | None]:
         """Stop the executors (gracefully when asked), then terminate and kill what is left."""
@@ -134,6 +153,8 @@ class LocalCluster:
             for p in left:
                 try:
                     os.killpg(self.processes[p].pid, sig)
+                    if sig == signal.SIGTERM:  # a stopped (SIGSTOP) executor acts on SIGTERM only once continued
+                        os.killpg(self.processes[p].pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
             status.update(_wait_all({p: self.processes[p] for p in left}, grace))

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 from fusion.ir.errors import FusionError
 from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
+from fusion.executors.runtime.keys import PUBLIC_KEYS_FILE
 from fusion.executors.runtime.launcher import _ENTRY, package_root
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,24 @@ class ExecutorActor:
 
         return {"host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def start(self, files: Mapping[str, bytes], argv: list[str], env: Mapping[str, str], ip: str) -> int:
+    def start(self, files: Mapping[str, bytes], argv: list[str], env: Mapping[str, str], ip: str,
+              keys: Mapping[str, bytes] | None = None) -> int:
         """Write the plan ``files`` (relative path -> bytes) here and start the executor; returns its pid.
 
-        In ``argv``, ``{plan}``, ``{trace}`` and ``{ip}`` become the plan folder, a trace file and ``ip``
-        (this node's address as registered with Ray).
+        ``keys``: this part's CURVE key files (file name -> bytes), written owner-only into ``{keys}``.
+        In ``argv``, ``{plan}``, ``{keys}``, ``{trace}`` and ``{ip}`` become the plan folder, the key folder,
+        a trace file and ``ip`` (this node's address as registered with Ray).
         """
         self.dir = Path(tempfile.mkdtemp(prefix=f"fusion-{self.part}-"))
+        key_dir = self.dir / "keys"
+        if keys:
+            key_dir.mkdir(mode=0o700)
+            for name, data in keys.items():
+                if "/" in name or name.startswith("."):
+                    raise FusionError(f"key file name {name!r} is not a plain file name")
+                fd = os.open(key_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
         plan = self.dir / "plan"
         for rel, data in files.items():
             target = (plan / rel).resolve()
@@ -124,7 +136,7 @@ class ExecutorActor:
             target.write_bytes(data)
         self.trace_path = self.dir / "trace.json"
         self.log_path = self.dir / "executor.log"
-        subst = {"{plan}": str(plan), "{trace}": str(self.trace_path), "{ip}": ip}
+        subst = {"{plan}": str(plan), "{keys}": str(key_dir), "{trace}": str(self.trace_path), "{ip}": ip}
         cmd = [sys.executable, "-c", _ENTRY, package_root()]
         for a in argv:
             for k, v in subst.items():
@@ -219,7 +231,8 @@ class RayCluster:
 
     def __init__(self, address: str, plan_dir: str | Path, run_dir: str | Path, cfg: CoordinatorConfig | None = None,
                  *, threads: int | None = None, trace: bool = True, executor_args: list[str] | None = None,
-                 verbose: int = 1, report: Callable[[str], None] | None = None, connect_timeout_s: float = 60.0):
+                 verbose: int = 1, report: Callable[[str], None] | None = None, connect_timeout_s: float = 60.0,
+                 curve: bool = False):
         from fusion.plan import load_plan
 
         self.address = address
@@ -232,6 +245,7 @@ class RayCluster:
         self.executor_args = list(executor_args or [])
         self.report = report or log.info
         self.connect_timeout_s = connect_timeout_s
+        self.curve = curve  # CURVE on every link: fresh keys in RUN/keys, each actor gets its own pair
         self.devices = {p: part.device for p, part in self.plan.parts.items()}
         self.processes: dict[str, RayProcess] = {}
         self.actors: dict[str, Any] = {}
@@ -275,6 +289,10 @@ class RayCluster:
         if self.cfg.bind == CoordinatorConfig.bind:  # the loopback default: executors on other nodes need a real IP
             here = node_ip.get(ray.get_runtime_context().get_node_id())  # None for a Ray Client (ray://) driver
             self.cfg.bind = f"tcp://{here or socket.gethostbyname(socket.gethostname())}:*"
+        from fusion.executors.runtime.plandigest import plan_digest
+
+        self.cfg.plan_digest = self.cfg.plan_digest or plan_digest(self.plan_dir)
+        keys = self._keys()  # sets the coordinator's security before it binds
         self.coordinator = Coordinator(self.plan, self.cfg, self.processes, report=self.report)
         addr = self.coordinator.bind()
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(ExecutorActor)
@@ -288,7 +306,8 @@ class RayCluster:
                                            if self.threads else {})}
         node_ip.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
         ips = {p: node_ip[n["node_id"]] for p, n in nodes.items()}
-        pids = self._get({p: a.start.remote(files, self._argv(p, addr), env, ips[p]) for p, a in self.actors.items()},
+        pids = self._get({p: a.start.remote(files, self._argv(p, addr), env, ips[p], keys.get(p))
+                          for p, a in self.actors.items()},
                          self.connect_timeout_s, "writing the plan and starting the executor")
         for p in self.plan.parts:
             n = nodes[p]
@@ -299,12 +318,28 @@ class RayCluster:
         self._log_thread.start()
         return self.coordinator.start(resume=resume)
 
+    def _keys(self) -> dict[str, dict[str, bytes]]:
+        """With CURVE: fresh key pairs for this run in RUN/keys (the coordinator's in ``cfg.security``) and
+        each part's own secret key plus the public key list, as the bytes its actor writes (they travel
+        through Ray, like the plan). Without: nothing."""
+        if not self.curve:
+            return {}
+        from fusion.executors.runtime.keys import make_run_keys, security_for
+
+        names = ["coordinator", *self.plan.parts]
+        secrets, public = make_run_keys(names, self.run_dir / "keys")
+        self.cfg.security = security_for(secrets["coordinator"], public, names, "coordinator")
+        pub = public.read_bytes()
+        return {p: {f"{p}.secret": secrets[p].read_bytes(), PUBLIC_KEYS_FILE: pub} for p in self.plan.parts}
+
     def _argv(self, part: str, coordinator: str) -> list[str]:
         argv = [*(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor", "{plan}", "--node", part,
                 "--coordinator", coordinator, "--bind", "tcp://{ip}:*", "--peer-timeout", str(self.cfg.peer_timeout_s),
                 "--startup-timeout", str(self.cfg.startup_timeout_s),
                 *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
-                *(["--threads", str(self.threads)] if self.threads else []), "--fast-exit", *self.executor_args]
+                *(["--threads", str(self.threads)] if self.threads else []), "--fast-exit",
+                *(["--key", f"{{keys}}/{part}.secret", "--public-keys", f"{{keys}}/{PUBLIC_KEYS_FILE}"]
+                  if self.curve else ["--insecure"]), *self.executor_args]
         return argv + (["--trace", "{trace}"] if self.trace else [])
 
     def _get(self, refs: Mapping[str, Any], timeout_s: float, what: str) -> dict[str, Any]:

@@ -16,12 +16,20 @@ Receiving, likewise, runs on a receive thread or in the caller's thread via
 the allowed names; a message that fails is logged with the reason and
 dropped, never raised. Good messages go to the ``on_message`` callback.
 
+With a :class:`~fusion.executors.runtime.keys.Security` (CURVE, the default of
+``fusion run`` and of multi-host runs) the ROUTER is a CURVE server whose ZAP
+handler admits only keys of the run, and every DEALER is a CURVE client that
+checks the peer's key: the sender of a message is then the name its
+*authenticated key* has (ZeroMQ's ``User-Id`` frame property), checked before
+its bytes are decoded; a DEALER's self-declared identity is not used at all.
+
 Every wait has a timeout: sends give up after ``send_timeout_s`` on a peer
 that does not take data, and receive loops wake up to notice ``close``.
 """
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import itertools
 import logging
 import queue
@@ -34,10 +42,18 @@ import zmq
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, decode, frames_nbytes
+from fusion.executors.runtime.keys import HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
 log = logging.getLogger(__name__)
+
+#: a sender with more rejected messages than this within REJECT_WINDOW_S is cut off: named, and everything it sends
+#: afterwards is dropped unread (a peer of the run cut off this way is reported through ``on_error``: the run stops)
+REJECT_LIMIT = 100
+REJECT_WINDOW_S = 10.0
+#: senders whose recent rejects are remembered (an attacker rotating names cannot grow this without bound)
+MAX_TRACKED_SENDERS = 1024
 
 @dataclass(frozen=True)
 class _Stop:
@@ -69,9 +85,12 @@ class _Pending:
     tx: tuple[float, float] = field(compare=False)
 
 
-def _dealer(t: "Transport", address: str):
+def _dealer(t: "Transport", address: str, peer: str):
     sock = t.ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, t.name.encode())
+    if t.security is not None:
+        curve_client(sock, t.security, peer)  # the receiver names this socket by its key, not by an identity
+    else:
+        sock.setsockopt(zmq.IDENTITY, t.name.encode())
     sock.setsockopt(zmq.LINGER, int(t.linger_s * 1000))
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.SNDTIMEO, int(t.send_timeout_s * 1000))
@@ -96,7 +115,7 @@ class _Sender(threading.Thread):
         self.q.put(_Stop(linger_s))
 
     def run(self) -> None:
-        sock = _dealer(self.t, self.address)
+        sock = _dealer(self.t, self.address, self.peer)
         heap: list[_Pending] = []
         stopping: _Stop | None = None
         try:
@@ -159,7 +178,7 @@ class _Direct(_Sender):
     def start(self) -> None:  # no thread; connect now, so that this process holds its identity at the peer from
         # setup on (a ROUTER ignores a second connection under a taken identity: a squatter arriving later is ignored)
         if self._sock is None:
-            self._sock = _dealer(self.t, self.address)
+            self._sock = _dealer(self.t, self.address, self.peer)
 
     def is_alive(self) -> bool:
         return False
@@ -169,7 +188,7 @@ class _Direct(_Sender):
 
     def put(self, frames: list, label: str) -> None:
         if self._sock is None:
-            self._sock = _dealer(self.t, self.address)
+            self._sock = _dealer(self.t, self.address, self.peer)
         now = time.monotonic()
         self._send(self._sock, _Pending(now, 0, frames, frames_nbytes(frames), label, (now, now)))
 
@@ -187,6 +206,8 @@ class Transport:
     allowed:     names whose messages are accepted; others are logged and dropped.
     on_message:  ``fn(sender, Message)`` called for each good message.
     on_reject:   ``fn(sender, reason)`` called for each dropped message (after logging).
+    security:    CURVE keys (this process's pair, every peer's public key); None: plain TCP, senders name
+                 themselves (``--insecure``).
     recv_thread: receive on a thread of the transport (``on_message`` runs there); False: the thread that
                  called :meth:`start` receives by calling :meth:`pump` while it waits (a CompNode's engine
                  loop, which saves a thread hand-off per message; ZeroMQ's I/O thread still receives the
@@ -196,17 +217,27 @@ class Transport:
     def __init__(self, name: str, bind: str, allowed: Iterable[str], on_message: Callable[[str, Message], None],
                  *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tracer: Tracer | None = None,
                  on_reject: Callable[[str, str], None] | None = None, on_error: Callable[[str, str], None] | None = None,
-                 send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True):
+                 send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True,
+                 security: Security | None = None):
         self.name, self.bind_addr = name, bind
+        self.security = security
         self.allowed = set(allowed)
         self.on_message, self.on_reject, self.on_error = on_message, on_reject, on_error
         self.max_message_bytes, self.tracer = max_message_bytes, tracer
         self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
         self.ctx = zmq.Context()
+        self.zap: ZapHandler | None = None
+        self.monitor: HandshakeMonitor | None = None
+        if security is not None:  # the ZAP handler is bound in this context before any socket binds
+            self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
+            self.zap.start()
         self.senders: dict[str, _Sender] = {}
         self.address = ""
         self.rejected = 0
         self.escaped = 0  # rejects whose reason was not a WireError (a check missing somewhere): should stay 0
+        self.cut_off: dict[str, str] = {}  # sender -> why its messages are dropped unread
+        self._recent_rejects: dict[str, deque] = {}
+        self._reject_lock = threading.Lock()
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: str | None = None
@@ -266,7 +297,12 @@ class Transport:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if not any(s.is_alive() for s in self.senders.values()) and not (self._recv is not None and self._recv.is_alive()):
+        for t in (self.zap, self.monitor):
+            if t is not None:
+                t.stop()
+                t.join(1.0)
+        helpers = [t for t in (self._recv, self.zap, self.monitor) if t is not None]
+        if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
     def stats(self) -> dict[str, LinkStats]:
@@ -284,6 +320,8 @@ class Transport:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         # ZeroMQ drops (without a reason) frames over twice the limit; smaller oversize ones get a logged reason
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.max_message_bytes + (1 << 20), (1 << 62)))
+        if self.security is not None:
+            curve_server(sock, self.security)
         try:
             sock.bind(self.bind_addr)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -291,6 +329,10 @@ class Transport:
             self._bind_error = str(e)
             sock.close()
             return None
+        if self.security is not None:
+            self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
+                                                                                          quiet=True))
+            self.monitor.start()
         return sock
 
     def pump(self, timeout_s: float) -> int:
@@ -325,17 +367,56 @@ class Transport:
         finally:
             sock.close()
 
-    def _handle(self, frames: list) -> None:
-        """Decode, check and hand on one received message; nothing a peer sends can raise out of here."""
+    def _sender(self, frames: list) -> str:
+        """Who sent ``frames``: the name of its authenticated key (CURVE), else the identity it declared."""
+        if self.security is not None:
+            try:
+                return frames[-1].get("User-Id")  # set by ZeroMQ from the ZAP handler's answer, per connection
+            except Exception:  # noqa: BLE001 - no such property: not an authenticated connection
+                return "?unauthenticated"
         try:
-            sender = bytes(frames[0].buffer[:256]).decode("utf-8", "replace") if frames else "?"
+            return bytes(frames[0].buffer[:256]).decode("utf-8", "replace") if frames else "?"
         except Exception:  # noqa: BLE001 - a frame without a buffer
-            sender = "?"
+            return "?"
+
+    def _count_reject(self, sender: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._reject_lock:
+            if sender in self.cut_off:
+                return
+            recent = self._recent_rejects.get(sender)
+            if recent is None:
+                if len(self._recent_rejects) >= MAX_TRACKED_SENDERS:
+                    self._recent_rejects.clear()
+                recent = self._recent_rejects[sender] = deque()
+            recent.append(now)
+            while recent and recent[0] < now - REJECT_WINDOW_S:
+                recent.popleft()
+            if len(recent) <= REJECT_LIMIT:
+                return
+            why = (f"{sender} sent {len(recent)} rejected messages within {REJECT_WINDOW_S:g} s (the last: "
+                   f"{reason[:200]}); everything it sends is dropped from now on")
+            self.cut_off[sender] = why
+            del self._recent_rejects[sender]
+        log.error("%s: %s", self.name, why)
+        if sender in self.allowed:  # a peer of the run that misbehaves: the run cannot go on exactly; say who
+            self.report_error(sender, f"peer {why}")
+
+    def _on_refused(self, address: str, key: str) -> None:
+        self.reject(f"key {key} at {address or '?'}", "refused at the CURVE handshake: its key is not in the run's key list",
+                    quiet=True)  # the ZAP handler logged it
+
+    def _handle(self, frames: list) -> None:
+        """Check the sender, decode, check and hand on one received message; nothing a peer sends raises out of here."""
+        sender = self._sender(frames)
+        if sender in self.cut_off:  # named once already; its messages are not even decoded any more
+            self.rejected += 1
+            return
         t0 = time.time()
         try:
-            msg = decode(frames[1:], self.max_message_bytes)
-            if sender not in self.allowed:
+            if sender not in self.allowed:  # before a byte is decoded
                 raise WireError(f"unknown sender {sender!r} (expected one of {sorted(self.allowed)})")
+            msg = decode(frames[1:], self.max_message_bytes)
         except WireError as e:
             self.reject(sender, str(e))
             return
@@ -356,10 +437,13 @@ class Transport:
             log.exception("%s: handling a message from %s failed", self.name, sender)
             self.reject(sender, f"handler failed ({type(e).__name__}: {str(e)[:200]})")
 
-    def reject(self, sender: str, reason: str) -> None:
-        """Log and count a dropped message."""
+    def reject(self, sender: str, reason: str, quiet: bool = False) -> None:
+        """Log (unless ``quiet``: the caller logged it) and count a dropped message; cut off a sender whose rejects
+        come faster than REJECT_LIMIT per REJECT_WINDOW_S."""
         self.rejected += 1
-        log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
+        if not quiet:
+            log.warning("%s: rejected message from %r: %s", self.name, sender, reason)
+        self._count_reject(sender, reason)
         if self.on_reject is not None:
             try:
                 self.on_reject(sender, reason)

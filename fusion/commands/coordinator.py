@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
     p.add_argument("--startup-timeout", type=positive_float, default=120.0,
                    help="give up when the executors have not all said hello after this long (s)")
     add_common(p)
+    from fusion.commands.keys import add_security_options
+
+    add_security_options(p)
     p.set_defaults(run=run, default_verbosity=1)
 
 
@@ -172,14 +175,22 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed)  # fail before anything waits
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
+    from fusion.commands.keys import COORDINATOR, security_from_args
+    from fusion.executors.runtime.plandigest import plan_digest
+
+    security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], COORDINATOR, args.bind)
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
-                            startup_timeout_s=args.startup_timeout,
+                            startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),
                             drop_failed_replicas=args.drop_failed_replicas)
     coord = Coordinator(plan, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
     interrupted = False
     try:
         print(f"run folder {out}", file=sys.stderr)
+        if security is None:
+            from fusion.executors.runtime.keys import insecure_warning
+
+            log.warning("%s", insecure_warning(COORDINATOR, coord.bind()))
         print(f"coordinator listening on {coord.bind()}; waiting up to {args.startup_timeout:.0f} s for "
               f"{len(plan.parts)} executors: {', '.join(plan.parts)} (start each with "
               f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)

@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--coordinator", required=True, type=zmq_address, metavar="ADDR",
                    help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
     p.add_argument("--bind", default=None, type=zmq_address, metavar="ADDR",
-                   help="address to listen on (default: the plan's address for this part, on all interfaces; "
-                        "tcp://127.0.0.1:* picks a free loopback port)")
+                   help="address to listen on (default: the plan's address for this part, on that address only; "
+                        "tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
     p.add_argument("--advertise", default=None, type=zmq_address, metavar="ADDR",
                    help="address peers connect to (default: the plan's address, else the bound one)")
     p.add_argument("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
@@ -38,21 +38,19 @@ def add_parser(sub) -> None:
                    help="torch engine: walk the part node by node instead of one generated function")
     p.add_argument("--trust-plugins", action="store_true",
                    help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
+    from fusion.commands.keys import add_security_options
+
+    add_security_options(p)
     p.add_argument("--fast-exit", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run, default_verbosity=1)
-
-
-def bind_address(plan_address: str) -> str:
-    """``tcp://host:port`` -> ``tcp://*:port`` (listen on every interface of this host)."""
-    proto, _, rest = plan_address.partition("://")
-    port = rest.rpartition(":")[2]
-    return f"{proto}://*:{port}"
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+    from fusion.executors.runtime.plandigest import plan_digest
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan
 
@@ -67,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if bind is None:
         raise FusionError(f"{args.plan}: part {args.node!r} has no address in the plan; pass --bind")
     advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
+    security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], args.node, bind)
     cfg = ExecutorConfig(args.node, args.coordinator, bind, advertise, device, args.max_message_bytes,
                          peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
                          startup_timeout_s=args.startup_timeout, trace_path=args.trace,
                          engine_options={**({"compile": True} if args.compile_parts else {}),
                                          **({"compiled": False} if args.interpreted_parts else {})},
-                         trust_plugins=args.trust_plugins)
+                         trust_plugins=args.trust_plugins, security=security, plan_digest=plan_digest(args.plan))
     status = CompNode(plan, args.plan, cfg).run()
     if args.fast_exit:
         # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch

@@ -22,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     print(plan_report(plan))
+    from fusion.executors.runtime.plandigest import plan_digest
+
+    print(f"\ndigest {plan_digest(args.plan)} (SHA-256 of plan.json, weights and plugins; the executors and the "
+          "coordinator of a run compare it at hello)")
     if not args.no_png:
         base = Path(args.plan)
         png = Path(args.png) if args.png else (base if base.is_dir() else base.parent) / "plan.png"

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help="threads per executor (default: cores / CompNodes; with --ray, torch's default on each node)")
     p.add_argument("--trace", choices=("on", "off"), default="on",
                    help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no CURVE: links between the local processes are neither authenticated nor encrypted, and any "
+                        "process on this host can send them messages (default: fresh keys for this run in OUT/keys)")
     p.add_argument("--trust-plugins", action="store_true",
                    help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
     p.add_argument("--device", default="cpu", metavar="DEV",
@@ -99,6 +102,15 @@ def _sigterm_as_interrupt():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
+    """Refuse, with the reason, a plan with plugins the user has not trusted, before any executor starts."""
+    if plan.graph.plugins and not trust:
+        from fusion.ir.errors import FusionError
+        from fusion.ir.registry import TRUST_HINT
+
+        raise FusionError(f"{plan_dir}: the plan lists plugins {plan.graph.plugins}: {TRUST_HINT}")
+
+
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import check_run_dir, default_run_dir, prepare_run_dir
@@ -126,15 +138,17 @@ def run(args: argparse.Namespace) -> int:
         _reject_compile_options(args)
         plan_dir = target.parent if target.name == "plan.json" else target
         name = run_name(plan_dir)
-        from fusion.plan import load_plan
-
-        load_plan(plan_dir)  # a broken or hostile plan is refused in one line, before a run folder is made
     else:
         plan_dir = None
         name = Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
     out = Path(args.out) if args.out else default_run_dir(name)
     check_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)  # before a long compile
     plan = model = None
+    trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
+    if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
+        from fusion.plan import load_plan
+
+        _refuse_untrusted(load_plan(plan_dir), plan_dir, trust)
     if not is_plan and not (args.resume and (out / "plan" / "plan.json").exists()):
         # compile in memory first: a model or cluster error leaves no run folder behind
         if not args.cluster:
@@ -157,21 +171,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             drop_failed_replicas=args.drop_failed_replicas)
-    trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     executor_args = executor_flags(args, trust)
     if args.ray:
         from fusion.executors.runtime.ray_cluster import RayCluster
 
         cluster = RayCluster(args.ray, plan_dir, out, cfg, threads=args.threads, report=_say,
                              trace=args.trace == "on", executor_args=executor_args,
-                             verbose=1 + args.verbose + args.verbose_after)
+                             verbose=1 + args.verbose + args.verbose_after, curve=not args.insecure)
     else:
         cluster = LocalCluster(plan_dir, out, cfg, threads=args.threads, report=_say, trace=args.trace == "on",
-                               executor_args=executor_args)
-    if cluster.plan.graph.plugins and not trust:  # refuse here, with the reason, before any executor starts
-        from fusion.ir.registry import TRUST_HINT
-
-        raise FusionError(f"{plan_dir}: the plan lists plugins {cluster.plan.graph.plugins}: {TRUST_HINT}")
+                               executor_args=executor_args, curve=not args.insecure)
+    if args.insecure:
+        _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
+    _refuse_untrusted(cluster.plan, plan_dir, trust)
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)

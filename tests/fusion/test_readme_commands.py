@@ -32,7 +32,7 @@ def commands(md: Path) -> list[list[str]]:
         cmds = []
         for line in joined.splitlines():
             line = line.strip()
-            if not re.match(r"fusion (graph|compile|inspect|profile|run|executor|coordinator) ", line) \
+            if not re.match(r"fusion (graph|compile|inspect|profile|run|executor|coordinator|keys) ", line) \
                     or line.startswith("fusion run PLAN ──"):
                 continue  # printed output, a diagram
             cmd = shlex.join(shlex.split(line, comments=True))  # drop the trailing comment
@@ -139,10 +139,13 @@ def test_two_host_recipe_runs_on_loopback(tmp_path):
 
     cluster = cwd / "examples" / "clusters" / "two-hosts.yaml"
     cluster.write_text(local(cluster.read_text()))
-    compile_cmd, *live = [local(_short(c)) for c in block]
-    assert compile_cmd.startswith("fusion compile") and [c.split()[1] for c in live] == ["coordinator", "executor", "executor"]
-    r = _run(compile_cmd, cwd)
-    assert r.returncode == 0, r.stderr
+    compile_cmd, keys_cmd, *live = [local(_short(c)) for c in block]
+    assert compile_cmd.startswith("fusion compile") and keys_cmd.startswith("fusion keys")
+    assert [c.split()[1] for c in live] == ["coordinator", "executor", "executor"]
+    assert all("--key keys/" in c for c in live)  # the recipe runs CURVE: every process with its own secret key
+    for c in (compile_cmd, keys_cmd):
+        r = _run(c, cwd)
+        assert r.returncode == 0, r.stderr
     procs = []
     try:
         for c in live:

@@ -10,6 +10,7 @@ import zmq
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch, save_hand_plan
 from fusion.executors.runtime.coordinator import CoordinatorConfig
+from fusion.executors.runtime.keys import load_secret
 from fusion.executors.runtime.launcher import LocalCluster, hand_plan
 from fusion.executors.runtime.limits import FLOOR_BYTES, HEADROOM, coordinator_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
@@ -41,12 +42,16 @@ def test_an_oversized_message_is_refused_and_executor_memory_stays_flat(tmp_path
     plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.01))
     batches = [cnn_batch(s, 4) for s in range(8)]
     ctx = zmq.Context()
-    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=20), threads=1, trace=True) as lc:
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=20), threads=1, trace=True,
+                      curve=True) as lc:
         lc.start()
         pids = {p: pr.pid for p, pr in lc.processes.items()}
-        # 12 MiB is over the 8 MiB this plan allows p1: refused with a reason (ZeroMQ drops frames over twice that)
+        # 12 MiB is over the 8 MiB this plan allows p1: refused with a reason (ZeroMQ drops frames over twice that);
+        # sent under p0's key, since a stranger's message is rejected before its size is even looked at
         s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, b"mallory")
+        p0 = load_secret(tmp_path / "run" / "keys" / "p0.secret")
+        s.curve_publickey, s.curve_secretkey = p0.public.encode(), p0.secret.encode()
+        s.curve_serverkey = lc.cfg.security.peers["p1"].encode()
         s.setsockopt(zmq.LINGER, 2000)
         s.connect(lc.coordinator.addresses["p1"])
         s.send_multipart([msgpack.packb({"v": 1, "k": "opdata", "h": {}, "t": [{"d": "uint8", "s": [12 << 20]}]}),

@@ -96,14 +96,17 @@ def test_two_hosts_in_namespaces_train_like_pytorch(two_hosts, tmp_path):
     plan.parts["p1"].address = f"tcp://{IP_B}:5602"
     plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
     run, steps = tmp_path / "run", 4
+    keys = tmp_path / "keys"  # CURVE on every link, as a multi-host run must (the executors listen beyond loopback)
+    subprocess.run([sys.executable, "-m", "fusion.cli", "keys", str(plan_dir), "--out", str(keys)], check=True, timeout=60)
     coord_addr = f"tcp://{IP_A}:5600"
     procs = []
     with open(tmp_path / "log.txt", "wb") as log:
         try:
             procs.append(_in(NS_A, "coordinator", str(plan_dir), "--bind", coord_addr, "--steps", str(steps), "--out", str(run),
-                             "--data", "synthetic", "--no-progress", log=log))
+                             "--data", "synthetic", "--no-progress", "--key", str(keys / "coordinator.secret"), log=log))
             for ns, part in ((NS_A, "p0"), (NS_B, "p1")):
-                procs.append(_in(ns, "executor", str(plan_dir), "--node", part, "--coordinator", coord_addr, log=log))
+                procs.append(_in(ns, "executor", str(plan_dir), "--node", part, "--coordinator", coord_addr,
+                                 "--key", str(keys / f"{part}.secret"), log=log))
             deadline = time.monotonic() + 120
             for p in procs:
                 p.wait(max(1.0, deadline - time.monotonic()))

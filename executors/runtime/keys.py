@@ -1,0 +1,324 @@
+"""CURVE keys of a run: who may talk to whom, proven by public-key cryptography (ZeroMQ's CurveZMQ).
+
+Every process of a run (each CompNode and the coordinator) has a key pair.
+Public keys are listed in a file beside the plan (``PLAN/public_keys.json``,
+``{name: z85 public key}``), made by ``fusion keys``; each secret key lives in
+its own file (``<name>.secret``, JSON ``{"name", "public", "secret"}``) that
+must be readable by its owner only (mode 0600): a group- or world-readable
+one is refused with one line.
+
+A process's ROUTER socket is a CURVE server; its ZAP handler
+(:class:`ZapHandler`, ZeroMQ Authentication Protocol, RFC 27) accepts a
+handshake only from a key in the list and names the peer by the name the
+list gives that key. ZeroMQ then tags every frame from that connection with
+the name as its ``User-Id`` property, which the transport uses as the
+sender: a key not in the plan never gets a message through, and a peer
+cannot speak under another's name. Outbound DEALER sockets are CURVE
+clients that know the server's public key, so a process also proves the
+peer it sends to holds that peer's secret key. All traffic is encrypted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import zmq
+from zmq.utils import z85
+
+from fusion.ir.errors import FusionError
+
+log = logging.getLogger(__name__)
+
+PUBLIC_KEYS_FILE = "public_keys.json"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"fusion"
+_Z85_LEN = 40
+
+
+class KeyFileError(FusionError):
+    """A key file is missing, malformed, or not private."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """One process's CURVE key pair; ``public`` and ``secret`` are 40-character Z85 text (32-byte keys)."""
+
+    name: str
+    public: str
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Security:
+    """What a transport needs to run CURVE: its own key pair and the public key of every process of the run.
+
+    me:      this process's key pair.
+    peers:   name -> Z85 public key of every process of the run (this one included).
+    """
+
+    me: KeyPair
+    peers: Mapping[str, str]
+
+    def public_of(self, name: str) -> str:
+        key = self.peers.get(name)
+        if key is None:
+            raise FusionError(f"no public key for {name!r} in the run's key list (names: {', '.join(sorted(self.peers))})")
+        return key
+
+    def name_of(self) -> dict[str, str]:
+        """Z85 public key -> name."""
+        return {k: n for n, k in self.peers.items()}
+
+
+def generate(name: str) -> KeyPair:
+    """A fresh key pair for ``name``."""
+    public, secret = zmq.curve_keypair()
+    return KeyPair(name, public.decode("ascii"), secret.decode("ascii"))
+
+
+def _check_z85(text: object, what: str) -> str:
+    if not isinstance(text, str) or len(text) != _Z85_LEN:
+        raise KeyFileError(f"{what}: expected a 40-character Z85 key, got {str(text)[:60]!r}")
+    try:
+        z85.decode(text.encode("ascii"))
+    except (ValueError, UnicodeEncodeError, KeyError, TypeError):
+        raise KeyFileError(f"{what}: {text!r} is not Z85 text") from None
+    return text
+
+
+def write_secret(pair: KeyPair, path: str | Path) -> Path:
+    """Write ``pair`` to ``path`` readable and writable by the owner only (0600), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is cut by the umask only; never widened
+        os.write(fd, (json.dumps({"name": pair.name, "public": pair.public, "secret": pair.secret}) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def load_secret(path: str | Path) -> KeyPair:
+    """The key pair in ``path``; refused (one line) when the file is readable by group or others."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise KeyFileError(f"{path}: cannot read the secret key file ({e.strerror}); make one with `fusion keys`") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(f"{path}: secret key file is readable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                        f"run `chmod 600 {path}`")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KeyFileError(f"{path}: not a secret key file ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+        raise KeyFileError(f"{path}: not a secret key file (expected JSON with name, public, secret)")
+    secret = _check_z85(d.get("secret"), f"{path}: field 'secret'")
+    public = _check_z85(d.get("public"), f"{path}: field 'public'")
+    if zmq.curve_public(secret.encode("ascii")).decode("ascii") != public:
+        raise KeyFileError(f"{path}: the public key does not belong to the secret key")
+    return KeyPair(d["name"], public, secret)
+
+
+def write_public(keys: Mapping[str, str], path: str | Path) -> Path:
+    """Write the public key list (name -> Z85) to ``path``, atomically."""
+    from fusion.plan import atomic_write
+
+    path = Path(path)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(dict(sorted(keys.items())), indent=1) + "\n"))
+    return path
+
+
+def load_public(path: str | Path, names: Iterable[str] | None = None) -> dict[str, str]:
+    """The public key list in ``path``; with ``names``, every one of them must have a key."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except OSError as e:
+        raise KeyFileError(f"{path}: cannot read the public key list ({e.strerror}); make it with `fusion keys`") from None
+    except ValueError as e:
+        raise KeyFileError(f"{path}: not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise KeyFileError(f"{path}: expected {{name: public key}}")
+    keys = {str(n): _check_z85(k, f"{path}: key of {n!r}") for n, k in d.items()}
+    if len(set(keys.values())) != len(keys):
+        raise KeyFileError(f"{path}: two names share one public key")
+    missing = sorted(set(names or ()) - set(keys))
+    if missing:
+        raise KeyFileError(f"{path}: no public key for {', '.join(missing)} (run `fusion keys` for this plan)")
+    return keys
+
+
+def security_for(secret_path: str | Path, public_path: str | Path, names: Iterable[str], me: str) -> Security:
+    """Load this process's key pair and the run's public keys; the pair must be the one listed for ``me``."""
+    names = list(names)
+    pair = load_secret(secret_path)
+    peers = load_public(public_path, names)
+    if peers[me] != pair.public:
+        raise KeyFileError(f"{secret_path}: this key pair ({pair.name!r}) is not the one {public_path} lists for {me!r}")
+    return Security(pair, peers)
+
+
+def make_run_keys(names: Iterable[str], folder: str | Path) -> tuple[dict[str, Path], Path]:
+    """Fresh key pairs for ``names`` in ``folder`` (``<name>.secret``, 0600) plus ``public_keys.json``.
+
+    Returns (name -> secret key file, public key list file).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    pairs = {n: generate(n) for n in names}
+    secrets = {n: write_secret(p, folder / f"{n}.secret") for n, p in pairs.items()}
+    public = write_public({n: p.public for n, p in pairs.items()}, folder / PUBLIC_KEYS_FILE)
+    return secrets, public
+
+
+class ZapHandler(threading.Thread):
+    """The ZAP handler of one ZeroMQ context: accepts CURVE clients whose key is listed, names them.
+
+    ``on_reject(address, key)`` is called for each refused handshake; a warning is logged at most once per key
+    and address every few seconds (a refused client retries).
+    """
+
+    def __init__(self, ctx: zmq.Context, owner: str, security: Security, on_reject=None):
+        super().__init__(name=f"zap-{owner}", daemon=True)
+        self.owner, self.names, self.on_reject = owner, security.name_of(), on_reject
+        self.refused = 0
+        self._done = threading.Event()
+        self._last_logged: dict[tuple[str, str], float] = {}
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)  # bound before the ROUTER binds: no handshake is ever let through unchecked
+
+    def run(self) -> None:
+        import time
+
+        try:
+            while not self._done.is_set():
+                if not self._sock.poll(100):
+                    continue
+                req = self._sock.recv_multipart()
+                try:
+                    reply = self._reply(req, time.monotonic())
+                except Exception:  # noqa: BLE001 - whatever went wrong, the handshake is refused, never let through
+                    log.exception("%s: ZAP handler failed; refusing the handshake", self.owner)
+                    reply = [b"1.0", req[1] if len(req) > 1 else b"", b"500", b"internal error", b"", b""]
+                self._sock.send_multipart(reply)
+        except zmq.ZMQError:
+            pass  # the context is closing
+        finally:
+            self._sock.close(linger=0)
+
+    def _reply(self, req: list[bytes], now: float) -> list[bytes]:
+        if len(req) < 6:
+            return [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
+        version, rid, domain, address, _identity, mechanism, *creds = req
+        addr = address.decode("utf-8", "replace")
+        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+            reason = f"mechanism {mechanism.decode('ascii', 'replace')} refused (CURVE only)"
+            key = "?"
+        else:
+            key = z85.encode(creds[0]).decode("ascii")
+            name = self.names.get(key)
+            if name is not None:
+                return [b"1.0", rid, b"200", b"OK", name.encode(), b""]
+            reason = "its key is not in the run's key list"
+        self.refused += 1
+        last = self._last_logged.get((addr, key), -1e9)
+        if now - last > 5.0:
+            self._last_logged[(addr, key)] = now
+            log.warning("%s: refused a connection from %s with public key %s: %s", self.owner, addr or "?", key, reason)
+        if self.on_reject is not None:
+            try:
+                self.on_reject(addr, key)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: on_reject failed", self.owner)
+        return [b"1.0", rid, b"400", reason.encode(), b"", b""]
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def insecure_warning(me: str, address: str) -> str:
+    """The warning a process without CURVE logs once it listens."""
+    return (f"{me}: listening on {address} without CURVE (--insecure or no --key): links are neither authenticated "
+            f"nor encrypted, and any process that reaches this address can send messages here (make keys with "
+            f"`fusion keys PLAN`)")
+
+
+#: handshake failures a CURVE server reports on its monitor socket (ZAP refusals are logged by the ZAP handler)
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+class HandshakeMonitor(threading.Thread):
+    """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
+    a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, a warning at
+    most every few seconds. Create it in the thread that owns ``sock``, right after bind."""
+
+    def __init__(self, sock: zmq.Socket, owner: str, on_fail=None):
+        super().__init__(name=f"monitor-{owner}", daemon=True)
+        self.owner, self.on_fail = owner, on_fail
+        self.failed = 0
+        self._done = threading.Event()
+        self._mon = sock.get_monitor_socket(HANDSHAKE_FAILED)
+
+    def run(self) -> None:
+        import time
+
+        from zmq.utils.monitor import recv_monitor_message
+
+        last, quiet = -1e9, 0
+        try:
+            while not self._done.is_set():
+                if not self._mon.poll(100):
+                    continue
+                ev = recv_monitor_message(self._mon)
+                self.failed += 1
+                code = ev.get("value")
+                why = ("not a CURVE client" if code == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", None)
+                       else f"handshake error {code}")
+                reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
+                if self.on_fail is not None:
+                    self.on_fail(reason)
+                now = time.monotonic()
+                if now - last > 5.0:
+                    log.warning("%s: a connection to %s failed the handshake: %s%s", self.owner,
+                                ev.get("endpoint", b"?").decode("utf-8", "replace"), why,
+                                f" ({quiet} more since the last warning)" if quiet else "")
+                    last, quiet = now, 0
+                else:
+                    quiet += 1
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._mon.close(linger=0)
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def curve_server(sock: zmq.Socket, security: Security) -> None:
+    """Make ``sock`` (before bind) a CURVE server with this process's keys, checked by the ZAP handler."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, security.me.secret.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, security.me.public.encode("ascii"))
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never accept
+
+
+def curve_client(sock: zmq.Socket, security: Security, peer: str) -> None:
+    """Make ``sock`` (before connect) a CURVE client of ``peer``, whose public key the run lists."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, security.public_of(peer).encode("ascii"))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, security.me.public.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_SECRETKEY, security.me.secret.encode("ascii"))

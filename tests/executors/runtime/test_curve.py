@@ -1,0 +1,228 @@
+"""CURVE (issue 15): every link of a run authenticated and encrypted; the sender is the key, not a claimed name.
+
+A stranger on the same host, with no key or a key of its own, cannot get a message to an executor (refused at the
+handshake, logged, training unchanged); a holder of a valid key cannot speak under another name; secret key files
+must be private; plans with another digest are refused at hello; CURVE training equals plain PyTorch.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from tests.executors.dist_models import CNN_SPLITS, MODELS, branching_cnn, cnn_batch, plain_training, \
+    run_distributed, save_hand_plan
+from fusion.executors.runtime.compnode import CompNode, ExecutorAbort, ExecutorConfig
+from fusion.executors.runtime.control import Control
+from fusion.executors.runtime.coordinator import CoordinatorConfig
+from fusion.executors.runtime.keys import (KeyFileError, PUBLIC_KEYS_FILE, generate, load_public, load_secret,
+                                           write_secret)
+from fusion.executors.runtime.launcher import LocalCluster
+from fusion.executors.runtime.plandigest import plan_digest
+from fusion.ir.errors import FusionError
+from fusion.ir.opdata import OpData
+from fusion.ir.wire import encode, encode_opdata
+from fusion.plan import OptimizerConfig, load_plan
+
+
+def _fusion(*args, timeout=60, **kw):
+    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+def _one_line_error(r, cmd):
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"fusion {cmd}: error:")]
+    assert len(lines) == 1, r.stderr[-2000:]
+    return lines[0]
+
+
+def test_curve_training_equals_plain_pytorch(tmp_path):
+    build, splits, plain_loss, batch_fn = MODELS["cnn"]
+    model = build(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, splits[2], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.05))
+    batches = [batch_fn(s, 4) for s in range(4)]
+    reports, state = run_distributed(plan_dir, tmp_path / "run", batches, curve=True, trace=False)
+    expected = plain_training(model, plain_loss, batches, 2, lambda ps: torch.optim.SGD(ps, lr=0.05))
+    for step, (r, (loss, grads, _)) in enumerate(zip(reports, expected)):
+        np.testing.assert_allclose(r.loss, loss, rtol=1e-6, err_msg=f"loss of step {step}")
+    for k, v in expected[-1][2].items():
+        np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    keys = tmp_path / "run" / "keys"
+    assert {f.name for f in keys.iterdir()} == {"coordinator.secret", "p0.secret", "p1.secret", PUBLIC_KEYS_FILE}
+    assert all((keys / f"{n}.secret").stat().st_mode & 0o077 == 0 for n in ("coordinator", "p0", "p1"))
+
+
+def _opdata(src="p0", it=1):
+    """A well-formed activation p0 sends p1 in iteration ``it`` (CNN_SPLITS[2]: p1 takes relu_a)."""
+    return encode_opdata(OpData(name="relu_a", index=None, op_users=("add_ab",), actual_user=("add_ab",), is_grad=False,
+                                local_iter=it, micro_batch=0, src=src, dst="p1",
+                                payload=np.full((2, 4, 6, 6), 1e6, np.float32)))
+
+
+#: the issue's packets (as in test_hostile.py): a list as message kind, a zero-size tensor with a huge dimension
+HOSTILE = [[msgpack.packb({"v": 1, "k": [], "h": {}, "t": []})],
+           [msgpack.packb({"v": 1, "k": "opdata", "h": {}, "t": [{"d": "float32", "s": [0, 2**63 - 1]}]}), b""]]
+ABORT = encode("ctrl", {"op": "abort", "names": [], "reason": "you are hacked"})
+
+
+def _dealer(ctx, address, identity=b"", keys=None, server_key=None):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 1000)
+    if identity:
+        s.setsockopt(zmq.IDENTITY, identity)
+    if keys is not None:
+        s.curve_publickey, s.curve_secretkey = keys.public.encode(), keys.secret.encode()
+        s.curve_serverkey = server_key.encode()
+    s.connect(address)
+    return s
+
+
+def _train(plan_dir, run_dir, batches, attack=None):
+    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(peer_timeout_s=20), threads=1, trace=False, curve=True) as lc:
+        lc.start()
+        out = []
+        for i, b in enumerate(batches):
+            if attack is not None and i == 1:
+                attack(lc)
+            out.append(lc.coordinator.step(b))
+        alive = {p: pr.poll() for p, pr in lc.processes.items()}
+    return out, alive
+
+
+def _wait_for(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    batches = [cnn_batch(s, 4) for s in range(3)]
+    clean, _ = _train(plan_dir, tmp_path / "clean", batches)
+    ctx = zmq.Context()
+    stranger = generate("mallory")
+    log = tmp_path / "hit" / "logs" / "p1.log"
+
+    def attack(lc):
+        p1 = lc.coordinator.addresses["p1"]
+        server_key = lc.cfg.security.peers["p1"]
+        socks = [_dealer(ctx, p1, b"p0"),  # no CURVE at all, calling itself p0
+                 _dealer(ctx, p1, b"coordinator"),
+                 _dealer(ctx, p1, b"p0", stranger, server_key)]  # CURVE with a key of its own
+        for s in socks:
+            s.send_multipart(_opdata(), copy=True)
+            s.send_multipart(ABORT)
+        assert _wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
+        for s in socks:
+            s.close(linger=0)
+
+    hit, alive = _train(plan_dir, tmp_path / "hit", batches, attack)
+    ctx.term()
+    assert all(rc is None for rc in alive.values()), alive
+    assert [r.loss for r in hit] == [r.loss for r in clean]  # the next steps are the undisturbed run's, bit for bit
+    text = log.read_text()
+    assert "its key is not in the run's key list" in text
+    assert "failed the handshake: not a CURVE client" in text  # the two without CURVE
+    assert "aborted" not in text and "you are hacked" not in text
+    assert hit[1].parts["p1"]["rejected"] >= 1  # the refused handshake is counted with the executor's rejects
+
+
+def test_a_valid_key_cannot_speak_under_another_name(tmp_path):
+    """p0's own key pair (a compromised or buggy p0) sending as the coordinator and as another part: rejected."""
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    batches = [cnn_batch(s, 4) for s in range(3)]
+    clean, _ = _train(plan_dir, tmp_path / "clean", batches)
+    ctx = zmq.Context()
+    log = tmp_path / "hit" / "logs" / "p1.log"
+
+    def attack(lc):
+        p0 = load_secret(tmp_path / "hit" / "keys" / "p0.secret")
+        s = _dealer(ctx, lc.coordinator.addresses["p1"], b"coordinator", p0, lc.cfg.security.peers["p1"])
+        s.send_multipart(ABORT)  # a control message under p0's key: not the coordinator's
+        s.send_multipart(_opdata(src="coordinator"))  # an activation that claims another sender
+        for frames in HOSTILE:  # the issue's packets, from an authenticated peer: decoded, rejected, nothing breaks
+            s.send_multipart(frames)
+        assert _wait_for(lambda: log.read_text().count("rejected message from 'p0'") >= 2 + len(HOSTILE))
+        s.close(linger=0)
+
+    hit, alive = _train(plan_dir, tmp_path / "hit", batches, attack)
+    ctx.term()
+    assert all(rc is None for rc in alive.values()), alive
+    assert [r.loss for r in hit] == [r.loss for r in clean]
+    text = log.read_text()
+    assert "control message from 'p0'; only the coordinator sends those" in text
+    assert "message claims to come from 'coordinator' but was sent by 'p0'" in text
+    assert "unknown message kind []" in text and "dimension over the message limit" in text
+
+
+def test_secret_key_files_must_be_private(tmp_path):
+    path = write_secret(generate("part0"), tmp_path / "part0.secret")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_secret(path).name == "part0"
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyFileError, match=re.escape(f"{path}: secret key file is readable by others (mode 0644); "
+                                                     f"run `chmod 600 {path}`")):
+        load_secret(path)
+
+
+def test_fusion_keys_and_the_executor_and_coordinator_key_rules(tmp_path):
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2)
+    common = ["--coordinator", "tcp://127.0.0.1:9", "--startup-timeout", "1"]
+    # without keys: an executor listening beyond loopback is refused unless --insecure
+    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://0.0.0.0:*")
+    assert "without CURVE keys" in _one_line_error(r, "executor") and "--insecure" in r.stderr
+    keys = tmp_path / "keys"
+    r = _fusion("keys", str(plan_dir), "--out", str(keys))
+    assert r.returncode == 0, r.stderr
+    assert set(load_public(plan_dir / PUBLIC_KEYS_FILE)) == {"coordinator", "p0", "p1"}
+    assert all((keys / f"{n}.secret").stat().st_mode & 0o777 == 0o600 for n in ("coordinator", "p0", "p1"))
+    assert "pass --force" in _one_line_error(_fusion("keys", str(plan_dir), "--out", str(keys)), "keys")
+    # the plan lists keys: an executor without --key is refused, even on loopback
+    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
+    assert "pass --key FILE" in _one_line_error(r, "executor")
+    # another part's key is not this part's
+    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "p1.secret"))
+    assert "is not the one" in _one_line_error(r, "executor")
+    os.chmod(keys / "coordinator.secret", 0o640)
+    r = _fusion("coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "coordinator.secret"),
+                "--out", str(tmp_path / "run"), "--startup-timeout", "1")
+    assert "readable by others (mode 0640)" in _one_line_error(r, "coordinator")
+
+
+def test_a_plan_with_another_digest_is_refused_at_hello(tmp_path):
+    model = branching_cnn(mb=2)
+    plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2)
+    mine = plan_digest(plan_dir)
+    # the coordinator's copy differs: it refuses every executor's hello, naming both digests, and aborts them
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=20, plan_digest="ab" * 32),
+                      threads=1, trace=False, curve=True) as lc:
+        with pytest.raises(FusionError, match=f"runs another plan: its digest is {mine[:16]}, the coordinator's is abababab"):
+            lc.start()
+        assert _wait_for(lambda: all(pr.poll() is not None for pr in lc.processes.values()), 15), "executors kept running"
+    # an executor whose copy differs refuses the coordinator's setup
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9", plan_digest=mine))
+    try:
+        with pytest.raises(ExecutorAbort, match=f"the coordinator runs another plan: its digest is cdcdcdcd.*, CompNode p1's is {mine[:16]}"):
+            node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False,
+                                          "resume_step": None, "checkpoint_dir": None, "digest": "cd" * 32}))
+    finally:
+        node.transport.close(timeout_s=1, linger_s=0)
+    # one changed byte of the weights changes the digest
+    w = plan_dir / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    assert plan_digest(plan_dir) != mine
