@@ -124,6 +124,7 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
             s.send_multipart(_opdata(), copy=True)
             s.send_multipart(ABORT)
         assert _wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
+        _wait_for(lambda: "not a CURVE client" in log.read_text())  # the socket monitor logs these on its own thread
         for s in socks:
             s.close(linger=0)
 
