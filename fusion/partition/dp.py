@@ -9,14 +9,17 @@ between replicas):
 
 1. **Replica counts**: every R that divides the global batch into whole
    micro-batches and leaves room for a stage group of R devices.
-2. **Groups** (two shapes, both from the Louvain clusters and the pipeline
+2. **Groups** (three shapes, all from the Louvain clusters and the pipeline
    device order of :mod:`fusion.cluster.topology`):
    - *groups inside clusters*: each cluster, fastest devices first, is cut into
      groups of R devices (leftovers are pooled last), so gradients are averaged
      over fast links and the pipeline crosses between clusters;
    - *replicas inside clusters*: the device order is cut into R runs of
      ``N // R`` devices, one per replica, and group s takes the s-th device of
-     every run, so pipelines stay on fast links and the averaging crosses.
+     every run, so pipelines stay on fast links and the averaging crosses;
+   - *replicas in runs*: every cluster is cut into runs of L devices (L a
+     cluster size or half of one) and the R fastest runs host one replica each
+     (two 8-GPU machines joined by a 1 Gbit/s link: one replica per machine).
 3. **Virtual cluster**: each group becomes one virtual device (its slowest
    member's speed, smallest memory); the link from group g to group h is the
    worst link of a min-cost perfect matching of g's members to h's members
@@ -153,6 +156,26 @@ def replicas_inside_clusters(order: list[int], R: int) -> list[list[int]]:
     return [[order[r * L + s] for r in range(R)] for s in range(L)]
 
 
+def replicas_in_runs(cluster: Cluster, clusters: list[list[int]], order: list[int], R: int,
+                     L: int) -> list[list[int]] | None:
+    """Each cluster cut into runs of L devices (fastest first); the R fastest runs host one replica each
+    (ties: earlier on the cluster path); group s takes the s-th device of every run. None if too few runs."""
+    of = {d: c for c, members in enumerate(clusters) for d in members}
+    seen: list[int] = []
+    for d in order:
+        if of[d] not in seen:
+            seen.append(of[d])
+    runs = []
+    for c in seen:
+        members = [d for d in order if of[d] == c]
+        runs += [members[i * L:(i + 1) * L] for i in range(len(members) // L)]
+    if len(runs) < R:
+        return None
+    speed = [min(cluster.devices[d].speed for d in run) * L for run in runs]
+    pick = sorted(sorted(range(len(runs)), key=lambda i: -speed[i])[:R])
+    return [[runs[i][s] for i in pick] for s in range(L)]
+
+
 def matching(cluster: Cluster, g: list[int], h: list[int]) -> tuple[np.ndarray, float, float]:
     """Min-cost perfect matching of g's members to h's (seconds per byte): perm, worst alpha, worst beta."""
     from scipy.optimize import linear_sum_assignment
@@ -255,8 +278,13 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
         rcm = replica_cost_model(cm, n_b, scale)
         shapes: dict[tuple, tuple[list[list[int]], str]] = {}
         for k, order in enumerate(orders):
-            for groups, how in ((groups_inside_clusters(cluster, clusters, order, R), f"R{R}:groups-in-clusters{k}"),
-                                (replicas_inside_clusters(order, R), f"R{R}:replicas-in-clusters{k}")):
+            shaped = [(groups_inside_clusters(cluster, clusters, order, R), f"R{R}:groups-in-clusters{k}"),
+                      (replicas_inside_clusters(order, R), f"R{R}:replicas-in-clusters{k}")]
+            if R > 1:
+                for L in sorted({len(c) for c in clusters} | {len(c) // 2 for c in clusters}):
+                    if 1 < L <= N // R:
+                        shaped.append((replicas_in_runs(cluster, clusters, order, R, L), f"R{R}:replicas-in-runs{L}-{k}"))
+            for groups, how in shaped:
                 if groups:
                     shapes.setdefault(tuple(tuple(g) for g in groups), (groups, how))
             if R == 1:
