@@ -401,4 +401,15 @@ def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | No
     return placement(best, "dtfm", info), best, traces
 
 
-__all__ = ["CommCost", "SearchTrace", "dtfm_search", "open_loop_tsp", "even_cut", "plan_dtfm_model", "EXACT_TSP"]
+
+
+
+def plan_dtfm(graph, cluster, *, global_batch: int, micro_batches: int | None = None, schedule: str = "1f1b",
+              optimizer_slots: int = 2, costs=None, seed: int = 0, **search) -> DPPlacement:
+    """DT-FM's scheduler on a graph (same arguments as :func:`fusion.partition.dp.plan_dp`; ``search``:
+    ``stages``, ``population``, ``generations``, ``patience``, ``overlap``, ``grad_wire_ratio``)."""
+    from fusion.partition.dp import build_cost_model
+
+    cm = build_cost_model(graph, cluster, costs=costs, schedule=schedule, optimizer_slots=optimizer_slots)
+    return plan_dtfm_model(cm, global_batch=global_batch, micro_batches=micro_batches, seed=seed, **search)[0]
+__all__ = ["CommCost", "SearchTrace", "dtfm_search", "open_loop_tsp", "even_cut", "plan_dtfm", "plan_dtfm_model", "EXACT_TSP"]
