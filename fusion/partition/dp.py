@@ -299,11 +299,25 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
                     best = cand
     if best is None or not best.estimate.feasible:
         raise DPPlanError(f"{cluster.source}: devices[].memory_bytes: no DP x PP layout fits the devices' memory")
+    best = connected(best, overlap, grad_wire_ratio)
     info = {"candidates": tried, "how": best.how, "seconds": round(time.perf_counter() - t0, 3),
             "clusters": len(clusters)}
     log.info("dp planner: %d replicas x %d stages, predicted %.4g s/step (%s) in %.2f s", len(best.devices),
              len(best.devices[0]), best.estimate.iteration_s, best.how, info["seconds"])
     return placement(best, "dp", info), best
+
+
+def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0) -> Candidate:
+    """OP-Fence's connectivity repair (:func:`fusion.partition.fence._connect`) on the slowest replica's devices:
+    a stage holding two disconnected pieces gives one to a neighbour it touches; kept when it still fits."""
+    from fusion.partition.fence import _connect
+
+    slow = int(np.argmax(c.estimate.replica_s))
+    node_part, fixed = _connect(c.cm, c.node_part, c.devices[slow])
+    if not fixed:
+        return c
+    est = dp_estimate(c.cm, node_part, c.devices, overlap=overlap, grad_wire_ratio=grad_wire_ratio)
+    return Candidate(node_part, c.devices, est, c.cm, c.how + "+connected") if est.feasible else c
 
 
 def placement(c: Candidate, strategy: str, info: dict) -> DPPlacement:

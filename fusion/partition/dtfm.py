@@ -52,7 +52,7 @@ import numpy as np
 from fusion.cost.dp import dp_estimate, replica_cost_model, stage_grad_bytes
 from fusion.cost.estimate import CostModel
 from fusion.partition.chain import Chain, build_chain
-from fusion.partition.dp import Candidate, DPPlacement, DPPlanError, batch_splits, placement
+from fusion.partition.dp import Candidate, DPPlacement, DPPlanError, batch_splits, connected, placement
 
 log = logging.getLogger(__name__)
 
@@ -395,6 +395,7 @@ def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | No
                 break
     if best is None or not best.estimate.feasible:
         raise DPPlanError(f"{cm.cluster.source}: devices[].memory_bytes: no even D_PP x D_DP split fits the devices' memory")
+    best = connected(best, overlap, grad_wire_ratio)
     info = {"how": best.how, "seconds": round(time.perf_counter() - t0, 3), "degrees_tried": sorted(traces),
             "comm_cost": {S: [t.initial_cost, t.final_cost] for S, t in traces.items()}}
     log.info("dtfm scheduler: %s, predicted %.4g s/step in %.2f s", best.how, best.estimate.iteration_s, info["seconds"])

@@ -98,3 +98,18 @@ def test_replica_paths_follow_the_matchings():
     assert replica_paths(groups, [0, 1], perms) == [[0, 1], [4, 5]]
     assert vc.beta[0, 1] == pytest.approx(8 / 10e9)  # worst link of the best matching: inside a region
     np.testing.assert_allclose(vc.alpha[0, 1], 1e-4)
+
+
+def test_branchy_dag_stages_are_connected_for_both_planners():
+    """Parallel branches: every stage of both planners is one connected piece (OP-Fence's repair runs on both)."""
+    from fusion.partition.dtfm import plan_dtfm_model
+    from tests.testing_models import branchy_model
+
+    model = branchy_model(width=8)
+    cm = CostModel.build(model.graph, measure_costs(model.graph), two_regions(flops=1e5, slow_bps=1e12),
+                         1, "1f1b", 0, 1)
+    pl, best = plan_dp_model(cm, global_batch=8, replicas=[2])
+    assert pl.stages >= 2
+    check_placement(cm, pl, best.cm.micro_batches)
+    theirs, tb, _ = plan_dtfm_model(cm, global_batch=8, stages=[4], generations=5)
+    check_placement(cm, theirs, tb.cm.micro_batches)
