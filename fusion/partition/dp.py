@@ -270,7 +270,11 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
     orders = [device_order(cluster, clusters, cluster_path(cbw, s)) for s in start_candidates(cluster, clusters, cbw)[:2]]
     splits = batch_splits(global_batch, cm.samples_per_micro_batch, N, micro_batches)
     if replicas is not None:
+        allowed = [s[0] for s in splits]
         splits = [s for s in splits if s[0] in replicas]
+        if not splits:
+            raise DPPlanError(f"replicas {list(replicas)}: none splits global_batch {global_batch} into whole "
+                              f"micro-batches on {N} devices (possible: {allowed})")
     need = float(cm.p_state.sum())
     best: Candidate | None = None
     tried = 0

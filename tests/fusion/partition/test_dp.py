@@ -87,6 +87,8 @@ def test_batch_that_does_not_split_is_one_clear_error(tiny):
         batch_splits(7, 2, 8, None)
     with pytest.raises(DPPlanError, match="global_batch must be an integer"):
         plan_dp_model(cm, global_batch=0)
+    with pytest.raises(DPPlanError, match=r"replicas \[3\]: none splits global_batch 8"):
+        plan_dp_model(cm, global_batch=8, replicas=[3])
     assert [r for r, _, _ in batch_splits(12, 1, 8, None)] == [1, 2, 3, 4, 6]
     assert batch_splits(12, 1, 8, 3) == [(1, 3, 4.0), (2, 3, 2.0), (4, 3, 1.0)]
 
