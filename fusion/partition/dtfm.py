@@ -293,11 +293,12 @@ def _local_search(labels: np.ndarray, S: int, cc: CommCost, cost: float, max_rou
     return labels, cost
 
 
-def dtfm_search(cc: CommCost, N: int, S: int, seed: int = 0, population: int = 10, generations: int = 300,
-                patience: int = 60) -> tuple[list[list[int]], list[int], SearchTrace]:
+def dtfm_search(cc: CommCost, N: int, S: int, seed: int = 0, population: int = 10, generations: int = 1000,
+                patience: int = 100) -> tuple[list[list[int]], list[int], SearchTrace]:
     """The hybrid GA of DT-FM §3.4 over balanced partitions of N devices into S groups.
 
-    Stops after ``generations`` offspring or ``patience`` offspring in a row without a better best member.
+    Stops after ``generations`` offspring or after ``patience`` offspring in a row that did not enter the
+    population (converged).
 
     Returns the best groups, their pipeline order (open-loop TSP) and a :class:`SearchTrace`.
     """
@@ -321,8 +322,10 @@ def dtfm_search(cc: CommCost, N: int, S: int, seed: int = 0, population: int = 1
         worst = int(np.argmax([p[0] for p in pop]))
         if c < pop[worst][0]:
             pop[worst] = (c, child)
+            stale = 0
+        else:
+            stale += 1
         history.append(min(p[0] for p in pop))
-        stale = stale + 1 if history[-1] >= history[-2] else 0
         if stale >= patience:
             break
     best_c, best = min(pop, key=lambda p: p[0])
@@ -356,7 +359,7 @@ def _paths(cc: CommCost, groups: list[list[int]], order: list[int]) -> list[list
 
 
 def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | None = None, seed: int = 0,
-                    stages: list[int] | None = None, population: int = 10, generations: int = 300, patience: int = 60,
+                    stages: list[int] | None = None, population: int = 10, generations: int = 1000, patience: int = 100,
                     overlap: bool = True, grad_wire_ratio: float = 1.0) -> tuple[DPPlacement, Candidate, dict]:
     """Run DT-FM's scheduler for every feasible D_PP (or those in ``stages``) and keep the fastest by the shared estimator.
 
