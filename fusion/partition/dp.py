@@ -22,9 +22,8 @@ between replicas):
      (two 8-GPU machines joined by a 1 Gbit/s link: one replica per machine).
 3. **Virtual cluster**: each group becomes one virtual device (its slowest
    member's speed, smallest memory); the link from group g to group h is the
-   worst link of a min-cost perfect matching of g's members to h's members
-   (DT-FM §3.3's matching between consecutive groups, solved by
-   ``scipy.optimize.linear_sum_assignment`` on seconds per byte).
+   worst link of the perfect matching of g's members to h's members whose worst
+   link is best (DT-FM §3.3's bottleneck matching between consecutive groups).
 4. **Cut**: OP-Fence (:func:`fusion.partition.fence.op_fence`) on the virtual
    cluster picks the groups that are used, their pipeline order and the cut
    (memory per replica with that replica's micro-batches in flight). Replica r
@@ -53,6 +52,7 @@ from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph
 from fusion.partition.chain import build_chain, candidate_positions, chain_dp
 from fusion.partition.fence import NoFitError, op_fence
+from fusion.partition.matching import bottleneck_matching
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +177,12 @@ def replicas_in_runs(cluster: Cluster, clusters: list[list[int]], order: list[in
 
 
 def matching(cluster: Cluster, g: list[int], h: list[int]) -> tuple[np.ndarray, float, float]:
-    """Min-cost perfect matching of g's members to h's (seconds per byte): perm, worst alpha, worst beta."""
-    from scipy.optimize import linear_sum_assignment
-
+    """Perfect matching of g's members to h's with the least worst link (seconds per byte, latency
+    breaking ties): perm, worst alpha, worst beta."""
     gi, hi = np.asarray(g), np.asarray(h)
     beta = cluster.beta[np.ix_(gi, hi)]
     alpha = cluster.alpha[np.ix_(gi, hi)]
-    rows, cols = linear_sum_assignment(beta + alpha * 1e-6)
-    perm = np.empty(len(g), dtype=np.int64)
-    perm[rows] = cols
+    _, perm = bottleneck_matching(beta + alpha * 1e-9)
     ar = np.arange(len(g))
     return perm, float(alpha[ar, perm].max()), float(beta[ar, perm].max())
 

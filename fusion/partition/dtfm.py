@@ -11,8 +11,7 @@ carries the mean of both directions' latency and seconds per byte):
 - Eq. (2), data parallel: ``DATAP-COST(C_j) = max_{d in C_j} sum_{d' in C_j - d} 2 (alpha_dd' + c_DP / D_DP * beta_dd')``,
   and ``DATAP-COST = max_j DATAP-COST(C_j)`` (groups reduce in parallel).
 - Eq. (3), pipeline edge of the coarsened graph: ``min_M max_{(d,d') in M} 2 (alpha_dd' + c_PP * beta_dd')`` over
-  perfect matchings M of C_j to C_j' (a bottleneck matching: binary search on the threshold,
-  bipartite matching by ``scipy.sparse.csgraph.maximum_bipartite_matching``).
+  perfect matchings M of C_j to C_j' (a bottleneck matching, :mod:`fusion.partition.matching`).
 - Eq. (4): ``PIPELINEP-COST = OPENLOOPTSP(coarsened graph)`` (exact Held-Karp up to
   :data:`EXACT_TSP` groups, nearest neighbour + 2-opt above).
 - Eq. (1): ``COMM-COST = DATAP-COST + PIPELINEP-COST``.
@@ -52,6 +51,7 @@ import numpy as np
 from fusion.cost.dp import dp_estimate, replica_cost_model, stage_grad_bytes
 from fusion.cost.estimate import CostModel
 from fusion.partition.chain import Chain, build_chain
+from fusion.partition.matching import bottleneck_matching
 from fusion.partition.dp import Candidate, DPPlacement, DPPlanError, batch_splits, connected, placement
 
 log = logging.getLogger(__name__)
@@ -91,13 +91,13 @@ class CommCost:
 
     def edge(self, g: list[int], h: list[int]) -> tuple[float, np.ndarray]:
         """Eq. (3): bottleneck perfect matching between two groups; (cost, perm: g[i] <-> h[perm[i]])."""
-        return _bottleneck_matching(2.0 * self.w_pp[np.ix_(list(g), list(h))])
+        return bottleneck_matching(2.0 * self.w_pp[np.ix_(list(g), list(h))])
 
     def edge_cost(self, g: list[int], h: list[int]) -> float:
         key = (tuple(sorted(g)), tuple(sorted(h)))
         got = self._edge.get(key)
         if got is None:
-            got = _bottleneck_matching(2.0 * self.w_pp[np.ix_(list(key[0]), list(key[1]))])
+            got = bottleneck_matching(2.0 * self.w_pp[np.ix_(list(key[0]), list(key[1]))])
             self._edge[key] = got
         return got[0]
 
@@ -112,54 +112,6 @@ class CommCost:
                 W[a, b] = W[b, a] = self.edge_cost(groups[a], groups[b])
         pp, order = open_loop_tsp(W)
         return dp + pp, order
-
-
-def _bottleneck_matching(w: np.ndarray) -> tuple[float, np.ndarray]:
-    """min over perfect matchings of the largest matched weight; returns (value, perm: row i <-> column perm[i]).
-
-    Binary search over the thresholds at or above the trivial lower bound (every row and column needs
-    one edge), each tested by Kuhn's augmenting paths.
-    """
-    n = len(w)
-    if n == 1:
-        return float(w[0, 0]), np.zeros(1, dtype=np.int64)
-    lb = max(float(w.min(axis=1).max()), float(w.min(axis=0).max()))
-    vals = np.unique(w[w >= lb])
-    lo, hi = 0, len(vals) - 1
-    best = None
-    while lo <= hi:
-        mid = lo if best is None and lo == 0 else (lo + hi) // 2
-        perm = _perfect_matching(w <= vals[mid])
-        if perm is not None:
-            best, hi = (float(vals[mid]), perm), mid - 1
-        else:
-            lo = mid + 1
-    assert best is not None  # the largest threshold admits every edge
-    return best
-
-
-def _perfect_matching(ok: np.ndarray) -> np.ndarray | None:
-    """Kuhn's algorithm on a boolean bipartite adjacency matrix; perm or None when no perfect matching."""
-    n = len(ok)
-    adj = [np.nonzero(row)[0].tolist() for row in ok]
-    match_col = [-1] * n
-
-    def augment(u: int, seen: list[bool]) -> bool:
-        for v in adj[u]:
-            if not seen[v]:
-                seen[v] = True
-                if match_col[v] < 0 or augment(match_col[v], seen):
-                    match_col[v] = u
-                    return True
-        return False
-
-    for u in range(n):
-        if not adj[u] or not augment(u, [False] * n):
-            return None
-    perm = np.empty(n, dtype=np.int64)
-    for v, u in enumerate(match_col):
-        perm[u] = v
-    return perm
 
 
 def open_loop_tsp(W: np.ndarray) -> tuple[float, list[int]]:

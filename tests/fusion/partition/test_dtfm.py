@@ -6,7 +6,8 @@ import pytest
 
 from fusion.cost.estimate import CostModel
 from fusion.cost.flops import measure_costs
-from fusion.partition.dtfm import CommCost, _bottleneck_matching, dtfm_search, open_loop_tsp, plan_dtfm_model
+from fusion.partition.matching import bottleneck_matching as _bottleneck_matching
+from fusion.partition.dtfm import CommCost, dtfm_search, open_loop_tsp, plan_dtfm_model
 from tests.fusion.dp_clusters import two_regions
 from tests.fusion.partition.dp_checks import check_placement
 from tests.testing_models import gpt_model
