@@ -1,0 +1,104 @@
+"""DP x PP planning: our planner against OP-Fence's single pipeline and against DT-FM's scheduler.
+
+All numbers are predictions of one estimator (:func:`fusion.cost.dp.dp_estimate`: FusionLLM Eq. (1)-(4)
+inside a replica, DT-FM §3.2's slowest-link ring all-reduce between replicas), 1F1B, AdamW, fp32,
+graphs built on the meta device (no weights).
+
+1. GPT-2 XL shape (48 layers, width 1600, 25 heads, one 1024-token sequence per micro-batch, tied head)
+   on ``fusionllm-48``, global batch 512 sequences. Anchor: OP-Fence's single pipeline, searched with
+   4, 8 and 16 micro-batches and priced on the same global batch (all 512 micro-batches through one
+   pipeline), the best that fits. ``dp_vs_single_pipeline`` = our plan's samples/s over the anchor's
+   (target >= 4). Also at global batch 4096 and with 8-bit gradients (wire ratio 0.25) for context.
+2. GPT3-XL shape (24 layers, width 2048, 16 heads, vocab 50257; 1024-token sequences so that fp32
+   activations without recomputation fit a 16 GB V100 at all), global batch 1024, on the five shipped
+   DT-FM scenarios (64 V100s). ``vs_dtfm[scenario]`` = our predicted iteration time over DT-FM's
+   scheduler's (fusion.partition.dtfm, seed 0, the best of its D_PP x D_DP splits), target <= 1.0;
+   ``planning_s`` = our planner's slowest wall time on those 64-device clusters (target < 60 s).
+
+Final line: JSON. Run: python benchmarks/bench_dp.py [--quick]  (--quick: dtfm-1 and dtfm-5 only)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from fusion.cluster.scenarios import load_scenario
+from fusion.cost.dp import replica_cost_model
+from fusion.cost.flops import measure_costs
+from fusion.partition.dp import build_cost_model, plan_dp_model
+from fusion.partition.dtfm import plan_dtfm_model
+from fusion.partition.fence import NoFitError, op_fence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout root: tests/ holds the op-node GPT
+from tests.testing_models import gpt_model  # noqa: E402
+
+DTFM = ["dtfm-1-datacenter", "dtfm-2-spot", "dtfm-3-multi-dc", "dtfm-4-regional", "dtfm-5-worldwide"]
+
+
+def single_pipeline(cm, global_batch: int) -> tuple[float, int]:
+    """OP-Fence's best single pipeline priced on the global batch: (samples/s, parts)."""
+    full = replica_cost_model(cm, global_batch // cm.samples_per_micro_batch)
+    best = (0.0, 0)
+    for n_search in (4, 8, 16):
+        try:
+            part = op_fence(replica_cost_model(cm, n_search))
+        except NoFitError:
+            continue
+        est = full.evaluate(part.node_part, part.part_device)
+        if est.feasible and est.throughput > best[0]:
+            best = (est.throughput, len(part.part_device))
+    return best
+
+
+def describe(pl) -> str:
+    p = pl.predicted
+    return (f"{pl.replicas:2d} x {pl.stages:2d}, {p['iteration_s']:8.3f} s/step (pipeline {p['pipeline_s']:.3f} + "
+            f"exposed sync {p['dp_sync_s']:.3f}), {p['samples_per_s']:7.2f} samples/s; replica 0: "
+            f"{', '.join(pl.devices[0])[:70]}")
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv
+    out: dict = {}
+    t = time.perf_counter()
+    xl = gpt_model(48, 1600, 25, 50257, 1024, 1, tied=True, device="meta")
+    xl_costs = measure_costs(xl.graph)
+    print(f"GPT-2 XL graph and costs in {time.perf_counter() - t:.1f} s")
+    cm = build_cost_model(xl.graph, load_scenario("fusionllm-48"), costs=xl_costs)
+    for G, ratio, key in ((512, 1.0, "dp_vs_single_pipeline"), (4096, 1.0, "dp_vs_single_pipeline_batch4096"),
+                          (512, 0.25, "dp_vs_single_pipeline_8bit_grads")):
+        single, parts = single_pipeline(cm, G)
+        t = time.perf_counter()
+        pl, _ = plan_dp_model(cm, global_batch=G, grad_wire_ratio=ratio)
+        el = time.perf_counter() - t
+        out[key] = round(pl.predicted["samples_per_s"] / single, 3)
+        print(f"fusionllm-48 G={G} grad wire {ratio}: OP-Fence single pipeline {single:.2f} samples/s on {parts} "
+              f"GPUs; ours {describe(pl)} [{el:.1f} s] -> {out[key]}x")
+    t = time.perf_counter()
+    g3 = gpt_model(24, 2048, 16, 50257, 1024, 1, tied=True, device="meta")
+    g3_costs = measure_costs(g3.graph)
+    print(f"GPT3-XL graph and costs in {time.perf_counter() - t:.1f} s")
+    out["vs_dtfm"], out["dtfm_planning_s"], plan_s = {}, {}, []
+    for name in (DTFM[0], DTFM[4]) if quick else DTFM:
+        cm = build_cost_model(g3.graph, load_scenario(name), costs=g3_costs)
+        t = time.perf_counter()
+        ours, _ = plan_dp_model(cm, global_batch=1024)
+        plan_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        theirs, _, _ = plan_dtfm_model(cm, global_batch=1024, seed=0)
+        out["dtfm_planning_s"][name] = round(time.perf_counter() - t, 1)
+        out["vs_dtfm"][name] = round(ours.predicted["iteration_s"] / theirs.predicted["iteration_s"], 3)
+        print(f"{name}:\n  ours {describe(ours)} [{plan_s[-1]:.1f} s]\n  dtfm {describe(theirs)} "
+              f"[{out['dtfm_planning_s'][name]:.1f} s]\n  ours / dtfm = {out['vs_dtfm'][name]}")
+    out["planning_s"] = round(max(plan_s), 2)
+    out["targets_met"] = {"dp_vs_single_pipeline": out["dp_vs_single_pipeline"] >= 4,
+                          "vs_dtfm": all(v <= 1.0 for v in out["vs_dtfm"].values()),
+                          "planning_s": out["planning_s"] < 60}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
