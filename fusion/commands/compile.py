@@ -24,6 +24,10 @@ def add_parser(sub) -> None:
 MICRO_BATCHES = 4
 
 
+#: partitioners that plan data-parallel replicas (fusion.partition.dp, fusion.partition.dtfm)
+DP_STRATEGIES = ("dp", "dtfm")
+
+
 def add_compile_options(p, note: str = "") -> dict[str, object]:
     """The partitioner, schedule, compression, optimizer and engine options (``compile``, and ``run`` on a MODEL).
 
@@ -31,9 +35,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
     """
     g = p.add_argument_group(f"compiling{note}")
     actions = [
-        g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops"],
+        g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops", *DP_STRATEGIES],
                        help="partitioner (OP-Fence may put a small model on one device; equal-count/equal-flops "
-                            "use every device of the cluster file, blind to links)"),
+                            "use every device of the cluster file, blind to links; dp plans data-parallel replicas "
+                            "of a pipeline and dtfm is DT-FM's scheduler for them, both with --global-batch)"),
         g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
                        help="n_b: micro-batches per iteration"),
         g.add_argument("--replicas", type=positive_int, default=1, metavar="R",
@@ -77,11 +82,14 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         opt = OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay)
     except ValueError as e:
         raise FusionError(f"--optimizer/--lr: {e}") from None
-    from fusion.compress.policy import parse_spec, request
+    from fusion.compress.policy import request
 
     compress = request(args.compress, args.compress_bwd)
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
+    dp_codec = _dp_codec(args)
+    if args.strategy in DP_STRATEGIES:
+        return _compile_dp(args, model, cluster, opt, compress, dp_codec)
     micro = args.micro_batches
     if args.global_batch is not None:
         from fusion.replicas import split_global_batch
@@ -93,18 +101,65 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute)
-    dp_codec = None
-    if args.dp_codec is not None:
-        dp_codec = parse_spec(args.dp_codec, "--dp-codec")
-        if dp_codec is not None and (not isinstance(dp_codec, dict) or dp_codec["algo"] != "quant"):
-            raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes quant:bits=B[,block=N] or none")
-        if dp_codec is not None and args.replicas < 2:
-            raise FusionError("--dp-codec needs --replicas 2 or more")
+    if dp_codec is not None and args.replicas < 2:
+        raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
         from fusion.replicas import next_free_devices, replicate
 
         plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
                          dp_codec=dp_codec)
+    assign_engines(plan, args.engine)
+    return plan
+
+
+def _dp_codec(args: argparse.Namespace):
+    """The all-reduce codec of ``--dp-codec`` (None: exact averaging)."""
+    from fusion.compress.policy import parse_spec
+    from fusion.ir.errors import FusionError
+
+    if args.dp_codec is None:
+        return None
+    cfg = parse_spec(args.dp_codec, "--dp-codec")
+    if cfg is not None and (not isinstance(cfg, dict) or cfg["algo"] != "quant"):
+        raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes quant:bits=B[,block=N] or none")
+    return cfg
+
+
+def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_codec):
+    """``--strategy dp|dtfm``: the planner chooses replicas, cut and placement (issue 14), then the plan is built."""
+    from fusion.compile import _ensure_shapes
+    from fusion.cost.estimate import optimizer_slots
+    from fusion.ir.errors import FusionError
+    from fusion.partition.dp import plan_dp
+    from fusion.partition.dtfm import plan_dtfm
+    from fusion.replicas import compile_replicated
+
+    s = args.strategy
+    if args.global_batch is None:
+        raise FusionError(f"--strategy {s} plans data-parallel replicas for a step's batch: give --global-batch ROWS")
+    if args.replicas != 1:
+        raise FusionError(f"--strategy {s} chooses the number of replicas; leave out --replicas {args.replicas}")
+    if compress is not None or args.compress_ratio is not None:
+        raise FusionError(f"--strategy {s}: compressing cut edges is not planned with replicas yet (--dp-codec "
+                          "compresses the gradient all-reduce)")
+    _ensure_shapes(model)
+    bits = dp_codec.get("bits", 8) if dp_codec else 32
+    planner = plan_dp if s == "dp" else plan_dtfm
+    pl = planner(model.graph, cluster, global_batch=args.global_batch, micro_batches=None, schedule=args.schedule,
+                 optimizer_slots=optimizer_slots(opt.name, opt.momentum), seed=args.seed, grad_wire_ratio=bits / 32)
+    micro = int(pl.predicted["micro_batches"])
+    if args.micro_batches != MICRO_BATCHES and args.micro_batches != micro:
+        raise FusionError(f"--micro-batches {args.micro_batches}: the {s} plan runs {micro} micro-batches per replica "
+                          f"({pl.replicas} replicas of {args.global_batch} rows); leave it out")
+    if dp_codec is not None and pl.replicas < 2:
+        dp_codec = None  # one replica: nothing to average
+    plan = compile_replicated(model, cluster, pl.cut, pl.devices, micro_batches=micro, global_batch=args.global_batch,
+                              schedule=args.schedule, optimizer=opt, seed=args.seed, strategy=pl.strategy,
+                              dp_codec=dp_codec)
+    plan.predicted["dp_planner"] = dict(pl.predicted)
+    # the planner priced the gradient all-reduce too (fusion.cost.dp): its iteration time is the plan's
+    plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
+                          throughput_samples_s=pl.predicted["samples_per_s"])
     assign_engines(plan, args.engine)
     return plan
 

@@ -146,3 +146,36 @@ def test_run_drops_a_dead_replica_and_records_it(tmp_path):
 def _no_kill(step):
     g = np.random.default_rng([3, step])
     return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
+
+
+def test_dp_planners_need_a_global_batch_and_choose_the_replicas(tmp_path, capsys):
+    m = _model(tmp_path)
+    assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dp", "-o", str(tmp_path / "a")]) == 2
+    assert "--strategy dp plans data-parallel replicas" in _one_line(capsys)
+    assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dtfm", "--global-batch", "8", "--replicas", "2",
+                 "-o", str(tmp_path / "b")]) == 2
+    assert "--strategy dtfm chooses the number of replicas" in _one_line(capsys)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(tmp_path):
+    """`fusion run MODEL --strategy dp|dtfm --global-batch 8`: the planner picks replicas, cut and devices, the
+    plan carries its prediction (all-reduce included), and the CompNodes train like one process on the global batch."""
+    from fusion.data import make_batches
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_model
+
+    for strategy in ("dp", "dtfm"):
+        out = tmp_path / strategy
+        r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out",
+                            str(out), "--strategy", strategy, "--global-batch", "8", "--lr", "0.1", "--steps", "2",
+                            "--no-progress"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        plan = load_plan(out / "plan")
+        assert plan.strategy == strategy and plan.global_batch == 8
+        assert plan.replicas * plan.micro_batches * 2 == 8  # 2 rows per micro-batch, as traced
+        assert plan.predicted["iteration_s"] == plan.predicted["dp_planner"]["iteration_s"] > 0
+        losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        ref = ReferenceExecutor(load_model(_model(tmp_path)), optimizer=OptimizerConfig("sgd", lr=0.1), micro_batches=4)
+        batch = make_batches(plan, "auto", plan.seed)
+        np.testing.assert_allclose(losses, [ref.step(batch(s)).loss for s in range(2)], rtol=1e-5, err_msg=strategy)
