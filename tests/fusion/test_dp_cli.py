@@ -8,23 +8,12 @@ import numpy as np
 
 from fusion.cli import main
 from fusion.plan import OptimizerConfig, load_plan, load_weights
+from tests.fusion.cli_models import CNN_SRC
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
 
-MODEL_SRC = '''
-import torch
-from fusion.ir.builder import GraphBuilder
-
-def cnn():
-    b = GraphBuilder()
-    x, y = b.input("x"), b.label("y")
-    h = b.module("conv", "torch.nn.Conv2d", x, in_channels=3, out_channels=4, kernel_size=3, padding=1)
-    h = b.function("flat", "torch.flatten", h, 1)
-    o = b.module("fc", "torch.nn.Linear", h, in_features=4 * 6 * 6, out_features=5)
-    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
-    return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
-'''
+MODEL_SRC = CNN_SRC
 
 
 def _model(tmp_path) -> str:

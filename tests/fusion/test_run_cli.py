@@ -7,20 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from fusion.cluster.scenarios import load_scenario
+from tests.fusion.cli_models import CNN_SRC
 
-MODEL_SRC = '''
-import torch
-from fusion.ir.builder import GraphBuilder
-
-def cnn():
-    b = GraphBuilder()
-    x, y = b.input("x"), b.label("y")
-    h = b.module("conv", "torch.nn.Conv2d", x, in_channels=3, out_channels=4, kernel_size=3, padding=1)
-    h = b.function("flat", "torch.flatten", h, 1)
-    o = b.module("fc", "torch.nn.Linear", h, in_features=4 * 6 * 6, out_features=5)
-    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
-    return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
-'''
+MODEL_SRC = CNN_SRC
 
 
 def _fusion(*args, timeout=120):

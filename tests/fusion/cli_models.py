@@ -1,0 +1,16 @@
+"""Model files the CLI tests write into a temporary folder and name as MODEL (``file.py:function``)."""
+
+#: a two-layer CNN built node by node; its traced micro-batch is 2 rows
+CNN_SRC = '''
+import torch
+from fusion.ir.builder import GraphBuilder
+
+def cnn():
+    b = GraphBuilder()
+    x, y = b.input("x"), b.label("y")
+    h = b.module("conv", "torch.nn.Conv2d", x, in_channels=3, out_channels=4, kernel_size=3, padding=1)
+    h = b.function("flat", "torch.flatten", h, 1)
+    o = b.module("fc", "torch.nn.Linear", h, in_features=4 * 6 * 6, out_features=5)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
+'''
