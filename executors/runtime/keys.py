@@ -261,6 +261,18 @@ def insecure_warning(me: str, address: str) -> str:
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
+def _handshake_reason(event: int | None, code: int | None) -> str:
+    """Why a handshake failed, from a monitor event: a protocol error code (a client without CURVE shows as a
+    mechanism mismatch) or, without detail, the errno of a connection that ended mid-handshake."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if code == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", None):
+            return "not a CURVE client"
+        return f"protocol error {code:#x}" if isinstance(code, int) else "protocol error"
+    import os
+
+    return f"the connection ended during the handshake ({os.strerror(code) if isinstance(code, int) else code})"
+
+
 class HandshakeMonitor(threading.Thread):
     """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
     a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, a warning at
@@ -285,9 +297,7 @@ class HandshakeMonitor(threading.Thread):
                     continue
                 ev = recv_monitor_message(self._mon)
                 self.failed += 1
-                code = ev.get("value")
-                why = ("not a CURVE client" if code == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", None)
-                       else f"handshake error {code}")
+                why = _handshake_reason(ev.get("event"), ev.get("value"))
                 reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
                 if self.on_fail is not None:
                     self.on_fail(reason)

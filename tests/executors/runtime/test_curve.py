@@ -124,7 +124,7 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
             s.send_multipart(_opdata(), copy=True)
             s.send_multipart(ABORT)
         assert _wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
-        _wait_for(lambda: "not a CURVE client" in log.read_text())  # the socket monitor logs these on its own thread
+        _wait_for(lambda: "failed the handshake" in log.read_text())  # the socket monitor logs these on its own thread
         for s in socks:
             s.close(linger=0)
 
@@ -134,7 +134,9 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
     assert [r.loss for r in hit] == [r.loss for r in clean]  # the next steps are the undisturbed run's, bit for bit
     text = log.read_text()
     assert "its key is not in the run's key list" in text
-    assert "failed the handshake: not a CURVE client" in text  # the two without CURVE
+    # the two without CURVE: a mechanism mismatch, or (as the client's greeting races the server's) a connection
+    # that ended mid-handshake; warnings are rate-limited, so one line may stand for both
+    assert re.search(r"failed the handshake: (not a CURVE client|the connection ended during the handshake)", text)
     assert "aborted" not in text and "you are hacked" not in text
     assert hit[1].parts["p1"]["rejected"] >= 1  # the refused handshake is counted with the executor's rejects
 
