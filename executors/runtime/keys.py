@@ -170,6 +170,14 @@ def security_for(secret_path: str | Path, public_path: str | Path, names: Iterab
     return Security(pair, peers)
 
 
+def coordinator_run_keys(parts: Iterable[str], folder: str | Path) -> tuple[Security, dict[str, Path], Path]:
+    """Fresh keys for one run in ``folder``: the coordinator's :class:`Security`, each part's secret key
+    file and the public key list (what a launcher hands its executors as ``--key``/``--public-keys``)."""
+    names = ["coordinator", *parts]
+    secrets, public = make_run_keys(names, folder)
+    return security_for(secrets["coordinator"], public, names, "coordinator"), secrets, public
+
+
 def make_run_keys(names: Iterable[str], folder: str | Path) -> tuple[dict[str, Path], Path]:
     """Fresh key pairs for ``names`` in ``folder`` (``<name>.secret``, 0600) plus ``public_keys.json``.
 

@@ -134,11 +134,9 @@ class LocalCluster:
         """Each executor's security arguments; with CURVE, fresh keys for this run (the coordinator's set in cfg)."""
         if not self.curve:
             return {p: ["--insecure"] for p in self.plan.parts}
-        from fusion.executors.runtime.keys import security_for, make_run_keys
+        from fusion.executors.runtime.keys import coordinator_run_keys
 
-        names = ["coordinator", *self.plan.parts]
-        secrets, public = make_run_keys(names, self.run_dir / "keys")
-        self.cfg.security = security_for(secrets["coordinator"], public, names, "coordinator")
+        self.cfg.security, secrets, public = coordinator_run_keys(self.plan.parts, self.run_dir / "keys")
         return {p: ["--key", str(secrets[p]), "--public-keys", str(public)] for p in self.plan.parts}
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> dict[str, int | None]:

@@ -324,11 +324,9 @@ class RayCluster:
         through Ray, like the plan). Without: nothing."""
         if not self.curve:
             return {}
-        from fusion.executors.runtime.keys import make_run_keys, security_for
+        from fusion.executors.runtime.keys import coordinator_run_keys
 
-        names = ["coordinator", *self.plan.parts]
-        secrets, public = make_run_keys(names, self.run_dir / "keys")
-        self.cfg.security = security_for(secrets["coordinator"], public, names, "coordinator")
+        self.cfg.security, secrets, public = coordinator_run_keys(self.plan.parts, self.run_dir / "keys")
         pub = public.read_bytes()
         return {p: {f"{p}.secret": secrets[p].read_bytes(), PUBLIC_KEYS_FILE: pub} for p in self.plan.parts}
 
