@@ -183,7 +183,6 @@ def run(args: argparse.Namespace) -> int:
                                executor_args=executor_args, curve=not args.insecure)
     if args.insecure:
         _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
-    _refuse_untrusted(cluster.plan, plan_dir, trust)
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)
