@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fusion.cli_models import CNN_SRC
+from tests.fusion.cli_helpers import CNN_SRC
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")

@@ -8,7 +8,7 @@ import numpy as np
 
 from fusion.cli import main
 from fusion.plan import OptimizerConfig, load_plan, load_weights
-from tests.fusion.cli_models import CNN_SRC
+from tests.fusion.cli_helpers import CNN_SRC
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")

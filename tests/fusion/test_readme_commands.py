@@ -12,13 +12,14 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.fusion.cli_helpers import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -114,22 +115,11 @@ def _shows_cut_and_compression(md: Path, cmd: str, output: str) -> None:
     assert parts > 1 and edges > 0, f"{md.name}: `{cmd}` gives {parts} parts and {edges} compressed edges"
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_two_host_recipe_runs_on_loopback(tmp_path):
     """docs/runtime.md's two-host block: compile, then the coordinator and one executor per "host" at once."""
     cwd = _scratch(tmp_path)
     (block,) = [b for b in commands(ROOT / "docs" / "runtime.md") if any("--node" in c for c in b)]
-    ports = dict(zip(("5600", "5601", "5602"), map(str, _free_ports(3))))
+    ports = dict(zip(("5600", "5601", "5602"), map(str, free_ports(3))))
 
     def local(text: str) -> str:
         text = re.sub(r"10\.0\.0\.\d+", "127.0.0.1", text)

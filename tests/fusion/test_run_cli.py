@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from fusion.cluster.scenarios import load_scenario
-from tests.fusion.cli_models import CNN_SRC
+from tests.fusion.cli_helpers import CNN_SRC
 
 MODEL_SRC = CNN_SRC
 

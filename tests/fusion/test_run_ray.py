@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 from fusion.executors.runtime.ray_cluster import device_resource, missing_devices, part_resources
+from tests.fusion.cli_helpers import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "examples" / "models" / "gpt.py") + ":tiny"
@@ -64,7 +64,7 @@ def test_ray_missing_says_how_to_install(tmp_path):
 def test_ray_address_where_no_head_answers_is_one_line(tmp_path):
     """Nothing listening at --ray HOST:PORT: one line naming it and how to start a head, before any compile."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'fusion[ray]')")
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     r = _fusion("run", MODEL, "--cluster", CLUSTER, "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"),
                 cwd=tmp_path, timeout=60)
     assert r.returncode == 2, r.stderr
@@ -74,17 +74,6 @@ def test_ray_address_where_no_head_answers_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
     r = _fusion("run", MODEL, "--cluster", CLUSTER, "--ray", "headnode", cwd=tmp_path, timeout=60)
     assert r.returncode == 2 and "expected HOST:PORT" in r.stderr, r.stderr
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -141,7 +130,7 @@ def ray_cluster():
     """
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'fusion[ray]')")
     temp = Path(tempfile.mkdtemp(prefix="fray", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    gcs, agent0, agent1, grpc0, grpc1, metrics0, metrics1, rt0, rt1 = _free_ports(9)
+    gcs, agent0, agent1, grpc0, grpc1, metrics0, metrics1, rt0, rt1 = free_ports(9)
     address = f"127.0.0.1:{gcs}"
     common = ["--num-cpus=1", "--object-store-memory=100000000",
               "--disable-usage-stats"]
