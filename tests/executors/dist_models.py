@@ -12,6 +12,8 @@ torch autograd; they are the single-process reference.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -191,3 +193,13 @@ def assert_matches_plain(reports, state, expected) -> None:
             np.testing.assert_allclose(r.grads[k], g, rtol=1e-4, atol=1e-6, err_msg=f"grad {k} at step {step}")
     for k, v in expected[-1][2].items():
         np.testing.assert_allclose(state[k], v, rtol=1e-4, atol=1e-6, err_msg=f"parameter {k} after {len(expected)} steps")
+
+
+def wait_for(pred, timeout: float = 20.0) -> bool:
+    """Poll ``pred`` every 50 ms until it is true (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from tests.executors.dist_models import CNN_SPLITS, MODELS, branching_cnn, cnn_batch, plain_training, \
-    run_distributed, save_hand_plan
+    run_distributed, save_hand_plan, wait_for
 from fusion.executors.runtime.compnode import CompNode, ExecutorAbort, ExecutorConfig
 from fusion.executors.runtime.control import Control
 from fusion.executors.runtime.coordinator import CoordinatorConfig
@@ -96,14 +96,6 @@ def _train(plan_dir, run_dir, batches, attack=None):
     return out, alive
 
 
-def _wait_for(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
 
 def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
     model = branching_cnn(mb=2)
@@ -123,8 +115,8 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
         for s in socks:
             s.send_multipart(_opdata(), copy=True)
             s.send_multipart(ABORT)
-        assert _wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
-        _wait_for(lambda: "failed the handshake" in log.read_text())  # the socket monitor logs these on its own thread
+        assert wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
+        wait_for(lambda: "failed the handshake" in log.read_text())  # the socket monitor logs these on its own thread
         for s in socks:
             s.close(linger=0)
 
@@ -157,7 +149,7 @@ def test_a_valid_key_cannot_speak_under_another_name(tmp_path):
         s.send_multipart(_opdata(src="coordinator"))  # an activation that claims another sender
         for frames in HOSTILE:  # the packets, from an authenticated peer: decoded, rejected, nothing breaks
             s.send_multipart(frames)
-        assert _wait_for(lambda: log.read_text().count("rejected message from 'p0'") >= 2 + len(HOSTILE))
+        assert wait_for(lambda: log.read_text().count("rejected message from 'p0'") >= 2 + len(HOSTILE))
         s.close(linger=0)
 
     hit, alive = _train(plan_dir, tmp_path / "hit", batches, attack)
@@ -214,7 +206,7 @@ def test_a_plan_with_another_digest_is_refused_at_hello(tmp_path):
                       threads=1, trace=False, curve=True) as lc:
         with pytest.raises(FusionError, match=f"runs another plan: its digest is {mine[:16]}, the coordinator's is abababab"):
             lc.start()
-        assert _wait_for(lambda: all(pr.poll() is not None for pr in lc.processes.values()), 15), "executors kept running"
+        assert wait_for(lambda: all(pr.poll() is not None for pr in lc.processes.values()), 15), "executors kept running"
     # an executor whose copy differs refuses the coordinator's setup
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9", plan_digest=mine))
     try:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch, save_hand_plan
+from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch, save_hand_plan, wait_for
 from fusion.executors.runtime.coordinator import CompNodeFailure, CoordinatorConfig
 from fusion.executors.runtime.keys import load_secret
 from fusion.executors.runtime.launcher import LocalCluster
@@ -121,7 +121,7 @@ def test_a_peer_of_the_run_sending_garbage_is_cut_off_and_the_run_stops_naming_i
             s.connect(lc.coordinator.addresses["p1"])
             for _ in range(2 * REJECT_LIMIT):
                 s.send_multipart(_activation())
-            assert _wait(lambda: _cut_off(tmp_path / "run" / "logs" / "p1.log", "p0"))
+            assert wait_for(lambda: _cut_off(tmp_path / "run" / "logs" / "p1.log", "p0"))
             with pytest.raises(CompNodeFailure, match=f"CompNode 'p1' failed: peer p0 sent {REJECT_LIMIT + 1} rejected "
                                                       f"messages within 10 s .*for iteration 10000"):
                 lc.coordinator.step(cnn_batch(1, 4))
@@ -129,11 +129,3 @@ def test_a_peer_of_the_run_sending_garbage_is_cut_off_and_the_run_stops_naming_i
     finally:
         ctx.term()
 
-
-def _wait(pred, timeout=20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
