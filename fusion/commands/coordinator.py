@@ -16,35 +16,25 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _number(parse: Callable[[str], float], kind: str, ok: Callable[[float], bool], rule: str):
+    """An argparse type that parses with ``parse`` and accepts a value only when ``ok(value)``.
+
+    ``kind`` names what was expected ("a whole number"), ``rule`` what ``ok`` checks ("must be at least 1")."""
+    def check(text: str):
+        try:
+            v = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return v
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return v
+#: argparse types: an integer >= 1, an integer >= 0, a finite number of seconds > 0
+positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
+non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must be 0 or more")
+positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
 
 
 def zmq_address(text: str) -> str:
