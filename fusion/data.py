@@ -233,6 +233,36 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     return checked
 
 
+def _language_model(g, specs: dict[str, dict]) -> tuple[list[str], list[str], bool]:
+    """(inputs, labels, whether they are one integer input [mb, T] and one integer label of its size)."""
+    ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
+    labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
+    lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
+          and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
+    return ins, labs, lm
+
+
+def corpus_samples(graph, kind: str = "auto") -> int | None:
+    """How many distinct samples the built-in text corpus gives ``graph`` with ``--data kind``: its windows
+    of ``T + 1`` tokens (one per start token; what :meth:`TextBatches.sample_ids` names), or None when the
+    data is not the corpus (synthetic data, a ``file.py:function``, a model that is not a language model).
+    The compiler sizes the ``delta`` (AQ-SGD) buffers by it. A window drawn twice in one batch gets a
+    further id (``start + k * len(tokens)``); such repeats are rare and not counted."""
+    if kind not in ("auto", "text"):
+        return None
+    specs = {}
+    for n in graph.placeholders():
+        o = n.meta.outputs[0] if n.meta.outputs else None
+        if not isinstance(o, TensorMeta):
+            return None
+        specs[n.name] = {"shape": list(o.shape), "dtype": o.dtype}
+    _, _, lm = _language_model(graph, specs)
+    if not lm:
+        return None
+    x = next(n for n in specs if graph[n].kind == NodeKind.INPUT)
+    return max(0, len(corpus_text(seed=0)) - _shape(specs[x])[1] - 1)  # TextBatches._starts' range
+
+
 def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
     """``step -> batch`` (placeholder -> array of all micro-batches) for ``plan``.
 
@@ -246,10 +276,7 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
     g, nm = plan.graph, plan.micro_batches * plan.replicas  # the global batch: every replica's micro-batches
     specs = _placeholder_specs(plan)
     delta = _delta_edges(plan)
-    ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
-    labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
-    lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
-          and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
+    ins, labs, lm = _language_model(g, specs)
     if kind == "text" and not lm:
         raise FusionError("--data text needs one integer input [micro_batch, T] and one integer label of the same size")
     if lm and kind != "synthetic":

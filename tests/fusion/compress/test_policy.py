@@ -8,7 +8,7 @@ import pytest
 
 from fusion.cluster.model import Cluster, Device
 from fusion.compile import compile_model
-from fusion.compress.policy import AUTO, CompressSpecError, parse_spec, request
+from fusion.compress.policy import AUTO_BWD, AUTO_FWD, CompressSpecError, parse_spec, request
 from tests.testing_models import gpt_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -20,7 +20,11 @@ def test_specs_parse_into_codec_cfgs():
     assert parse_spec("none") is None and parse_spec("auto") == "auto"
     r = request("quant:bits=4", "none")
     assert r.fwd == {"algo": "quant", "bits": 4} and r.bwd is None
-    assert request("auto").fwd == AUTO == request("auto").bwd
+    assert request("auto").fwd == "auto" == request("auto").bwd
+    assert request("auto", "none").bwd is None and request("quant:bits=4", "auto").bwd == "auto"
+    assert request("auto").candidates("fwd") == [c for c in AUTO_FWD if c["algo"] != "delta"]  # no samples: no delta
+    assert request("auto", samples=512).candidates("fwd") == list(AUTO_FWD)
+    assert request("auto", samples=512).candidates("bwd") == list(AUTO_BWD)
     assert request("hadamard-quant:bits=4").bwd == {"algo": "hadamard-quant", "bits": 4}  # bwd follows fwd
     assert request(None, None) is None and request("none") is None
 
@@ -35,9 +39,9 @@ def test_bad_specs_say_what_is_wrong(spec, match):
 
 
 def test_delta_is_for_activations_and_gives_the_gradients_8_bit_quant():
-    r = request("delta:bits=2")
+    r = request("delta:bits=2", samples=100)
     assert r.fwd == {"algo": "delta", "bits": 2} and r.bwd == {"algo": "quant", "bits": 8, "block": 64}
-    assert request("delta:bits=4", "none").bwd is None
+    assert request("delta:bits=4", "none", samples=100).bwd is None
     with pytest.raises(CompressSpecError, match="activations only"):
         request("quant:bits=8", "delta:bits=4")
 
