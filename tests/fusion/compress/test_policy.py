@@ -65,13 +65,24 @@ def test_edges_are_compressed_only_where_it_pays(bandwidth, compressed):
         assert all(c.codec("fwd") == {"algo": "quant", "bits": 8} for c in plan.compression)
 
 
-def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path):
+@pytest.mark.parametrize("spec,line", [
+    ("quant:bits=3", "--compress 'quant:bits=3': quant cfg: bits must be one of 2, 4, 8, got 3"),
+    ("delta:bits=2", "--compress delta:bits=2: delta (AQ-SGD) keeps one activation per training sample at both "
+                     "ends of every delta edge, and the compiler sizes those buffers by the data set: give --samples "
+                     "N (the number of distinct sample ids your data gives)"),
+])
+def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path, spec, line):
     r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", str(ROOT / "examples/models/gpt.py:tiny"),
-                        "--cluster", "local-4-two-sites", "--compress", "quant:bits=3", "-o", str(tmp_path / "p")],
+                        "--cluster", "local-4-two-sites", "--compress", spec, "-o", str(tmp_path / "p")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["fusion compile: error: --compress 'quant:bits=3': "
-                                             "quant cfg: bits must be one of 2, 4, 8, got 3"]
+    assert r.stderr.strip().splitlines() == [f"fusion compile: error: {line}"]
+    assert not (tmp_path / "p").exists()
+
+
+def test_delta_needs_the_data_set_size():
+    with pytest.raises(CompressSpecError, match="give --samples N"):
+        request("delta:bits=4")
 
 
 def test_the_estimator_prices_every_cut_with_its_codec_as_the_policy_chooses():
