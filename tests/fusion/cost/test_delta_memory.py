@@ -56,3 +56,22 @@ def test_a_delta_plan_needs_exactly_its_buffers_more_than_the_dense_plan_and_the
     for name, part in ex.parts.items():
         held = sum(b.nbytes for b in part.compression.delta.buffers.values())
         assert held == want[name]
+
+
+def test_op_fence_cuts_elsewhere_when_the_delta_buffers_do_not_fit():
+    """Two slow devices (17 GFLOP/s, 1 GB) joined by 20 Mbit/s: with 2-bit deltas over a data set of 1000
+    samples (8 MB of buffers per edge end) OP-Fence splits the 4-layer GPT in two; with 10^6 samples the
+    buffers (8 GB) fit no split, and it keeps the model on one device instead of producing a plan that
+    does not fit."""
+    from tests.testing_models import gpt_model
+
+    model = gpt_model(4, 128, 4, 128, 32, 4, device="meta")
+    beta = (np.ones((2, 2)) - np.eye(2)) * 8.0 / 20e6
+    cluster = Cluster("slow-two", [Device(f"d{i}", 1.7e10, 1e9) for i in range(2)], beta * 0 + 1e-3 - np.eye(2) * 1e-3,
+                      beta, "test")
+    small = compile_model(model, cluster, micro_batches=2, compress=request("delta:bits=2", samples=1000))
+    assert len(small.parts) == 2 and small.compression
+    assert all(p["memory_bytes"] <= p["memory_limit"] for p in small.predicted["parts"].values())
+    assert max(p.get("delta_buffer_bytes", 0) for p in small.predicted["parts"].values()) > 0
+    large = compile_model(model, cluster, micro_batches=2, compress=request("delta:bits=2", samples=10**6))
+    assert len(large.parts) == 1 and not large.compression
