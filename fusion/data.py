@@ -15,6 +15,7 @@ classes of the loss they feed; integer inputs within the embedding they feed).
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import numpy as np
 from fusion.ir.errors import FusionError
 from fusion.ir.node import NodeKind, TensorMeta
 from fusion.ir.opdata import SAMPLE_IDS
+
+log = logging.getLogger(__name__)
 
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]
 _ITEMS = ["apple", "book", "coin", "shell", "stone", "card", "key", "cup"]
@@ -189,6 +192,8 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     delta = _delta_edges(plan)
     inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
     rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
+    declared = (plan.predicted or {}).get("delta_samples") if delta else None  # what the buffers were sized for
+    seen: set[int] = set()
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
@@ -223,6 +228,12 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
                 raise FusionError(f"data {spec!r}: step {step}: field {SAMPLE_IDS!r} must be {rows} distinct integer "
                                   f"sample ids (one per row), got {ids.dtype}{list(ids.shape)}")
             out[SAMPLE_IDS] = ids.astype(np.int64)
+            if declared and len(seen) <= declared:
+                seen.update(out[SAMPLE_IDS].tolist())
+                if len(seen) > declared:
+                    log.warning("data %r: step %d: more than %d distinct sample ids, the --samples the plan sized its "
+                                "delta (AQ-SGD) buffers for; they keep one activation per id and will outgrow the "
+                                "predicted memory", spec, step, declared)
         return out
 
     first = {0: batch(0)}  # fail before any process starts; step 0 is then served from here, not fetched twice

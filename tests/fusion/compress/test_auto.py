@@ -119,3 +119,28 @@ def test_auto_falls_back_from_delta_where_its_buffers_do_not_fit():
                                            r"\(AQ-SGD\) buffers.*h\d\.add\d -> part 1"):
         compile_model(model, small, strategy="equal-flops", micro_batches=2,
                       compress=request("delta:bits=2", samples=10**6))
+
+
+def test_fusion_run_on_the_built_in_corpus_sizes_delta_buffers_by_its_windows():
+    """`fusion run MODEL --compress delta` on the built-in text corpus needs no --samples: the buffers are
+    sized by its windows (corpus length - T - 1); a different --samples is refused in one line."""
+    from fusion.data import corpus_samples, corpus_text
+    from fusion.ir.errors import FusionError
+
+    model = load_model(str(ROOT / "examples/models/gpt.py:tiny"))  # T = 16
+    windows = len(corpus_text(seed=0)) - 16 - 1
+    assert corpus_samples(model.graph, "auto") == windows == corpus_samples(model.graph, "text")
+    assert corpus_samples(model.graph, "synthetic") is None and corpus_samples(model.graph, "d.py:f") is None
+
+    def compile_run(*extra):
+        args = build_parser().parse_args(["run", str(ROOT / "examples/models/gpt.py:tiny"), "--strategy",
+                                          "equal-flops", "--compress", "delta:bits=2", *extra])
+        return compile_from_args(args, model, _two(1e6))
+
+    plan = compile_run()
+    assert plan.predicted["delta_samples"] == windows
+    assert sum(p.get("delta_buffer_bytes", 0) for p in plan.predicted["parts"].values()) > 0
+    with pytest.raises(FusionError, match=f"--samples 512: the built-in text corpus gives this model {windows} "):
+        compile_run("--samples", "512")
+    with pytest.raises(FusionError, match="give --samples N"):
+        compile_run("--data", "synthetic")
