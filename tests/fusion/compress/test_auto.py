@@ -1,5 +1,7 @@
 """``--compress auto``: per edge and direction, the candidate the cost model prices fastest among the codecs
 the convergence study shows to converge (AUTO_FWD / AUTO_BWD), and only where that beats dense."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,8 +16,6 @@ from fusion.loader import load_model
 from fusion.partition.baselines import BASELINES
 from fusion.partition.chain import build_chain
 from tests.testing_models import gpt_model
-
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 TWO_SITES = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"

@@ -66,9 +66,9 @@ def test_op_fence_cuts_elsewhere_when_the_delta_buffers_do_not_fit():
     from tests.testing_models import gpt_model
 
     model = gpt_model(4, 128, 4, 128, 32, 4, device="meta")
-    beta = (np.ones((2, 2)) - np.eye(2)) * 8.0 / 20e6
-    cluster = Cluster("slow-two", [Device(f"d{i}", 1.7e10, 1e9) for i in range(2)], beta * 0 + 1e-3 - np.eye(2) * 1e-3,
-                      beta, "test")
+    off = np.ones((2, 2)) - np.eye(2)  # between the two devices
+    cluster = Cluster("slow-two", [Device(f"d{i}", 1.7e10, 1e9) for i in range(2)], off * 1e-3, off * 8.0 / 20e6,
+                      "test")
     small = compile_model(model, cluster, micro_batches=2, compress=request("delta:bits=2", samples=1000))
     assert len(small.parts) == 2 and small.compression
     assert all(p["memory_bytes"] <= p["memory_limit"] for p in small.predicted["parts"].values())
