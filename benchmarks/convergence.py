@@ -30,7 +30,10 @@ Outputs PNG loss curves (against the last clock), a markdown table of the time
 to a target loss, and a final JSON line.
 
 Codec runs (``--runs``): ``quant8``, ``quant4``, ``hquant4`` (both directions through one codec) and
-``delta4``, ``delta2`` (AQ-SGD activation deltas at 4 / 2 bits, gradients 4-bit ``quant``). Data: by
+``delta4``, ``delta2`` (AQ-SGD activation deltas at 4 / 2 bits, gradients 4-bit ``quant``), and ``auto``:
+the codecs ``fusion compile --compress auto --samples N`` gives the same cut (per edge and direction the
+candidate the cost model prices fastest among those this study shows to converge, only where it pays;
+``fusion.compress.policy``). Data: by
 default a fixed dataset of ``--samples 512`` windows / images visited in epochs, each with its sample id,
 so that ``delta`` sees every sample again (``--samples 0``: fresh random batches, the first edition's data).
 
@@ -174,6 +177,21 @@ CODEC_RUNS = {
 #: runs that need a fixed dataset in epochs (``--samples``): their buffers are per training sample
 DELTA_RUNS = ("delta4", "delta2")
 TOPK_RUNS = ("uniform", "adatopk", "adatopk+ef")
+#: the compiler's choice (``--compress auto``); with ``--samples 0`` it may not choose delta
+AUTO_RUN = "auto"
+
+
+def auto_edges(model, assignment, samples: int) -> list[EdgeCompression]:
+    """What ``--compress auto`` gives the study's cut: compiled with the same partitioner, whose cut does not
+    depend on codec prices (checked), and ``--samples`` as the data set's size (0: unknown, no delta)."""
+    from fusion.compress.policy import request
+
+    plan = compile_model(model, load_cluster(CLUSTER), strategy="equal-flops", micro_batches=2,
+                         compress=request("auto", samples=samples or None))
+    if plan.assignment != assignment:
+        raise SystemExit("convergence.py: the auto plan cut the model elsewhere than the study's plan")
+    log.info("auto: %s", {f"{c.producer}:{c.src}->{c.dst}": (c.codec("fwd"), c.codec("bwd")) for c in plan.compression})
+    return list(plan.compression)
 
 
 def codec_edges(model, assignment, cfg) -> list[EdgeCompression]:
@@ -271,12 +289,14 @@ def _time_to(times: np.ndarray, e: np.ndarray, target: float) -> tuple[int | Non
 
 
 def study(name: str, model, batches_fn, steps: int, ratio: float, lr: float, out: Path, clocks: tuple[str, ...],
-          work: Path, wanted: tuple[str, ...] = ("dense", *TOPK_RUNS)):
+          work: Path, wanted: tuple[str, ...] = ("dense", *TOPK_RUNS), samples: int = 0):
     """Train every run under each clock; time-to-target and the curves' PNG."""
     plan = compile_model(model, load_cluster(CLUSTER), strategy="equal-flops", micro_batches=2, compress_ratio=ratio)
     runs = {"dense": None, "uniform": uniform_edges(model, plan.assignment, ratio), "adatopk": plan.compression,
             "adatopk+ef": [dataclasses.replace(c, error_feedback=True) for c in plan.compression],
             **{run: codec_edges(model, plan.assignment, cfg) for run, cfg in CODEC_RUNS.items()}}
+    if AUTO_RUN in wanted:
+        runs[AUTO_RUN] = auto_edges(model, plan.assignment, samples)
     runs = {run: comp for run, comp in runs.items() if run in wanted or run == "dense"}
     log.info("%s: parts %s; AdaTopK ratios %s", name, {p.name: p.device for p in plan.parts.values()},
              {f"{c.producer}:{c.src}->{c.dst}": round(c.ratio, 1) for c in plan.compression})
@@ -402,8 +422,8 @@ def main(argv=None) -> None:
                     help="simulated: in-process, alpha-beta clock (about a minute); emulated: one process per part "
                          "with --emulate-links, measured time (about 10 minutes); both (default)")
     ap.add_argument("--work", type=Path, default=None, help="run directories of the emulated runs (default: a temp dir)")
-    ap.add_argument("--runs", default=",".join(("dense", *TOPK_RUNS, *CODEC_RUNS)),
-                    help=f"runs to train (dense always): {', '.join((*TOPK_RUNS, *CODEC_RUNS))}")
+    ap.add_argument("--runs", default=",".join(("dense", *TOPK_RUNS, *CODEC_RUNS, AUTO_RUN)),
+                    help=f"runs to train (dense always): {', '.join((*TOPK_RUNS, *CODEC_RUNS, AUTO_RUN))}")
     ap.add_argument("--samples", type=int, default=512,
                     help="a fixed dataset of this many samples (GPT windows, CNN images) visited in epochs, each "
                          "with its sample id (the delta runs need it); 0: the first edition's fresh random batches")
@@ -412,7 +432,7 @@ def main(argv=None) -> None:
     if args.samples == 0 and set(wanted) & set(DELTA_RUNS):
         raise SystemExit(f"convergence.py: runs {sorted(set(wanted) & set(DELTA_RUNS))} keep a buffer per training "
                          "sample and need a fixed dataset: --samples N (N > 0)")
-    unknown = sorted(set(wanted) - {"dense", *TOPK_RUNS, *CODEC_RUNS})
+    unknown = sorted(set(wanted) - {"dense", *TOPK_RUNS, *CODEC_RUNS, AUTO_RUN})
     if unknown:
         raise SystemExit(f"convergence.py: unknown runs {unknown}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -429,10 +449,10 @@ def main(argv=None) -> None:
                 tokens = text_corpus()
                 log.info("gpt corpus: %d characters of stdlib source", tokens.size)
                 res, target = study("gpt", gpt(mb=8, seq=32), lambda: gpt_batches(tokens, args.steps, 16, 32, 1, args.samples),
-                                    args.steps, args.ratio, 3e-3, args.out, clocks, work, wanted)
+                                    args.steps, args.ratio, 3e-3, args.out, clocks, work, wanted, args.samples)
             elif name == "cnn":
                 res, target = study("cnn", cnn(mb=16), lambda: cnn_batches(args.steps, 32, 1, 10, 8, args.samples), args.steps,
-                                    args.ratio, 3e-3, args.out, clocks, work, wanted)
+                                    args.ratio, 3e-3, args.out, clocks, work, wanted, args.samples)
             else:
                 raise SystemExit(f"convergence.py: unknown model {name!r} (gpt, cnn)")
             rows, lines = report(name, res, clocks)

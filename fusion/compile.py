@@ -90,9 +90,12 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     if compress_ratio is not None and compress_ratio > 1:
         compression, wire = adatopk(cm, part.node_part, part.part_device, names, float(compress_ratio))
     elif compress is not None:
-        compression, wire = choose(cm, part.node_part, part.part_device, names, compress)
+        compression, wire = choose(cm, part.node_part, part.part_device, names, compress, recompute=rc)
     if compress is not None:  # the same edges choose() compressed, with their encode/decode time
         est = cm.evaluate(part.node_part, part.part_device, recompute=rc)
+        if est.violations:  # the codecs' buffers (delta, AQ-SGD) on top of what fits dense
+            raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} with --compress "
+                               f"does not fit: {est.violations[0]}")
     else:
         est = cm.evaluate(part.node_part, part.part_device, wire, recompute=rc) if wire else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
@@ -102,6 +105,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     if rc.any():
         log.info("activation recomputation on %s (they would not fit their devices otherwise)",
                  ", ".join(n for n, r in zip(names, rc) if r))
+    if any((c.codec("fwd") or {}).get("algo") == "delta" for c in compression):
+        plan.predicted["delta_samples"] = compress.samples  # the data set size the buffers were sized for
     plan.predicted["compile_s"] = round(time.perf_counter() - t0, 4)
     log.info("compiled %d nodes onto %d of %d devices with %s: predicted %.4g s/iteration",
              len(graph), len(names), len(cluster), strategy, est.iteration_s)
@@ -200,7 +205,9 @@ def _assemble(model: Model, cluster: Cluster, cm: CostModel, part: Partition, na
                              "comm_fwd_s": pe.comm_fwd_s, "comm_bwd_s": pe.comm_bwd_s, "flops": pe.flops,
                              "memory_bytes": pe.memory_bytes, "param_state_bytes": pe.param_state_bytes,
                              "activation_bytes": pe.activation_bytes, "in_flight": pe.in_flight,
-                             "memory_limit": pe.memory_limit} for k, pe in enumerate(est.parts)},
+                             "memory_limit": pe.memory_limit,
+                             **({"delta_buffer_bytes": pe.delta_buffer_bytes} if pe.delta_buffer_bytes else {})}
+                  for k, pe in enumerate(est.parts)},
         "links": links,
         "clusters": [[dev_names[i] for i in c] for c in clusters],
         "partitioner": {k: v for k, v in part.info.items()},

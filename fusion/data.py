@@ -15,6 +15,7 @@ classes of the loss they feed; integer inputs within the embedding they feed).
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import numpy as np
 from fusion.ir.errors import FusionError
 from fusion.ir.node import NodeKind, TensorMeta
 from fusion.ir.opdata import SAMPLE_IDS
+
+log = logging.getLogger(__name__)
 
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]
 _ITEMS = ["apple", "book", "coin", "shell", "stone", "card", "key", "cup"]
@@ -189,6 +192,8 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     delta = _delta_edges(plan)
     inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
     rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
+    declared = (plan.predicted or {}).get("delta_samples") if delta else None  # what the buffers were sized for
+    seen: set[int] = set()
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
@@ -223,6 +228,12 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
                 raise FusionError(f"data {spec!r}: step {step}: field {SAMPLE_IDS!r} must be {rows} distinct integer "
                                   f"sample ids (one per row), got {ids.dtype}{list(ids.shape)}")
             out[SAMPLE_IDS] = ids.astype(np.int64)
+            if declared and len(seen) <= declared:
+                seen.update(out[SAMPLE_IDS].tolist())
+                if len(seen) > declared:
+                    log.warning("data %r: step %d: more than %d distinct sample ids, the --samples the plan sized its "
+                                "delta (AQ-SGD) buffers for; they keep one activation per id and will outgrow the "
+                                "predicted memory", spec, step, declared)
         return out
 
     first = {0: batch(0)}  # fail before any process starts; step 0 is then served from here, not fetched twice
@@ -231,6 +242,36 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
         return first.pop(step) if step in first else batch(step)
 
     return checked
+
+
+def _language_model(g, specs: dict[str, dict]) -> tuple[list[str], list[str], bool]:
+    """(inputs, labels, whether they are one integer input [mb, T] and one integer label of its size)."""
+    ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
+    labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
+    lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
+          and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
+    return ins, labs, lm
+
+
+def corpus_samples(graph, kind: str = "auto") -> int | None:
+    """How many distinct samples the built-in text corpus gives ``graph`` with ``--data kind``: its windows
+    of ``T + 1`` tokens (one per start token; what :meth:`TextBatches.sample_ids` names), or None when the
+    data is not the corpus (synthetic data, a ``file.py:function``, a model that is not a language model).
+    The compiler sizes the ``delta`` (AQ-SGD) buffers by it. A window drawn twice in one batch gets a
+    further id (``start + k * len(tokens)``); such repeats are rare and not counted."""
+    if kind not in ("auto", "text"):
+        return None
+    specs = {}
+    for n in graph.placeholders():
+        o = n.meta.outputs[0] if n.meta.outputs else None
+        if not isinstance(o, TensorMeta):
+            return None
+        specs[n.name] = {"shape": list(o.shape), "dtype": o.dtype}
+    _, _, lm = _language_model(graph, specs)
+    if not lm:
+        return None
+    x = next(n for n in specs if graph[n].kind == NodeKind.INPUT)
+    return max(0, len(corpus_text(seed=0)) - _shape(specs[x])[1] - 1)  # TextBatches._starts' range
 
 
 def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
@@ -246,10 +287,7 @@ def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dic
     g, nm = plan.graph, plan.micro_batches * plan.replicas  # the global batch: every replica's micro-batches
     specs = _placeholder_specs(plan)
     delta = _delta_edges(plan)
-    ins = [n for n in specs if g[n].kind == NodeKind.INPUT]
-    labs = [n for n in specs if g[n].kind == NodeKind.LABEL]
-    lm = (len(ins) == 1 and len(labs) == 1 and _is_int(specs[ins[0]]["dtype"]) and _is_int(specs[labs[0]]["dtype"])
-          and len(_shape(specs[ins[0]])) == 2 and math.prod(_shape(specs[labs[0]])) == math.prod(_shape(specs[ins[0]])))
+    ins, labs, lm = _language_model(g, specs)
     if kind == "text" and not lm:
         raise FusionError("--data text needs one integer input [micro_batch, T] and one integer label of the same size")
     if lm and kind != "synthetic":

@@ -102,7 +102,9 @@ def plan_report(plan: Plan) -> str:
             mem = _fmt_bytes(part.memory_bytes) + (f" / {_fmt_bytes(lim)}" if lim else "")
             lines.append(f"{p:<{w}} {r:>7} {part.device:<16} {count.get(stage, 0):>5} {flops.get(stage, 0.0) / 1e9:>10.2f} "
                          f"{mem:>22} {part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}  {part.engine}"
-                         + (" (recompute)" if part.recompute else ""))
+                         + (" (recompute)" if part.recompute else "")
+                         + (f" (memory holds {_fmt_bytes(buf)} of delta buffers for {pr.get('delta_samples')} samples)"
+                            if (buf := ppred.get(p, {}).get("delta_buffer_bytes")) else ""))
     if R > 1:
         lines.append("")
         lines.append("data-parallel groups (each stage's replicas average their gradients every step, ring all-reduce):")

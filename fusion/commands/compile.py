@@ -55,9 +55,14 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--compress", default=None, metavar="none|auto|CODEC[:K=V,...]",
                        help="codec for activations (and gradients) on the cut edges where the cost model says it "
                             "pays, e.g. quant:bits=8, hadamard-quant:bits=4,block=64, topk:ratio=100; "
-                            "auto: 8-bit quant (default: none)"),
+                            "auto: per edge and direction the fastest the cost model prices among the codecs the "
+                            "convergence study shows to converge (default: none)"),
         g.add_argument("--compress-bwd", default=None, metavar="none|auto|CODEC[:K=V,...]",
                        help="codec for the gradients sent back (default: as --compress)"),
+        g.add_argument("--samples", type=positive_int, default=None, metavar="N",
+                       help="training samples in the data set (distinct sample ids the data gives, visited again "
+                            "every epoch): sizes delta (AQ-SGD) buffers in the memory model and lets --compress auto "
+                            "choose delta (needed for delta unless fusion run trains on the built-in text corpus)"),
         g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
@@ -84,7 +89,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         raise FusionError(f"--optimizer/--lr: {e}") from None
     from fusion.compress.policy import request
 
-    compress = request(args.compress, args.compress_bwd)
+    compress = request(args.compress, args.compress_bwd, *_data_samples(args, model))
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
@@ -110,6 +115,24 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                          dp_codec=dp_codec)
     assign_engines(plan, args.engine)
     return plan
+
+
+def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | None]:
+    """(data set size for delta buffers, whether ``auto`` may choose delta): ``--samples``, or for
+    ``fusion run`` on the built-in text corpus its window count, which ``auto`` does not use (windows are
+    drawn at random, so a sample rarely comes back within a run)."""
+    from fusion.data import corpus_samples
+    from fusion.ir.errors import FusionError
+
+    if args.compress is None and args.compress_bwd is None:
+        return args.samples, None
+    corpus = corpus_samples(model.graph, args.data) if getattr(args, "data", None) else None
+    if corpus is None:
+        return args.samples, None
+    if args.samples is not None and args.samples != corpus:
+        raise FusionError(f"--samples {args.samples}: the built-in text corpus gives this model {corpus} windows, "
+                          "drawn at random; --samples is the size of a --data function's data set")
+    return corpus, False
 
 
 def _dp_codec(args: argparse.Namespace):

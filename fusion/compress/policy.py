@@ -3,33 +3,34 @@
 ``--compress`` takes ``none``, ``auto`` or a codec spec ``CODEC[:KEY=VALUE,...]``
 (``quant:bits=4,block=64``, ``hadamard-quant:bits=4``, ``topk:ratio=100``,
 ``delta:bits=4``); ``--compress-bwd`` overrides the gradients' codec (``none``
-sends them dense). ``delta`` (AQ-SGD activation deltas) is for activations
-only: with it the gradients default to 8-bit ``quant`` (:data:`DELTA_BWD`), and
-``--compress-bwd delta`` is refused.
+sends them dense, ``auto`` chooses). ``delta`` (AQ-SGD activation deltas) is for
+activations only: with it the gradients default to 8-bit ``quant``
+(:data:`DELTA_BWD`), and ``--compress-bwd delta`` is refused. ``delta`` keeps
+one decoded activation per training sample at both ends of an edge, so it needs
+the data set's size (``--samples N``, or the built-in text corpus's window
+count when ``fusion run`` trains on it): its buffers are in the memory model.
 
-The rule for one cut edge (tensor t from part a to part b), priced with the
-alpha-beta model of FusionLLM Eq. (2) and the codec's exact wire bytes
-(``Codec.wire_nbytes``): the edge is compressed in a direction when
+The rule for one direction of one cut edge (tensor t from part a to part b),
+priced with the alpha-beta model of FusionLLM Eq. (2), each candidate codec's
+exact wire bytes (``Codec.wire_nbytes``) and its encode + decode time:
 
-    alpha_ab + beta_ab * wire(t) + M_t / codec_rate  <  alpha_ab + beta_ab * M_t
+    price(c) = alpha_ab + beta_ab * wire_c(t) + M_t / rate_c
 
-i.e. when the bytes saved on the link take longer to send than encoding and
-decoding them take. :func:`codec_prices` gives the estimator the same prices
-for every tensor, so OP-Fence scores each candidate cut with its codec
-(compression-aware partitioning) and :func:`choose` then compresses exactly
-the edges the partitioner priced as compressed. ``codec_rate`` (dense bytes per second through encode +
-decode, :data:`CODEC_RATE`) comes from ``benchmarks/bench_codecs.py`` on one
-CPU thread. Unlike Eq. (7), which is relative (the slowest edge always gets
-the largest ratio, even when every link is 10 Gbit/s), this compresses nothing
-on fast links.
-
-``auto`` gives each slow edge 8-bit block quantisation in both directions:
-SWARM reports 8-bit activations and gradients with no loss in perplexity, and
-Top-K does not converge here (``docs/compression.md``); lower bit widths are
-left to an explicit spec until the convergence study shows where they pay.
+the edge takes the candidate with the lowest price, and only where that is
+below the dense ``alpha_ab + beta_ab * M_t`` (compress only where it pays;
+unlike Eq. (7), which is relative and gives the slowest edge the largest ratio
+even when every link is 10 Gbit/s, this compresses nothing on fast links). An
+explicit ``--compress CODEC`` has one candidate; ``auto`` has the table
+:data:`AUTO_FWD` / :data:`AUTO_BWD` of codecs the convergence study shows to
+converge (``docs/compression.md``, "How auto chooses"). The estimator prices
+every candidate cut of the partitioner the same way (:func:`codec_prices`,
+``CostModel.evaluate``: compression-aware partitioning), and :func:`choose`
+reads the codecs of the final cut from that same evaluation, so the plan
+compresses exactly what was priced.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +39,44 @@ from fusion.ir.errors import FusionError
 from fusion.ir.node import TensorMeta
 from fusion.plan import EdgeCompression
 
-#: dense bytes per second through one encode + decode on one CPU thread (bench_codecs.py, 1M float32:
-#: quant ~10 ms, hadamard-quant ~60 ms, Top-K ~2 ms; rounded down)
-CODEC_RATE = {"quant": 300e6, "hadamard-quant": 60e6, "topk": 400e6, "delta": 150e6}
+log = logging.getLogger(__name__)
 
-#: what ``auto`` chooses on an edge where compression pays
-AUTO = {"algo": "quant", "bits": 8, "block": 64}
+#: dense bytes per second through one encode + decode, per algorithm (one rate for every bit width).
+#: quant: benchmarks/bench_codecs.py, 1M float32 on one CPU thread, NumPy encode + decode 10-14 ms
+#: (rounded down to 300e6). hadamard-quant and delta: what they cost in the convergence study's real
+#: runs (GPT, local-4-two-sites, 4 CompNodes on 2 shared cores), over 1.84 MB of activations per step
+#: through their edges: hadamard-quant 4-bit took 0.107 s/step more than quant 4-bit (66.4 vs 44.9 s per
+#: 200 steps) -> 16e6; delta 4-bit 0.10 s/step more than quant 4-bit, delta 2-bit 0.07 s/step more than
+#: quant 2-bit (bytes on the wire about equal; NumPy buffer work at both ends) -> 17e6 to 24e6, taken as
+#: 20e6. Their kernels alone run faster (bench_codecs: hadamard-quant 48e6-76e6, delta 52e6-75e6); the
+#: study's figure is what a step pays. topk: bench_codecs, torch encode + decode 1.6 ms (rounded down).
+CODEC_RATE = {"quant": 300e6, "hadamard-quant": 16e6, "topk": 400e6, "delta": 20e6}
+
+_Q8 = {"algo": "quant", "bits": 8, "block": 64}
+_Q4 = {"algo": "quant", "bits": 4, "block": 64}
+_H4 = {"algo": "hadamard-quant", "bits": 4, "block": 64}
+
+#: ``auto``'s candidates for activations: the codecs the convergence study shows to converge (GPT,
+#: local-4-two-sites, 200 steps, final EMA loss vs dense at the same step; docs/compression.md):
+#: quant 8-bit +1.2 % and quant 4-bit +0.85 % (fresh random windows), quant 4-bit -3.6 % (512 samples in
+#: epochs; the study's best_codec, 0.26 of dense's time to dense's final loss); hadamard-quant 4-bit +0.42 %
+#: (fresh windows); delta 4-bit -4.2 % and delta 2-bit -0.9 % (512 samples in epochs; delta 2-bit reaches
+#: dense's final loss in 0.45 of dense's time). Left out: quant 2-bit (+11 % with 4-bit gradients, not
+#: reaching dense's late target), Top-K (r = 100: +35 %; r = 3 and 10 lose on the GPT too), and bit
+#: widths the study did not run (hadamard-quant 2 and 8). ``delta`` rows count only where the data gives
+#: sample ids and the data set's size is declared (:attr:`CompressRequest.auto_delta`).
+AUTO_FWD = (_Q8, _Q4, _H4, {"algo": "delta", "bits": 4, "block": 64}, {"algo": "delta", "bits": 2, "block": 64})
+
+#: ``auto``'s candidates for gradients: milder than for activations (Rudakov et al. 2024), and only what
+#: the study ran on gradients: quant 8-bit (+1.2 %), quant 4-bit (-3.6 %; every delta run's gradients),
+#: hadamard-quant 4-bit (+0.42 %). Left out: quant 2-bit (2-bit gradients on top of 2-bit activations:
+#: +25 % and rising, against +11 % with 4-bit gradients), Top-K (the ablation blames Top-K on the gradient
+#: for the stall), delta (activations only).
+AUTO_BWD = (_Q8, _Q4, _H4)
 
 #: the gradients' codec when ``--compress delta:...`` is given without ``--compress-bwd`` (AQ-SGD sends
 #: gradients directly quantised; 8 bits as SWARM)
 DELTA_BWD = {"algo": "quant", "bits": 8, "block": 64}
-
 
 class CompressSpecError(FusionError):
     """A ``--compress`` value that names no codec or has bad arguments; the message says which."""
@@ -56,11 +84,33 @@ class CompressSpecError(FusionError):
 
 @dataclass(frozen=True)
 class CompressRequest:
-    """What the user asked for: ``fwd``/``bwd`` codec cfgs (None: dense) or ``auto`` for both."""
+    """What the user asked for, per direction: a codec cfg, None (dense) or ``"auto"`` (the table).
 
-    fwd: dict | None
-    bwd: dict | None
-    auto: bool = False
+    samples:    training samples in the data set (distinct sample ids the data gives): sizes the
+                ``delta`` buffers in the memory model; None: unknown, and ``delta`` is refused.
+    auto_delta: ``auto`` may choose ``delta`` (the data is a fixed set of ``samples`` samples visited
+                again every epoch, as in the study); False for data drawn at random (the built-in
+                corpus), where a sample rarely comes back and nearly every message would be a first visit.
+    """
+
+    fwd: dict | str | None
+    bwd: dict | str | None
+    samples: int | None = None
+    auto_delta: bool = False
+
+    @property
+    def auto(self) -> bool:
+        return "auto" in (self.fwd, self.bwd)
+
+    def candidates(self, direction: str) -> list[dict]:
+        """The codec cfgs this direction chooses among (empty: dense)."""
+        want = self.fwd if direction == "fwd" else self.bwd
+        if want is None:
+            return []
+        if want != "auto":
+            return [dict(want)]
+        table = AUTO_FWD if direction == "fwd" else AUTO_BWD
+        return [dict(c) for c in table if c["algo"] != "delta" or (self.auto_delta and self.samples)]
 
 
 def parse_spec(spec: str, flag: str = "--compress") -> dict | None | str:
@@ -101,27 +151,30 @@ def _value(v: str) -> Any:
     return v
 
 
-def request(fwd_spec: str | None, bwd_spec: str | None = None) -> CompressRequest | None:
-    """The request of ``--compress`` and ``--compress-bwd`` (None: nothing compressed)."""
+def request(fwd_spec: str | None, bwd_spec: str | None = None, samples: int | None = None,
+            auto_delta: bool | None = None) -> CompressRequest | None:
+    """The request of ``--compress`` and ``--compress-bwd`` (None: nothing compressed).
+
+    samples: the data set's size (``--samples``); auto_delta: whether ``auto`` may choose ``delta``
+    (default: when ``samples`` is given). An explicit ``delta`` without ``samples`` is refused."""
     if fwd_spec is None and bwd_spec is None:
         return None
     fwd = parse_spec(fwd_spec) if fwd_spec is not None else None
-    if fwd == "auto":
-        bwd = parse_spec(bwd_spec, "--compress-bwd") if bwd_spec is not None else "auto"
-        if bwd == "auto":
-            return CompressRequest(dict(AUTO), dict(AUTO), auto=True)
-        return CompressRequest(dict(AUTO), bwd, auto=True)
     if bwd_spec is not None:
         bwd = parse_spec(bwd_spec, "--compress-bwd")
     elif isinstance(fwd, dict) and fwd["algo"] == "delta":
         bwd = dict(DELTA_BWD)  # per-sample deltas of gradients make no sense: AQ-SGD quantises them directly
     else:
         bwd = fwd
-    if bwd == "auto":
-        bwd = dict(AUTO)
     if fwd is None and bwd is None:
         return None
-    return CompressRequest(fwd, bwd)
+    if isinstance(fwd, dict) and fwd["algo"] == "delta" and not samples:
+        raise CompressSpecError(f"--compress {fwd_spec}: delta (AQ-SGD) keeps one activation per training sample "
+                                "at both ends of every delta edge, and the compiler sizes those buffers by the data "
+                                "set: give --samples N (the number of distinct sample ids your data gives)")
+    if samples is not None and samples < 1:
+        raise CompressSpecError(f"--samples {samples}: the data set's size must be a positive integer")
+    return CompressRequest(fwd, bwd, samples, bool(samples) if auto_delta is None else bool(auto_delta and samples))
 
 
 def _meta(cm: CostModel, t: int) -> TensorMeta | None:
@@ -135,71 +188,74 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
     return o
 
 
+def _rate(algo: str) -> float:
+    """Dense bytes per second through encode + decode (:data:`CODEC_RATE`); a codec whose CPU cost was
+    never measured (a user-registered one) is priced at no time, and said so."""
+    rate = CODEC_RATE.get(algo)
+    if rate is None:
+        log.warning("codec %r: its encode/decode time was never measured here; pricing its wire bytes only", algo)
+        return float("inf")
+    return rate
+
+
 def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
-    """Each tensor's wire bytes and encode + decode seconds under the requested codecs, for
-    :attr:`CostModel.codec_prices` (so that partitioning prices every candidate cut with its codec)."""
+    """Every candidate codec's wire bytes, encode + decode seconds and buffer bytes per tensor, for
+    :attr:`CostModel.codec_prices` (so that partitioning prices every candidate cut with its codecs).
+
+    ``delta`` applies to a float tensor whose leading dimension is a multiple of the micro-batch's
+    samples (the runtime buffers it per sample; others go dense, ``executors/runtime/delta_edges.py``);
+    it is priced at its steady state (every row a delta; first visits go at 8 bits), and each end of
+    its edge keeps ``req.samples * M_t / samples_per_micro_batch`` bytes of buffers, in the
+    activation's dtype as the runtime keeps them (``kernels/delta.py``: ``delta_buffer_nbytes``).
+    """
     import numpy as np
 
     from fusion.cost.estimate import CodecPrices
     from fusion.kernels.codec import CODECS
 
     n = len(cm.t_key)
-    out = {k: np.full(n, np.inf) for k in ("fwd_wire", "fwd_s", "bwd_wire", "bwd_s")}
-    for t in range(n):
-        meta = _meta(cm, t)
-        if meta is None:
-            continue
-        for d, cfg in (("fwd", req.fwd), ("bwd", req.bwd)):
+    spmb = max(1, int(cm.samples_per_micro_batch))
+    metas = [_meta(cm, t) for t in range(n)]
+    out: dict[str, Any] = {}
+    for d in ("fwd", "bwd"):
+        cands = req.candidates(d) or [None]  # one all-inf row: that direction stays dense
+        wire, secs, mem = (np.full((len(cands), n), np.inf) for _ in range(3))
+        mem[:] = 0.0
+        for k, cfg in enumerate(cands):
             if cfg is None:
                 continue
-            out[f"{d}_wire"][t] = float(CODECS.get(cfg["algo"]).wire_nbytes(meta.numel, meta.dtype, cfg))
-            out[f"{d}_s"][t] = float(meta.nbytes) / CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"])
-    return CodecPrices(**out)
+            codec, rate = CODECS.get(cfg["algo"]), _rate(cfg["algo"])
+            for t, meta in enumerate(metas):
+                if meta is None:
+                    continue
+                if cfg["algo"] == "delta":
+                    if not meta.shape or meta.shape[0] % spmb or not req.samples:
+                        continue  # no sample rows: the runtime sends it dense
+                    mem[k, t] = float(req.samples * (meta.nbytes // spmb))
+                wire[k, t] = float(codec.wire_nbytes(meta.numel, meta.dtype, cfg))
+                secs[k, t] = float(meta.nbytes) / rate
+        out[f"{d}_wire"], out[f"{d}_s"], out[f"{d}_cfgs"] = wire, secs, [c for c in cands if c is not None]
+        if d == "fwd":
+            out["fwd_mem"] = mem
+    return CodecPrices(**out, fallback=req.fwd == "auto")
 
 
-def pays(cm: CostModel, src_dev: int, dst_dev: int, meta: TensorMeta, cfg: dict) -> tuple[bool, float]:
-    """(whether ``cfg`` shortens this edge's transfer, the compressed wire bytes)."""
-    from fusion.kernels.codec import CODECS
-
-    dense = float(meta.nbytes)
-    wire = float(CODECS.get(cfg["algo"]).wire_nbytes(meta.numel, meta.dtype, cfg))
-    t_dense = cm.cluster.comm_time(src_dev, dst_dev, dense)
-    t_codec = cm.cluster.comm_time(src_dev, dst_dev, wire) + dense / CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"])
-    return t_codec < t_dense, wire
-
-
-def choose(cm: CostModel, node_part, part_device, part_names: list[str], req: CompressRequest
-           ) -> tuple[list[EdgeCompression], dict[tuple[int, int, int], tuple[float, float]]]:
-    """Codecs for the cut edges of an assignment where they pay; returns the plan's list and the wire
-    bytes per (tensor, src part, dst part) (forward, backward) for :meth:`CostModel.evaluate`."""
-    import numpy as np
-
-    node_part = np.asarray(node_part)
-    dev = np.asarray(part_device)
-    src = node_part[cm.t_prod[cm.e_t]]
-    dst = node_part[cm.e_cons]
-    edges = sorted({(int(t), int(a), int(b)) for t, a, b in zip(cm.e_t, src, dst) if a != b})
+def choose(cm: CostModel, node_part, part_device, part_names: list[str], req: CompressRequest,
+           recompute=None) -> tuple[list[EdgeCompression], dict[tuple[int, int, int], tuple[float, float]]]:
+    """Codecs for the cut edges of an assignment where they pay (the candidate :meth:`CostModel.evaluate`
+    prices fastest per direction); returns the plan's list and the wire bytes per (tensor, src part,
+    dst part) (forward, backward) for :meth:`CostModel.evaluate`."""
+    cp = codec_prices(cm, req)
+    est = cm.evaluate(node_part, part_device, recompute=recompute, prices=cp)
     out: list[EdgeCompression] = []
     wire: dict[tuple[int, int, int], tuple[float, float]] = {}
-    for e in edges:
-        meta = _meta(cm, e[0])
-        if meta is None:
-            continue
-        a, b = int(dev[e[1]]), int(dev[e[2]])
-        dense = float(meta.nbytes)  # an edge compressed one way only sends the other way dense
-        fwd = bwd = None
-        fwd_bytes = bwd_bytes = dense
-        if req.fwd is not None:
-            ok, nb = pays(cm, a, b, meta, req.fwd)
-            if ok:
-                fwd, fwd_bytes = dict(req.fwd), nb
-        if req.bwd is not None and cm.t_rg[e[0]]:
-            ok, nb = pays(cm, b, a, meta, req.bwd)
-            if ok:
-                bwd, bwd_bytes = dict(req.bwd), nb
+    for (t, a, b), (f, g) in sorted(est.codecs.items()):
+        dense = float(cm.t_bytes[t])  # a direction left dense sends the tensor's bytes
+        fwd = dict(cp.fwd_cfgs[f]) if f >= 0 else None
+        bwd = dict(cp.bwd_cfgs[g]) if g >= 0 and cm.t_rg[t] else None
         if fwd is None and bwd is None:
             continue
-        producer, index = cm.t_key[e[0]]
-        out.append(EdgeCompression(producer, index, part_names[e[1]], part_names[e[2]], 1.0, (), False, fwd, bwd))
-        wire[e] = (fwd_bytes, bwd_bytes)
+        producer, index = cm.t_key[t]
+        out.append(EdgeCompression(producer, index, part_names[a], part_names[b], 1.0, (), False, fwd, bwd))
+        wire[(t, a, b)] = (float(cp.fwd_wire[f, t]) if fwd else dense, float(cp.bwd_wire[g, t]) if bwd else dense)
     return out, wire

@@ -32,7 +32,10 @@ Notation (per micro-batch; part p runs on device d(p)):
 - Memory of part p: its parameters (each counted once per part) times
   ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,
   AdamW 2), plus saved activations times the micro-batches in flight (GPipe:
-  n_b; 1F1B: ``min(n_b, depth_p + 1)``).
+  n_b; 1F1B: ``min(n_b, depth_p + 1)``), plus, for every cut edge into or out
+  of p whose activations go as ``delta`` (AQ-SGD), that edge's buffer: one
+  decoded activation per training sample, ``N_samples * M_t / n_mb`` bytes
+  (n_mb samples per micro-batch), kept by the sender and by the receiver.
 """
 from __future__ import annotations
 
@@ -50,18 +53,38 @@ from fusion.ir.node import PLACEHOLDER_KINDS, NodeKind, TensorMeta
 
 @dataclass
 class CodecPrices:
-    """What a codec costs on each tensor of a :class:`CostModel` (index t as ``t_key``).
+    """What the candidate codecs cost on each tensor of a :class:`CostModel` (column t as ``t_key``).
 
-    fwd_wire, bwd_wire: bytes on the wire of the activation / its gradient under the codec
-                        (``inf`` where the direction is not compressed: the tensor is not a float
-                        tensor, or no codec is asked for that direction).
-    fwd_s, bwd_s:       seconds of encode + decode of one message (dense bytes / codec rate).
+    Each direction has K candidates (rows; ``--compress CODEC`` gives one, ``--compress auto`` the
+    table of :mod:`fusion.compress.policy`); each direction of each cut edge takes the candidate with
+    the shortest priced transfer, or none where dense is faster.
+
+    fwd_wire, bwd_wire: (K, n) bytes on the wire of the activation / its gradient under each candidate
+                        (``inf`` where a candidate does not apply: not a float tensor, no sample rows for
+                        ``delta``, or no codec asked for that direction). 1-D arrays are one candidate.
+    fwd_s, bwd_s:       (K, n) seconds of encode + decode of one message (dense bytes / codec rate).
+    fwd_mem:            (K, n) bytes that each END of a cut edge keeps for a candidate (``delta``'s
+                        AQ-SGD buffers: data-set samples x per-sample activation bytes); None: none keeps any.
+    fwd_cfgs, bwd_cfgs: the K codec cfgs of each direction (what the plan records for a chosen row).
+    fallback:           where a part would not fit its device with the buffers of its edges' chosen
+                        candidates, those edges take their best candidate that keeps none (``auto``);
+                        False: the part does not fit (an explicit ``--compress delta``).
     """
 
     fwd_wire: np.ndarray
     fwd_s: np.ndarray
     bwd_wire: np.ndarray
     bwd_s: np.ndarray
+    fwd_mem: np.ndarray | None = None
+    fwd_cfgs: list = field(default_factory=list)
+    bwd_cfgs: list = field(default_factory=list)
+    fallback: bool = False
+
+    def __post_init__(self) -> None:
+        for k in ("fwd_wire", "fwd_s", "bwd_wire", "bwd_s"):
+            setattr(self, k, np.atleast_2d(np.asarray(getattr(self, k), dtype=float)))
+        self.fwd_mem = (np.zeros_like(self.fwd_wire) if self.fwd_mem is None
+                        else np.atleast_2d(np.asarray(self.fwd_mem, dtype=float)))
 
 
 @dataclass
@@ -79,6 +102,7 @@ class PartEstimate:
     activation_bytes: float
     in_flight: int
     memory_limit: float
+    delta_buffer_bytes: float = 0.0  # AQ-SGD buffers of the part's delta edges (both roles), in memory_bytes
 
 
 @dataclass
@@ -104,6 +128,9 @@ class Estimate:
     iteration_s: float
     throughput: float
     violations: list[str] = field(default_factory=list)
+    #: (tensor, src part, dst part) -> (fwd, bwd) row of :class:`CodecPrices` each direction of a cut edge
+    #: takes (-1: dense); only when priced with codecs
+    codecs: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -219,7 +246,7 @@ class CostModel:
     # -- Eq. (2)-(4) and memory -------------------------------------------------------
     def evaluate(self, node_part: np.ndarray, part_device: np.ndarray,
                  wire: Mapping[tuple[int, int, int], tuple[float, float]] | None = None, detail: bool = True,
-                 recompute: np.ndarray | None = None, priced: bool = True):
+                 recompute: np.ndarray | None = None, priced: bool = True, prices: CodecPrices | None = None):
         """Estimate an assignment. ``node_part[i]``: part of node i; ``part_device[p]``: device index of part p.
 
         wire: optional (tensor, src part, dst part) -> (fwd bytes, bwd bytes) on the wire (compression).
@@ -228,6 +255,10 @@ class CostModel:
             the forward's time, and its activation memory becomes inputs x in-flight + one micro-batch's
             saved activations (those of the forward being recomputed). None: ``recompute_all`` for all.
         priced: use :attr:`codec_prices` when set and no ``wire`` is given (False: the dense estimate).
+        prices: price with these candidate codecs instead of :attr:`codec_prices` (what
+            :func:`fusion.compress.policy.choose` reads the chosen codecs from, :attr:`Estimate.codecs`).
+        Memory: a cut edge whose activation takes a candidate that keeps buffers (``delta``, AQ-SGD) adds
+            ``CodecPrices.fwd_mem`` to both its sender's and its receiver's memory.
         Returns an :class:`Estimate` (``detail=False``: just ``(iteration_s, feasible)``).
         """
         node_part = np.asarray(node_part, dtype=np.int64)
@@ -259,21 +290,7 @@ class CostModel:
         alpha, beta = self.cluster.alpha, self.cluster.beta
         f_s = alpha[ds, dd] + beta[ds, dd] * fb
         b_s = np.where(self.t_rg[pt], alpha[dd, ds] + beta[dd, ds] * bb, 0.0)
-        cp = self.codec_prices if priced and not wire else None
-        if cp is not None:  # each direction of each cut edge: its codec where that is faster than dense
-            with np.errstate(invalid="ignore"):
-                f_c = alpha[ds, dd] + beta[ds, dd] * cp.fwd_wire[pt] + cp.fwd_s[pt]
-                b_c = alpha[dd, ds] + beta[dd, ds] * cp.bwd_wire[pt] + cp.bwd_s[pt]
-            use_f = f_c < f_s
-            use_b = self.t_rg[pt] & (b_c < b_s)
-            f_s, fb = np.where(use_f, f_c, f_s), np.where(use_f, cp.fwd_wire[pt], fb)
-            b_s, bb = np.where(use_b, b_c, b_s), np.where(use_b, cp.bwd_wire[pt], bb)
-        r_fwd = np.bincount(pdst, weights=f_s, minlength=n_parts)
-        r_bwd = np.bincount(psrc, weights=b_s, minlength=n_parts)
-        comm = r_fwd + r_bwd
-        n_b = self.micro_batches
-        pipe = float(np.sum(comp + comm) + (n_b - 1) * np.max(np.maximum(comp, comm)))
-        # memory
+        # memory without codec buffers
         pp = np.unique(self.pn_param * n_parts + node_part[self.pn_node])
         par, ppart = pp // n_parts, pp % n_parts
         state = np.bincount(ppart, weights=self.p_state[par], minlength=n_parts)
@@ -285,6 +302,31 @@ class CostModel:
                 + np.bincount(node_part, weights=self.input_bytes, minlength=n_parts)
             memory = np.where(rc, state + held * inflight + acts, memory)
         cap = self.mem_cap[dev]
+        cp = prices if prices is not None else (self.codec_prices if priced and not wire else None)
+        buf, em = np.zeros(n_parts), np.zeros(len(pt))  # buffer bytes per part, per cut edge and end
+        f_pick = b_pick = None
+        if cp is not None:  # each direction of each cut edge: its fastest candidate codec where that beats dense
+            f_pick, f_s, fb, em = _pick(cp.fwd_wire[:, pt], cp.fwd_s[:, pt], cp.fwd_mem[:, pt], alpha[ds, dd],
+                                        beta[ds, dd], f_s, fb, np.ones(len(pt), dtype=bool))
+            buf = np.bincount(psrc, weights=em, minlength=n_parts) + np.bincount(pdst, weights=em, minlength=n_parts)
+            over = memory + buf > cap
+            if cp.fallback and (over & (buf > 0)).any():  # auto: such parts' edges keep no buffers
+                hit = (em > 0) & (over[psrc] | over[pdst])
+                no_buf = np.where(cp.fwd_mem[:, pt] > 0, np.inf, cp.fwd_wire[:, pt])
+                g_pick, g_s, g_b, _ = _pick(no_buf, cp.fwd_s[:, pt], cp.fwd_mem[:, pt], alpha[ds, dd], beta[ds, dd],
+                                            alpha[ds, dd] + beta[ds, dd] * self.t_bytes[pt], self.t_bytes[pt].copy(),
+                                            np.ones(len(pt), dtype=bool))
+                f_pick, f_s, fb = np.where(hit, g_pick, f_pick), np.where(hit, g_s, f_s), np.where(hit, g_b, fb)
+                em = np.where(hit, 0.0, em)
+                buf = np.bincount(psrc, weights=em, minlength=n_parts) + np.bincount(pdst, weights=em, minlength=n_parts)
+            b_pick, b_s, bb, _ = _pick(cp.bwd_wire[:, pt], cp.bwd_s[:, pt], np.zeros_like(cp.bwd_wire[:, pt]),
+                                       alpha[dd, ds], beta[dd, ds], b_s, bb, self.t_rg[pt])
+        memory = memory + buf
+        r_fwd = np.bincount(pdst, weights=f_s, minlength=n_parts)
+        r_bwd = np.bincount(psrc, weights=b_s, minlength=n_parts)
+        comm = r_fwd + r_bwd
+        n_b = self.micro_batches
+        pipe = float(np.sum(comp + comm) + (n_b - 1) * np.max(np.maximum(comp, comm)))
         # tied-parameter gradient sync
         sync = 0.0
         if len(par):
@@ -302,7 +344,7 @@ class CostModel:
         names = [d.name for d in self.cluster.devices]
         parts = [PartEstimate(names[dev[p]], float(comp[p]), float(comm[p]), float(r_fwd[p]), float(r_bwd[p]),
                               float(flops_p[p]), float(memory[p]), float(state[p]), float(acts[p]),
-                              int(inflight[p]), float(cap[p])) for p in range(n_parts)]
+                              int(inflight[p]), float(cap[p]), float(buf[p])) for p in range(n_parts)]
         links: dict[tuple[int, int], LinkEstimate] = {}
         for k in range(len(pt)):
             key = (int(psrc[k]), int(pdst[k]))
@@ -313,10 +355,24 @@ class CostModel:
             le.fwd_s += float(f_s[k])
             le.bwd_s += float(b_s[k])
         violations = [f"part {p} on {names[dev[p]]} needs {memory[p] / 1e9:.3f} GB > {cap[p] / 1e9:.3f} GB"
+                      + (self._buffer_note(p, pt, psrc, pdst, em) if buf[p] > 0 else "")
                       for p in np.nonzero(over)[0]]
         n_s = n_b * self.samples_per_micro_batch
+        codecs = {} if f_pick is None else {
+            (int(t), int(a), int(b)): (int(f), int(g))
+            for t, a, b, f, g in zip(pt, psrc, pdst, f_pick, b_pick) if f >= 0 or g >= 0}
         return Estimate(parts, sorted(links.values(), key=lambda e: (e.src, e.dst)), pipe, sync, total,
-                        n_s / total if total > 0 else float("inf"), violations)
+                        n_s / total if total > 0 else float("inf"), violations, codecs)
+
+    def _buffer_note(self, p: int, pt, psrc, pdst, em) -> str:
+        """`` (of which 1.6 GB delta (AQ-SGD) buffers: add_2 -> part 2, ...)`` for a part over its memory."""
+        mine = [(float(em[k]), self.t_key[int(pt[k])][0], "->" if psrc[k] == p else "<-",
+                 int(pdst[k] if psrc[k] == p else psrc[k])) for k in range(len(pt))
+                if em[k] > 0 and p in (psrc[k], pdst[k])]
+        total = sum(m[0] for m in mine)
+        listed = ", ".join(f"{name} {arrow} part {q} {b / 1e9:.3f} GB" for b, name, arrow, q in sorted(mine, reverse=True)[:3])
+        return (f" (of which {total / 1e9:.3f} GB are delta (AQ-SGD) buffers, one activation per training sample: "
+                f"{listed}{', ...' if len(mine) > 3 else ''})")
 
     def in_flight(self, n_parts: int, psrc: np.ndarray, pdst: np.ndarray) -> np.ndarray:
         """Micro-batches whose activations a part holds at once (GPipe: all; 1F1B: depth + 1; zb1: depth + 1
@@ -342,6 +398,23 @@ class CostModel:
         for p in reversed(order):
             depth[p] = 1 + max((depth[s] for s in succ[p]), default=-1)
         return np.minimum(n_b, depth + 1 + (depth if self.schedule == "zb1" else 0))
+
+
+def _pick(wire: np.ndarray, secs: np.ndarray, mem: np.ndarray, alpha: np.ndarray, beta: np.ndarray,
+          dense_s: np.ndarray, dense_b: np.ndarray, mask: np.ndarray):
+    """For each cut edge (column) the candidate row with the shortest priced transfer
+    ``alpha + beta * W + s`` (Eq. 2 with the codec's wire bytes W and encode + decode seconds s), taken
+    where ``mask`` holds and it beats the dense time. Returns (row or -1, seconds, wire bytes, buffer
+    bytes per end)."""
+    with np.errstate(invalid="ignore"):
+        c = alpha + beta * wire + secs
+    c = np.where(np.isnan(c), np.inf, c)
+    k = np.argmin(c, axis=0)
+    cols = np.arange(c.shape[1])
+    best = c[k, cols]
+    use = mask & (best < dense_s)
+    return (np.where(use, k, -1), np.where(use, best, dense_s), np.where(use, wire[k, cols], dense_b),
+            np.where(use, mem[k, cols], 0.0))
 
 
 def tensor_bytes(graph: OpGraph, producer: str, index: int | None) -> float:

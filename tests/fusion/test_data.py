@@ -176,3 +176,28 @@ def test_a_window_drawn_twice_in_one_batch_gets_distinct_ids():
     src = TextBatches(np.arange(12), rows=64, seq_len=4, seed=0)  # 7 windows, 64 rows: many repeats
     starts, ids = src._starts(0), src.sample_ids(0)
     assert np.unique(ids).size == 64 and np.array_equal(ids % 12, starts)
+
+
+def test_more_sample_ids_than_the_plan_sized_its_delta_buffers_for_are_logged(tmp_path, caplog):
+    """The compiler sized the delta buffers for --samples N (plan.predicted['delta_samples']); a --data
+    function that names more distinct samples is said so, once."""
+    import logging
+
+    from fusion.plan import EdgeCompression
+
+    (tmp_path / "data.py").write_text(DELTA_DATA)  # with_ids: 12 samples, 4 per step, in turn
+    model = _lm(64)
+    assign = {n: ("p1" if n in ("head", "flat", "flat_t", "targets", "loss") else "p0") for n in model.graph.nodes}
+    plan = hand_plan(model, assign, micro_batches=2)
+    plan.compression = [EdgeCompression("wte", None, "p0", "p1", fwd_codec={"algo": "delta", "bits": 4})]
+    for declared, warned in ((12, False), (8, True)):
+        plan.predicted = {"delta_samples": declared}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fusion.data"):
+            batches = make_batches(plan, f"{tmp_path / 'data.py'}:with_ids")
+            for step in range(7):
+                batches(step)
+        said = [r.getMessage() for r in caplog.records if "distinct sample ids" in r.getMessage()]
+        assert len(said) == warned, said
+        if warned:
+            assert "step 2: more than 8 distinct sample ids" in said[0]

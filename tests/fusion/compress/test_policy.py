@@ -8,7 +8,7 @@ import pytest
 
 from fusion.cluster.model import Cluster, Device
 from fusion.compile import compile_model
-from fusion.compress.policy import AUTO, CompressSpecError, parse_spec, request
+from fusion.compress.policy import AUTO_BWD, AUTO_FWD, CompressSpecError, parse_spec, request
 from tests.testing_models import gpt_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -20,7 +20,11 @@ def test_specs_parse_into_codec_cfgs():
     assert parse_spec("none") is None and parse_spec("auto") == "auto"
     r = request("quant:bits=4", "none")
     assert r.fwd == {"algo": "quant", "bits": 4} and r.bwd is None
-    assert request("auto").fwd == AUTO == request("auto").bwd
+    assert request("auto").fwd == "auto" == request("auto").bwd
+    assert request("auto", "none").bwd is None and request("quant:bits=4", "auto").bwd == "auto"
+    assert request("auto").candidates("fwd") == [c for c in AUTO_FWD if c["algo"] != "delta"]  # no samples: no delta
+    assert request("auto", samples=512).candidates("fwd") == list(AUTO_FWD)
+    assert request("auto", samples=512).candidates("bwd") == list(AUTO_BWD)
     assert request("hadamard-quant:bits=4").bwd == {"algo": "hadamard-quant", "bits": 4}  # bwd follows fwd
     assert request(None, None) is None and request("none") is None
 
@@ -35,9 +39,9 @@ def test_bad_specs_say_what_is_wrong(spec, match):
 
 
 def test_delta_is_for_activations_and_gives_the_gradients_8_bit_quant():
-    r = request("delta:bits=2")
+    r = request("delta:bits=2", samples=100)
     assert r.fwd == {"algo": "delta", "bits": 2} and r.bwd == {"algo": "quant", "bits": 8, "block": 64}
-    assert request("delta:bits=4", "none").bwd is None
+    assert request("delta:bits=4", "none", samples=100).bwd is None
     with pytest.raises(CompressSpecError, match="activations only"):
         request("quant:bits=8", "delta:bits=4")
 
@@ -61,13 +65,24 @@ def test_edges_are_compressed_only_where_it_pays(bandwidth, compressed):
         assert all(c.codec("fwd") == {"algo": "quant", "bits": 8} for c in plan.compression)
 
 
-def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path):
+@pytest.mark.parametrize("spec,line", [
+    ("quant:bits=3", "--compress 'quant:bits=3': quant cfg: bits must be one of 2, 4, 8, got 3"),
+    ("delta:bits=2", "--compress delta:bits=2: delta (AQ-SGD) keeps one activation per training sample at both "
+                     "ends of every delta edge, and the compiler sizes those buffers by the data set: give --samples "
+                     "N (the number of distinct sample ids your data gives)"),
+])
+def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path, spec, line):
     r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", str(ROOT / "examples/models/gpt.py:tiny"),
-                        "--cluster", "local-4-two-sites", "--compress", "quant:bits=3", "-o", str(tmp_path / "p")],
+                        "--cluster", "local-4-two-sites", "--compress", spec, "-o", str(tmp_path / "p")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["fusion compile: error: --compress 'quant:bits=3': "
-                                             "quant cfg: bits must be one of 2, 4, 8, got 3"]
+    assert r.stderr.strip().splitlines() == [f"fusion compile: error: {line}"]
+    assert not (tmp_path / "p").exists()
+
+
+def test_delta_needs_the_data_set_size():
+    with pytest.raises(CompressSpecError, match="give --samples N"):
+        request("delta:bits=4")
 
 
 def test_the_estimator_prices_every_cut_with_its_codec_as_the_policy_chooses():
