@@ -119,17 +119,24 @@ class TorchPart:
             not bit-identical; compiles on the first micro-batch).
     recompute: activation recomputation: forward without autograd keeping only the
             part's inputs, and run the forward again in backward.
+    device_encode: encode the part's compressed edges on its device (:meth:`compress_on_device`,
+            :mod:`.device_codec`): only payload bytes leave the device. False: the engine hands
+            every output to the runtime as a NumPy array, which compresses it on the host (same bytes).
     """
 
     engine = "torch"
     #: the option names ``make_engine_part(..., options=)`` accepts for this engine
-    OPTIONS = ("compiled", "compile", "recompute")
+    OPTIONS = ("compiled", "compile", "recompute", "device_encode")
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
-                 compiled: bool = True, compile: bool = False, recompute: bool = False):
+                 compiled: bool = True, compile: bool = False, recompute: bool = False, device_encode: bool = True):
         self.graph = graph
         self.sub = sub
         self.device = torch.device(device)
+        self.device_encode = bool(device_encode)
+        #: sent activations / input gradients returned as device tensors (their edges are encoded on the device)
+        self.tensor_out: frozenset = frozenset()
+        self.tensor_grads: frozenset = frozenset()
         self.params: dict[str, torch.Tensor] = {}
         for node_name in sub.nodes:
             for pname in graph[node_name].param_names():
@@ -181,6 +188,28 @@ class TorchPart:
     def compiled(self) -> bool:
         """Whether forwards run as one generated function."""
         return self._fn is not None
+
+    def compress_on_device(self, table: Any) -> Any:
+        """The runtime's hook (``PartRuntime``): given the part's host ``CompressionTable``, return the
+        table the runtime should use. With ``device_encode`` it is a :class:`.device_codec.DeviceCompression`
+        and from now on the tensors of compressed edges are returned as device tensors, not arrays."""
+        if not self.device_encode or self.device.type == "meta":
+            return table
+        from fusion.executors.engines.torch.device_codec import DeviceCompression
+
+        dtypes = {k: getattr(self.graph.output_meta(*k), "dtype", None) for k in self.send_keys}
+        dev = DeviceCompression(table, self.device, dtypes)
+        self.tensor_out, self.tensor_grads = dev.sent_keys(), dev.grad_keys()
+        log.info("torch engine: compressed edges encoded on %s (%d activations, %d gradients); only payloads "
+                 "leave the device", self.device, len(self.tensor_out), len(self.tensor_grads))
+        return dev
+
+    def _out(self, key: Key, v: Any, keep: frozenset) -> Any:
+        """What leaves the engine for tensor ``key``: the detached tensor when its edge is encoded on the
+        device, else a NumPy array (non-tensor values unchanged)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.detach() if key in keep else to_array(v)
 
     # -- building ---------------------------------------------------------------
     def _make_step(self, name: str) -> _Step:
@@ -272,7 +301,7 @@ class TorchPart:
         else:
             sent, loss = st.sent, st.loss = self._run(st.leaves, fed, record)
         self.stash[mb_key] = st
-        arrays = {k: (to_array(v) if isinstance(v, torch.Tensor) else v) for k, v in sent.items()}
+        arrays = {k: self._out(k, v, self.tensor_out) for k, v in sent.items()}
         return arrays, (float(loss.detach()) if loss is not None and self.device.type != "meta" else None)
 
     def _run(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
@@ -424,7 +453,7 @@ class TorchPart:
             if not needs_grad or not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
                 continue
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            out[key] = to_array(g)
+            out[key] = self._out(key, g, self.tensor_grads)
         return out
 
     # -- parameters ----------------------------------------------------------------

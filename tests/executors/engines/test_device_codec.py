@@ -1,0 +1,249 @@
+"""Compression on the torch engine's device (executors/engines/torch/device_codec.py).
+
+The device path must give the host NumPy path's payload bytes for every codec, decode to the same
+values, keep dense edges as NumPy arrays, and leave training bit for bit unchanged (in one process
+and over real CompNode processes). GPU tests at the end skip with a reason when torch sees no CUDA device.
+"""
+import numpy as np
+import pytest
+import torch
+
+from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch
+from fusion.executors.engines.torch.device_codec import DeviceCompression
+from fusion.executors.engines.torch.engine import to_array
+from fusion.executors.reference import ReferenceExecutor
+from fusion.executors.runtime.compression import CompressionTable
+from fusion.ir.opdata import SAMPLE_IDS, OpData
+from fusion.kernels import quant_torch
+from fusion.kernels.delta import DeltaPayload
+from fusion.kernels.quant import QuantPayload
+from fusion.kernels.sparse import SparsePayload
+from fusion.kernels.staging import HostStaging
+from fusion.plan import EdgeCompression, OptimizerConfig
+
+KEY = ("x", None)
+CODECS = {
+    "topk": {"algo": "topk", "ratio": 10.0},
+    "quant8": {"algo": "quant", "bits": 8, "block": 64},
+    "quant4": {"algo": "quant", "bits": 4, "block": 32},
+    "quant2-stochastic": {"algo": "quant", "bits": 2, "block": 16, "rounding": "stochastic"},
+    "hadamard-quant": {"algo": "hadamard-quant", "bits": 4, "block": 16, "rounding": "stochastic"},
+    "delta": {"algo": "delta", "bits": 4, "block": 32},
+}
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+NO_CUDA = not torch.cuda.is_available()
+NO_CUDA_REASON = "no CUDA device visible to torch: the device encode runs on CPU tensors only here"
+
+
+class _Graph:
+    """The two things ``CompressionTable.build`` asks a graph: node kinds and output dtypes."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.nodes = {"x": None}
+
+    def __getitem__(self, name):
+        return type("N", (), {"kind": type("K", (), {"value": "call"})()})()
+
+    def output_meta(self, name, index):
+        return type("M", (), {"dtype": self.dtype})()
+
+
+def _tables(codec: str, dtype: str, ef: bool = False, device="cpu"):
+    """(host table, device table) of part "a" sending KEY to "b" forward, and "b" sending its gradient back."""
+    cfg = CODECS[codec]
+    e = EdgeCompression("x", None, "a", "b", error_feedback=ef, fwd_codec=cfg,
+                        bwd_codec=None if codec == "delta" else cfg)
+    host = CompressionTable.build("a", [e], _Graph(dtype))
+    dev = DeviceCompression(CompressionTable.build("a", [e], _Graph(dtype)), device)
+    return host, dev
+
+
+def _tensor(step: int, dtype: str, shape=(4, 3, 40)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * (1 + step)
+    x[0, 0, :5] = 0.0  # ties at zero
+    return x.to(getattr(torch, dtype))
+
+
+def _frames(p):
+    head, frames = p.to_msg()
+    return head, [bytes(memoryview(f)) for f in frames]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_device_encode_gives_the_host_paths_bytes(codec, dtype):
+    """Several messages in turn (stochastic seeds, delta buffers: first visit then deltas) on one edge."""
+    host, dev = _tables(codec, dtype)
+    ids = np.arange(4, dtype=np.int64)
+    for step in range(3):
+        x = _tensor(step, dtype)
+        want, cfg_h = host.encode(to_array(x), KEY, "b", False, step % 2, ids=ids, it=step)
+        got, cfg_d = dev.encode(x, KEY, "b", False, step % 2, ids=ids, it=step)
+        assert cfg_h == cfg_d and cfg_d is not None
+        assert type(got) is type(want) and isinstance(got, (SparsePayload, QuantPayload, DeltaPayload))
+        assert _frames(got) == _frames(want), f"{codec} {dtype} message {step}"
+    if codec == "delta":  # both ends' buffers: the same rows as the NumPy buffers
+        a = host.delta.buffers[("send", KEY, "b")].state_dict()
+        b = dev.delta.buffers[("send", KEY, "b")].state_dict()
+        assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+        for i in a:
+            np.testing.assert_array_equal(a[i], b[i])
+    else:  # gradients back over the edge: the bwd rule, on the receiving part's table
+        e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec], bwd_codec=CODECS[codec])
+        hb = CompressionTable.build("b", [e], _Graph(dtype))
+        db = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu")
+        g = _tensor(7, dtype)
+        assert _frames(db.encode(g, KEY, "a", True, 0)[0]) == _frames(hb.encode(to_array(g), KEY, "a", True, 0)[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_error_feedback_on_the_device_matches_the_host_and_keeps_its_residual(dtype):
+    host, dev = _tables("topk", dtype, ef=True)
+    for step in range(3):
+        x = _tensor(step, dtype)
+        want, _ = host.encode(to_array(x), KEY, "b", False, 0)
+        got, _ = dev.encode(x, KEY, "b", False, 0)
+        assert _frames(got) == _frames(want)
+    r_host, r_dev = host.residual(KEY, "b", "fwd", 0), dev.residual(KEY, "b", "fwd", 0)
+    assert r_dev is not None and torch.equal(r_host, r_dev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ["topk", "quant4", "hadamard-quant", "delta"])
+def test_decode_fills_a_device_tensor_with_the_host_decodes_values(codec, dtype):
+    host_a, dev_a = _tables(codec, dtype)
+    e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec])
+    host_b = CompressionTable.build("b", [e], _Graph(dtype))
+    dev_b = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu")
+    ids = np.arange(4, dtype=np.int64)
+    for step in range(2):
+        x = _tensor(step, dtype)
+        p, cfg = host_a.encode(to_array(x), KEY, "b", False, 0, ids=ids, it=step)
+        od = OpData("x", None, ("y",), ("y",), False, step, 0, src="a", dst="b", payload=p, compress_cfg=cfg)
+        want = host_b.decode(od, tuple(x.shape))
+        got = dev_b.decode(od, tuple(x.shape))
+        assert isinstance(got, torch.Tensor) and got.device.type == "cpu" and got.dtype == x.dtype
+        np.testing.assert_array_equal(to_array(got), np.asarray(want))
+
+
+def test_a_dense_or_integer_tensor_leaves_as_a_numpy_array():
+    _, dev = _tables("topk", "float32")
+    x = _tensor(0, "float32")
+    out, cfg = dev.encode(x, KEY, "c", False, 0)  # no rule towards c
+    assert cfg is None and isinstance(out, np.ndarray) and np.array_equal(out, x.numpy())
+    i = torch.arange(12).reshape(3, 4)
+    out, cfg = dev.encode(i, KEY, "b", False, 0)  # a rule, but not a float tensor
+    assert cfg is None and isinstance(out, np.ndarray) and out.dtype == np.int64
+
+
+def test_quant_frames_through_a_reused_staging_buffer_are_the_same_bytes():
+    st = HostStaging(pin=False)
+    cfg = CODECS["quant4"]
+    for step in range(4):
+        x = _tensor(step, "float32", (8, 5, 20))
+        assert _frames(quant_torch.quantize(x, cfg, staging=st)) == _frames(quant_torch.quantize(x, cfg))
+    assert st.allocations == 1  # reused across messages, never handed out
+
+
+def _reference(compression, device_encode: bool, steps=3, ids=False):
+    ex = ReferenceExecutor(branching_cnn(mb=2), CNN_SPLITS[4], OptimizerConfig("adamw", lr=0.01), micro_batches=2,
+                           compression=compression, engine_options={"*": {"device_encode": device_encode}})
+    losses = []
+    for s in range(steps):
+        b = cnn_batch(s % 2, 4)
+        if ids:
+            b[SAMPLE_IDS] = np.arange(4, dtype=np.int64) + 4 * (s % 2)
+        losses.append(ex.step(b).loss)
+    return ex, losses
+
+
+MIXED = [EdgeCompression("relu_a", None, "p1", "p3", fwd_codec=CODECS["quant4"], bwd_codec=CODECS["topk"]),
+         EdgeCompression("conv1", None, "p0", "p2", error_feedback=True, ratio=20.0, directions=("fwd", "bwd")),
+         EdgeCompression("conv1", None, "p0", "p1", fwd_codec=CODECS["delta"], bwd_codec=CODECS["hadamard-quant"])]
+
+
+def test_training_on_the_device_path_equals_the_host_path_bit_for_bit():
+    dev, on_device = _reference(MIXED, True, ids=True)
+    host, on_host = _reference(MIXED, False, ids=True)
+    assert all(isinstance(p.compression, DeviceCompression) for p in dev.parts.values() if p.compression)
+    assert not any(isinstance(p.compression, DeviceCompression) for p in host.parts.values())
+    assert dev.parts["p0"].engine.tensor_out == {("conv1", None)}
+    assert on_device == on_host
+    _, dense = _reference([], True)
+    assert on_device != dense  # the codecs ran
+    dev_state = dev.state()
+    for name, v in host.state().items():
+        np.testing.assert_array_equal(dev_state[name], v, err_msg=name)
+
+
+def test_distributed_run_on_the_device_path_equals_the_host_path(tmp_path):
+    """Real CompNode processes: the default (device encode) and ``fusion executor --host-encode`` give the
+    same losses and final weights, exactly."""
+    from tests.executors.dist_models import run_distributed
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.plan import save_plan
+
+    model = branching_cnn(mb=2)
+    plan = hand_plan(model, CNN_SPLITS[4], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    plan.compression = MIXED[:2]
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    batches = [cnn_batch(s, 4) for s in range(2)]
+    dev, dev_state = run_distributed(plan_dir, tmp_path / "dev", batches, want_grads=False)
+    host, host_state = run_distributed(plan_dir, tmp_path / "host", batches, want_grads=False,
+                                       executor_args=["--host-encode"])
+    logs = {run: (tmp_path / run / "logs" / "p0.log").read_text() for run in ("dev", "host")}
+    assert "compressed edges encoded on cpu" in logs["dev"] and "encoded on" not in logs["host"]
+    assert [r.loss for r in dev] == [r.loss for r in host]
+    assert set(dev_state) == set(host_state)
+    for name, v in host_state.items():
+        np.testing.assert_array_equal(dev_state[name], v, err_msg=name)
+
+
+# -- on a GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_cuda_encode_gives_the_cpu_bytes_and_decodes_on_the_gpu(codec, dtype):
+    host, dev = _tables(codec, dtype, device="cuda")
+    ids = np.arange(4, dtype=np.int64)
+    for step in range(3):
+        x = _tensor(step, dtype)
+        want, _ = host.encode(to_array(x), KEY, "b", False, 0, ids=ids, it=step)
+        got, _ = dev.encode(x.cuda(), KEY, "b", False, 0, ids=ids, it=step)
+        assert _frames(got) == _frames(want), f"{codec} {dtype} message {step}"
+    if codec != "delta":
+        y = dev.decode_payload(got)
+        assert y.is_cuda
+        np.testing.assert_array_equal(to_array(y), to_array(DeviceCompression(host, "cpu").decode_payload(want)))
+
+
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+def test_cuda_staging_is_pinned_and_reused_across_messages():
+    from fusion.kernels.staging import staging_for
+
+    _, dev = _tables("topk", "float32", device="cuda")
+    for step in range(3):
+        dev.encode(_tensor(step, "float32").cuda(), KEY, "b", False, 0)
+    st = staging_for("cuda:0" if torch.device("cuda").index is None else "cuda")
+    assert st.pin and st.buffer.is_pinned() and st.allocations == 1
+
+
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+def test_distributed_run_on_cuda_equals_the_cpu_run(tmp_path):
+    """Four CompNodes on one GPU, compressed edges encoded there, against the CPU run (rtol 1e-5)."""
+    from tests.executors.dist_models import run_distributed
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.plan import save_plan
+
+    model = branching_cnn(mb=2)
+    plan = hand_plan(model, CNN_SPLITS[4], micro_batches=2, optimizer=OptimizerConfig("sgd", lr=0.1))
+    plan.compression = MIXED[:2]
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    batches = [cnn_batch(s, 4) for s in range(2)]
+    gpu, _ = run_distributed(plan_dir, tmp_path / "gpu", batches, want_grads=False, executor_args=["--device", "cuda:0"])
+    cpu, _ = run_distributed(plan_dir, tmp_path / "cpu", batches, want_grads=False)
+    np.testing.assert_allclose([r.loss for r in gpu], [r.loss for r in cpu], rtol=1e-5)
