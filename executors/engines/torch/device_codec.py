@@ -17,9 +17,15 @@ CuPy is usable (``kernels.codec.compress``):
 * error feedback: ``kernels.error_feedback`` keeps its residuals on the device.
 
 Only the payload crosses to the host: on a CUDA part the dense activation or
-gradient of a compressed edge is never copied off the device. A CPU tensor
-takes the same code with plain (pageable) buffers; for Top-K on CPU the host
-selection reads the tensor in place (no copy at all).
+gradient of a compressed edge is never copied off the device.
+
+On a CPU part the tensor already is on the host, so each codec runs where it
+is fastest there (``benchmarks/bench_gpu.py``, per-message encode): Top-K through
+``topk_torch.compress`` (the host selection reads the tensor in place), the
+quantised codecs and delta in NumPy on a zero-copy view of the tensor (the
+torch twins are 2-3x slower on a CPU for the same bytes). ``torch_on_cpu=True``
+(engine option ``encode="torch"``) runs the torch codecs on CPU tensors too: the
+CUDA code path, exercised where there is no GPU (tests, benchmarks).
 
 Payload bytes equal the host NumPy path's (``executors.runtime.compression``)
 for every codec: the torch codecs are the NumPy ones' twins (same IEEE
@@ -90,6 +96,8 @@ class DeviceCompression:
     device: the part's torch device.
     dtypes: tensor key -> the graph's dtype, for gradients that arrive dense (bfloat16 travels
             as uint16 bits and is viewed back by it).
+    torch_on_cpu: run the torch codecs on a CPU device too (default: only Top-K there; the
+            quantised codecs and delta run in NumPy on a CPU, faster, same bytes).
 
     ``encode`` takes a torch tensor (NumPy arrays go to the host path unchanged) and
     returns the payload to send; a tensor sent dense comes back as a NumPy array, since
@@ -98,11 +106,13 @@ class DeviceCompression:
     """
 
     def __init__(self, host: CompressionTable, device: torch.device | str,
-                 dtypes: dict[Key, str | None] | None = None):
+                 dtypes: dict[Key, str | None] | None = None, torch_on_cpu: bool = False):
         self.host = host
         self.device = torch.device(device)
         self.dtypes = dict(dtypes or {})
-        if not isinstance(host.delta, DeviceDeltaEdges):
+        #: the torch (CuPy) codecs run for every algo; False on a CPU device: NumPy but for Top-K
+        self.torch_codecs = self.device.type != "cpu" or bool(torch_on_cpu)
+        if self.torch_codecs and not isinstance(host.delta, DeviceDeltaEdges):
             host.delta = DeviceDeltaEdges(host.part, dict(host.delta.buffers), device=self.device)
 
     def __getattr__(self, name: str) -> Any:  # rules, delta_cfgs, check_incoming, residual, ...
@@ -134,6 +144,8 @@ class DeviceCompression:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (tensor %s)", self.host.part, key, peer, dtype)
             return to_array(t), None
+        if not self.torch_codecs and rule.algo != "topk":  # a CPU part: NumPy on a view of the tensor
+            return self.host.encode(to_array(t), key, peer, is_grad, mb, ids=ids, it=it)
         if rule.algo == "delta":
             p = self.host.delta.encode(t, dtype, key, peer, rule.codec, ids, it, mb)
             return (to_array(t), None) if p is None else (p, rule.cfg())
@@ -153,7 +165,10 @@ class DeviceCompression:
 
     # -- receiving --------------------------------------------------------------------------
     def decode_payload(self, payload: Any) -> Any:
-        """A Top-K or quantised payload as a tensor on the device; other payloads unchanged."""
+        """A Top-K or quantised payload as a tensor on the device (NumPy arrays on a CPU part without
+        ``torch_on_cpu``, where the NumPy decode is the fast one); other payloads unchanged."""
+        if not self.torch_codecs:
+            return dense_payload(payload)
         if isinstance(payload, SparsePayload):
             if self.device.type == "cuda" and topk_cupy.available():
                 return topk_cupy.decompress(payload, self.device)
@@ -164,7 +179,7 @@ class DeviceCompression:
 
     def decode(self, od: Any, shape: tuple[int, ...] | None = None) -> Any:
         """What the engine gets for a received activation (a device tensor when it was compressed)."""
-        if isinstance(od.payload, DeltaPayload):
+        if isinstance(od.payload, DeltaPayload) or not self.torch_codecs:
             return self.host.decode(od, shape)  # the device delta buffers rebuild it on the device
         return self.decode_payload(od.payload)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fusion.ir.boundary import SubGraph
-from fusion.ir.errors import GraphError
+from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
 from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
@@ -119,21 +119,27 @@ class TorchPart:
             not bit-identical; compiles on the first micro-batch).
     recompute: activation recomputation: forward without autograd keeping only the
             part's inputs, and run the forward again in backward.
-    device_encode: encode the part's compressed edges on its device (:meth:`compress_on_device`,
-            :mod:`.device_codec`): only payload bytes leave the device. False: the engine hands
-            every output to the runtime as a NumPy array, which compresses it on the host (same bytes).
+    encode: where the part's compressed edges are encoded (the payload bytes are the same either way):
+            ``"device"`` (default): on the part's device (:meth:`compress_on_device`, :mod:`.device_codec`),
+            only payloads leave it; on a CPU device each codec's faster CPU implementation.
+            ``"torch"``: the torch codecs even on a CPU device (the CUDA code path, run without a GPU).
+            ``"host"``: the engine hands every output to the runtime as a NumPy array, which encodes it
+            in NumPy (a GPU part copies every dense tensor off the device first).
     """
 
     engine = "torch"
     #: the option names ``make_engine_part(..., options=)`` accepts for this engine
-    OPTIONS = ("compiled", "compile", "recompute", "device_encode")
+    OPTIONS = ("compiled", "compile", "recompute", "encode")
+    ENCODE = ("device", "torch", "host")
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
-                 compiled: bool = True, compile: bool = False, recompute: bool = False, device_encode: bool = True):
+                 compiled: bool = True, compile: bool = False, recompute: bool = False, encode: str = "device"):
         self.graph = graph
         self.sub = sub
         self.device = torch.device(device)
-        self.device_encode = bool(device_encode)
+        if encode not in self.ENCODE:
+            raise FusionError(f"torch engine option encode={encode!r}: one of {', '.join(self.ENCODE)}")
+        self.encode = encode
         #: sent activations / input gradients returned as device tensors (their edges are encoded on the device)
         self.tensor_out: frozenset = frozenset()
         self.tensor_grads: frozenset = frozenset()
@@ -192,16 +198,18 @@ class TorchPart:
     def compress_on_device(self, table: Any) -> Any:
         """The runtime's hook (``PartRuntime``): given the part's host ``CompressionTable``, return the
         table the runtime should use. With ``device_encode`` it is a :class:`.device_codec.DeviceCompression`
-        and from now on the tensors of compressed edges are returned as device tensors, not arrays."""
-        if not self.device_encode or self.device.type == "meta":
+        and from now on the tensors of compressed edges are returned as device tensors, not arrays.
+        With ``encode="host"`` the host table, unchanged."""
+        if self.encode == "host" or self.device.type == "meta":
             return table
         from fusion.executors.engines.torch.device_codec import DeviceCompression
 
         dtypes = {k: getattr(self.graph.output_meta(*k), "dtype", None) for k in self.send_keys}
-        dev = DeviceCompression(table, self.device, dtypes)
+        dev = DeviceCompression(table, self.device, dtypes, torch_on_cpu=self.encode == "torch")
         self.tensor_out, self.tensor_grads = dev.sent_keys(), dev.grad_keys()
-        log.info("torch engine: compressed edges encoded on %s (%d activations, %d gradients); only payloads "
-                 "leave the device", self.device, len(self.tensor_out), len(self.tensor_grads))
+        log.info("torch engine: compressed edges encoded on %s with the %s codecs (%d activations, %d gradients); "
+                 "only payloads leave the device", self.device, "torch" if dev.torch_codecs else "CPU",
+                 len(self.tensor_out), len(self.tensor_grads))
         return dev
 
     def _out(self, key: Key, v: Any, keep: frozenset) -> Any:

@@ -49,13 +49,15 @@ class _Graph:
         return type("M", (), {"dtype": self.dtype})()
 
 
-def _tables(codec: str, dtype: str, ef: bool = False, device="cpu"):
-    """(host table, device table) of part "a" sending KEY to "b" forward, and "b" sending its gradient back."""
+def _tables(codec: str, dtype: str, ef: bool = False, device="cpu", torch_on_cpu=True):
+    """(host table, device table) of part "a" sending KEY to "b" forward (and its gradient back).
+
+    torch_on_cpu: the torch codecs on CPU tensors (the CUDA code path); False: a CPU part's default."""
     cfg = CODECS[codec]
     e = EdgeCompression("x", None, "a", "b", error_feedback=ef, fwd_codec=cfg,
                         bwd_codec=None if codec == "delta" else cfg)
     host = CompressionTable.build("a", [e], _Graph(dtype))
-    dev = DeviceCompression(CompressionTable.build("a", [e], _Graph(dtype)), device)
+    dev = DeviceCompression(CompressionTable.build("a", [e], _Graph(dtype)), device, torch_on_cpu=torch_on_cpu)
     return host, dev
 
 
@@ -71,11 +73,12 @@ def _frames(p):
     return head, [bytes(memoryview(f)) for f in frames]
 
 
+@pytest.mark.parametrize("torch_on_cpu", [True, False], ids=["torch-codecs", "cpu-default"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", list(CODECS))
-def test_device_encode_gives_the_host_paths_bytes(codec, dtype):
+def test_device_encode_gives_the_host_paths_bytes(codec, dtype, torch_on_cpu):
     """Several messages in turn (stochastic seeds, delta buffers: first visit then deltas) on one edge."""
-    host, dev = _tables(codec, dtype)
+    host, dev = _tables(codec, dtype, torch_on_cpu=torch_on_cpu)
     ids = np.arange(4, dtype=np.int64)
     for step in range(3):
         x = _tensor(step, dtype)
@@ -93,7 +96,7 @@ def test_device_encode_gives_the_host_paths_bytes(codec, dtype):
     else:  # gradients back over the edge: the bwd rule, on the receiving part's table
         e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec], bwd_codec=CODECS[codec])
         hb = CompressionTable.build("b", [e], _Graph(dtype))
-        db = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu")
+        db = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu", torch_on_cpu=torch_on_cpu)
         g = _tensor(7, dtype)
         assert _frames(db.encode(g, KEY, "a", True, 0)[0]) == _frames(hb.encode(to_array(g), KEY, "a", True, 0)[0])
 
@@ -116,7 +119,7 @@ def test_decode_fills_a_device_tensor_with_the_host_decodes_values(codec, dtype)
     host_a, dev_a = _tables(codec, dtype)
     e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec])
     host_b = CompressionTable.build("b", [e], _Graph(dtype))
-    dev_b = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu")
+    dev_b = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu", torch_on_cpu=True)
     ids = np.arange(4, dtype=np.int64)
     for step in range(2):
         x = _tensor(step, dtype)
@@ -147,9 +150,9 @@ def test_quant_frames_through_a_reused_staging_buffer_are_the_same_bytes():
     assert st.allocations == 1  # reused across messages, never handed out
 
 
-def _reference(compression, device_encode: bool, steps=3, ids=False):
+def _reference(compression, encode: str, steps=3, ids=False):
     ex = ReferenceExecutor(branching_cnn(mb=2), CNN_SPLITS[4], OptimizerConfig("adamw", lr=0.01), micro_batches=2,
-                           compression=compression, engine_options={"*": {"device_encode": device_encode}})
+                           compression=compression, engine_options={"*": {"encode": encode}})
     losses = []
     for s in range(steps):
         b = cnn_batch(s % 2, 4)
@@ -164,23 +167,31 @@ MIXED = [EdgeCompression("relu_a", None, "p1", "p3", fwd_codec=CODECS["quant4"],
          EdgeCompression("conv1", None, "p0", "p1", fwd_codec=CODECS["delta"], bwd_codec=CODECS["hadamard-quant"])]
 
 
-def test_training_on_the_device_path_equals_the_host_path_bit_for_bit():
-    dev, on_device = _reference(MIXED, True, ids=True)
-    host, on_host = _reference(MIXED, False, ids=True)
+@pytest.mark.parametrize("encode", ["torch", "device"])
+def test_training_on_the_device_path_equals_the_host_path_bit_for_bit(encode):
+    dev, on_device = _reference(MIXED, encode, ids=True)
+    host, on_host = _reference(MIXED, "host", ids=True)
     assert all(isinstance(p.compression, DeviceCompression) for p in dev.parts.values() if p.compression)
     assert not any(isinstance(p.compression, DeviceCompression) for p in host.parts.values())
     assert dev.parts["p0"].engine.tensor_out == {("conv1", None)}
     assert on_device == on_host
-    _, dense = _reference([], True)
+    _, dense = _reference([], encode)
     assert on_device != dense  # the codecs ran
     dev_state = dev.state()
     for name, v in host.state().items():
         np.testing.assert_array_equal(dev_state[name], v, err_msg=name)
 
 
+def test_a_bad_encode_option_is_one_line():
+    from fusion.ir.errors import FusionError
+
+    with pytest.raises(FusionError, match="encode='gpu': one of device, torch, host"):
+        _reference([], "gpu")
+
+
 def test_distributed_run_on_the_device_path_equals_the_host_path(tmp_path):
-    """Real CompNode processes: the default (device encode) and ``fusion executor --host-encode`` give the
-    same losses and final weights, exactly."""
+    """Real CompNode processes: ``fusion executor --encode torch`` (the torch codecs, the CUDA code path, on
+    CPU tensors) and ``--encode host`` (NumPy copies, the path before) give the same losses and weights, exactly."""
     from tests.executors.dist_models import run_distributed
     from fusion.executors.runtime.launcher import hand_plan
     from fusion.plan import save_plan
@@ -190,11 +201,12 @@ def test_distributed_run_on_the_device_path_equals_the_host_path(tmp_path):
     plan.compression = MIXED[:2]
     plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
     batches = [cnn_batch(s, 4) for s in range(2)]
-    dev, dev_state = run_distributed(plan_dir, tmp_path / "dev", batches, want_grads=False)
+    dev, dev_state = run_distributed(plan_dir, tmp_path / "dev", batches, want_grads=False,
+                                     executor_args=["--encode", "torch"])
     host, host_state = run_distributed(plan_dir, tmp_path / "host", batches, want_grads=False,
-                                       executor_args=["--host-encode"])
+                                       executor_args=["--encode", "host"])
     logs = {run: (tmp_path / run / "logs" / "p0.log").read_text() for run in ("dev", "host")}
-    assert "compressed edges encoded on cpu" in logs["dev"] and "encoded on" not in logs["host"]
+    assert "compressed edges encoded on cpu with the torch codecs" in logs["dev"] and "encoded on" not in logs["host"]
     assert [r.loss for r in dev] == [r.loss for r in host]
     assert set(dev_state) == set(host_state)
     for name, v in host_state.items():
