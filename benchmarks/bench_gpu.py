@@ -30,12 +30,16 @@ a GPT-2-small micro-batch), float32, encoded as a torch part sends it:
                     and the quantised codecs / delta in NumPy on a view of the tensor
   torch_ms          the torch codecs (``encode="torch"``; on CUDA: the same as device_ms,
                     on CPU: the CUDA code path run on the CPU)
-  host_over_device  host_ms / device_ms (HIGHER: the device path is faster)
+  *_min_ms          the fastest of the --reps runs of each (the least disturbed: on a shared
+                    host a run is often preempted for tens of ms, which medians keep)
+  host_over_device  host_min_ms / device_min_ms (HIGHER: the device path is faster);
+                    host_over_torch likewise for torch_min_ms
   same_bytes        the two payloads are byte-identical (checked on every case)
   dense_bytes / payload_bytes   what crosses to the host on each path from a GPU
 
 Times are medians of --reps runs after a warm-up, measured with CUDA events
-(kernels) or wall clock with a synchronisation before each run (encodes).
+(kernels) or wall clock with a synchronisation around each run (encodes; the
+paths of one codec alternate, one call each per round, in a rotating order).
 The final line is JSON. Without a GPU (or without CuPy for the CuPy columns)
 the GPU figures are null, ``"device": null``, and the exit status is 0; the
 CPU per-message figures are still measured.
@@ -131,15 +135,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn, reps: int, device: torch.device) -> float:
-    fn()  # warm-up (and a delta edge's first visit)
-    out = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+def _times_ms(fns: list, reps: int, device: torch.device) -> list[tuple[float, float]]:
+    """(median, fastest) milliseconds of each of ``fns``, run in rounds of one call each, the order rotated
+    every round (a busy spell of a shared host should slow all of them alike); a synchronisation around
+    each call."""
+    out: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[i]()
+            _sync(device)
+            out[i].append((time.perf_counter() - t0) * 1e3)
+    return [(statistics.median(t), min(t)) for t in out]
 
 
 def encode_per_message(device: str, shape: tuple[int, ...], reps: int) -> dict:
@@ -167,16 +176,19 @@ def encode_per_message(device: str, shape: tuple[int, ...], reps: int) -> dict:
         first = [f()[0] for f in (via_host, via_dev, via_torch)]  # first messages (a delta edge's first visit)
         frames = [[bytes(memoryview(f)) for f in p.to_msg()[1]] for p in first]
         same = frames[0] == frames[1] == frames[2]
-        host_ms, dev_ms = _median_ms(via_host, reps, dev), _median_ms(via_dev, reps, dev)
-        torch_ms = _median_ms(via_torch, reps, dev) if dev.type == "cpu" else dev_ms
+        fns = [via_host, via_dev, via_torch] if dev.type == "cpu" else [via_host, via_dev]
+        (host_ms, host_min), (dev_ms, dev_min), *rest = _times_ms(fns, reps, dev)  # warmed up above
+        torch_ms, torch_min = rest[0] if rest else (dev_ms, dev_min)
         payload = sum(len(f) for f in frames[1])
         cases.append({"codec": name, "host_ms": round(host_ms, 3), "device_ms": round(dev_ms, 3),
-                      "torch_ms": round(torch_ms, 3), "host_over_device": round(host_ms / dev_ms, 3),
-                      "host_over_torch": round(host_ms / torch_ms, 3), "same_bytes": same,
+                      "torch_ms": round(torch_ms, 3), "host_min_ms": round(host_min, 3),
+                      "device_min_ms": round(dev_min, 3), "torch_min_ms": round(torch_min, 3),
+                      "host_over_device": round(host_min / dev_min, 3),
+                      "host_over_torch": round(host_min / torch_min, 3), "same_bytes": same,
                       "dense_bytes": x.numel() * x.element_size(), "payload_bytes": payload})
-        print(f"encode {device:<6} {name:<16} host {host_ms:8.3f} ms | device {dev_ms:8.3f} ms "
-              f"(x{host_ms / dev_ms:.2f}) | torch codecs {torch_ms:8.3f} ms (x{host_ms / torch_ms:.2f}) | "
-              f"same bytes {same} | {payload} of {x.numel() * x.element_size()} bytes")
+        print(f"encode {device:<6} {name:<16} median/fastest ms: host {host_ms:.3f}/{host_min:.3f} | device "
+              f"{dev_ms:.3f}/{dev_min:.3f} (x{host_min / dev_min:.2f}) | torch codecs {torch_ms:.3f}/{torch_min:.3f} "
+              f"(x{host_min / torch_min:.2f}) | same bytes {same} | {payload} of {x.numel() * x.element_size()} bytes")
     return {"device": device if dev.type == "cpu" else torch.cuda.get_device_name(dev), "shape": list(shape),
             "dtype": "float32", "cases": cases,
             "host_over_device_median": round(statistics.median(c["host_over_device"] for c in cases), 3),
