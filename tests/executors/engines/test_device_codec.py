@@ -237,11 +237,15 @@ def test_cuda_encode_gives_the_cpu_bytes_and_decodes_on_the_gpu(codec, dtype):
 def test_cuda_staging_is_pinned_and_reused_across_messages():
     from fusion.kernels.staging import staging_for
 
-    _, dev = _tables("topk", "float32", device="cuda")
-    for step in range(3):
-        dev.encode(_tensor(step, "float32").cuda(), KEY, "b", False, 0)
-    st = staging_for("cuda:0" if torch.device("cuda").index is None else "cuda")
-    assert st.pin and st.buffer.is_pinned() and st.allocations == 1
+    for codec in ("topk", "quant4"):
+        _, dev = _tables(codec, "float32", device="cuda")
+        x = _tensor(0, "float32").cuda()
+        dev.encode(x, KEY, "b", False, 0)
+        st = staging_for(x.device)
+        before = st.allocations
+        for step in range(1, 4):
+            dev.encode(_tensor(step, "float32").cuda(), KEY, "b", False, 0)
+        assert st.pin and st.buffer.is_pinned() and st.allocations == before, codec
 
 
 @pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
