@@ -62,6 +62,10 @@ from fusion.kernels.sparse import SparsePayload, ratio_to_k
 
 log = logging.getLogger(__name__)
 
+#: the codecs with a device implementation; any other (a user-registered codec) is encoded and decoded by the
+#: host table from a NumPy copy, as on a NumPy part
+DEVICE_ALGOS = frozenset({"topk", "quant", "hadamard-quant", "delta"})
+
 
 @dataclass
 class DeviceDeltaEdges(DeltaEdges):
@@ -144,7 +148,8 @@ class DeviceCompression:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (tensor %s)", self.host.part, key, peer, dtype)
             return to_array(t), None
-        if not self.torch_codecs and rule.algo != "topk":  # a CPU part: NumPy on a view of the tensor
+        if rule.algo not in DEVICE_ALGOS or (not self.torch_codecs and rule.algo != "topk"):
+            # a codec without a device path, or a CPU part's quant/delta: the host table, on a NumPy view/copy
             return self.host.encode(to_array(t), key, peer, is_grad, mb, ids=ids, it=it)
         if rule.algo == "delta":
             p = self.host.delta.encode(t, dtype, key, peer, rule.codec, ids, it, mb)
@@ -178,15 +183,17 @@ class DeviceCompression:
         return dense_payload(payload)
 
     def decode(self, od: Any, shape: tuple[int, ...] | None = None) -> Any:
-        """What the engine gets for a received activation (a device tensor when it was compressed)."""
-        if isinstance(od.payload, DeltaPayload) or not self.torch_codecs:
-            return self.host.decode(od, shape)  # the device delta buffers rebuild it on the device
-        return self.decode_payload(od.payload)
+        """What the engine gets for a received activation (a device tensor when it was compressed).
+        Delta payloads are rebuilt by the host table's (device) delta buffers; anything else the device
+        has no decoder for goes to the host table."""
+        if self.torch_codecs and isinstance(od.payload, (SparsePayload, QuantPayload)):
+            return self.decode_payload(od.payload)
+        return self.host.decode(od, shape)
 
     def decode_grad(self, od: Any) -> torch.Tensor:
         """A received gradient as a tensor on the device (dense ones too, so the sum over consumer
         parts is one torch sum in the host path's order)."""
-        g = self.decode_payload(od.payload)
+        g = self.decode(od)
         if isinstance(g, torch.Tensor):
             return g
         from fusion.executors.engines.torch.engine import from_wire

@@ -141,6 +141,25 @@ def test_a_dense_or_integer_tensor_leaves_as_a_numpy_array():
     assert cfg is None and isinstance(out, np.ndarray) and out.dtype == np.int64
 
 
+def test_a_codec_without_a_device_path_goes_to_the_host_table():
+    """A codec the device has no implementation of is encoded by the host table from a NumPy copy. This
+    branch's host table refuses unknown algos when it is built, so the rule and the host encode of a
+    user-registered codec are stood in for here; once the runtime runs registered codecs
+    (CodecRegistry in executors/runtime/compression.py), this should register a real one instead."""
+    host, dev = _tables("topk", "float32")
+    calls = []
+
+    def host_encode(payload, key, peer, is_grad, mb, ids=None, it=None):
+        calls.append(type(payload))
+        return payload, {"algo": "mine"}
+
+    rule = dev.host.fwd[(KEY, "b")]
+    dev.host.fwd[(KEY, "b")] = type(rule)({"algo": "mine"})
+    dev.host.encode = host_encode
+    out, cfg = dev.encode(_tensor(0, "float32"), KEY, "b", False, 0)
+    assert calls == [np.ndarray] and cfg == {"algo": "mine"} and isinstance(out, np.ndarray)
+
+
 def test_quant_frames_through_a_reused_staging_buffer_are_the_same_bytes():
     st = HostStaging(pin=False)
     cfg = CODECS["quant4"]
