@@ -17,9 +17,32 @@ For each size (M = 10**6 elements) and dtype (float32, float16, bfloat16), r = 1
   encode_torch_ms   the torch device path (``topk_torch.compress_device``: no CuPy)
   encode_host_ms    copy the whole tensor to the host, then ``topk_torch.compress`` on CPU
 
-Times are medians of --reps runs after a warm-up, measured with CUDA events.
+Per message (``encode_per_message``, every codec the runtime runs, on CPU always
+and on CUDA when present): one activation of --message shape (default 8x128x768,
+a GPT-2-small micro-batch), float32, encoded as a torch part sends it:
+
+  host_ms           the host path: the engine's NumPy copy of the tensor (``to_array``:
+                    a view on CPU, the whole dense tensor copied off a GPU) and then
+                    ``CompressionTable.encode`` in NumPy
+  device_ms         the device path, the default (engine option ``encode="device"``):
+                    ``DeviceCompression.encode`` on the tensor where it lives (only the
+                    payload is copied to the host); on CPU, Top-K through the torch path
+                    and the quantised codecs / delta in NumPy on a view of the tensor
+  torch_ms          the torch codecs (``encode="torch"``; on CUDA: the same as device_ms,
+                    on CPU: the CUDA code path run on the CPU)
+  *_min_ms          the fastest of the --reps runs of each (the least disturbed: on a shared
+                    host a run is often preempted for tens of ms, which medians keep)
+  host_over_device  host_min_ms / device_min_ms (HIGHER: the device path is faster);
+                    host_over_torch likewise for torch_min_ms
+  same_bytes        the two payloads are byte-identical (checked on every case)
+  dense_bytes / payload_bytes   what crosses to the host on each path from a GPU
+
+Times are medians of --reps runs after a warm-up, measured with CUDA events
+(kernels) or wall clock with a synchronisation around each run (encodes; the
+paths of one codec alternate, one call each per round, in a rotating order).
 The final line is JSON. Without a GPU (or without CuPy for the CuPy columns)
-the GPU figures are null, ``"device": null``, and the exit status is 0.
+the GPU figures are null, ``"device": null``, and the exit status is 0; the
+CPU per-message figures are still measured.
 """
 from __future__ import annotations
 
@@ -96,18 +119,103 @@ def bench_case(n: int, dtype: str, reps: int, cupy_ok: bool) -> dict:
     return {key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}
 
 
+#: the codecs of a per-message encode (the runtime's: Top-K, quant 8/4/2, hadamard-quant, AQ-SGD delta)
+MESSAGE_CODECS = {
+    "topk": {"algo": "topk", "ratio": float(RATIO)},
+    "quant8": {"algo": "quant", "bits": 8, "block": 64},
+    "quant4": {"algo": "quant", "bits": 4, "block": 64},
+    "quant2": {"algo": "quant", "bits": 2, "block": 64},
+    "hadamard-quant4": {"algo": "hadamard-quant", "bits": 4, "block": 64},
+    "delta4": {"algo": "delta", "bits": 4, "block": 64},
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _times_ms(fns: list, reps: int, device: torch.device) -> list[tuple[float, float]]:
+    """(median, fastest) milliseconds of each of ``fns``, run in rounds of one call each, the order rotated
+    every round (a busy spell of a shared host should slow all of them alike); a synchronisation around
+    each call."""
+    out: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[i]()
+            _sync(device)
+            out[i].append((time.perf_counter() - t0) * 1e3)
+    return [(statistics.median(t), min(t)) for t in out]
+
+
+def encode_per_message(device: str, shape: tuple[int, ...], reps: int) -> dict:
+    """Device encode vs host encode of one float32 message per codec (see the module docstring)."""
+    import numpy as np
+
+    from fusion.executors.engines.torch.device_codec import DeviceCompression
+    from fusion.executors.engines.torch.engine import to_array
+    from fusion.executors.runtime.compression import CompressionTable
+    from fusion.plan import EdgeCompression
+
+    dev = torch.device(device)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dev)
+    ids = np.arange(shape[0], dtype=np.int64)
+    key = ("x", None)
+    cases = []
+    for name, cfg in MESSAGE_CODECS.items():
+        edges = [EdgeCompression("x", None, "a", "b", fwd_codec=cfg)]
+        host = CompressionTable.build("a", edges)
+        on_dev = DeviceCompression(CompressionTable.build("a", edges), dev)
+        on_torch = DeviceCompression(CompressionTable.build("a", edges), dev, torch_on_cpu=True)
+        via_host = lambda: host.encode(to_array(x), key, "b", False, 0, ids=ids, it=0)  # noqa: E731
+        via_dev = lambda: on_dev.encode(x, key, "b", False, 0, ids=ids, it=0)  # noqa: E731
+        via_torch = lambda: on_torch.encode(x, key, "b", False, 0, ids=ids, it=0)  # noqa: E731
+        first = [f()[0] for f in (via_host, via_dev, via_torch)]  # first messages (a delta edge's first visit)
+        frames = [[bytes(memoryview(f)) for f in p.to_msg()[1]] for p in first]
+        same = frames[0] == frames[1] == frames[2]
+        fns = [via_host, via_dev, via_torch] if dev.type == "cpu" else [via_host, via_dev]
+        (host_ms, host_min), (dev_ms, dev_min), *rest = _times_ms(fns, reps, dev)  # warmed up above
+        torch_ms, torch_min = rest[0] if rest else (dev_ms, dev_min)
+        payload = sum(len(f) for f in frames[1])
+        cases.append({"codec": name, "host_ms": round(host_ms, 3), "device_ms": round(dev_ms, 3),
+                      "torch_ms": round(torch_ms, 3), "host_min_ms": round(host_min, 3),
+                      "device_min_ms": round(dev_min, 3), "torch_min_ms": round(torch_min, 3),
+                      "host_over_device": round(host_min / dev_min, 3),
+                      "host_over_torch": round(host_min / torch_min, 3), "same_bytes": same,
+                      "dense_bytes": x.numel() * x.element_size(), "payload_bytes": payload})
+        print(f"encode {device:<6} {name:<16} median/fastest ms: host {host_ms:.3f}/{host_min:.3f} | device "
+              f"{dev_ms:.3f}/{dev_min:.3f} (x{host_min / dev_min:.2f}) | torch codecs {torch_ms:.3f}/{torch_min:.3f} "
+              f"(x{host_min / torch_min:.2f}) | same bytes {same} | {payload} of {x.numel() * x.element_size()} bytes")
+    return {"device": device if dev.type == "cpu" else torch.cuda.get_device_name(dev), "shape": list(shape),
+            "dtype": "float32", "cases": cases,
+            "host_over_device_median": round(statistics.median(c["host_over_device"] for c in cases), 3),
+            "host_over_torch_median": round(statistics.median(c["host_over_torch"] for c in cases), 3),
+            "all_same_bytes": all(c["same_bytes"] for c in cases)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ",".join(SIZES))
+    ap.add_argument("--message", default="8x128x768", help="shape of the per-message encode tensor, e.g. 8x128x768")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
+    shape = tuple(int(d) for d in args.message.lower().split("x"))
     result: dict = {"device": None, "ratio": RATIO, "cupy": None, "cases": None,
-                    "speed_vs_torch_topk_16M_float32": None, "speed_vs_torch_topk_1M_float32": None}
+                    "speed_vs_torch_topk_16M_float32": None, "speed_vs_torch_topk_1M_float32": None,
+                    "encode_per_message": {"cpu": encode_per_message("cpu", shape, args.reps), "cuda": None},
+                    "device_vs_host_encode_cpu": None, "device_vs_host_encode_cuda": None}
+    result["device_vs_host_encode_cpu"] = result["encode_per_message"]["cpu"]["host_over_device_median"]
     if not torch.cuda.is_available():
         print("gpu   skipped: no CUDA device visible to torch; GPU figures are null")
         print(json.dumps(result))
         return result
+    gpu = encode_per_message("cuda", shape, args.reps)
+    result["encode_per_message"]["cuda"] = gpu
+    result["device_vs_host_encode_cuda"] = gpu["host_over_device_median"]
     cupy_ok = topk_cupy.available()
     result["device"], result["cupy"] = torch.cuda.get_device_name(), cupy_ok
     if not cupy_ok:

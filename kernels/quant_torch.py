@@ -5,7 +5,8 @@ Runs :func:`fusion.kernels.quant.encode_core` / ``decode_core`` with
 the same float64 IEEE operations in the same order, so the payload bytes
 equal the NumPy path's (tested). On a CUDA tensor everything runs on the
 device; what crosses to the host is the compressed frames (float16 scales and
-offsets, packed uint8 codes) plus two scalars (the all-finite check and the
+offsets, packed uint8 codes, through the device's reusable pinned staging
+buffer, ``kernels.staging``) plus two scalars (the all-finite check and the
 largest magnitude, which picks ``scale_exp``). There is no CuPy kernel: on a
 CUDA tensor the torch ops *are* the device path.
 """
@@ -20,6 +21,7 @@ from fusion.ir.errors import FusionError
 
 from fusion.kernels.dtypes import VALUE_DTYPES, dtype_name
 from fusion.kernels.quant import QuantConfig, QuantPayload, decode_core, encode_core
+from fusion.kernels.staging import HostStaging, staging_for
 
 
 class TorchOps:
@@ -143,10 +145,14 @@ def _ops(device: torch.device) -> type:
     return DeviceOps
 
 
-def quantize(t: torch.Tensor, cfg: QuantConfig | Mapping[str, Any], hadamard: bool | None = None) -> QuantPayload:
+def quantize(t: torch.Tensor, cfg: QuantConfig | Mapping[str, Any], hadamard: bool | None = None,
+             staging: HostStaging | None = None) -> QuantPayload:
     """Quantise a torch tensor (any device) into a :class:`QuantPayload` (same bytes as the NumPy path).
 
     ``cfg``: a :class:`QuantConfig`, or a cfg dict (``hadamard`` then picks the variant).
+    ``staging``: the host buffer the frames are copied through; default: none for a CPU tensor
+    (plain ``.numpy()``), the device's reusable (pinned) buffer for any other device, with one
+    synchronisation of the current CUDA stream before the host reads the bytes.
     """
     if not isinstance(cfg, QuantConfig):
         cfg = QuantConfig.from_cfg(cfg, bool(hadamard))
@@ -160,8 +166,15 @@ def quantize(t: torch.Tensor, cfg: QuantConfig | Mapping[str, Any], hadamard: bo
     ops = _ops(t.device)
     flat = ops.widen(t)
     exp, s16, o16, packed = encode_core(ops, flat, flat.numel(), cfg)
-    return QuantPayload(tuple(t.shape), name, cfg.bits, cfg.block, cfg.rounding, cfg.hadamard, exp,
-                        ops.to_host(s16), ops.to_host(o16), ops.to_host(packed))
+    if staging is None and t.device.type != "cpu":
+        staging = staging_for(t.device)
+    if staging is None:
+        frames = [ops.to_host(s16), ops.to_host(o16), ops.to_host(packed)]
+    else:
+        stream = torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
+        flat_frames = staging.to_host([s16.reshape(-1), o16.reshape(-1), packed.reshape(-1)], stream)
+        frames = [a.reshape(tuple(f.shape)) for a, f in zip(flat_frames, (s16, o16, packed))]
+    return QuantPayload(tuple(t.shape), name, cfg.bits, cfg.block, cfg.rounding, cfg.hadamard, exp, *frames)
 
 
 def _to_device(a: np.ndarray, dtype: torch.dtype | None, device) -> torch.Tensor:

@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
                    help="torch engine: torch.compile the part's generated module (slow first step; off by default)")
     p.add_argument("--interpreted-parts", action="store_true",
                    help="torch engine: walk the part node by node instead of one generated function")
+    p.add_argument("--encode", default=None, choices=["device", "torch", "host"],
+                   help="torch engine: where compressed edges are encoded (same payload bytes): on the engine's "
+                        "device, only payloads leave it (default); 'torch': the torch codecs even on a CPU device; "
+                        "'host': from a NumPy copy of every dense tensor, as before")
     p.add_argument("--trust-plugins", action="store_true",
                    help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
     from fusion.commands.keys import add_security_options
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                          peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
                          startup_timeout_s=args.startup_timeout, trace_path=args.trace,
                          engine_options={**({"compile": True} if args.compile_parts else {}),
-                                         **({"compiled": False} if args.interpreted_parts else {})},
+                                         **({"compiled": False} if args.interpreted_parts else {}),
+                                         **({"encode": args.encode} if args.encode else {})},
                          trust_plugins=args.trust_plugins, security=security, plan_digest=plan_digest(args.plan))
     status = CompNode(plan, args.plan, cfg).run()
     if args.fast_exit:

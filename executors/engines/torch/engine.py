@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fusion.ir.boundary import SubGraph
-from fusion.ir.errors import GraphError
+from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
 from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
@@ -119,17 +119,30 @@ class TorchPart:
             not bit-identical; compiles on the first micro-batch).
     recompute: activation recomputation: forward without autograd keeping only the
             part's inputs, and run the forward again in backward.
+    encode: where the part's compressed edges are encoded (the payload bytes are the same either way):
+            ``"device"`` (default): on the part's device (:meth:`compress_on_device`, :mod:`.device_codec`),
+            only payloads leave it; on a CPU device each codec's faster CPU implementation.
+            ``"torch"``: the torch codecs even on a CPU device (the CUDA code path, run without a GPU).
+            ``"host"``: the engine hands every output to the runtime as a NumPy array, which encodes it
+            in NumPy (a GPU part copies every dense tensor off the device first).
     """
 
     engine = "torch"
     #: the option names ``make_engine_part(..., options=)`` accepts for this engine
-    OPTIONS = ("compiled", "compile", "recompute")
+    OPTIONS = ("compiled", "compile", "recompute", "encode")
+    ENCODE = ("device", "torch", "host")
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
-                 compiled: bool = True, compile: bool = False, recompute: bool = False):
+                 compiled: bool = True, compile: bool = False, recompute: bool = False, encode: str = "device"):
         self.graph = graph
         self.sub = sub
         self.device = torch.device(device)
+        if encode not in self.ENCODE:
+            raise FusionError(f"torch engine option encode={encode!r}: one of {', '.join(self.ENCODE)}")
+        self.encode = encode
+        #: sent activations / input gradients returned as device tensors (their edges are encoded on the device)
+        self.tensor_out: frozenset = frozenset()
+        self.tensor_grads: frozenset = frozenset()
         self.params: dict[str, torch.Tensor] = {}
         for node_name in sub.nodes:
             for pname in graph[node_name].param_names():
@@ -181,6 +194,30 @@ class TorchPart:
     def compiled(self) -> bool:
         """Whether forwards run as one generated function."""
         return self._fn is not None
+
+    def compress_on_device(self, table: Any) -> Any:
+        """The runtime's hook (``PartRuntime``): given the part's host ``CompressionTable``, return the
+        table the runtime should use. With ``device_encode`` it is a :class:`.device_codec.DeviceCompression`
+        and from now on the tensors of compressed edges are returned as device tensors, not arrays.
+        With ``encode="host"`` the host table, unchanged."""
+        if self.encode == "host" or self.device.type == "meta":
+            return table
+        from fusion.executors.engines.torch.device_codec import DeviceCompression
+
+        dtypes = {k: getattr(self.graph.output_meta(*k), "dtype", None) for k in self.send_keys}
+        dev = DeviceCompression(table, self.device, dtypes, torch_on_cpu=self.encode == "torch")
+        self.tensor_out, self.tensor_grads = dev.sent_keys(), dev.grad_keys()
+        log.info("torch engine: compressed edges encoded on %s with the %s codecs (%d activations, %d gradients); "
+                 "only payloads leave the device", self.device, "torch" if dev.torch_codecs else "CPU",
+                 len(self.tensor_out), len(self.tensor_grads))
+        return dev
+
+    def _out(self, key: Key, v: Any, keep: frozenset) -> Any:
+        """What leaves the engine for tensor ``key``: the detached tensor when its edge is encoded on the
+        device, else a NumPy array (non-tensor values unchanged)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.detach() if key in keep else to_array(v)
 
     # -- building ---------------------------------------------------------------
     def _make_step(self, name: str) -> _Step:
@@ -272,7 +309,7 @@ class TorchPart:
         else:
             sent, loss = st.sent, st.loss = self._run(st.leaves, fed, record)
         self.stash[mb_key] = st
-        arrays = {k: (to_array(v) if isinstance(v, torch.Tensor) else v) for k, v in sent.items()}
+        arrays = {k: self._out(k, v, self.tensor_out) for k, v in sent.items()}
         return arrays, (float(loss.detach()) if loss is not None and self.device.type != "meta" else None)
 
     def _run(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
@@ -424,7 +461,7 @@ class TorchPart:
             if not needs_grad or not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
                 continue
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            out[key] = to_array(g)
+            out[key] = self._out(key, g, self.tensor_grads)
         return out
 
     # -- parameters ----------------------------------------------------------------
