@@ -215,3 +215,19 @@ def test_a_run_that_lost_a_replica_resumes_the_full_plan_from_the_survivors_chec
     assert set(a) == set(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"replicas differ in {k} after the resume")
+
+
+def test_a_plan_whose_replicas_differ_in_cut_exits_2_with_one_line(tmp_path, capsys):
+    """A replicated plan edited so replica 1 runs a stage the cut does not have: `fusion inspect` and `fusion run`
+    refuse it with one line naming the part and field (exit 2), before any process starts."""
+    out = tmp_path / "dp.plan"
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    d = json.loads((out / "plan.json").read_text())
+    d["parts"]["r1.part0"]["stage"] = "part7"
+    (out / "plan.json").write_text(json.dumps(d))
+    for cmd in (["inspect", str(out)], ["run", str(out), "--out", str(tmp_path / "run"), "--steps", "1"]):
+        assert main(cmd) == 2
+        assert "parts.r1.part0.stage 'part7' is not a stage of the assignment" in _one_line(capsys)
+    assert not (tmp_path / "run").exists()

@@ -166,3 +166,42 @@ def test_losing_the_last_replica_ends_the_run_with_one_clear_line(tmp_path):
                                                   r"of stage 'p0': no replica is left to train on") as e:
             lc.coordinator.step(batch_fn(2, 2 * MB))
         assert "\n" not in str(e.value) and time.monotonic() - t0 < 20
+
+
+def test_resume_sources_map_every_part_to_a_saved_copy_of_its_stage(tmp_path):
+    """Which files each part of the full plan loads: its own when it saved the step, else the first saved replica
+    of its stage; a stage nobody saved is one line naming it. A checkpoint written before this field existed
+    (every part saved) maps every part to itself."""
+    import pytest
+
+    stage_of = {"p0": "p0", "p1": "p1", "r1.p0": "p0", "r1.p1": "p1", "r2.p0": "p0", "r2.p1": "p1"}
+    checkpoint.commit(tmp_path, 4, ["p0", "p1", "r2.p0", "r2.p1"], check_files=False)  # replica 1 was dropped
+    assert checkpoint.resume_sources(tmp_path, 4, stage_of) == {
+        "p0": "p0", "p1": "p1", "r1.p0": "p0", "r1.p1": "p1", "r2.p0": "r2.p0", "r2.p1": "r2.p1"}
+    checkpoint.commit(tmp_path, 6, ["p0"], check_files=False)  # (a hand-made one: stage p1 saved by nobody)
+    with pytest.raises(checkpoint.CheckpointError, match=r"no part of stage 'p1' saved step 6 \(saved: p0\); "
+                                                         r"part 'p1' cannot resume from it") as e:
+        checkpoint.resume_sources(tmp_path, 6, stage_of)
+    assert "\n" not in str(e.value)
+    with pytest.raises(checkpoint.CheckpointError, match="step 5 is not a complete checkpoint"):
+        checkpoint.saved_parts(tmp_path, 5)
+
+
+def test_a_part_refuses_to_resume_from_a_part_outside_its_data_parallel_group(tmp_path):
+    """setup's resume_from must name a replica of the part's own stage: p0 may load r1.p0's copy, never p1's."""
+    import pytest
+
+    from fusion.executors.runtime.compnode import CompNode, ExecutorAbort, ExecutorConfig
+    from fusion.plan import load_plan
+
+    build, splits, _, _ = MODELS["cnn"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, splits[2], 2, micro_batches=MICRO)
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p0", "tcp://127.0.0.1:1"))
+    try:
+        assert node._resume_source("r1.p0") == "r1.p0" and node._resume_source("p0") == "p0"
+        for bad in ("p1", "r1.p1", "nope", 3):
+            with pytest.raises(ExecutorAbort, match=r"resume_from .* is not a replica of stage 'p0' \(p0, r1.p0\)"):
+                node._resume_source(bad)
+    finally:
+        node.transport.close(timeout_s=1.0, linger_s=0.0)
