@@ -231,3 +231,20 @@ def test_a_plan_whose_replicas_differ_in_cut_exits_2_with_one_line(tmp_path, cap
         assert main(cmd) == 2
         assert "parts.r1.part0.stage 'part7' is not a stage of the assignment" in _one_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(tmp_path):
+    """A data function whose batch has 6 rows for a plan of global batch 8 (2 replicas x 2 micro-batches of 2 rows):
+    the run stops at step 0 with one line naming the field and both shapes (exit 2); nothing hangs."""
+    (tmp_path / "data.py").write_text(
+        "import numpy as np\n"
+        "def batches(step):\n"
+        "    g = np.random.default_rng(step)\n"
+        "    return {'x': g.standard_normal((6, 3, 6, 6)).astype(np.float32), 'y': g.integers(0, 5, 6).astype(np.int64)}\n")
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out",
+                        str(tmp_path / "run"), "--replicas", "2", "--global-batch", "8", "--steps", "2", "--no-progress",
+                        "--data", f"{tmp_path / 'data.py'}:batches"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "step 0: field 'x' has shape [6, 3, 6, 6], the plan expects [8, 3, 6, 6] (4 micro-batch(es) of [2, 3, 6, 6])" \
+        in last, r.stderr[-2000:]
