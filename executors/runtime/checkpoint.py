@@ -17,6 +17,13 @@ verified on resume (by the coordinator when the files are on its disk, and by
 each executor), and a mismatch refuses to resume with the file's name. A step
 directory without ``COMPLETE.json`` is ignored on resume. No pickle: tensors
 are safetensors, the rest is JSON.
+
+``COMPLETE.json`` lists the parts that saved the step. In a replicated plan
+that lost a replica (``--drop-failed-replicas``) only the survivors save;
+their copy of each stage stands for every replica of it, because the
+replicas of a stage hold the same bits after every all-reduce. On resume,
+:func:`resume_sources` maps each part of the (full) plan to the saved part
+of its stage whose files it loads.
 """
 from __future__ import annotations
 
@@ -177,6 +184,41 @@ def commit(root: str | Path, step: int, parts: list[str], extra: Mapping[str, An
     complete = sorted(int(p.name[5:]) for p in Path(root).glob("step-*") if (p / COMPLETE).exists())
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def saved_parts(root: str | Path, step: int) -> list[str]:
+    """The parts that saved complete ``step`` (``COMPLETE.json``'s ``parts``)."""
+    f = step_dir(root, step) / COMPLETE
+    try:
+        parts = json.loads(f.read_text())["parts"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing (step {step} is not a complete checkpoint)") from None
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise CheckpointError(f"{f}: 'parts' must be a list of part names")
+    return parts
+
+
+def resume_sources(root: str | Path, step: int, stage_of: Mapping[str, str]) -> dict[str, str]:
+    """Part -> the saved part whose files it loads to resume ``step``.
+
+    stage_of: every part of the plan that resumes -> its stage (``Plan.stage_of``). A part that saved the
+    step loads its own files; one that did not (its replica was dropped before the step) loads those of the
+    first saved part of its stage, in saved order. A stage with no saved part raises CheckpointError naming it.
+    """
+    saved = saved_parts(root, step)
+    out: dict[str, str] = {}
+    for part, stage in stage_of.items():
+        if part in saved:
+            out[part] = part
+            continue
+        copy = next((q for q in saved if stage_of.get(q) == stage), None)
+        if copy is None:
+            raise CheckpointError(f"{step_dir(root, step) / COMPLETE}: no part of stage {stage!r} saved step {step} "
+                                  f"(saved: {', '.join(saved) or 'none'}); part {part!r} cannot resume from it")
+        out[part] = copy
+    return out
 
 
 def latest(root: str | Path) -> int | None:

@@ -188,6 +188,10 @@ class CompNode:
                 return
             if c.op == "step":
                 self._check_feeds(c)
+                save = c.fields.get("save_step", 1)
+                if not (isinstance(save, int) and not isinstance(save, bool) and 1 <= save <= c.fields["it"] + 1):
+                    raise WireError(f"step {c.fields['it']}: save_step {repr(save)[:40]} is not a step count "
+                                    f"in 1..{c.fields['it'] + 1}")
             if c.op == "regroup":
                 with self._cv:
                     self._regroup = c
@@ -230,8 +234,11 @@ class CompNode:
             self._cv.notify_all()
 
     # -- waiting (engine loop) ---------------------------------------------------------
-    def _wait(self, ready, what: str, timeout_s: float):
-        """Receive messages until ``ready()`` returns non-None; abort, silence and timeout raise."""
+    def _wait(self, ready, what: str, timeout_s: float, before_regroup: bool = False):
+        """Receive messages until ``ready()`` returns non-None; abort, silence and timeout raise.
+
+        before_regroup: a ``ready()`` already satisfied wins over a regroup that arrived with it (the go-ahead
+        of a step: the coordinator sent it before any regroup, so the step was committed and must be applied)."""
         deadline = time.monotonic() + timeout_s
         remind = time.monotonic() + self.remind_s
         t0 = now_us()
@@ -239,11 +246,13 @@ class CompNode:
             with self._cv:
                 if self._aborted:
                     raise ExecutorAbort(self._aborted)
-                if self._regroup is not None:
+                if self._regroup is not None and not before_regroup:
                     raise Regroup()
                 v = ready()
                 if v is not None:
                     break
+                if self._regroup is not None:
+                    raise Regroup()
             if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
                 continue
             now = time.monotonic()
@@ -277,8 +286,13 @@ class CompNode:
         if bad:
             raise ExecutorAbort(bad)
         resume = f["resume_step"]
+        source = self._resume_source(f.get("resume_from", self.me)) if resume is not None else self.me
         if resume is not None:
-            params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), self.me)
+            # a part whose replica was dropped before this checkpoint loads its stage's surviving copy
+            params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), source)
+            if source != self.me:
+                log.warning("%s: resuming step %s from %s's copy of stage %r (this replica was dropped before it)",
+                            self.me, resume, source, self.plan.stage_of(self.me))
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         chosen = {"recompute": True} if self.plan.parts[self.me].recompute else {}  # by the compiler, to fit
@@ -291,7 +305,8 @@ class CompNode:
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
-        delta_edges.attach(self.runtime, self.inbox, f["checkpoint_dir"], resume)
+        # a copied replica starts its delta buffers afresh, at both ends of each edge (both are copies)
+        delta_edges.attach(self.runtime, self.inbox, f["checkpoint_dir"], resume if source == self.me else None)
         with self._cv:
             self.inbox.expected_iter = int(resume or 0)
             if self.ring is not None:
@@ -308,6 +323,13 @@ class CompNode:
                 m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
                 link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
             self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
+
+    def _resume_source(self, source) -> str:
+        """The part whose checkpoint files this one loads: itself, or a replica of its stage (its DP group)."""
+        if not isinstance(source, str) or source not in self.plan.dp_group(self.me):
+            raise ExecutorAbort(f"setup: resume_from {str(source)[:80]!r} is not a replica of stage "
+                                f"{self.plan.stage_of(self.me)!r} ({', '.join(self.plan.dp_group(self.me))})")
+        return source
 
     def _plan_weights(self) -> dict[str, np.ndarray]:
         if self._weights is not None:
@@ -389,7 +411,10 @@ class CompNode:
             stats["allreduce_s"] = time.perf_counter() - t_ar
         if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
             self.transport.send(COORDINATOR, encode_ctrl("reduced", it=it))
-            c2 = self._next_ctrl(self.cfg.data_timeout_s)
+            c2, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the go-ahead of iteration {it}",
+                               self.cfg.data_timeout_s, before_regroup=True)
+            if c2.op == "abort":
+                raise ExecutorAbort(f"aborted by the coordinator: {c2.fields['reason']}")
             if c2.op != "commit" or c2.fields["it"] != it:
                 raise ExecutorAbort(f"expected commit of iteration {it} from the coordinator, got {c2.op!r}")
         engine = rt.engine
@@ -401,11 +426,13 @@ class CompNode:
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
         if c.fields["checkpoint"]:
+            # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
+            save = c.fields.get("save_step", it + 1)
             with self.tracer.span("checkpoint", "checkpoint"):
-                checkpoint.save_part(self.checkpoint_dir, it + 1, self.me, engine.state(), *self.opt.state(),
+                checkpoint.save_part(self.checkpoint_dir, save, self.me, engine.state(), *self.opt.state(),
                                      delta=delta_edges.checkpoint_arrays(rt))
                 checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
-            stats["checkpoint_step"] = it + 1
+            stats["checkpoint_step"] = save
         with self._cv:
             self.inbox.finish(it)
             if self.ring is not None:

@@ -6,8 +6,10 @@ conversation of one run::
 
     executor -> coordinator   hello {part, address, pid, engine, digest}
     coordinator -> executor   setup {peers: {part: address}, emulate_links, resume_step, checkpoint_dir, digest}
+                              (optional resume_from: the replica of this part's stage whose checkpoint it loads)
     executor -> coordinator   ready {part}
     coordinator -> executor   step {it, want_grads, checkpoint}   tensors "<micro-batch>/<placeholder>"
+                              (optional save_step: the completed-step count a checkpoint is named by)
     executor -> coordinator   done {it, losses: [[mb, loss]], stats}   tensors: parameter gradients if asked
     coordinator -> executor   fetch {}                            executor -> coordinator  state {}  tensors: parameters
     coordinator -> executor   stop {} | abort {reason}

@@ -10,7 +10,10 @@ nodes, as in single-process training.
 
 Every ``checkpoint_every`` steps the executors save their own parameters and
 optimizer state; once all have, the coordinator marks the checkpoint
-complete (:mod:`fusion.executors.runtime.checkpoint`). A part that reports an error,
+complete (:mod:`fusion.executors.runtime.checkpoint`). After a replica was
+dropped the survivors alone save (their copy of each stage stands for the
+dropped one), and a resume of the full plan loads every part of a dropped
+replica from the saved copy of its stage. A part that reports an error,
 whose process exits, or that sends nothing (not even a heartbeat) for
 ``peer_timeout_s`` is reported by name as a :class:`CompNodeFailure`; the
 others are told to abort.
@@ -213,9 +216,9 @@ class Coordinator:
                                 if on_each is not None:
                                     on_each(p, got[p])
                                 break
-                if len(got) == len(parts):
-                    return got
                 waiting = [p for p in parts if p not in got]
+                if not waiting:  # (got may hold more: a dropped replica's reports collected before the drop)
+                    return got
                 if remind_s and time.monotonic() >= next_remind:
                     next_remind += remind_s
                     self.report(f"still waiting for {_names(waiting)} ({what}, {time.monotonic() - t0:.0f} s of "
@@ -256,13 +259,20 @@ class Coordinator:
             self.report(f"{p} ready: part built and weights loaded ({time.monotonic() - t0:.1f} s after launch)")
 
         hellos = self._collect("hello", self.parts, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0)
-        resume_step = None
+        resume_step, sources = None, {p: p for p in self.parts}
         if resume:
             if not self.cfg.checkpoint_dir:
                 raise FusionError("resume needs a checkpoint directory")
             resume_step = checkpoint.latest(self.cfg.checkpoint_dir)
             if resume_step is not None:  # files on this disk are verified here, before any executor loads them
-                checkpoint.verify(self.cfg.checkpoint_dir, resume_step, self.parts)
+                sources = checkpoint.resume_sources(self.cfg.checkpoint_dir, resume_step,
+                                                    {p: self.plan.stage_of(p) for p in self.parts})
+                checkpoint.verify(self.cfg.checkpoint_dir, resume_step, sorted(set(sources.values())))
+                copied = {p: q for p, q in sources.items() if p != q}
+                if copied:
+                    self.report(f"step {resume_step} was saved without replica(s) "
+                                f"{', '.join(str(r) for r in sorted({self.replica_of[p] for p in copied}))}: "
+                                + ", ".join(f"{p} loads {q}'s copy" for p, q in copied.items()))
             if resume_step is None:
                 log.warning("no complete checkpoint in %s; starting from step 0", self.cfg.checkpoint_dir)
         for p, h in hellos.items():
@@ -279,7 +289,7 @@ class Coordinator:
         for p in self.parts:
             self.transport.send(p, encode_ctrl("setup", peers=self.addresses, emulate_links=self.cfg.emulate_links,
                                                resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover,
-                                               digest=self.cfg.plan_digest))
+                                               digest=self.cfg.plan_digest, resume_from=sources[p]))
         self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
         self.step_index = resume_step or 0
         log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
@@ -305,18 +315,20 @@ class Coordinator:
         """
         drops: list[dict] = []
         while True:
-            committed: list[bool] = [False]
+            committed: list[bool] = [False, False]  # [go-ahead sent, checkpoint asked for]
             done: dict[str, Control] = {}
             try:
                 r = self._step_once(batch, want_grads, committed, done)
                 r.dropped = drops
                 return r
             except CompNodeFailure as e:
-                if not self._failover or not self._can_drop(e.part):
-                    if self._failover:
-                        with self._cv:
-                            self._abort_locked(str(e))
+                if not self._failover:
                     raise
+                why = self._cannot_drop(e.part)
+                if why:  # e.g. the last replica of every stage is gone: the run ends here
+                    with self._cv:
+                        self._abort_locked(str(e))
+                    raise CompNodeFailure(e.part, f"{e.reason}; {why}") from None
                 try:
                     drops.append(self._drop_replica(e, abandoned=not committed[0]))
                 except CompNodeFailure as e2:  # a second failure while regrouping: give up as without failover
@@ -324,12 +336,21 @@ class Coordinator:
                         self._abort_locked(str(e2))
                     raise
                 if committed[0]:  # every survivor applied this step: collect the rest of its reports
-                    return self._finish_committed(batch, done, drops, want_grads)
+                    return self._finish_committed(batch, done, drops, committed[1])
 
-    def _can_drop(self, part: str) -> bool:
+    def _cannot_drop(self, part: str) -> str:
+        """Why the failed ``part``'s replica cannot be dropped ('' when it can)."""
         reps = self.live_replicas()
         total = self.n_micro * len(reps)
-        return part in self.live and len(reps) > 1 and total % (len(reps) - 1) == 0
+        if part not in self.live:
+            return f"{part} is not in a live replica"
+        if len(reps) == 1:
+            return (f"replica {self.replica_of[part]} was the last one with a copy of stage "
+                    f"{self.plan.stage_of(part)!r}: no replica is left to train on")
+        if total % (len(reps) - 1):
+            return (f"the global batch of {total} micro-batches does not divide over the {len(reps) - 1} "
+                    f"surviving replicas")
+        return ""
 
     def _drop_replica(self, e: CompNodeFailure, abandoned: bool) -> dict:
         """Stop the failed part's replica, tell the survivors to regroup, wait until they have."""
@@ -378,7 +399,9 @@ class Coordinator:
             arrays = {f"{m}/{ph}": share[m][ph] for m in range(n) for ph in self.feeds_of[p]}
             if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
                 arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[k * n + m][SAMPLE_IDS] for m in range(n)})
-            self.transport.send(p, encode_ctrl("step", arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt))
+            # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
+            self.transport.send(p, encode_ctrl("step", arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt,
+                                               save_step=self.step_index + 1))
         return rows
 
     def _step_once(self, batch: Mapping[str, Any], want_grads: bool, committed: list[bool],
@@ -386,14 +409,11 @@ class Coordinator:
         it = self.step_index
         exec_it = it + self.iter_offset
         every = self.cfg.checkpoint_every
+        # after a drop only the survivors save; their copy of each stage resumes the dropped replica's parts
         ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
-        if ckpt and (self.dropped or self.iter_offset):
-            # executors number their files by iteration, which a redone step has moved past the step; and a
-            # checkpoint of fewer replicas than the plan cannot resume it: none after a drop (not built)
-            log.warning("step %d: no checkpoint after a replica was dropped", it)
-            ckpt = False
         t0 = time.monotonic()
         rows = self._send_step(batch, want_grads, ckpt)
+        committed[1] = ckpt
         if self._failover:  # commit only when every live part has its averaged gradients: all step or none
             self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
             for p in self.live:
@@ -402,12 +422,13 @@ class Coordinator:
         self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=not self._failover)
         return self._report(it, exec_it, rows, done, t0, ckpt)
 
-    def _finish_committed(self, batch, done: dict[str, Control], drops: list[dict], want_grads: bool) -> StepReport:
+    def _finish_committed(self, batch, done: dict[str, Control], drops: list[dict], ckpt: bool) -> StepReport:
+        """A replica was lost after the go-ahead: the survivors applied (and, if asked, saved) the step."""
         it = self.step_index
         t0 = time.monotonic()
         self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=False)
         rows = next(iter(batch.values())).shape[0] if batch else 0
-        r = self._report(it, it + self.iter_offset, rows, {p: done[p] for p in self.live}, t0, False)
+        r = self._report(it, it + self.iter_offset, rows, {p: done[p] for p in self.live}, t0, ckpt)
         r.dropped = drops
         return r
 
@@ -415,23 +436,28 @@ class Coordinator:
         dt = time.monotonic() - t0
         n, R = self.n_micro, len(self.live_replicas())
         losses = []
+        covered: set[tuple[int, int]] = set()  # (replica, micro-batch) whose losses arrived
         grads: dict[str, np.ndarray] = {}
         for p in self.live:  # plan part order
             c = done[p]
             if c.fields["it"] != exec_it:
                 raise CompNodeFailure(p, f"answered iteration {c.fields['it']} to iteration {exec_it}")
             losses += [float(v) for _, v in c.fields["losses"]]
+            covered |= {(self.replica_of[p], int(mb)) for mb, _ in c.fields["losses"]}
             for name, g in c.arrays.items():
                 grads.setdefault(name, np.array(g))
         if ckpt:
-            unsaved = [p for p in self.parts if done[p].fields["stats"].get("checkpoint_step") != it + 1]
+            unsaved = [p for p in self.live if done[p].fields["stats"].get("checkpoint_step") != it + 1]
             if unsaved:
                 raise CompNodeFailure(unsaved[0], f"did not confirm its checkpoint of step {it + 1}")
-            # each executor wrote its own files (on its own host); their confirmations make the step complete
-            checkpoint.commit(self.cfg.checkpoint_dir, it + 1, self.parts, {"time": time.time()}, check_files=False)
+            # each executor wrote its own files (on its own host); their confirmations make the step complete.
+            # After a drop the live parts hold every stage: a resume gives the dropped parts their copies
+            extra = {"time": time.time(), **({"dropped": self.dropped} if self.dropped else {})}
+            checkpoint.commit(self.cfg.checkpoint_dir, it + 1, list(self.live), extra, check_files=False)
         self.step_index = it + 1
-        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares
-        return StepReport(it, float(np.sum(losses) / (n * R)), dt, rows, {p: done[p].fields["stats"] for p in self.live},
+        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
+        # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
+        return StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].fields["stats"] for p in self.live},
                           grads)
 
     def fetch_state(self, timeout_s: float = 60.0, replica: int | None = None) -> dict[str, np.ndarray]:

@@ -168,3 +168,83 @@ def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(tmp_path):
         ref = ReferenceExecutor(load_model(_model(tmp_path)), optimizer=OptimizerConfig("sgd", lr=0.1), micro_batches=4)
         batch = make_batches(plan, "auto", plan.seed)
         np.testing.assert_allclose(losses, [ref.step(batch(s)).loss for s in range(2)], rtol=1e-5, err_msg=strategy)
+
+
+def test_a_run_that_lost_a_replica_resumes_the_full_plan_from_the_survivors_checkpoint(tmp_path):
+    """`fusion run --drop-failed-replicas --checkpoint-every 2`: replica 1 dies before step 2, the checkpoint after
+    step 4 is written by replica 0 alone, step 4 runs and the run ends. `fusion run OUT/plan --out OUT --resume`
+    brings both replicas back from that checkpoint (r1.part0 loads part0's copy) and trains steps 4..6:
+    metrics.jsonl holds steps 0..6 once each, every loss equals the one-process reference on the global batches,
+    and both replicas' saved weights after step 6 are the same bits."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_model
+
+    (tmp_path / "data.py").write_text(DATA_SRC)
+    out = tmp_path / "run"
+    common = ["--out", str(out), "--no-progress", "--drop-failed-replicas", "--checkpoint-every", "2",
+              "--data", f"{tmp_path / 'data.py'}:batches"]
+    env = {**os.environ, "DP_TEST_RUN": str(out)}
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2",
+                        "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--steps", "5",
+                        *common], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dropped replica 1 at step 2" in r.stderr
+    complete = json.loads((out / "checkpoints" / "step-00000004" / "COMPLETE.json").read_text())
+    assert complete["parts"] == ["part0"] and complete["dropped"][0]["replica"] == 1
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", str(out / "plan"), "--steps", "7", "--resume", *common],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming at step 4" in r.stderr and "r1.part0 loads part0's copy" in r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(7))  # run 1's unsaved step 4 was replaced, not kept twice
+    assert [bool(x.get("dropped")) for x in lines] == [False, False, True, False, False, False, False]
+    assert all(set(x["parts"]) == {"part0", "r1.part0"} for x in lines[4:])  # both replicas again
+    ref = ReferenceExecutor(load_model(_model(tmp_path)), optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9),
+                            micro_batches=4)
+    want = [ref.step(_no_kill(s)).loss for s in range(7)]
+    np.testing.assert_allclose([x["loss"] for x in lines], want, rtol=1e-5)
+    final = load_weights(out / "final.safetensors")
+    for k, v in ref.state().items():
+        np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+    step6 = out / "checkpoints" / "step-00000006"
+    a, b = load_file(str(step6 / "part0.params.safetensors")), load_file(str(step6 / "r1.part0.params.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"replicas differ in {k} after the resume")
+
+
+def test_a_plan_whose_replicas_differ_in_cut_exits_2_with_one_line(tmp_path, capsys):
+    """A replicated plan edited so replica 1 runs a stage the cut does not have: `fusion inspect` and `fusion run`
+    refuse it with one line naming the part and field (exit 2), before any process starts."""
+    out = tmp_path / "dp.plan"
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    d = json.loads((out / "plan.json").read_text())
+    d["parts"]["r1.part0"]["stage"] = "part7"
+    (out / "plan.json").write_text(json.dumps(d))
+    for cmd in (["inspect", str(out)], ["run", str(out), "--out", str(tmp_path / "run"), "--steps", "1"]):
+        assert main(cmd) == 2
+        assert "parts.r1.part0.stage 'part7' is not a stage of the assignment" in _one_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(tmp_path):
+    """A data function whose batch has 6 rows for a plan of global batch 8 (2 replicas x 2 micro-batches of 2 rows):
+    the run stops at step 0 with one line naming the field and both shapes (exit 2); nothing hangs."""
+    (tmp_path / "data.py").write_text(
+        "import numpy as np\n"
+        "def batches(step):\n"
+        "    g = np.random.default_rng(step)\n"
+        "    return {'x': g.standard_normal((6, 3, 6, 6)).astype(np.float32), 'y': g.integers(0, 5, 6).astype(np.int64)}\n")
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out",
+                        str(tmp_path / "run"), "--replicas", "2", "--global-batch", "8", "--steps", "2", "--no-progress",
+                        "--data", f"{tmp_path / 'data.py'}:batches"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "step 0: field 'x' has shape [6, 3, 6, 6], the plan expects [8, 3, 6, 6] (4 micro-batch(es) of [2, 3, 6, 6])" \
+        in last, r.stderr[-2000:]
