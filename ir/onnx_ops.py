@@ -33,6 +33,12 @@ STATIC_INPUTS: dict[str, frozenset[int]] = {
     "Dropout": frozenset({1, 2}),
     "ConstantOfShape": frozenset({0}),
     "Range": frozenset({0, 1, 2}),
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "TopK": frozenset({1}),
+    "OneHot": frozenset({1}),
+    "CumSum": frozenset({1}),
+    "Trilu": frozenset({1}),
 }
 
 _NO_GRAD_ALL = frozenset(range(64))
@@ -41,6 +47,8 @@ _NO_GRAD_ALL = frozenset(range(64))
 NO_GRAD_INPUTS: dict[str, frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),  # running mean / variance are buffers
     "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "OneHot": frozenset({0}),
     "Where": frozenset({0}),
     "CastLike": frozenset({1}),
     "SoftmaxCrossEntropyLoss": frozenset({1, 2}),
@@ -72,6 +80,7 @@ ATTR_TO_INPUT: dict[str, list[tuple[str, int, int, str]]] = {
     "ReduceL2": [("axes", 1, 18, "int64")],
     "Pad": [("pads", 1, 11, "int64"), ("value", 2, 11, "float32")],
     "Clip": [("min", 1, 11, "float32"), ("max", 2, 11, "float32")],
+    "Upsample": [("scales", 1, 9, "float32")],
     "Slice": [("starts", 1, 10, "int64"), ("ends", 2, 10, "int64"), ("axes", 3, 10, "int64")],
 }
 
@@ -83,7 +92,7 @@ COERCE_2D_BEFORE = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13}
 #: when a node asks for more than the first.
 OPTIONAL_OUTPUTS = frozenset({
     "LayerNormalization", "BatchNormalization", "Dropout", "MaxPool",
-    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "TopK",
 })
 
 #: ops that the importer evaluates away rather than turning into nodes

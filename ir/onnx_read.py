@@ -13,6 +13,7 @@ import numpy as np
 
 from fusion.ir.errors import GraphError
 from fusion.ir.onnx_ops import ATTR_TO_INPUT, COERCE_2D_BEFORE, static_inputs
+from fusion.ir.onnx_resize import upsample_attrs
 
 
 @dataclass
@@ -109,6 +110,9 @@ def normalise_nodes(mp, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
         if n.op_type in COERCE_2D_BEFORE and opset < COERCE_2D_BEFORE[n.op_type]:
             attrs.setdefault("axis", 1)  # the old default
             attrs["coerce_2d"] = 1
+        if n.op_type == "Resize" and opset < 11:  # Resize-10 is Upsample-9 renamed: (X, scales), asymmetric, floor
+            inputs = [inputs[0], "", *inputs[1:2]]
+            attrs.update(upsample_attrs(attrs.get("mode", "nearest")))
         if n.op_type == "Dropout" and opset < 12:
             attrs.pop("ratio", None)  # an attribute before opset 12; inference Dropout is the identity either way
             attrs.pop("is_test", None)
