@@ -739,7 +739,7 @@ def _reduce(fn):
 
 
 ONNX_OPS["ReduceMean"] = _reduce(lambda x, d, k: x.mean(dim=d, keepdim=k))
-ONNX_OPS["ReduceSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k))
+ONNX_OPS["ReduceSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k).to(x.dtype))
 def _extreme(fn, largest: bool):
     """amax/amin; over an empty set ONNX gives the identity element (-inf / +inf, the int range end, False / True)."""
     def op(x, d, k):
@@ -756,6 +756,23 @@ def _extreme(fn, largest: bool):
     return op
 
 
+def _prod(x, d, k):
+    for a in sorted(d, reverse=True):
+        x = x.prod(dim=a, keepdim=k)
+    return x
+
+
+def _same_dtype(fn):
+    """torch accumulates integer sums/products in int64; ONNX keeps the input's type."""
+    return lambda x, d, k: fn(x, d, k).to(x.dtype)
+
+
+ONNX_OPS["ReduceProd"] = _reduce(_same_dtype(_prod))
+ONNX_OPS["ReduceSumSquare"] = _reduce(_same_dtype(lambda x, d, k: (x * x).sum(dim=d, keepdim=k)))
+ONNX_OPS["ReduceL1"] = _reduce(_same_dtype(lambda x, d, k: x.abs().sum(dim=d, keepdim=k)))
+ONNX_OPS["ReduceL2"] = _reduce(_same_dtype(lambda x, d, k: (x * x).sum(dim=d, keepdim=k).sqrt()))
+ONNX_OPS["ReduceLogSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k).log())
+ONNX_OPS["ReduceLogSumExp"] = _reduce(lambda x, d, k: torch.logsumexp(x, dim=d, keepdim=k))
 ONNX_OPS["ReduceMax"] = _reduce(_extreme(torch.amax, True))
 ONNX_OPS["ReduceMin"] = _reduce(_extreme(torch.amin, False))
 
