@@ -24,6 +24,7 @@ case is imported as written (and refused). Not a test module: ``tests/ir/test_on
 """
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -94,8 +95,8 @@ def run_case(case, folder: Path | None = None, bind_static: bool = True) -> Outc
     in_names = [i.name for i in graph.input if i.name not in init]
     feeds = {n: np.asarray(v) for n, v in zip(in_names, inputs)}
     proto = _bind_static(case.model, feeds) if bind_static else case.model
-    with tempfile.TemporaryDirectory(dir=folder) as d:
-        path = Path(d) / f"{case.name}.onnx"
+    with (contextlib.nullcontext(str(folder)) if folder is not None else tempfile.TemporaryDirectory()) as d:
+        path = Path(d) / f"{case.name}.onnx"  # one file per case, removed after loading (no folder per case)
         onnx.save(proto, str(path))
         try:
             model = load_onnx(path, example=feeds)
@@ -106,6 +107,8 @@ def run_case(case, folder: Path | None = None, bind_static: bool = True) -> Outc
             return Outcome(case.name, "refused", msg.split(": ", 1)[-1])
         except Exception as e:  # noqa: BLE001 - a raw exception at load is a failure
             return Outcome(case.name, "fail", f"load raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        finally:
+            path.unlink(missing_ok=True)
     try:
         ex = ReferenceExecutor(model)
         got = ex.forward_outputs({k: feeds[k] for k in model.example})
