@@ -7,6 +7,8 @@ Resize/Upsample as in FCN/U-Net/YOLOv3 heads, GlobalMaxPool, Gemm with
 network written with ``torch.nn.functional``. The last part runs on the NumPy
 engine where it can (everything after the transposed convolution).
 """
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,9 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
+from fusion.ir.model import Model  # noqa: E402
 from fusion.ir.onnx_import import load_onnx  # noqa: E402
+from fusion.ir.serialize import graph_from_dict, graph_to_dict  # noqa: E402
 from fusion.plan import OptimizerConfig  # noqa: E402
 
 from tests.ir.onnx_models import assert_trains_like  # noqa: E402
@@ -84,6 +88,9 @@ class Reference(torch.nn.Module):
                                                   (9, "upsample", "torch+numpy")])
 def test_zoo_cnn_ops_train_like_torch(tmp_path, opset, resize, engines):
     model = load_onnx(_model(tmp_path / "zoo.onnx", opset, resize), loss="cross_entropy")
+    saved = json.loads(json.dumps(graph_to_dict(model.graph)))  # through the plan encoding and back
+    model = Model(graph_from_dict(saved), model.params, model.example)
+    assert graph_to_dict(model.graph) == saved
     targets = [n.target for n in model.graph.nodes.values()]
     assert {"onnx.LRN", "onnx.ConvTranspose", "onnx.GlobalMaxPool"} <= set(targets)
     assert ("onnx.Upsample" if resize == "upsample" else "onnx.Resize") in targets
