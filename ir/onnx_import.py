@@ -119,6 +119,7 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
         if all(more.get(v, (None,))[0] is None for v in unknown):
             break
         types.update({k: v for k, v in more.items() if v[0] is not None})
+    problems += [f"node {n.name!r} (If on a condition computed at run time)" for n in runtime if n.op == "If"]
     if problems:
         raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
     builder = _GraphBuild(path, types, consts, train, inits)

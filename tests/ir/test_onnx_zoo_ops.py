@@ -122,3 +122,49 @@ def test_argmax_head_returns_class_indices(tmp_path):
     np.testing.assert_array_equal(out["output:k"], x.reshape(3, 7).argmax(1).reshape(3, 1, 1))
     e = np.exp(x - x.max(1, keepdims=True))
     np.testing.assert_allclose(out["output:p"], e / e.sum(1, keepdims=True), rtol=1e-6)
+
+
+class LegacyZoo(torch.nn.Module):
+    """Zoo-era layers as torch's legacy TorchScript exporter writes them (as the model-zoo files were made):
+    LocalResponseNorm (decomposed, with an If on a static shape at opset 11), MaxPool with ceil_mode,
+    Dropout, ConvTranspose, Upsample (opset 9) / Resize (opset 11), GlobalMaxPool, Gemm."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.c1, self.lrn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.LocalResponseNorm(3, alpha=1e-2)
+        self.pool, self.drop = torch.nn.MaxPool2d(3, 2, ceil_mode=True), torch.nn.Dropout(0.5)
+        self.up = torch.nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1)
+        self.us = torch.nn.Upsample(scale_factor=2, mode=mode)
+        self.fc = torch.nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.pool(self.lrn(F.relu(self.c1(x))))
+        h = self.us(self.up(self.drop(h)))
+        return self.fc(F.adaptive_max_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.parametrize("opset,mode", [(9, "nearest"), (11, "bilinear")])
+def test_legacy_export_of_a_zoo_cnn_trains_like_the_module(tmp_path, opset, mode):
+    import contextlib
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    module = LegacyZoo(mode).eval()  # eval: Dropout is the identity on both sides
+    path = tmp_path / "legacy.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(N // 2, C, 9, 9),), str(path), dynamo=False, opset_version=opset,
+                          do_constant_folding=False, input_names=["x"])
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"ConvTranspose", "Upsample" if opset == 9 else "Resize"} <= ops and (opset == 9 or "If" in ops)
+    model = load_onnx(path, loss="cross_entropy")
+    assert set(model.params) >= {n for n, _ in module.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(N, C, 9, 9, generator=g), torch.randint(0, 5, (N,), generator=g)) for _ in range(2)]
+    names = list(model.graph.nodes)
+    ex = ReferenceExecutor(model, {n: "a" if i < len(names) // 2 else "b" for i, n in enumerate(names)},
+                           OptimizerConfig("sgd", lr=0.05), micro_batches=2)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    assert_trains_like(ex, module, batches, lambda b: {"x": b[0], "y": b[1]},
+                       lambda x, y: F.cross_entropy(module(x), y), 2, opt)
