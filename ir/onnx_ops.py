@@ -155,6 +155,26 @@ def split_sizes(dim: int, split=None, num_outputs: int | None = None) -> list[in
     return [int(s) for s in split]
 
 
+def pad_source(n: int, begin: int, end: int, mode: str):
+    """(source index, valid mask) of each position of an axis of length ``n`` padded by ``begin``/``end``
+    (negative: cropped) in ONNX Pad ``mode``, as ``numpy.pad`` reads it (reflect repeats as often as needed)."""
+    import numpy as np
+
+    i = np.arange(-begin, n + end)
+    if mode == "constant":
+        return np.clip(i, 0, n - 1), (i >= 0) & (i < n)
+    if mode == "edge":
+        src = np.clip(i, 0, n - 1)
+    elif mode == "wrap":
+        src = i % n
+    elif mode == "reflect":
+        j = i % (2 * (n - 1)) if n > 1 else np.zeros_like(i)
+        src = np.where(j >= n, 2 * (n - 1) - j, j)
+    else:
+        raise ValueError(f"Pad mode {mode!r} is not an ONNX mode")
+    return src, np.ones(i.shape, bool)
+
+
 def reshape_target(in_shape: Sequence[int], shape: Sequence[int], allowzero: int = 0) -> list[int]:
     """Resolve an ONNX Reshape ``shape`` (0 copies the input dim unless ``allowzero``; -1 is inferred)."""
     out = [int(in_shape[i]) if (s == 0 and not allowzero) else int(s) for i, s in enumerate(shape)]

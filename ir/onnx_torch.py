@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from fusion.ir.onnx_ops import normalize_slice, reduce_axes, reshape_target, split_sizes
+from fusion.ir.onnx_ops import normalize_slice, pad_source, reduce_axes, reshape_target, split_sizes
 from fusion.ir.onnx_resize import resize_plan, upsample_attrs
 
 #: ONNX TensorProto element type -> torch dtype
@@ -719,16 +719,12 @@ def Pad(x, pads, constant_value=None, axes=None, *, mode="constant"):
     if mode == "constant":
         value = 0 if constant_value is None else (constant_value.item() if torch.is_tensor(constant_value) else constant_value)
         return F.pad(x, spec, value=value)
-    torch_mode = {"edge": "replicate", "reflect": "reflect", "wrap": "circular"}[mode]
-    if any(v < 0 for v in spec):
-        raise ValueError(f"Pad mode {mode!r} with negative pads is not supported")
-    padded = [a for a in range(rank) if spec[2 * (rank - 1 - a)] or spec[2 * (rank - 1 - a) + 1]]
-    if not padded:
-        return x.clone()
-    first = padded[0]  # torch pads the trailing dims of a (batch, channel, ...) tensor: fold the others
-    xt = x if x.is_floating_point() else x.double()  # torch pads integers only with constants
-    y = F.pad(xt.reshape(1, math.prod(x.shape[:first]), *x.shape[first:]), spec[:2 * (rank - first)], mode=torch_mode)
-    return y.reshape(*x.shape[:first], *y.shape[2:]).to(x.dtype)
+    y = x  # edge / reflect / wrap, any pad size (torch's own modes refuse pads wider than the input)
+    for i, a in enumerate(axes):
+        if pads[i] or pads[i + n]:
+            src, _ = pad_source(y.shape[a], int(pads[i]), int(pads[i + n]), mode)
+            y = y.index_select(a, torch.as_tensor(src, dtype=torch.long, device=x.device))
+    return y if y is not x else x.clone()
 
 
 def _reduce(fn):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fusion.executors.engines.numpy.ops import NpOp, _grad_like, _out, unbroadcast
+from fusion.ir.onnx_ops import pad_source
 from fusion.ir.onnx_resize import resize_plan, upsample_attrs
 
 
@@ -340,6 +341,120 @@ def _einsum_vjp(ctx, g):
     return grads
 
 
+# -- more element-wise, normalisation, Pad and Tile ------------------------------------------------------
+
+ELU = _unary(lambda x, alpha=1.0: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))),
+             lambda x, alpha=1.0: np.where(x > 0, 1.0, alpha * np.exp(np.minimum(x, 0))))
+_SELU_A, _SELU_G = 1.67326319217681884765625, 1.05070102214813232421875
+SELU = _unary(lambda x, alpha=_SELU_A, gamma=_SELU_G: gamma * np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))),
+              lambda x, alpha=_SELU_A, gamma=_SELU_G: gamma * np.where(x > 0, 1.0, alpha * np.exp(np.minimum(x, 0))))
+RECIPROCAL = _unary(lambda x: 1 / x, lambda x: -1 / (x * x))
+SIN = _unary(np.sin, np.cos)
+COS = _unary(np.cos, lambda x: -np.sin(x))
+FLOOR = _unary(np.floor, lambda x: np.zeros_like(x))
+CEIL = _unary(np.ceil, lambda x: np.zeros_like(x))
+SIGN = _unary(np.sign, lambda x: np.zeros_like(x))
+
+
+def _instance_norm_fwd(x, scale, bias, *, epsilon=1e-5):
+    axes = tuple(range(2, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    xc = x - mean
+    inv = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + np.asarray(epsilon, dtype=x.dtype))
+    xhat = xc * inv
+    shape = (1, -1) + (1,) * len(axes)
+    return _out(xhat * scale.reshape(shape) + bias.reshape(shape), x), (xhat, inv, scale, bias, axes)
+
+
+def _instance_norm_vjp(ctx, g):
+    """Per (sample, channel), the layer-norm VJP over the spatial axes."""
+    xhat, inv, scale, bias, axes = ctx
+    gx = g * scale.reshape((1, -1) + (1,) * len(axes))
+    dx = inv * (gx - gx.mean(axis=axes, keepdims=True) - xhat * (gx * xhat).mean(axis=axes, keepdims=True))
+    red = (0,) + axes
+    return _grads((0, dx, xhat), (1, (g * xhat).sum(axis=red), scale), (2, g.sum(axis=red), bias))
+
+
+def _batch_norm_fwd(x, scale, bias, mean, var, *, epsilon=1e-5, momentum=0.9, training_mode=0, outputs=1):
+    if training_mode or outputs != 1:
+        raise ValueError("the numpy engine runs BatchNormalization in inference mode only; run this part on torch")
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    inv = 1 / np.sqrt(var.reshape(shape) + np.asarray(epsilon, dtype=x.dtype))
+    xhat = (x - mean.reshape(shape)) * inv
+    return _out(xhat * scale.reshape(shape) + bias.reshape(shape), x), (xhat, inv, scale, bias, shape)
+
+
+def _batch_norm_vjp(ctx, g):
+    """Inference mode: an affine map per channel; no gradient into the running statistics."""
+    xhat, inv, scale, bias, shape = ctx
+    red = (0,) + tuple(range(2, xhat.ndim))
+    return _grads((0, g * scale.reshape(shape) * inv, xhat), (1, (g * xhat).sum(axis=red), scale), (2, g.sum(axis=red), bias))
+
+
+def _pad_fwd(x, pads, constant_value=None, axes=None, *, mode="constant"):
+    """Every mode and negative (cropping) pads: per padded axis, a gather from an index map."""
+    mode, rank = _s(mode), x.ndim
+    axes = list(range(rank)) if axes is None else [a % rank for a in axes]
+    value = 0 if constant_value is None else np.asarray(constant_value).reshape(-1)[0] if np.size(constant_value) else 0
+    y, steps = x, []
+    for k, a in enumerate(axes):
+        b, e = int(pads[k]), int(pads[k + len(axes)])
+        if b == 0 and e == 0:
+            continue
+        src, valid = pad_source(y.shape[a], b, e, mode)
+        steps.append((a, y.shape, src, valid))
+        y = np.take(y, src, axis=a)
+        if mode == "constant" and not valid.all():
+            y = np.where(valid.reshape((-1,) + (1,) * (rank - a - 1)), y, np.asarray(value, dtype=y.dtype))
+    return np.array(y, copy=True), (steps, x.dtype)
+
+
+def _pad_vjp(ctx, g):
+    steps, dtype = ctx
+    if not np.issubdtype(dtype, np.floating):
+        return {}
+    for a, shape, src, valid in reversed(steps):
+        gm = np.where(valid.reshape((-1,) + (1,) * (len(shape) - a - 1)), g, 0)
+        gin = np.zeros(shape, dtype=g.dtype)
+        np.add.at(np.moveaxis(gin, a, 0), src, np.moveaxis(gm, a, 0))
+        g = gin
+    return {0: g}
+
+
+def _tile_fwd(x, repeats):
+    reps = [int(r) for r in repeats]
+    return np.tile(x, reps), (x.shape, reps)
+
+
+def _tile_vjp(ctx, g):
+    shape, reps = ctx
+    split = [d for r, n in zip(reps, shape) for d in (r, n)]
+    return {0: g.reshape(split).sum(axis=tuple(range(0, 2 * len(shape), 2)))}
+
+
+def _reduce_extreme(largest: bool) -> NpOp:
+    def fwd(x, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+        from fusion.ir.onnx_ops import reduce_axes
+
+        dims = reduce_axes(x.ndim, axes, noop_with_empty_axes)
+        if dims is None:
+            return x, (x, None, None, keepdims)
+        y = x.max(axis=dims, keepdims=True) if largest else x.min(axis=dims, keepdims=True)
+        return (y if keepdims else np.squeeze(y, dims)), (x, y, dims, keepdims)
+
+    def vjp(ctx, g):
+        """torch's amax/amin: equal extremes share the gradient evenly."""
+        x, y, dims, keepdims = ctx
+        if dims is None:
+            return {0: g}
+        if not keepdims:
+            g = np.expand_dims(g, dims)
+        hit = x == y
+        return _grads((0, hit * g / hit.sum(axis=dims, keepdims=True), x))
+
+    return NpOp(fwd, vjp)
+
+
 ONNX_ZOO_NUMPY: dict[str, NpOp] = {
     "onnx.LeakyRelu": LEAKY_RELU, "onnx.HardSigmoid": HARD_SIGMOID, "onnx.HardSwish": HARD_SWISH,
     "onnx.Abs": ABS, "onnx.Softplus": SOFTPLUS, "onnx.Mish": MISH,
@@ -356,4 +471,10 @@ ONNX_ZOO_NUMPY: dict[str, NpOp] = {
     "onnx.ArgMax": _arg_fwd(np.argmax), "onnx.ArgMin": _arg_fwd(np.argmin),
     "onnx.Trilu": NpOp(_trilu_fwd, _trilu_vjp), "onnx.CumSum": NpOp(_cumsum_fwd, _cumsum_vjp),
     "onnx.Einsum": NpOp(_einsum_fwd, _einsum_vjp),
+    "onnx.Elu": ELU, "onnx.Selu": SELU, "onnx.Reciprocal": RECIPROCAL, "onnx.Sin": SIN, "onnx.Cos": COS,
+    "onnx.Floor": FLOOR, "onnx.Ceil": CEIL, "onnx.Sign": SIGN,
+    "onnx.InstanceNormalization": NpOp(_instance_norm_fwd, _instance_norm_vjp),
+    "onnx.BatchNormalization": NpOp(_batch_norm_fwd, _batch_norm_vjp),
+    "onnx.Pad": NpOp(_pad_fwd, _pad_vjp), "onnx.Tile": NpOp(_tile_fwd, _tile_vjp),
+    "onnx.ReduceMax": _reduce_extreme(True), "onnx.ReduceMin": _reduce_extreme(False),
 }
