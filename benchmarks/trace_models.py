@@ -85,21 +85,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def timm_status() -> str:
+    """Whether timm imports here (it needs a torchvision built for the installed torch; docs/tracing.md)."""
+    try:
+        import timm
+    except Exception as e:  # noqa: BLE001 - ImportError, or torchvision's RuntimeError on a mismatched torch
+        return f"timm: not importable here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); not checked"
+    return f"timm {timm.__version__}: importable, but not checked by this script yet"
+
+
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     families = [a for a in argv if not a.startswith("-")] or list(hf_models.FAMILIES)
     rows = [check(f) for f in families]
     print(table(rows))
+    print(f"\n{timm_status()}")
     if "--onnx" in argv:
         import collections
 
         from tests.ir.onnx_conformance import run_all
 
-        res = run_all()
-        c = collections.Counter(o.status for o in res)
-        print(f"\nONNX backend node tests (onnx package): {c['pass']} pass, {c['refused']} refused at load, "
-              f"{c['fail']} fail, of {len(res)} eligible ({100 * c['pass'] / len(res):.1f}% pass)")
+        for bind, how in ((True, "shape-like inputs bound as constants"), (False, "as written")):
+            res = run_all(bind_static=bind)
+            c = collections.Counter(o.status for o in res)
+            print(f"ONNX backend node tests (onnx package, {how}): {c['pass']} pass, {c['refused']} refused at load, "
+                  f"{c['fail']} fail, of {len(res)} eligible ({100 * c['pass'] / len(res):.1f}% pass)")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
         if all(more.get(v, (None,))[0] is None for v in unknown):
             break
         types.update({k: v for k, v in more.items() if v[0] is not None})
+    problems += [f"node {n.name!r} (If on a condition computed at run time)" for n in runtime if n.op == "If"]
     if problems:
         raise GraphError(f"{path}: {len(problems)} unsupported ONNX op(s) for the {engine} engine: {', '.join(problems)}")
     builder = _GraphBuild(path, types, consts, train, inits)
@@ -292,6 +293,10 @@ class _GraphBuild:
         for o in outputs:
             ref = self.values.get(o)
             if ref is None and o in self.consts:  # folded at import (Shape of a static tensor, Range of constants)
+                if self.engine == "torch" and self.consts[o].dtype.name not in _torch_ok_dtypes():
+                    self.problems.append(f"graph output {o!r}: a constant of dtype {self.consts[o].dtype.name} "
+                                         "is not supported")
+                    continue
                 const = f"constant:{o}"
                 g.add(OpNode(const, NodeKind.FUNCTION, "onnx.Identity", (self._param(const, self.consts[o], False),),
                              label="constant output",
@@ -311,6 +316,12 @@ class _GraphBuild:
             else:
                 g.add(OpNode(f"output:{o}", NodeKind.OUTPUT, args=(ref,)))
         return loss_node
+
+
+def _torch_ok_dtypes() -> frozenset[str]:
+    from fusion.ir.onnx_torch import TORCH_OK_DTYPES  # torch: only when the torch engine is the target
+
+    return TORCH_OK_DTYPES
 
 
 def _labels(runtime, inputs, outputs, loss_node, labels, path) -> list[str]:

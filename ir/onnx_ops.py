@@ -29,10 +29,20 @@ STATIC_INPUTS: dict[str, frozenset[int]] = {
     "ReduceMin": frozenset({1}),
     "ReduceProd": frozenset({1}),
     "ReduceL2": frozenset({1}),
+    "ReduceL1": frozenset({1}),
+    "ReduceSumSquare": frozenset({1}),
+    "ReduceLogSum": frozenset({1}),
+    "ReduceLogSumExp": frozenset({1}),
     "Pad": frozenset({1, 3}),
     "Dropout": frozenset({1, 2}),
     "ConstantOfShape": frozenset({0}),
     "Range": frozenset({0, 1, 2}),
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "TopK": frozenset({1}),
+    "OneHot": frozenset({1}),
+    "CumSum": frozenset({1}),
+    "Trilu": frozenset({1}),
 }
 
 _NO_GRAD_ALL = frozenset(range(64))
@@ -41,6 +51,8 @@ _NO_GRAD_ALL = frozenset(range(64))
 NO_GRAD_INPUTS: dict[str, frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),  # running mean / variance are buffers
     "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "OneHot": frozenset({0}),
     "Where": frozenset({0}),
     "CastLike": frozenset({1}),
     "SoftmaxCrossEntropyLoss": frozenset({1, 2}),
@@ -70,8 +82,13 @@ ATTR_TO_INPUT: dict[str, list[tuple[str, int, int, str]]] = {
     "ReduceMin": [("axes", 1, 18, "int64")],
     "ReduceProd": [("axes", 1, 18, "int64")],
     "ReduceL2": [("axes", 1, 18, "int64")],
+    "ReduceL1": [("axes", 1, 18, "int64")],
+    "ReduceSumSquare": [("axes", 1, 18, "int64")],
+    "ReduceLogSum": [("axes", 1, 18, "int64")],
+    "ReduceLogSumExp": [("axes", 1, 18, "int64")],
     "Pad": [("pads", 1, 11, "int64"), ("value", 2, 11, "float32")],
     "Clip": [("min", 1, 11, "float32"), ("max", 2, 11, "float32")],
+    "Upsample": [("scales", 1, 9, "float32")],
     "Slice": [("starts", 1, 10, "int64"), ("ends", 2, 10, "int64"), ("axes", 3, 10, "int64")],
 }
 
@@ -83,7 +100,7 @@ COERCE_2D_BEFORE = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13}
 #: when a node asks for more than the first.
 OPTIONAL_OUTPUTS = frozenset({
     "LayerNormalization", "BatchNormalization", "Dropout", "MaxPool",
-    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "TopK",
 })
 
 #: ops that the importer evaluates away rather than turning into nodes
@@ -136,6 +153,26 @@ def split_sizes(dim: int, split=None, num_outputs: int | None = None) -> list[in
     if isinstance(split, int):
         return [min(split, dim - i) for i in range(0, dim, split)]
     return [int(s) for s in split]
+
+
+def pad_source(n: int, begin: int, end: int, mode: str):
+    """(source index, valid mask) of each position of an axis of length ``n`` padded by ``begin``/``end``
+    (negative: cropped) in ONNX Pad ``mode``, as ``numpy.pad`` reads it (reflect repeats as often as needed)."""
+    import numpy as np
+
+    i = np.arange(-begin, n + end)
+    if mode == "constant":
+        return np.clip(i, 0, n - 1), (i >= 0) & (i < n)
+    if mode == "edge":
+        src = np.clip(i, 0, n - 1)
+    elif mode == "wrap":
+        src = i % n
+    elif mode == "reflect":
+        j = i % (2 * (n - 1)) if n > 1 else np.zeros_like(i)
+        src = np.where(j >= n, 2 * (n - 1) - j, j)
+    else:
+        raise ValueError(f"Pad mode {mode!r} is not an ONNX mode")
+    return src, np.ones(i.shape, bool)
 
 
 def reshape_target(in_shape: Sequence[int], shape: Sequence[int], allowzero: int = 0) -> list[int]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from fusion.ir.errors import GraphError
 from fusion.ir.onnx_ops import ATTR_TO_INPUT, COERCE_2D_BEFORE, static_inputs
+from fusion.ir.onnx_resize import upsample_attrs
 
 
 @dataclass
@@ -92,9 +93,14 @@ def attr_value(a) -> Any:
 
 def normalise_nodes(mp, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
     opset = next((o.version for o in mp.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return normalise_protos(mp.graph.node, opset, consts)
+
+
+def normalise_protos(protos, opset: int, consts: dict[str, np.ndarray], prefix: str = "") -> list[OnnxNode]:
+    """NodeProtos as :class:`OnnxNode` (``prefix`` names the nodes of an inlined subgraph)."""
     nodes, used = [], set()
-    for i, n in enumerate(mp.graph.node):
-        name = n.name or f"{n.op_type}_{i}"
+    for i, n in enumerate(protos):
+        name = prefix + (n.name or f"{n.op_type}_{i}")
         while name in used:
             name = f"{name}_{i}"
         used.add(name)
@@ -109,6 +115,9 @@ def normalise_nodes(mp, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
         if n.op_type in COERCE_2D_BEFORE and opset < COERCE_2D_BEFORE[n.op_type]:
             attrs.setdefault("axis", 1)  # the old default
             attrs["coerce_2d"] = 1
+        if n.op_type == "Resize" and opset < 11:  # Resize-10 is Upsample-9 renamed: (X, scales), asymmetric, floor
+            inputs = [inputs[0], "", *inputs[1:2]]
+            attrs.update(upsample_attrs(attrs.get("mode", "nearest")))
         if n.op_type == "Dropout" and opset < 12:
             attrs.pop("ratio", None)  # an attribute before opset 12; inference Dropout is the identity either way
             attrs.pop("is_test", None)
@@ -141,11 +150,17 @@ def fold_node(node: OnnxNode, consts: dict[str, np.ndarray], types) -> tuple | N
         return (consts[node.inputs[0]].astype(types[node.inputs[1]][1]),)
     if not ins or not all(v in consts for v in ins) or node.proto is None:
         return None
+    from onnx import helper
     from onnx.reference import ReferenceEvaluator
 
+    # a one-node model: the evaluator ignores ``opsets=`` for a bare NodeProto and would run the newest
+    # version of the op (Unsqueeze-13 rejects Unsqueeze-1's axes attribute)
+    ins = [v for v in node.proto.input if v]
+    graph = helper.make_graph([node.proto], "fold", [helper.make_empty_tensor_value_info(v) for v in dict.fromkeys(ins)],
+                              [helper.make_empty_tensor_value_info(v) for v in node.proto.output if v])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", node.opset)])
     try:
-        out = ReferenceEvaluator(node.proto, opsets={"": node.opset}).run(
-            None, {v: consts[v] for v in node.proto.input if v})
+        out = ReferenceEvaluator(proto).run(None, {v: consts[v] for v in ins})
     except Exception as e:
         raise GraphError(f"cannot evaluate constant {node.op} ({type(e).__name__}: {e})", node.name) from None
     return tuple(np.asarray(o) for o in out)
@@ -169,7 +184,15 @@ def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types,
 
     runtime: list[OnnxNode] = []
     problems: list[str] = []
-    for n in nodes:
+    queue = list(reversed(nodes))
+    while queue:
+        n = queue.pop()
+        if n.op == "If" and n.domain in ("", "ai.onnx"):
+            if n.inputs[0] in consts:  # a condition known at load (exporters test static shapes): inline a branch
+                queue.extend(reversed(inline_branch(n, bool(np.asarray(consts[n.inputs[0]]).reshape(-1)[0]), consts)))
+            else:  # kept for shape inference, which may make the condition foldable; refused if it stays
+                runtime.append(n)
+            continue
         if n.op == "Constant" and n.domain in ("", "ai.onnx"):
             consts[n.outputs[0]] = constant_value(n)
             continue
@@ -185,13 +208,27 @@ def fold_all(nodes: list[OnnxNode], consts: dict[str, np.ndarray], types,
     return runtime, problems
 
 
+def inline_branch(node: OnnxNode, cond: bool, consts: dict[str, np.ndarray]) -> list[OnnxNode]:
+    """The nodes of an If's chosen branch, then Identity nodes from the branch outputs to the If's
+    outputs; the branch's initializers become constants. Branch nodes read outer values by name."""
+    from onnx import helper, numpy_helper
+
+    branch = node.attrs["then_branch" if cond else "else_branch"]
+    for init in branch.initializer:
+        consts[init.name] = numpy_helper.to_array(init)
+    nodes = normalise_protos(branch.node, node.opset, consts, prefix=f"{node.name}/")
+    for i, (src, dst) in enumerate(zip([o.name for o in branch.output], node.outputs)):
+        proto = helper.make_node("Identity", [src], [dst], name=f"{node.name}/output_{i}")
+        nodes.append(OnnxNode(proto.name, "Identity", "", [src], [dst], {}, proto, node.opset))
+    return nodes
+
+
 def reinfer(path: Path, mp, runtime: list[OnnxNode], consts: dict[str, np.ndarray], inits, train: set[str]):
     """Shape inference on the graph of the runtime nodes with every constant as an initializer."""
     import onnx
     from onnx import helper, numpy_helper
 
-    keep = {n.name for n in runtime}
-    protos = [p for i, p in enumerate(mp.graph.node) if (p.name or f"{p.op_type}_{i}") in keep]
+    protos = [n.proto for n in runtime]  # as read (inlined If branches included)
     used = {v for p in protos for v in p.input if v}
     init = [numpy_helper.from_array(np.asarray(consts[v]), v) for v in sorted(used) if v in consts]
     init += [numpy_helper.from_array(np.asarray(inits[v]), v) for v in sorted(used & train)]

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from fusion.ir.onnx_ops import normalize_slice, reduce_axes, reshape_target, split_sizes
+from fusion.ir.onnx_ops import normalize_slice, pad_source, reduce_axes, reshape_target, split_sizes
+from fusion.ir.onnx_resize import resize_plan, upsample_attrs
 
 #: ONNX TensorProto element type -> torch dtype
 ONNX_DTYPES = {
@@ -143,6 +144,11 @@ def InstanceNormalization(x, scale, bias, *, epsilon=1e-5):
 @_op
 def Gelu(x, *, approximate="none"):
     return F.gelu(x, approximate=_s(approximate))
+
+
+@_op
+def Mish(x):
+    return x * torch.tanh(F.softplus(x))
 
 
 @_op
@@ -424,6 +430,174 @@ def GlobalMaxPool(x):
     return x.amax(dim=tuple(range(2, x.dim())), keepdim=True)
 
 
+@_op
+def ConvTranspose(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, output_padding=None,
+                  output_shape=None, pads=None, strides=None):
+    """The full transposed convolution (no padding), then each spatial dim cut to ``[begin, begin + out)``
+    (zeros past the end: ``output_padding``), then the bias. Pads and output size follow the ONNX reference:
+    explicit ``pads`` (and ``output_shape`` if given), or SAME pads derived from ``output_shape``
+    (default input * stride), SAME_UPPER putting the smaller half first."""
+    nd = w.dim() - 2
+    kernel = list(kernel_shape or w.shape[2:])
+    strides = list(strides or [1] * nd)
+    dilations = list(dilations or [1] * nd)
+    opad = list(output_padding or [0] * nd)
+    auto_pad = _s(auto_pad)
+    full = [strides[i] * (x.shape[2 + i] - 1) + (kernel[i] - 1) * dilations[i] + 1 for i in range(nd)]
+    if pads is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out = list(output_shape) if output_shape is not None else [x.shape[2 + i] * strides[i] for i in range(nd)]
+        total = [full[i] + opad[i] - out[i] for i in range(nd)]
+        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    else:
+        pads = list(pads or [0] * (2 * nd))
+        begin = pads[:nd]
+        out = (list(output_shape)[-nd:] if output_shape is not None
+               else [full[i] + opad[i] - pads[i] - pads[nd + i] for i in range(nd)])
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+    y = conv(x, w, None, strides, 0, 0, group, dilations)
+    spec = []
+    for i in reversed(range(nd)):  # negative F.pad amounts crop
+        spec += [-begin[i], begin[i] + out[i] - full[i]]
+    if any(spec):
+        y = F.pad(y, spec)
+    if b is not None:
+        y = y + b.reshape(1, -1, *([1] * nd))
+    return y
+
+
+# -- resampling ------------------------------------------------------------------------------
+
+def _resize_apply(x, plan, extrapolation_value: float):
+    """Gather each axis's taps, weight and sum them (``fusion.ir.onnx_resize``); autograd gives the VJP."""
+    y = x if x.is_floating_point() else x.double()
+    for ax in plan:
+        n = ax.index.shape[1]
+        idx = torch.as_tensor(ax.index.reshape(-1), dtype=torch.long, device=x.device)
+        tail = (1,) * (y.dim() - ax.axis - 1)
+        taps = y.index_select(ax.axis, idx).reshape(*y.shape[:ax.axis], ax.size, n, *y.shape[ax.axis + 1:])
+        w = torch.as_tensor(ax.weight, dtype=y.dtype, device=x.device).reshape(ax.size, n, *tail)
+        y = (taps * w).sum(dim=ax.axis + 1)
+        if ax.outside is not None:
+            mask = torch.as_tensor(ax.outside, device=x.device).reshape(ax.size, *tail)
+            y = torch.where(mask, torch.tensor(float(extrapolation_value), dtype=y.dtype, device=x.device), y)
+    if not x.is_floating_point():  # ONNX saturates: round, clamp to the type's range
+        info = torch.iinfo(x.dtype)
+        y = y.round().clamp(info.min, info.max).to(x.dtype)
+    return y if plan else x.clone()
+
+
+@_op
+def Resize(x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None, coordinate_transformation_mode="half_pixel",
+           cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0, keep_aspect_ratio_policy="stretch",
+           mode="nearest", nearest_mode="round_prefer_floor"):
+    """Every mode of Resize-19 (nearest / linear / cubic, antialias, every coordinate transformation,
+    ``axes``, ``keep_aspect_ratio_policy``); roi/scales/sizes are static."""
+    _, plan = resize_plan(tuple(x.shape), roi, scales, sizes, axes=axes, mode=_s(mode),
+                          coordinate_transformation_mode=_s(coordinate_transformation_mode),
+                          nearest_mode=_s(nearest_mode), cubic_coeff_a=float(cubic_coeff_a),
+                          exclude_outside=int(exclude_outside), antialias=int(antialias),
+                          keep_aspect_ratio_policy=_s(keep_aspect_ratio_policy))
+    return _resize_apply(x, plan, extrapolation_value)
+
+
+@_op
+def Upsample(x, scales, *, mode="nearest"):
+    """Upsample-7/9 (and Resize-10, which the importer maps here): asymmetric coordinates, nearest rounds down."""
+    _, plan = resize_plan(tuple(x.shape), None, scales, None, **upsample_attrs(_s(mode)))
+    return _resize_apply(x, plan, 0.0)
+
+
+@_op
+def DepthToSpace(x, *, blocksize, mode="DCR"):
+    n, c, h, w = x.shape
+    b = int(blocksize)
+    if _s(mode) == "DCR":
+        y = x.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+    else:
+        y = x.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3)
+    return y.reshape(n, c // (b * b), h * b, w * b)
+
+
+@_op
+def SpaceToDepth(x, *, blocksize, mode="DCR"):
+    """The inverse of DepthToSpace with the same ``mode`` (DCR: block offsets, then channels; CRD: channels first)."""
+    n, c, h, w = x.shape
+    b = int(blocksize)
+    y = x.reshape(n, c, h // b, b, w // b, b)
+    y = y.permute(0, 3, 5, 1, 2, 4) if _s(mode) == "DCR" else y.permute(0, 1, 3, 5, 2, 4)
+    return y.reshape(n, c * b * b, h // b, w // b)
+
+
+# -- indices -----------------------------------------------------------------------------------
+
+def _arg(fn, x, axis, keepdims, select_last_index):
+    axis = axis % x.dim()
+    if select_last_index:
+        return x.shape[axis] - 1 - fn(x.flip(axis), dim=axis, keepdim=bool(keepdims))
+    return fn(x, dim=axis, keepdim=bool(keepdims))
+
+
+@_op
+def ArgMax(x, *, axis=0, keepdims=1, select_last_index=0):
+    """int64 indices of the first (or, with ``select_last_index``, last) maximum; no gradient."""
+    return _arg(torch.argmax, x.detach(), axis, keepdims, select_last_index)
+
+
+@_op
+def ArgMin(x, *, axis=0, keepdims=1, select_last_index=0):
+    return _arg(torch.argmin, x.detach(), axis, keepdims, select_last_index)
+
+
+@_op
+def TopK(x, k, *, axis=-1, largest=1, sorted=1, outputs=1):
+    """Values (and int64 indices with ``outputs=2``) of the k largest/smallest along ``axis``; ties keep the
+    lower index first (a stable sort), as ONNX requires."""
+    kk = int(k[0] if isinstance(k, (list, tuple)) else k)
+    vals, idx = torch.sort(x, dim=axis, descending=bool(largest), stable=True)
+    vals, idx = vals.narrow(axis, 0, kk), idx.narrow(axis, 0, kk)
+    return (vals, idx) if outputs > 1 else vals
+
+
+@_op
+def GatherElements(data, indices, *, axis=0):
+    axis = axis % data.dim()
+    return torch.gather(data, axis, torch.where(indices < 0, indices + data.shape[axis], indices).long())
+
+
+@_op
+def OneHot(indices, depth, values, *, axis=-1):
+    """``values[1]`` where the (wrapped) index equals the position along the new axis, else ``values[0]``."""
+    d = int(depth[0] if isinstance(depth, (list, tuple)) else depth)
+    idx = indices.long()
+    idx = torch.where(idx < 0, idx + d, idx)
+    rank = idx.dim() + 1
+    axis = axis % rank
+    pos = torch.arange(d, device=idx.device).reshape(d, *([1] * (rank - axis - 1)))
+    hit = idx.unsqueeze(axis) == pos
+    return torch.where(hit, values[1], values[0])
+
+
+@_op
+def CumSum(x, axis, *, exclusive=0, reverse=0):
+    a = int(axis[0] if isinstance(axis, (list, tuple)) else axis) % x.dim()
+    y = x.flip(a) if reverse else x
+    c = torch.cumsum(y, dim=a).to(x.dtype)  # torch accumulates ints in int64
+    if exclusive:
+        c = c - y
+    return c.flip(a) if reverse else c
+
+
+@_op
+def Trilu(x, k=None, *, upper=1):
+    kk = 0 if k is None else int(k[0] if isinstance(k, (list, tuple)) else k)
+    return torch.triu(x, kk) if upper else torch.tril(x, kk)
+
+
+@_op
+def Einsum(*xs, equation):
+    return torch.einsum(_s(equation).replace(" ", ""), *xs)
+
+
 # -- shape manipulation --------------------------------------------------------------------
 
 @_op
@@ -545,16 +719,12 @@ def Pad(x, pads, constant_value=None, axes=None, *, mode="constant"):
     if mode == "constant":
         value = 0 if constant_value is None else (constant_value.item() if torch.is_tensor(constant_value) else constant_value)
         return F.pad(x, spec, value=value)
-    torch_mode = {"edge": "replicate", "reflect": "reflect", "wrap": "circular"}[mode]
-    if any(v < 0 for v in spec):
-        raise ValueError(f"Pad mode {mode!r} with negative pads is not supported")
-    padded = [a for a in range(rank) if spec[2 * (rank - 1 - a)] or spec[2 * (rank - 1 - a) + 1]]
-    if not padded:
-        return x.clone()
-    first = padded[0]  # torch pads the trailing dims of a (batch, channel, ...) tensor: fold the others
-    xt = x if x.is_floating_point() else x.double()  # torch pads integers only with constants
-    y = F.pad(xt.reshape(1, math.prod(x.shape[:first]), *x.shape[first:]), spec[:2 * (rank - first)], mode=torch_mode)
-    return y.reshape(*x.shape[:first], *y.shape[2:]).to(x.dtype)
+    y = x  # edge / reflect / wrap, any pad size (torch's own modes refuse pads wider than the input)
+    for i, a in enumerate(axes):
+        if pads[i] or pads[i + n]:
+            src, _ = pad_source(y.shape[a], int(pads[i]), int(pads[i + n]), mode)
+            y = y.index_select(a, torch.as_tensor(src, dtype=torch.long, device=x.device))
+    return y if y is not x else x.clone()
 
 
 def _reduce(fn):
@@ -565,9 +735,42 @@ def _reduce(fn):
 
 
 ONNX_OPS["ReduceMean"] = _reduce(lambda x, d, k: x.mean(dim=d, keepdim=k))
-ONNX_OPS["ReduceSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k))
-ONNX_OPS["ReduceMax"] = _reduce(lambda x, d, k: x.amax(dim=d, keepdim=k))
-ONNX_OPS["ReduceMin"] = _reduce(lambda x, d, k: x.amin(dim=d, keepdim=k))
+ONNX_OPS["ReduceSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k).to(x.dtype))
+def _extreme(fn, largest: bool):
+    """amax/amin; over an empty set ONNX gives the identity element (-inf / +inf, the int range end, False / True)."""
+    def op(x, d, k):
+        if all(x.shape[i] for i in d):
+            return fn(x, dim=d, keepdim=k)
+        shape = [1 if i in d else s for i, s in enumerate(x.shape) if k or i not in d]
+        if x.dtype == torch.bool:
+            fill: Any = not largest
+        elif x.is_floating_point():
+            fill = -math.inf if largest else math.inf
+        else:
+            fill = torch.iinfo(x.dtype).min if largest else torch.iinfo(x.dtype).max
+        return torch.full(shape, fill, dtype=x.dtype, device=x.device)
+    return op
+
+
+def _prod(x, d, k):
+    for a in sorted(d, reverse=True):
+        x = x.prod(dim=a, keepdim=k)
+    return x
+
+
+def _same_dtype(fn):
+    """torch accumulates integer sums/products in int64; ONNX keeps the input's type."""
+    return lambda x, d, k: fn(x, d, k).to(x.dtype)
+
+
+ONNX_OPS["ReduceProd"] = _reduce(_same_dtype(_prod))
+ONNX_OPS["ReduceSumSquare"] = _reduce(_same_dtype(lambda x, d, k: (x * x).sum(dim=d, keepdim=k)))
+ONNX_OPS["ReduceL1"] = _reduce(_same_dtype(lambda x, d, k: x.abs().sum(dim=d, keepdim=k)))
+ONNX_OPS["ReduceL2"] = _reduce(_same_dtype(lambda x, d, k: (x * x).sum(dim=d, keepdim=k).sqrt()))
+ONNX_OPS["ReduceLogSum"] = _reduce(lambda x, d, k: x.sum(dim=d, keepdim=k).log())
+ONNX_OPS["ReduceLogSumExp"] = _reduce(lambda x, d, k: torch.logsumexp(x, dim=d, keepdim=k))
+ONNX_OPS["ReduceMax"] = _reduce(_extreme(torch.amax, True))
+ONNX_OPS["ReduceMin"] = _reduce(_extreme(torch.amin, False))
 
 
 # -- losses -------------------------------------------------------------------------------

@@ -88,3 +88,40 @@ def test_unsupported_dtype_is_refused_at_load_in_one_line(tmp_path):
     with pytest.raises(GraphError) as e:
         _run(tmp_path, node, 19, X, out_type=TensorProto.FLOAT8E4M3FN)
     assert "\n" not in str(e.value) and "Cast" in str(e.value) and "float8_e4m3fn" in str(e.value)
+
+
+IMG = np.arange(2 * 3 * 3, dtype=np.float32).reshape(1, 2, 3, 3)
+
+
+def _resample(tmp_path, node, opset, inits=()):
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, IMG.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], list(inits))
+    path = tmp_path / f"r{opset}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return ReferenceExecutor(load_onnx(path)).forward_outputs({"x": IMG})["output:y"]
+
+
+def _scales():
+    return onnx.numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+
+
+@pytest.mark.parametrize("opset", [7, 9])
+def test_upsample_scales_are_an_attribute_before_opset_9(tmp_path, opset):
+    if opset < 9:
+        node, inits = helper.make_node("Upsample", ["x"], ["y"], scales=[1.0, 1.0, 2.0, 2.0]), ()
+    else:
+        node, inits = helper.make_node("Upsample", ["x", "scales"], ["y"]), (_scales(),)
+    np.testing.assert_array_equal(_resample(tmp_path, node, opset, inits), IMG.repeat(2, 2).repeat(2, 3))
+
+
+@pytest.mark.parametrize("opset", [10, 13])
+def test_linear_resize_is_asymmetric_at_opset_10_and_half_pixel_after(tmp_path, opset):
+    """Resize-10 has two inputs and Upsample's asymmetric coordinates; Resize-11+ defaults to half_pixel."""
+    inputs = ["x", "scales"] if opset == 10 else ["x", "", "scales"]
+    got = _resample(tmp_path, helper.make_node("Resize", inputs, ["y"], mode="linear"), opset, (_scales(),))
+    src = np.arange(6) / 2.0 if opset == 10 else np.clip((np.arange(6) + 0.5) / 2 - 0.5, 0, 2)
+    lo = np.floor(src).astype(int)
+    hi, w = np.minimum(lo + 1, 2), src - np.floor(src)
+    rows = IMG[:, :, lo, :] * (1 - w)[:, None] + IMG[:, :, hi, :] * w[:, None]
+    want = rows[:, :, :, lo] * (1 - w) + rows[:, :, :, hi] * w
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from fusion.ir.onnx_ops import normalize_slice, reduce_axes, reshape_target, split_sizes
+from fusion.executors.engines.numpy.onnx_zoo_ops import ONNX_ZOO_NUMPY
 from fusion.executors.engines.numpy.ops import (
     ADD, ERF, EXP, GATHER, IDENTITY, LOG, LOG_SOFTMAX, MATMUL, MUL, NEG, RELU, SIGMOID, SOFTMAX, SQRT, SUB,
     TANH, WHERE, NpOp, _grad_like, _out, cross_entropy_fwd, cross_entropy_vjp, gelu_fwd, gelu_vjp,
@@ -298,4 +299,5 @@ ONNX_NUMPY: dict[str, NpOp] = {
     "onnx.Not": _no_grad(np.logical_not), "onnx.And": _no_grad(np.logical_and), "onnx.Or": _no_grad(np.logical_or),
     "onnx.Shape": _no_grad(_shape), "onnx.ConstantOfShape": _no_grad(_constant_of_shape),
     "onnx.Range": _no_grad(_range),
+    **ONNX_ZOO_NUMPY,  # activations, heads and resamplers of the model-zoo CNNs and Transformers
 }
