@@ -80,7 +80,7 @@ class PartRuntime:
                  compression: "Iterable[Any] | None" = None):
         """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
-        self.compression = table_for(name, compression, graph)
+        self.compression = table_for(name, compression, graph, getattr(engine, "engine", "torch"))
         self.routes = make_routes(sub, assignment)
         self._users = {n: tuple(u) for n, u in graph.users().items()}
         self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
@@ -131,7 +131,7 @@ class PartRuntime:
             # on every run (a resumed run equals an uninterrupted one), and the reference executor's order
             if not msg.is_grad or msg.key not in self.routes.grads_from:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
-            g = np.asarray(dense_payload(msg.payload))
+            g = np.asarray(dense_payload(msg.payload) if self.compression is None else self.compression.decode(msg))
             summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
         if split and hasattr(self.engine, "backward_input"):
             grads_in = self.engine.backward_input((it, mb), summed, loss_scale)
