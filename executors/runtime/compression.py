@@ -513,3 +513,21 @@ def sum_in_order(grads: list[np.ndarray]) -> np.ndarray:
     for g in grads[1:]:
         total = total + g
     return total
+
+
+def check_plan_codecs(plan: Any) -> None:
+    """Refuse (FusionError, one line naming the edge and codec) a plan whose codecs this process can judge
+    before any executor starts: every part's rules (unknown codec, bad cfg, a torch-only codec on a NumPy
+    part) and ``tied_codec``. When the plan names codecs this process does not know and lists plugins, a
+    plugin may register them: each executor checks after importing its plugins instead."""
+    names = {cfg["algo"] for e in plan.compression for cfg in (e.codec("fwd"), e.codec("bwd")) if cfg is not None}
+    if plan.tied_codec is not None:
+        names.add(plan.tied_codec.get("algo"))
+    if any(n not in CODECS for n in names) and plan.graph.plugins:
+        return
+    for name, part in plan.parts.items():
+        table_for(name, plan.replica_compression(part.replica), plan.graph, part.engine)
+    tied = TiedCodec.from_cfg(plan.tied_codec)
+    if tied is not None:
+        for name, part in plan.parts.items():
+            tied.check_engine(name, part.engine)

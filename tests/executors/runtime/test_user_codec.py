@@ -261,3 +261,21 @@ def test_a_compnode_rejects_malformed_user_payloads_and_keeps_serving(tmp_path, 
         np.testing.assert_array_equal(od.payload, codec.decode_numpy(good_fields))
     finally:
         node.transport.close(timeout_s=1, linger_s=0)
+
+
+def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(tmp_path):
+    """A plan without plugins cannot get the codec from anywhere: refused before any executor starts."""
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.plan import save_plan
+    from tests.executors.dist_models import CNN_SPLITS, branching_cnn
+
+    model = branching_cnn(mb=2)
+    plan = hand_plan(model, CNN_SPLITS[4], micro_batches=2)
+    plan.compression = [EdgeCompression("relu_a", None, "p1", "p3", fwd_codec={"algo": "nosuch"})]
+    out = save_plan(plan, tmp_path / "plan", params=model.params)
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", str(out), "--steps", "1", "--out",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "compression of relu_a[None] p1->p3 (fwd): unknown codec 'nosuch'" in errors[0]
+    assert not list((tmp_path / "run").glob("logs/*.log"))  # no executor was started
