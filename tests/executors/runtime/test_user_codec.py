@@ -100,6 +100,17 @@ links:
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _registry_restored():
+    """The codecs these tests register go away with them (the registry is process-wide, like the op registry)."""
+    before = dict(CODECS._codecs)
+    yield
+    CODECS._codecs.clear()
+    CODECS._codecs.update(before)
+    for m in ("fusion_user_int8_model", "fusion_user_npint8"):
+        sys.modules.pop(m, None)
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("usercodec")
@@ -279,3 +290,93 @@ def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(tmp_pat
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and "compression of relu_a[None] p1->p3 (fwd): unknown codec 'nosuch'" in errors[0]
     assert not list((tmp_path / "run").glob("logs/*.log"))  # no executor was started
+
+
+#: a plugin file that only registers a codec, torch-free (its torch path imports torch when called)
+NUMPY_CODEC = textwrap.dedent('''
+    import numpy as np
+
+    from fusion.kernels.codec import register_codec
+
+
+    class NpInt8Codec:
+        name = "npint8"
+
+        def wire_nbytes(self, numel, dtype, cfg):
+            return numel + 8
+
+        def encode_numpy(self, arr, cfg):
+            a = np.asarray(arr, dtype=np.float32)
+            scale = float(np.abs(a).max()) / 127.0 if a.size else 0.0
+            q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8) if scale > 0 else np.zeros(a.shape, np.int8)
+            return {"scale": scale, "shape": list(a.shape), "q": q.tobytes()}
+
+        def decode_numpy(self, p):
+            if len(p["q"]) != int(np.prod(p["shape"], dtype=np.int64)):
+                raise ValueError("code bytes do not match the shape")
+            return (np.frombuffer(p["q"], np.int8).astype(np.float32) * np.float32(p["scale"])).reshape(p["shape"])
+
+        def encode(self, tensor, cfg):
+            return self.encode_numpy(tensor.detach().cpu().numpy(), cfg)
+
+        def decode(self, payload, like=None):
+            import torch
+
+            return torch.from_numpy(self.decode_numpy(payload))
+
+
+    register_codec(NpInt8Codec())
+''')
+
+
+def test_a_numpy_compnode_without_torch_runs_a_user_codec_from_a_plugin(tmp_path):
+    """A torch CompNode and a NumPy CompNode whose process cannot import torch exchange activations and
+    gradients through a user codec registered by a torch-free plugin file: the run equals the reference
+    executor exactly, and the NumPy process never loaded torch."""
+    import importlib.util
+    import json
+
+    import tests.ir.onnx_models as onnx_models
+    from tests.executors.test_mixed_engines import _blocked_env
+    from fusion.executors.runtime.launcher import LocalCluster, hand_plan
+    from fusion.ir.boundary import partition
+    from fusion.ir.onnx_import import load_onnx
+    from fusion.plan import load_plan, save_plan
+
+    src = tmp_path / "npint8.py"
+    src.write_text(NUMPY_CODEC)
+    if "fusion_user_npint8" not in sys.modules:  # as `fusion compile` imports a model file
+        spec = importlib.util.spec_from_file_location("fusion_user_npint8", src)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["fusion_user_npint8"] = mod
+        spec.loader.exec_module(mod)
+    tt = onnx_models.tiny_transformer_module()
+    module, args = tt.model()
+    model = load_onnx(onnx_models.export(module, args, tmp_path / "tt.onnx"))
+    assign = {n: ("A" if p == "a" else "B") for n, p in onnx_models.two_part_assignment(model.graph).items()}
+    codec = {"algo": "npint8"}
+    comp = [EdgeCompression(e.producer, e.index, "A", "B", fwd_codec=codec, bwd_codec=codec)
+            for e in {(e.producer, e.index): e for e in partition(model.graph, assign)["A"].boundary.sent_acts}.values()]
+    g = np.random.default_rng(5)
+    batches = [{"idx": g.integers(0, 13, (4, 8)), "targets": g.integers(0, 13, (4, 8))} for _ in range(3)]
+    opt = OptimizerConfig("sgd", lr=0.1, momentum=0.9)
+    engines = {"A": "torch", "B": "numpy"}
+    ref = ReferenceExecutor(model, assign, opt, micro_batches=2, schedule="1f1b", engines=engines, compression=comp)
+    expected = [ref.step(b).loss for b in batches]
+    dense = ReferenceExecutor(model, assign, opt, micro_batches=2, schedule="1f1b", engines=engines)
+    assert [dense.step(b).loss for b in batches] != expected  # the codec really ran
+    plan = hand_plan(model, assign, schedule="1f1b", micro_batches=2, optimizer=opt, engines=engines)
+    plan.compression = comp
+    from fusion.commands.compile import record_codec_plugins
+
+    assert record_codec_plugins(plan) == [str(src.resolve())]
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    assert load_plan(plan_dir).graph.plugins == ["plugins/npint8.py"]
+    env_b, record = _blocked_env(tmp_path)
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30), threads=1, trace=False,
+                      part_env={"B": env_b}, executor_args=["--trust-plugins"]) as lc:
+        lc.start()
+        losses = [lc.coordinator.step(b).loss for b in batches]
+    assert losses == expected
+    rec = json.loads(record.read_text())
+    assert rec["torch_blocked"] is True and rec["torch_modules"] == [] and rec["numpy_engine_loaded"]
