@@ -61,7 +61,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--tied-codec", default=None, metavar="none|auto|CODEC[:K=V,...]",
                        help="codec for the gradients that the owners of a tied parameter (e.g. a tied embedding "
                             "and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant "
-                            "where the cost model says the iteration gets shorter (default: none, exact)"),
+                            "where the cost model says the iteration gets shorter (default: auto with "
+                            "--compress auto, else none: exact)"),
         g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
@@ -94,7 +95,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     dp_codec = _dp_codec(args)
     tied = _tied_codec(args)
     if args.strategy in DP_STRATEGIES:
-        if tied is not None:
+        if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
                               "a tied codec yet; leave it out")
         return _compile_dp(args, model, cluster, opt, compress, dp_codec)
@@ -122,14 +123,14 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 
 
 def _tied_codec(args: argparse.Namespace):
-    """The codec cfg of ``--tied-codec`` (None: exact; ``"auto"``: the compiler decides); FusionError (exit 2)
-    with one line for a bad value."""
+    """The codec cfg of ``--tied-codec`` (None: exact; ``"auto"``: the compiler decides, also the default with
+    ``--compress auto``); FusionError (exit 2) with one line for a bad value."""
     from fusion.compress.policy import parse_spec
     from fusion.executors.runtime.compression import TiedCodec
 
     spec = getattr(args, "tied_codec", None)
-    if spec is None:
-        return None
+    if spec is None:  # --compress auto compresses the tied exchange too, where it pays (8-bit quant)
+        return "auto" if (getattr(args, "compress", None) or "").strip() == "auto" else None
     cfg = parse_spec(spec, "--tied-codec")
     if cfg is None or cfg == "auto":
         return cfg

@@ -109,6 +109,29 @@ def test_bad_tied_codec_flags_are_one_line_errors(value, why):
     assert "--tied-codec" in str(e.value) and "\n" not in str(e.value)
     assert _tied_codec(argparse.Namespace(tied_codec="none")) is None
     assert _tied_codec(argparse.Namespace(tied_codec="quant:bits=8")) == Q8
+    # --compress auto lets the compiler compress the tied exchange too, where it pays; an explicit value wins
+    assert _tied_codec(argparse.Namespace(tied_codec=None, compress="auto")) == "auto"
+    assert _tied_codec(argparse.Namespace(tied_codec="none", compress="auto")) is None
+    assert _tied_codec(argparse.Namespace(tied_codec=None, compress="quant:bits=4")) is None
+
+
+def test_auto_takes_8_bit_quant_only_where_it_shortens_the_iteration(tmp_path):
+    from fusion.cluster.model import load_cluster
+    from fusion.compile import compile_model
+    from fusion.ir.trace import trace
+
+    model = trace(*_gpt_module().tiny())
+    slow = compile_model(model, load_cluster(str(REPO / "examples/clusters/local-4-two-sites.yaml")),
+                         strategy="equal-flops", micro_batches=2, optimizer=OPT, tied_codec="auto")
+    exact = compile_model(model, load_cluster(str(REPO / "examples/clusters/local-4-two-sites.yaml")),
+                          strategy="equal-flops", micro_batches=2, optimizer=OPT)
+    assert slow.tied_codec == {"algo": "quant", "bits": 8}  # the owners part0 and part3 sit on two sites
+    assert slow.predicted["sync_s"] < exact.predicted["sync_s"] and slow.predicted["iteration_s"] < exact.predicted["iteration_s"]
+    (tmp_path / "fast.yaml").write_text(TWO_DEVICES.replace("latency: 30 ms, bandwidth: 20 Mbit/s",
+                                                            "latency: 0.01 ms, bandwidth: 400 Gbit/s"))
+    fast = compile_model(model, load_cluster(str(tmp_path / "fast.yaml")), strategy="equal-flops", micro_batches=2,
+                         optimizer=OPT, tied_codec="auto")
+    assert len(fast.parts) == 2 and fast.tied_codec is None  # encoding would cost more than the link saves
 
 
 def test_compile_refuses_a_bad_tied_codec_with_exit_2_and_one_line(tmp_path):
