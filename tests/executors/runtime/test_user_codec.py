@@ -380,3 +380,20 @@ def test_a_numpy_compnode_without_torch_runs_a_user_codec_from_a_plugin(tmp_path
     assert losses == expected
     rec = json.loads(record.read_text())
     assert rec["torch_blocked"] is True and rec["torch_modules"] == [] and rec["numpy_engine_loaded"]
+
+
+def test_a_user_codec_can_carry_tied_gradients(model_file):
+    from fusion.ir.errors import WireError
+
+    t = TiedCodec.from_cfg(INT8)
+    g = np.random.default_rng(4).standard_normal((16, 8)).astype(np.float32)
+    p = t.encode(g, "float32", "w", "p0", 0)
+    assert isinstance(p, CodecPayload) and p.algo == "int8"
+    d = t.decode(decode_opdata(encode_opdata(OpData("w", None, (), (), True, 0, -1, "p0", "p1", p))).payload,
+                 (16, 8), "float32", "gradient of 'w' from p0")
+    np.testing.assert_array_equal(d, CODECS.get("int8").decode_numpy(p.fields))
+    assert np.abs(d - g).max() <= np.abs(g).max() / 127 * 0.5 + 1e-6
+    with pytest.raises(WireError, match=r"decodes to float32\[16, 8\], the graph says float32\[8, 16\]"):
+        t.decode(p, (8, 16), "float32", "gradient of 'w' from p0")
+    with pytest.raises(WireError, match="expected a int8 payload"):
+        t.decode(CodecPayload("int8-torch", p.fields), (16, 8), "float32", "gradient of 'w' from p0")
