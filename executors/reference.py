@@ -22,7 +22,7 @@ from fusion.ir.boundary import partition, part_links, part_order
 from fusion.ir.errors import FusionError
 from fusion.ir.model import Model
 from fusion.ir.opdata import OpData
-from fusion.executors.runtime.compression import check_edges
+from fusion.executors.runtime.compression import TiedCodec, check_edges, sum_in_order
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime
@@ -89,12 +89,16 @@ class ReferenceExecutor:
                  those edges carry Top-K sparse payloads as in a distributed run.
     engine_options: ``{part or "*": {option: value}}``, e.g. ``{"*": {"compiled": False}}`` runs every
                  torch part interpreted, ``{"p1": {"recompute": True}}`` recomputes p1's activations.
+    tied_codec:  the plan's ``tied_codec`` (None: tied-parameter gradients summed exactly); as in a
+                 distributed run, every owner's gradient is encoded and the decoded gradients summed
+                 in part order (:class:`~fusion.executors.runtime.compression.TiedCodec`).
     """
 
     def __init__(self, model: Model, assignment: Mapping[str, str] | None = None,
                  optimizer: OptimizerConfig = OptimizerConfig(), micro_batches: int = 1,
                  schedule: str = "gpipe", engines: Mapping[str, str] | None = None,
-                 compression: Sequence[Any] | None = None, engine_options: Mapping[str, Mapping[str, Any]] | None = None):
+                 compression: Sequence[Any] | None = None, engine_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 tied_codec: dict | None = None):
         g = model.graph
         self.graph = g
         self.assignment = dict(assignment) if assignment else {n: "p0" for n in g.nodes}
@@ -116,6 +120,11 @@ class ReferenceExecutor:
             for name in e.trainable():
                 owners.setdefault(name, []).append(p)
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1}
+        self.tied = TiedCodec.from_cfg(tied_codec, "tied_codec")
+        if self.tied is not None:
+            for ps in self.shared.values():
+                for p in ps:
+                    self.tied.check_engine(p, names.get(p, "torch"))
         self.iteration = 0
 
     # -- one training step ---------------------------------------------------------
@@ -215,7 +224,15 @@ class ReferenceExecutor:
         """Sum the gradients of parameters held by several parts (tied weights)."""
         for name, owners in self.shared.items():
             gs = [self.engines[p].grads()[name] for p in owners]
-            total = sum(g for g in gs if g is not None)
+            if self.tied is not None:
+                spec = self.graph.params[name]
+                gs = [None if g is None else self.tied.decode(
+                    self.tied.encode(np.asarray(g), spec.dtype, name, p, self.iteration), tuple(spec.shape), spec.dtype,
+                    f"gradient of {name!r} on {p}") for p, g in zip(owners, gs)]
+            gs = [np.asarray(g) for g in gs if g is not None]
+            if not gs:
+                continue
+            total = sum_in_order(gs)
             for p in owners:
                 self.engines[p].set_grad(name, total)
 

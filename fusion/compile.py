@@ -43,7 +43,8 @@ class CompileError(FusionError):
 def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", micro_batches: int = 1,
                   compress_ratio: float | None = None, schedule: str = "gpipe",
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
-                  compress: CompressRequest | None = None, recompute: str = "auto") -> Plan:
+                  compress: CompressRequest | None = None, recompute: str = "auto",
+                  tied_codec: dict | str | None = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -55,6 +56,9 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     recompute:      activation recomputation per part: ``auto`` turns it on only for parts that would
                     not fit their device otherwise (and lets the partitioner count on it when nothing
                     fits without it), ``off`` never, ``all`` on every part.
+    tied_codec:     codec cfg for the gradients of tied parameters (``Plan.tied_codec``), priced by the
+                    estimator with its wire bytes; ``"auto"``: 8-bit quant when the cost model says the
+                    iteration gets shorter with it, else none.
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -79,9 +83,14 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     clusters = device_clusters(cluster, seed)
     if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
         cm.codec_prices = codec_prices(cm, compress)
+    tied = _tied_codec(cm, tied_codec)
     part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
     rc = _recompute_choice(cm, part, recompute)
+    tied = _tied_pays(cm, part, rc, tied, tied_codec == "auto")
+    tied_prices_ = (cm.tied_wire, cm.tied_codec_s)
+    cm.tied_wire = cm.tied_codec_s = None  # the dense baseline sums tied gradients dense too
     dense = cm.evaluate(part.node_part, part.part_device, recompute=rc, priced=False)
+    cm.tied_wire, cm.tied_codec_s = tied_prices_
     if dense.violations:
         raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit"
                            f"{'' if recompute == 'off' else ' even with activation recomputation'}: {dense.violations[0]}")
@@ -97,9 +106,10 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
             raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} with --compress "
                                f"does not fit: {est.violations[0]}")
     else:
-        est = cm.evaluate(part.node_part, part.part_device, wire, recompute=rc) if wire else dense
+        est = cm.evaluate(part.node_part, part.part_device, wire or None, recompute=rc) if (wire or tied) else dense
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
+    plan.tied_codec = tied
     for k, name in enumerate(names):
         plan.parts[name].recompute = bool(rc[k])
     if rc.any():
@@ -178,6 +188,34 @@ def _no_fit_message(cm: CostModel, cluster: Cluster) -> str:
     return (f"{cluster.source}: devices[].memory_bytes: no split of the model over the devices fits their memory{how} "
             f"({cm.p_state.sum() / 1e9:.3f} GB of parameter state + {cm.saved.sum() / 1e9:.3f} GB of activations per "
             f"micro-batch x {cm.micro_batches}; devices hold {cm.mem_cap.sum() / 1e9:.3f} GB in total)")
+
+
+#: what ``tied_codec="auto"`` tries: 8-bit block quantisation (SWARM: 8-bit gradients lose nothing)
+TIED_AUTO = {"algo": "quant", "bits": 8}
+
+
+def _tied_codec(cm: CostModel, spec: dict | str | None) -> dict | None:
+    """The tied codec to price partitioning with (``auto``: :data:`TIED_AUTO`); sets the estimator's prices."""
+    from fusion.compress.policy import CODEC_RATE
+    from fusion.cost.estimate import tied_prices
+
+    cfg = dict(TIED_AUTO) if spec == "auto" else spec
+    if cfg is not None:
+        cm.tied_wire, cm.tied_codec_s = tied_prices(cm, cfg, CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"]))
+    return cfg
+
+
+def _tied_pays(cm: CostModel, part: Partition, rc, cfg: dict | None, auto: bool) -> dict | None:
+    """``cfg``, unless ``auto`` and the iteration is not shorter with it (then none, and dense prices)."""
+    if cfg is None or not auto:
+        return cfg
+    with_codec = cm.evaluate(part.node_part, part.part_device, recompute=rc).iteration_s
+    prices, (cm.tied_wire, cm.tied_codec_s) = (cm.tied_wire, cm.tied_codec_s), (None, None)
+    if cm.evaluate(part.node_part, part.part_device, recompute=rc).iteration_s <= with_codec:
+        log.info("tied codec auto: %s does not shorten the iteration here; tied gradients stay dense", cfg)
+        return None
+    cm.tied_wire, cm.tied_codec_s = prices
+    return cfg
 
 
 def _assemble(model: Model, cluster: Cluster, cm: CostModel, part: Partition, names: list[str], est: Estimate,

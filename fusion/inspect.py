@@ -67,6 +67,19 @@ def cut_edges(plan: Plan) -> list[dict]:
     return list(rows.values())
 
 
+def tied_params(plan: Plan) -> dict[str, list[str]]:
+    """Trainable parameters held by several parts of replica 0 -> those parts, in pipeline order."""
+    order = part_order(plan.graph, plan.assignment)
+    owners: dict[str, list[str]] = {}
+    for node in plan.graph.nodes.values():
+        for p in node.param_names():
+            if plan.graph.params[p].trainable:
+                owners.setdefault(p, [])
+                if plan.assignment[node.name] not in owners[p]:
+                    owners[p].append(plan.assignment[node.name])
+    return {p: sorted(ps, key=order.index) for p, ps in sorted(owners.items()) if len(ps) > 1}
+
+
 def plan_report(plan: Plan) -> str:
     pr = plan.predicted
     order = part_order(plan.graph, plan.assignment)
@@ -111,6 +124,13 @@ def plan_report(plan: Plan) -> str:
         for stage in order:
             group = plan.dp_group(stage)
             lines.append(f"  {stage}: " + " -> ".join(f"{p} ({plan.parts[p].device})" for p in group) + f" -> {group[0]}")
+    tied = tied_params(plan)
+    if tied:
+        lines.append("")
+        lines.append(f"tied parameters ({len(tied)}; gradients exchanged between their owners each step, codec "
+                     f"{codec_label(plan.tied_codec)}):")
+        for name, owners in tied.items():
+            lines.append(f"  {name}: {', '.join(owners)}")
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")

@@ -161,6 +161,11 @@ class Plan:
     replica fields is one pipeline (R = 1).
     dp_codec:      None (gradients averaged exactly) or a ``quant`` codec cfg (``{"algo": "quant", "bits": 8}``)
                    for the all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
+    tied_codec:    None (gradients of parameters held by several parts, e.g. a tied embedding, are summed
+                   exactly) or a codec cfg (``{"algo": "quant", "bits": 8}``; quant, hadamard-quant, topk
+                   or a user codec) for the gradients their owners exchange each step: every owner sums the
+                   decoded gradients of all owners in part order, so all apply the same bits
+                   (``executors/runtime/compression.py``, ``TiedCodec``). Plans without the field load with None.
     """
 
     graph: OpGraph
@@ -178,6 +183,7 @@ class Plan:
     boundaries: dict[str, dict[str, list]] = field(default_factory=dict)
     global_batch: int = 0
     dp_codec: dict | None = None
+    tied_codec: dict | None = None
 
     # -- replicas (DP x PP) ---------------------------------------------------------------
     def stage_of(self, part: str) -> str:
@@ -225,7 +231,7 @@ class Plan:
             "schedule": self.schedule, "micro_batches": self.micro_batches,
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
-            "global_batch": self.global_batch, "dp_codec": self.dp_codec,
+            "global_batch": self.global_batch, "dp_codec": self.dp_codec, "tied_codec": self.tied_codec,
         }
 
     @classmethod
@@ -250,7 +256,8 @@ class Plan:
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
-                   dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"))
+                   dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
+                   d.get("tied_codec"))
         plan.check(source)
         return plan
 
@@ -280,6 +287,10 @@ class Plan:
                 if cfg is not None and not (isinstance(cfg, dict) and isinstance(cfg.get("algo"), str)):
                     raise PlanError(f"{source}: compression of {c.producer}: {field_name} must be a codec cfg "
                                     f"with an 'algo' name, got {cfg!r}")
+        tc = self.tied_codec
+        if tc is not None and not (isinstance(tc, dict) and isinstance(tc.get("algo"), str) and tc["algo"] != "delta"):
+            raise PlanError(f"{source}: tied_codec must be null or a codec cfg with an 'algo' name other than delta "
+                            f"(e.g. {{'algo': 'quant', 'bits': 8}}), got {tc!r}")
         for p in self.parts.values():
             if not isinstance(p.recompute, bool):
                 raise PlanError(f"{source}: parts.{p.name}.recompute must be true or false, got {p.recompute!r}")

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
-from fusion.ir.errors import FusionError
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.wire import PayloadCodec, register_payload_codec
 
-from fusion.kernels import topk_cupy, topk_torch
+from fusion.kernels import topk_cupy
 from fusion.kernels import quant as _quant
 from fusion.kernels.delta import DeltaBuffer, DeltaConfig, delta_wire_nbytes
 from fusion.kernels.dtypes import VALUE_DTYPES
@@ -34,8 +34,16 @@ from fusion.kernels.sparse import SparsePayload, ratio_to_k, sparse_nbytes
 
 
 
-def _use_cupy(t: torch.Tensor) -> bool:
-    return t.is_cuda and topk_cupy.available()
+def _use_cupy(t) -> bool:
+    return bool(getattr(t, "is_cuda", False)) and topk_cupy.available()
+
+
+def _is_torch(t) -> bool:
+    """Whether ``t`` is a torch tensor, without importing torch (a NumPy process never has one)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor)
 
 
 def compress(tensor, k: int, value_dtype: str | None = None) -> SparsePayload:
@@ -44,6 +52,10 @@ def compress(tensor, k: int, value_dtype: str | None = None) -> SparsePayload:
     CUDA tensors go to the CuPy kernel when CuPy is usable, everything else to
     the torch path. ``value_dtype`` (e.g. ``"float16"``) casts the kept values.
     """
+    import torch
+
+    from fusion.kernels import topk_torch
+
     if isinstance(tensor, np.ndarray):
         tensor = torch.from_numpy(np.ascontiguousarray(tensor))
     if not isinstance(tensor, torch.Tensor):
@@ -58,6 +70,8 @@ def decompress(payload: SparsePayload, like: torch.Tensor | None = None) -> torc
 
     Validates the payload (raises :class:`fusion.ir.errors.WireError`).
     """
+    from fusion.kernels import topk_torch
+
     device = None if like is None else like.device
     if like is not None and _use_cupy(like):
         return topk_cupy.decompress(payload, device)
@@ -73,6 +87,23 @@ class Codec(Protocol):
     decode:      payload -> dense torch tensor (on ``like``'s device).
     wire_nbytes: bytes the payload of a ``numel``-element ``dtype`` tensor
                  costs under ``cfg`` (what the compiler prices).
+
+    A *user* codec (one registered with :func:`register_codec`, not built in) is
+    run by the CompNodes through this interface, so its payloads must cross the
+    wire without pickle: ``encode`` returns a *plain payload*, a dict of string
+    keys to ``bytes``, ``int``, ``float``, ``str``, ``bool``, ``None`` or flat
+    lists of those scalars (:func:`check_plain`); ``decode`` gets the same dict
+    back (``bytes`` values as ``bytes``) and must raise on a malformed one
+    (lengths, counts, ranges): a receiving CompNode then rejects the message
+    and keeps serving. The payload must say everything decoding needs (shape,
+    dtype); the runtime checks the decoded tensor against the graph.
+
+    Optionally a codec also has a NumPy path, so that NumPy CompNodes (which
+    never import torch) can run it: ``encode_numpy(array, cfg) -> payload`` and
+    ``decode_numpy(payload) -> np.ndarray``, giving the same payloads as the
+    torch path. The runtime uses the NumPy path wherever a codec has one (its
+    messages are NumPy arrays), else the torch path, which a NumPy part refuses
+    at load (:func:`numpy_path`).
     """
 
     name: str
@@ -82,6 +113,86 @@ class Codec(Protocol):
     def decode(self, payload: Any, like: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def wire_nbytes(self, numel: int, dtype: str, cfg: Mapping[str, Any]) -> int: ...
+
+
+def numpy_path(codec: Codec) -> bool:
+    """Whether ``codec`` declares a NumPy path (``encode_numpy`` and ``decode_numpy``)."""
+    return callable(getattr(codec, "encode_numpy", None)) and callable(getattr(codec, "decode_numpy", None))
+
+
+# -- user codecs' payloads on the wire ---------------------------------------------------------
+
+#: limits of a plain payload (a hostile message cannot make a receiver build huge headers)
+MAX_PLAIN_KEYS = 64
+MAX_PLAIN_KEY = 64
+MAX_PLAIN_LIST = 1 << 16
+MAX_PLAIN_STR = 1024
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def check_plain(payload: Any, algo: str, err: type[Exception] = FusionError) -> dict:
+    """``payload`` itself when it is a plain payload (see :class:`Codec`), else ``err`` naming the codec and key."""
+    if not isinstance(payload, dict):
+        raise err(f"codec {algo!r}: a payload must be a dict of plain values, got {type(payload).__name__}")
+    if len(payload) > MAX_PLAIN_KEYS:
+        raise err(f"codec {algo!r}: payload has {len(payload)} keys (at most {MAX_PLAIN_KEYS})")
+    for k, v in payload.items():
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_PLAIN_KEY:
+            raise err(f"codec {algo!r}: payload key {k!r:.80} is not a string of 1..{MAX_PLAIN_KEY} characters")
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            continue
+        if isinstance(v, str) and len(v) > MAX_PLAIN_STR:
+            raise err(f"codec {algo!r}: payload key {k!r}: string of {len(v)} characters (at most {MAX_PLAIN_STR})")
+        if isinstance(v, (list, tuple)):
+            if len(v) > MAX_PLAIN_LIST or not all(isinstance(x, _SCALARS) and not isinstance(x, str) or
+                                                   isinstance(x, str) and len(x) <= MAX_PLAIN_STR for x in v):
+                raise err(f"codec {algo!r}: payload key {k!r}: a list must hold at most {MAX_PLAIN_LIST} scalars")
+            continue
+        if not isinstance(v, _SCALARS):
+            raise err(f"codec {algo!r}: payload key {k!r} has a {type(v).__name__}; plain payloads hold bytes, "
+                      "int, float, str, bool, None and lists of those")
+    return payload
+
+
+@dataclass(frozen=True)
+class CodecPayload:
+    """A user codec's plain payload as it travels: ``algo`` names the codec, ``fields`` is what its
+    ``encode`` returned (``bytes`` values become raw tensor frames, the rest msgpack; never pickle)."""
+
+    algo: str
+    fields: dict
+
+
+def _wire_encode(p: CodecPayload) -> tuple[dict, list[np.ndarray]]:
+    blobs = [k for k, v in p.fields.items() if isinstance(v, (bytes, bytearray, memoryview))]
+    rest = {k: list(v) if isinstance(v, tuple) else v for k, v in p.fields.items() if k not in blobs}
+    arrays = [np.frombuffer(bytes(p.fields[k]) if isinstance(p.fields[k], memoryview) else p.fields[k], np.uint8)
+              for k in blobs]
+    return {"algo": p.algo, "f": rest, "b": blobs}, arrays
+
+
+def _wire_decode(meta: dict, arrays: list[np.ndarray]) -> CodecPayload:
+    algo, rest, blobs = meta.get("algo"), meta.get("f"), meta.get("b")
+    if not isinstance(algo, str) or not 0 < len(algo) <= MAX_PLAIN_KEY:
+        raise WireError("codec payload: 'algo' must be a codec name")
+    if not isinstance(rest, dict) or not isinstance(blobs, list) or not all(isinstance(k, str) for k in blobs):
+        raise WireError(f"codec payload of {algo!r}: 'f' must be a map and 'b' a list of key names")
+    if len(blobs) != len(arrays):
+        raise WireError(f"codec payload of {algo!r}: {len(blobs)} byte fields named, {len(arrays)} frames sent")
+    if len(set(blobs)) != len(blobs) or set(blobs) & set(rest):
+        raise WireError(f"codec payload of {algo!r}: a key is named twice")
+    fields = dict(rest)
+    for k, a in zip(blobs, arrays):
+        if a.dtype != np.uint8 or a.ndim != 1:
+            raise WireError(f"codec payload of {algo!r}: byte field {k!r:.80} must be a 1-D uint8 frame, "
+                            f"got {a.dtype}{list(a.shape)}")
+        fields[k] = a.tobytes()
+    check_plain(fields, algo, WireError)
+    return CodecPayload(algo, fields)
+
+
+WIRE_CODEC = register_payload_codec(PayloadCodec("codec", lambda p: isinstance(p, CodecPayload), _wire_encode,
+                                                 _wire_decode))
 
 
 @dataclass(frozen=True)
@@ -106,7 +217,7 @@ class TopKCodec:
         return ratio_to_k(numel, cfg["ratio"])
 
     def encode(self, tensor, cfg: Mapping[str, Any]) -> SparsePayload:
-        numel = tensor.numel() if isinstance(tensor, torch.Tensor) else int(np.size(tensor))
+        numel = tensor.numel() if _is_torch(tensor) else int(np.size(tensor))
         return compress(tensor, self.k_for(numel, cfg), cfg.get("value_dtype"))
 
     def decode(self, payload: SparsePayload, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +233,7 @@ class TopKCodec:
 
 
 def _numel_of(tensor) -> int:
-    return tensor.numel() if isinstance(tensor, torch.Tensor) else int(np.size(tensor))
+    return tensor.numel() if _is_torch(tensor) else int(np.size(tensor))
 
 
 def _check_dtype(algo: str, dtype: str) -> None:
@@ -245,13 +356,24 @@ class CodecRegistry:
         return cls([TopKCodec(), QuantCodec(), HadamardQuantCodec(), DeltaCodec()])
 
     def register(self, codec: Codec) -> Codec:
-        """Add ``codec`` under ``codec.name``; a name may be registered once."""
+        """Add ``codec`` under ``codec.name``; a name may be registered once (the same class imported
+        again, e.g. a model file loaded twice in one process, replaces its earlier instance)."""
         if not isinstance(codec, Codec):
-            raise FusionError(f"codec {codec!r} does not implement encode/decode/wire_nbytes")
-        if codec.name in self._codecs:
-            raise FusionError(f"codec {codec.name!r} is already registered")
-        self._codecs[codec.name] = codec
+            raise FusionError(f"codec {codec!r} does not implement name/encode/decode/wire_nbytes")
+        name = codec.name
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_PLAIN_KEY or name in ("none", "auto") \
+                or any(c in name for c in ":,= "):
+            raise FusionError(f"codec name {name!r}: 1..{MAX_PLAIN_KEY} characters without ':', ',', '=' or spaces, "
+                              "not 'none' or 'auto'")
+        old = self._codecs.get(name)
+        if old is not None and (name in BUILTIN or _origin(old) != _origin(codec)):
+            raise FusionError(f"codec {name!r} is already registered")
+        self._codecs[name] = codec
         return codec
+
+    def user_module(self, name: str) -> str | None:
+        """The module that defines a user codec's class (None for a built-in codec)."""
+        return None if name in BUILTIN else type(self.get(name)).__module__
 
     def get(self, name: str) -> Codec:
         """The codec called ``name``; FusionError naming the known ones otherwise."""
@@ -274,9 +396,29 @@ class CodecRegistry:
         return name in self._codecs
 
 
-#: The built-in codecs. Read-only by convention: register extra codecs in a
-#: registry of your own (``CodecRegistry.with_defaults()``), not here.
+def _origin(codec: Any) -> tuple[str, str]:
+    return type(codec).__module__, type(codec).__qualname__
+
+
+#: names of the built-in codecs (the runtime has fast NumPy paths for them)
+BUILTIN = frozenset({"topk", "quant", "hadamard-quant", "delta"})
+
+#: The process-wide registry: the built-in codecs plus those user plugin files register with
+#: :func:`register_codec` (as user ops go into ``fusion.ir.registry.REGISTRY``). Compiling, the
+#: estimator and every CompNode look codecs up here; a plan that names a user codec lists the file
+#: that registers it as a plugin, which executors import under ``--trust-plugins``.
 CODECS = CodecRegistry.with_defaults()
 
-__all__ = ["Codec", "CodecRegistry", "CODECS", "TopKCodec", "QuantCodec", "HadamardQuantCodec", "DeltaCodec",
+
+def register_codec(codec: Codec) -> Codec:
+    """Register a user codec in :data:`CODECS` (call it at the top level of a model file)::
+
+        from fusion.kernels.codec import register_codec
+        register_codec(Int8Codec())        # fusion compile model.py:model ... --compress int8
+
+    ``codec`` implements :class:`Codec` with plain payloads (and, for NumPy parts,
+    ``encode_numpy``/``decode_numpy``). Returns it."""
+    return CODECS.register(codec)
+
+__all__ = ["Codec", "CodecRegistry", "CODECS", "BUILTIN", "CodecPayload", "check_plain", "numpy_path", "register_codec", "TopKCodec", "QuantCodec", "HadamardQuantCodec", "DeltaCodec",
            "compress", "decompress", "ratio_to_k"]

@@ -39,6 +39,7 @@ from fusion.executors.runtime.allreduce import RingInbox, flatten, make_buckets,
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
+from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
@@ -133,6 +134,12 @@ class CompNode:
                     if g.params[pname].trainable and p not in owners.setdefault(pname, []):
                         owners[pname].append(p)
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
+        # codecs are checked before any socket opens: an unknown one (say, a plugin not listed) or a torch-only
+        # user codec on a NumPy part stops the process with one line naming the edge and codec
+        table_for(self.me, plan.replica_compression(self.replica), g, self.engine_name)
+        self.tied = TiedCodec.from_cfg(getattr(plan, "tied_codec", None)) if self.shared else None
+        if self.tied is not None:
+            self.tied.check_engine(self.me, self.engine_name)
         self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
         self.tracer = Tracer(f"CompNode {self.me}", list(plan.parts).index(self.me), enabled=cfg.trace_path is not None,
                              spill=f"{cfg.trace_path}.events.jsonl" if cfg.trace_path else None)
@@ -141,6 +148,8 @@ class CompNode:
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
         self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        if self.tied is not None:
+            self.inbox.decode_pgrad = self._decode_tied
         # data parallelism: this stage's replicas average their gradients over a ring (allreduce.py)
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
@@ -445,31 +454,43 @@ class CompNode:
         stats.update(t_start=t_start, t_end=time.time(), rejected=self.transport.rejected, escaped=self.transport.escaped, sent=sent)
         self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=losses, stats=stats))
 
+    def _decode_tied(self, od: OpData) -> np.ndarray:
+        """A co-owner's tied gradient under ``plan.tied_codec``, decoded on arrival (WireError: rejected)."""
+        spec = self.graph.params[od.name]
+        return self.tied.decode(od.payload, tuple(spec.shape), spec.dtype, f"gradient of parameter {od.name!r} from {od.src}")
+
     def _sync_shared(self, it: int) -> None:
-        """Sum gradients of parameters held by several parts, in plan part order (same bits on every owner)."""
+        """Sum gradients of parameters held by several parts, in plan part order (same bits on every owner).
+
+        With ``plan.tied_codec`` each owner sends its gradient encoded once and sums the decoded gradients of
+        every owner, its own included (:class:`~.compression.TiedCodec`), so all owners still apply one sum."""
         if not self.shared:
             return
         engine = self.runtime.engine
         mine = engine.grads()
         users = self.graph.param_users()
+        own: dict[str, np.ndarray | None] = {}
         for name, owners in sorted(self.shared.items()):
             local = tuple(n for n in users.get(name, ()) if n in self.sub.nodes)
+            payload = mine.get(name)
+            own[name] = payload
+            if self.tied is not None and payload is not None:
+                spec = self.graph.params[name]
+                payload = self.tied.encode(np.asarray(payload), spec.dtype, name, self.me, it)
+                own[name] = self.tied.decode(payload, tuple(spec.shape), spec.dtype, f"own gradient of {name!r}")
             for o in owners:
                 if o != self.me:
                     od = OpData(name=name, index=None, op_users=tuple(users.get(name, ())), actual_user=local, is_grad=True,
-                                local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=mine.get(name))
+                                local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=payload)
                     self.transport.send(o, encode_opdata(od, kind="pgrad"), label=f"grad {name}")
 
         got_all, _ = self._wait(lambda: self.inbox.param_grads(it), "tied-parameter gradients", self.cfg.data_timeout_s)
         for name, owners in self.shared.items():
             got = got_all[name]
-            gs = [mine.get(name) if o == self.me else got[o] for o in owners]
+            gs = [own[name] if o == self.me else got[o] for o in owners]
             gs = [np.asarray(g) for g in gs if g is not None]
             if gs:
-                total = gs[0].copy()
-                for g in gs[1:]:
-                    total = total + g
-                engine.set_grad(name, total)
+                engine.set_grad(name, sum_in_order(gs))
 
     def _apply_regroup(self) -> None:
         """A replica was dropped: forget the abandoned attempt, shrink the ring, take the new micro-batch count."""

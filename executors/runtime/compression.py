@@ -24,6 +24,21 @@ with the forward selection would starve every element not sent in forward
 of gradient (99 % of them at r = 100) and would need the forward mask kept
 per micro-batch. See ``docs/compression.md``.
 
+User codecs (registered with :func:`fusion.kernels.codec.register_codec` by a
+plugin file the plan lists) go through the :class:`~fusion.kernels.codec.Codec`
+protocol: the sender encodes a message with the codec's NumPy path when it has
+one, else its torch path; the plain payload travels as a
+:class:`~fusion.kernels.codec.CodecPayload` (msgpack fields and raw byte frames,
+never pickle); the receiver decodes it with the same path and checks the
+tensor against the graph, rejecting a malformed one (:meth:`CompressionTable.check_incoming`).
+A NumPy part refuses, at load, an edge whose codec has only a torch path.
+The built-in codecs keep their NumPy fast paths below (byte-identical payloads).
+
+Tied parameters (:class:`TiedCodec`): with ``Plan.tied_codec`` set, each owner of
+a parameter held by several parts encodes its gradient once; every owner sums
+the *decoded* gradients of all owners (its own included) in plan part order, so
+all owners apply the same bits.
+
 Everything here is NumPy: selection is ``kernels.topk_host`` (the same code
 the torch codec runs for CPU tensors, so payloads are byte-identical to
 ``kernels.codec.compress``) and decoding is a NumPy scatter, so NumPy-engine
@@ -41,6 +56,7 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.graph import OpGraph
+from fusion.kernels.codec import BUILTIN, CODECS, CodecPayload, check_plain, numpy_path
 from fusion.kernels.delta import DeltaConfig, DeltaPayload
 from fusion.executors.runtime.delta_edges import DeltaEdges
 from fusion.kernels.dtypes import VALUE_DTYPES, index_dtype_for
@@ -58,8 +74,9 @@ Key = tuple[str, "int | None"]
 COMPRESSIBLE = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
-#: codecs the runtime encodes and decodes with NumPy (so NumPy CompNodes stay torch-free)
-RUNTIME_CODECS = ("topk", "quant", "hadamard-quant", "delta")
+#: built-in codecs the runtime encodes and decodes with its own NumPy code (so NumPy CompNodes stay
+#: torch-free); any other codec of the registry (``kernels.codec.CODECS``) runs through the Codec protocol
+RUNTIME_CODECS = tuple(sorted(BUILTIN))
 
 
 @dataclass(frozen=True)
@@ -89,14 +106,25 @@ class EdgeRule:
         return dict(self.codec)
 
 
-def _rule(e: Any, direction: str) -> EdgeRule | None:
-    """The rule of one direction of a plan's ``EdgeCompression``; FusionError for a codec the runtime lacks."""
+def _rule(e: Any, direction: str, part: str | None = None, engine: str = "torch") -> EdgeRule | None:
+    """The rule of one direction of a plan's ``EdgeCompression``; FusionError (one line naming the edge and
+    codec) for a codec the registry lacks, a bad cfg, or a torch-only codec on a NumPy end (``part``)."""
     cfg = e.codec(direction)
     if cfg is None:
         return None
     where = f"compression of {e.producer}[{e.index}] {e.src}->{e.dst} ({direction})"
-    if cfg["algo"] not in RUNTIME_CODECS:
-        raise FusionError(f"{where}: codec {cfg['algo']!r} is not one the runtime runs ({', '.join(RUNTIME_CODECS)})")
+    if cfg["algo"] not in CODECS:
+        raise FusionError(f"{where}: unknown codec {cfg['algo']!r} (known: {', '.join(CODECS.names())}); a user codec "
+                          "is registered by a plugin file the plan lists (fusion.kernels.codec.register_codec), "
+                          "imported with --trust-plugins")
+    if cfg["algo"] not in BUILTIN:
+        codec = CODECS.get(cfg["algo"])
+        if e.error_feedback:
+            raise FusionError(f"{where}: error feedback is for Top-K only")
+        if engine == "numpy" and part in (e.src, e.dst) and not numpy_path(codec):
+            raise FusionError(f"{where}: codec {cfg['algo']!r} has only a torch path, and part {part} runs the numpy "
+                              "engine (give the codec encode_numpy/decode_numpy, or run the part on torch)")
+        return EdgeRule(cfg, False)
     if cfg["algo"] == "delta":
         if direction != "fwd":
             raise FusionError(f"{where}: delta (AQ-SGD) compresses activations only; give the gradients "
@@ -119,6 +147,52 @@ def _rule(e: Any, direction: str) -> EdgeRule | None:
     return EdgeRule(cfg, bool(e.error_feedback))
 
 
+# -- user codecs through the Codec protocol ---------------------------------------------------
+
+def _np_dtype(dtype: str):
+    return np.uint16 if dtype == "bfloat16" else VALUE_DTYPES[dtype].numpy
+
+
+def user_encode(cfg: Mapping[str, Any], arr: np.ndarray, dtype: str) -> CodecPayload:
+    """A user codec's payload of a NumPy message (``dtype`` its graph dtype; bfloat16 as uint16 bits):
+    its NumPy path when it has one, else its torch path. FusionError when it returns no plain payload."""
+    algo = cfg["algo"]
+    codec = CODECS.get(algo)
+    if numpy_path(codec):
+        out = codec.encode_numpy(np.ascontiguousarray(arr), cfg)
+    else:
+        out = codec.encode(_as_torch(arr, dtype), cfg)
+    return CodecPayload(algo, dict(check_plain(out, algo)))
+
+
+def user_decode(p: CodecPayload, shape: tuple[int, ...] | None, dtype: str | None, what: str) -> np.ndarray:
+    """The NumPy array of a user codec's payload, checked against the tensor's graph ``shape``/``dtype``
+    (None: unchecked); WireError naming ``what`` for a payload the codec refuses or a tensor that does not fit."""
+    if p.algo not in CODECS or p.algo in BUILTIN:
+        raise WireError(f"{what}: codec payload names {p.algo!r}, not a user codec registered here")
+    codec = CODECS.get(p.algo)
+    try:
+        if numpy_path(codec):
+            out = np.asarray(codec.decode_numpy(dict(p.fields)))
+        else:
+            out = _to_numpy(codec.decode(dict(p.fields), None))
+    except Exception as e:  # the codec's own checks (lengths, counts) or its bugs: a rejected message
+        raise WireError(f"{what}: {p.algo} payload refused by its codec: {type(e).__name__}: {str(e)[:200]}") from None
+    if shape is not None and (tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(_np_dtype(dtype))):
+        raise WireError(f"{what}: {p.algo} payload decodes to {out.dtype}{list(out.shape)}, the graph says "
+                        f"{dtype}{list(shape)}")
+    return out
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def topk_numpy(arr: np.ndarray, k: int, dtype: str | None = None) -> SparsePayload:
@@ -155,7 +229,10 @@ def densify(p: SparsePayload) -> np.ndarray:
 
 
 def dense_payload(payload: Any) -> Any:
-    """What an engine gets for a received payload: sparse and quantised ones decoded, others unchanged."""
+    """What an engine gets for a received payload: sparse and quantised ones decoded, others unchanged.
+    (A user codec's payload needs its edge's table: :meth:`CompressionTable.decode`.)"""
+    if isinstance(payload, CodecPayload):
+        raise WireError(f"a {payload.algo} codec payload on an edge this part does not decode with that codec")
     if isinstance(payload, SparsePayload):
         return densify(payload)
     if isinstance(payload, QuantPayload):
@@ -171,6 +248,8 @@ class CompressionTable:
     bwd:  (tensor key, src part) -> rule for gradients this part sends back.
     recv: (tensor key, src part) -> ``delta`` rule of activations this part receives (the receiving
           end of an AQ-SGD edge keeps buffers too; other codecs decode statelessly).
+    user_in: (tensor key, peer part, is_grad) -> rule of a *user* codec this part decodes: activations
+          from ``peer`` (is_grad False) or gradients back from ``peer`` (True).
     delta: the AQ-SGD buffers of this part's delta edges (:mod:`.delta_edges`).
     """
 
@@ -178,8 +257,10 @@ class CompressionTable:
     fwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
     bwd: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
     recv: dict[tuple[Key, str], EdgeRule] = field(default_factory=dict)
+    user_in: dict[tuple[Key, str, bool], EdgeRule] = field(default_factory=dict)
     delta: DeltaEdges = None  # type: ignore[assignment]  # set in __post_init__
     bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
+    graph: OpGraph | None = field(default=None, repr=False)  # to check decoded user payloads against
     _ef: Any = field(default=None, repr=False)
     _sent: int = field(default=0, repr=False)  # quantised messages sent (seeds stochastic rounding)
 
@@ -188,16 +269,18 @@ class CompressionTable:
             self.delta = DeltaEdges(self.part)
 
     @classmethod
-    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None) -> "CompressionTable":
-        """Rules of ``part``; ratio-1 entries, and tensors of loss/label/input nodes, are dropped."""
-        t = cls(part)
+    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None,
+              engine: str = "torch") -> "CompressionTable":
+        """Rules of ``part`` (whose engine is ``engine``); ratio-1 entries, and tensors of loss/label/input
+        nodes, are dropped."""
+        t = cls(part, graph=graph)
         for e in edges:
             bad = set(e.directions) - {"fwd", "bwd"}
             if bad:
                 raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: unknown directions {sorted(bad)}")
             if not e.ratio >= 1:
                 raise FusionError(f"compression of {e.producer}[{e.index}] {e.src}->{e.dst}: ratio {e.ratio!r} < 1")
-            fwd, bwd = _rule(e, "fwd"), _rule(e, "bwd")
+            fwd, bwd = _rule(e, "fwd", part, engine), _rule(e, "bwd", part, engine)
             if fwd is None and bwd is None:
                 continue
             if graph is not None:
@@ -216,10 +299,14 @@ class CompressionTable:
                 t.bwd[(key, e.src)] = bwd
             if e.dst == part and fwd is not None and fwd.algo == "delta":
                 t.recv[(key, e.src)] = fwd
+            if e.dst == part and fwd is not None and fwd.algo not in BUILTIN:
+                t.user_in[(key, e.src, False)] = fwd
+            if e.src == part and bwd is not None and bwd.algo not in BUILTIN:
+                t.user_in[(key, e.dst, True)] = bwd
         return t
 
     def __bool__(self) -> bool:
-        return bool(self.fwd or self.bwd or self.recv)
+        return bool(self.fwd or self.bwd or self.recv or self.user_in)
 
     def delta_cfgs(self) -> dict[tuple[str, Key, str], dict]:
         """(role, tensor key, peer) -> codec cfg of every delta edge of this part, both ends."""
@@ -229,7 +316,12 @@ class CompressionTable:
 
     def check_incoming(self, od: Any) -> None:
         """WireError for a delta payload this part cannot decode: on a gradient or an edge without a delta
-        rule here, or a delta row whose sample has no buffer (cache miss). Other payloads pass."""
+        rule here, or a delta row whose sample has no buffer (cache miss). A user codec's payload is decoded
+        here (the codec checks it, then its tensor is checked against the graph) and ``od.payload`` becomes
+        the dense array. Other payloads pass."""
+        if isinstance(od.payload, CodecPayload):
+            od.payload = self._user_decode(od)
+            return
         if not isinstance(od.payload, DeltaPayload):
             return
         if od.is_grad or (od.key, od.src) not in self.recv:
@@ -243,7 +335,23 @@ class CompressionTable:
         if isinstance(od.payload, DeltaPayload):
             self.check_incoming(od)
             return self.delta.decode(od.payload, od.key, od.src, self.recv[(od.key, od.src)].codec, shape)
+        if isinstance(od.payload, CodecPayload):
+            return self._user_decode(od)
         return dense_payload(od.payload)
+
+    def _user_decode(self, od: Any) -> np.ndarray:
+        what = f"{'gradient' if od.is_grad else 'activation'} {od.key[0]}[{od.key[1]}] from {od.src}"
+        rule = self.user_in.get((od.key, od.src, bool(od.is_grad)))
+        if rule is None or rule.algo != od.payload.algo:
+            raise WireError(f"{what}: {od.payload.algo} payload, but the plan does not compress it with that codec "
+                            f"towards {self.part}")
+        shape = dtype = None
+        if self.graph is not None:
+            meta = self.graph.output_meta(*od.key)
+            shape, dtype = tuple(getattr(meta, "shape", ())), getattr(meta, "dtype", None)
+            if dtype not in COMPRESSIBLE:
+                raise WireError(f"{what}: {od.payload.algo} payload for a {dtype} tensor (floating tensors only)")
+        return user_decode(od.payload, shape, dtype, what)
 
     def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int, ids: Any = None,
                it: int | None = None) -> tuple[Any, dict | None]:
@@ -262,6 +370,8 @@ class CompressionTable:
         if rule.algo == "delta":
             p = self.delta.encode(payload, dtype, key, peer, rule.codec, ids, it, mb)
             return (payload, None) if p is None else (p, rule.cfg())
+        if rule.algo not in BUILTIN:
+            return user_encode(rule.codec, payload, dtype), rule.cfg()
         if rule.algo != "topk":
             cfg = QuantConfig.from_cfg(rule.codec, rule.algo == "hadamard-quant")
             if cfg.rounding == "stochastic":  # fresh noise per message, the same on every run of the plan
@@ -294,9 +404,10 @@ def _as_torch(a: np.ndarray, dtype: str):
     return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
-def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None) -> CompressionTable | None:
+def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None,
+              engine: str = "torch") -> CompressionTable | None:
     """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
-    t = CompressionTable.build(part, edges or (), graph)
+    t = CompressionTable.build(part, edges or (), graph, engine)
     return t if t else None
 
 
@@ -310,3 +421,113 @@ def check_edges(edges: Iterable[Any], assignment: Mapping[str, str]) -> None:
             raise FusionError(f"compression of {e.producer!r}: src {e.src!r} but the node runs on {assignment[e.producer]!r}")
         if e.dst not in parts:
             raise FusionError(f"compression of {e.producer!r}: unknown dst part {e.dst!r}")
+
+
+# -- tied-parameter gradients --------------------------------------------------------------------
+
+#: codecs the tied-parameter exchange takes (stateless; ``delta`` is per-sample activations only)
+TIED_BUILTIN = ("quant", "hadamard-quant", "topk")
+
+
+@dataclass(frozen=True)
+class TiedCodec:
+    """How the owners of a tied parameter exchange its gradient (``Plan.tied_codec``).
+
+    cfg: the codec cfg (``{"algo": "quant", "bits": 8}``; ``quant``, ``hadamard-quant``, ``topk`` or a user
+         codec of the registry).
+
+    Semantics (deterministic, the same on every owner): each owner encodes its own accumulated gradient
+    once (:meth:`encode`), sends that payload to the other owners, and every owner sums the *decoded*
+    gradients of all owners, its own included (:meth:`decode`, same NumPy code on every end), in plan
+    part order (:func:`sum_in_order`). So every owner applies the same bits and the weights stay identical;
+    the reference executor does the same in one process. A gradient whose dtype is not a float travels
+    dense (and counts dense on every owner).
+    """
+
+    cfg: dict
+
+    @classmethod
+    def from_cfg(cls, cfg: Any, where: str = "plan.tied_codec") -> "TiedCodec | None":
+        """None for no codec; FusionError (one line) for one the registry lacks or the exchange cannot use."""
+        if cfg is None:
+            return None
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("algo"), str):
+            raise FusionError(f"{where}: expected a codec cfg with an 'algo' name, got {cfg!r}")
+        algo = cfg["algo"]
+        if algo not in CODECS:
+            raise FusionError(f"{where}: unknown codec {algo!r} (known: {', '.join(CODECS.names())}); a user codec is "
+                              "registered by a plugin file the plan lists, imported with --trust-plugins")
+        if algo in BUILTIN and algo not in TIED_BUILTIN:
+            raise FusionError(f"{where}: {algo} cannot compress tied-parameter gradients (use one of "
+                              f"{', '.join(TIED_BUILTIN)} or a user codec)")
+        if algo in ("quant", "hadamard-quant"):
+            QuantConfig.from_cfg(cfg, algo == "hadamard-quant")
+        elif algo == "topk" and not float(cfg.get("ratio", 0)) >= 1:
+            raise FusionError(f"{where}: topk needs ratio >= 1, got {cfg.get('ratio')!r}")
+        return cls(dict(cfg))
+
+    @property
+    def algo(self) -> str:
+        return self.cfg["algo"]
+
+    def check_engine(self, part: str, engine: str) -> None:
+        """FusionError when a NumPy part would have to run a torch-only user codec."""
+        if engine == "numpy" and self.algo not in BUILTIN and not numpy_path(CODECS.get(self.algo)):
+            raise FusionError(f"plan.tied_codec: codec {self.algo!r} has only a torch path, and part {part} (an owner "
+                              "of a tied parameter) runs the numpy engine")
+
+    def encode(self, grad: np.ndarray, dtype: str, name: str, owner: str, it: int) -> Any:
+        """The payload of ``owner``'s gradient of parameter ``name`` at iteration ``it`` (``dtype``: the graph's;
+        bfloat16 as uint16 bits). Stochastic rounding is seeded by (name, owner, it): the same on every run."""
+        if dtype not in COMPRESSIBLE:
+            return grad
+        if self.algo == "topk":
+            return topk_numpy(grad, ratio_to_k(grad.size, float(self.cfg["ratio"])), dtype)
+        if self.algo in ("quant", "hadamard-quant"):
+            qc = QuantConfig.from_cfg(self.cfg, self.algo == "hadamard-quant")
+            if qc.rounding == "stochastic":
+                qc = qc.with_seed(zlib.crc32(repr(("tied", name, owner, it)).encode()))
+            return quantize(grad, qc, dtype=dtype)
+        return user_encode(self.cfg, grad, dtype)
+
+    def decode(self, payload: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
+        """The dense gradient of a payload :meth:`encode` made; WireError naming ``what`` when it is not one
+        (another codec, or a tensor of another shape or dtype)."""
+        if isinstance(payload, np.ndarray) and dtype not in COMPRESSIBLE:
+            return payload
+        want = {"topk": SparsePayload, "quant": QuantPayload, "hadamard-quant": QuantPayload}.get(self.algo, CodecPayload)
+        if not isinstance(payload, want) or (want is CodecPayload and payload.algo != self.algo) or \
+                (want is QuantPayload and payload.hadamard != (self.algo == "hadamard-quant")):
+            raise WireError(f"{what}: expected a {self.algo} payload (plan.tied_codec), got {type(payload).__name__}")
+        if want is CodecPayload:
+            return user_decode(payload, shape, dtype, what)
+        if tuple(payload.shape) != tuple(shape) or payload.dtype != dtype:
+            raise WireError(f"{what}: {self.algo} payload of {payload.dtype}{list(payload.shape)}, the parameter is "
+                            f"{dtype}{list(shape)}")
+        return np.asarray(densify(payload) if want is SparsePayload else dequantize(payload))
+
+
+def sum_in_order(grads: list[np.ndarray]) -> np.ndarray:
+    """The sum of ``grads`` left to right (the one order every owner and the reference executor use)."""
+    total = np.array(grads[0], copy=True)
+    for g in grads[1:]:
+        total = total + g
+    return total
+
+
+def check_plan_codecs(plan: Any) -> None:
+    """Refuse (FusionError, one line naming the edge and codec) a plan whose codecs this process can judge
+    before any executor starts: every part's rules (unknown codec, bad cfg, a torch-only codec on a NumPy
+    part) and ``tied_codec``. When the plan names codecs this process does not know and lists plugins, a
+    plugin may register them: each executor checks after importing its plugins instead."""
+    names = {cfg["algo"] for e in plan.compression for cfg in (e.codec("fwd"), e.codec("bwd")) if cfg is not None}
+    if plan.tied_codec is not None:
+        names.add(plan.tied_codec.get("algo"))
+    if any(n not in CODECS for n in names) and plan.graph.plugins:
+        return
+    for name, part in plan.parts.items():
+        table_for(name, plan.replica_compression(part.replica), plan.graph, part.engine)
+    tied = TiedCodec.from_cfg(plan.tied_codec)
+    if tied is not None:
+        for name, part in plan.parts.items():
+            tied.check_engine(name, part.engine)

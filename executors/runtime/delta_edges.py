@@ -166,10 +166,10 @@ def attach(runtime: Any, inbox: Any, checkpoint_dir: str | None, resume_step: in
     """Wire a CompNode's delta edges: the inbox refuses delta payloads this end cannot decode, and on
     resume the buffers saved with the checkpoint are loaded (both ends saved theirs at the same step)."""
     table = runtime.compression
-    if table is None or not table.delta_cfgs():
+    if table is None or not (table.delta_cfgs() or table.user_in):
         return
-    inbox.check = table.check_incoming
-    if resume_step is None:
+    inbox.check = table.check_incoming  # also decodes (and so checks) user codecs' payloads on arrival
+    if resume_step is None or not table.delta_cfgs():
         return
     from fusion.executors.runtime import checkpoint
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fusion.ir.errors import WireError
+from fusion.kernels.codec import CodecPayload
 from fusion.kernels.delta import DeltaPayload
 from fusion.kernels.quant import QuantPayload
 from fusion.kernels.sparse import SparsePayload
@@ -33,7 +34,9 @@ class Inbox:
 
     check: called with each activation or gradient that passed the routing checks, before it is kept; it
     raises WireError to refuse it (the CompNode sets it to the compression table's ``check_incoming``,
-    which refuses an AQ-SGD delta this end has no buffer for)."""
+    which refuses an AQ-SGD delta this end has no buffer for, and decodes a user codec's payload).
+    decode_pgrad: with a tied-parameter codec (``Plan.tied_codec``), turns a received tied gradient's
+    payload into the dense gradient, raising WireError for one it cannot decode."""
 
     def __init__(self, graph: OpGraph, me: str, routes: Routes, n_micro: int, shared: Mapping[str, list[str]]):
         self.graph, self.me, self.routes, self.n_micro, self.shared = graph, me, routes, n_micro, shared
@@ -42,6 +45,7 @@ class Inbox:
         self._data: dict[tuple[int, str, int], list[OpData]] = {}
         self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
         self.check: Callable[[OpData], None] | None = None
+        self.decode_pgrad: Callable[[OpData], Any] | None = None
 
     # -- accepting --------------------------------------------------------------------
     def accept(self, sender: str, od: OpData, param_grad: bool = False) -> None:
@@ -95,6 +99,10 @@ class Inbox:
                 raise WireError(f"{od.key}: delta payload of {p.dtype}{list(p.shape)} does not match "
                                 f"the graph's {m.dtype}{list(m.shape)}")
             return
+        if isinstance(od.payload, CodecPayload):
+            if self.check is None:  # only a part with user-codec edges decodes one (check_incoming, then checked)
+                raise WireError(f"{od.key}: {od.payload.algo} codec payload, but {self.me} decodes no edge with it")
+            return
         if isinstance(od.payload, (SparsePayload, QuantPayload)) and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
             if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype != m.dtype:
@@ -116,6 +124,8 @@ class Inbox:
         if owners is None or sender not in owners:
             raise WireError(f"unexpected gradient of parameter {od.name!r} from {sender!r}")
         spec = self.graph.params[od.name]
+        if od.payload is not None and self.decode_pgrad is not None:
+            od.payload = self.decode_pgrad(od)
         if od.payload is not None and (not isinstance(od.payload, np.ndarray) or tuple(od.payload.shape) != tuple(spec.shape)):
             raise WireError(f"gradient of parameter {od.name!r} has the wrong shape (expected {list(spec.shape)})")
         want = "uint16" if spec.dtype == "bfloat16" else spec.dtype

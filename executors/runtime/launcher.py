@@ -89,6 +89,9 @@ class LocalCluster:
 
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
         self.plan = load_plan(self.plan_dir)
+        from fusion.executors.runtime.compression import check_plan_codecs
+
+        check_plan_codecs(self.plan)  # an unknown codec is one line here, not an executor's exit status
         self.cfg = cfg or CoordinatorConfig()
         if self.cfg.checkpoint_dir is None:
             self.cfg.checkpoint_dir = str(self.run_dir / "checkpoints")

@@ -80,7 +80,7 @@ class PartRuntime:
                  compression: "Iterable[Any] | None" = None):
         """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
-        self.compression = table_for(name, compression, graph)
+        self.compression = table_for(name, compression, graph, getattr(engine, "engine", "torch"))
         hook = getattr(engine, "compress_on_device", None)  # torch engine: encode/decode on its device
         if self.compression is not None and hook is not None:
             self.compression = hook(self.compression)
@@ -135,7 +135,10 @@ class PartRuntime:
             if not msg.is_grad or msg.key not in self.routes.grads_from:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
             decode_grad = getattr(self.compression, "decode_grad", None)  # a device table: a device tensor
-            g = decode_grad(msg) if decode_grad is not None else np.asarray(dense_payload(msg.payload))
+            if decode_grad is not None:
+                g = decode_grad(msg)
+            else:
+                g = np.asarray(dense_payload(msg.payload) if self.compression is None else self.compression.decode(msg))
             summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
         if split and hasattr(self.engine, "backward_input"):
             grads_in = self.engine.backward_input((it, mb), summed, loss_scale)

@@ -63,6 +63,11 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="training samples in the data set (distinct sample ids the data gives, visited again "
                             "every epoch): sizes delta (AQ-SGD) buffers in the memory model and lets --compress auto "
                             "choose delta (needed for delta unless fusion run trains on the built-in text corpus)"),
+        g.add_argument("--tied-codec", default=None, metavar="none|auto|CODEC[:K=V,...]",
+                       help="codec for the gradients that the owners of a tied parameter (e.g. a tied embedding "
+                            "and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant "
+                            "where the cost model says the iteration gets shorter (default: auto with "
+                            "--compress auto, else none: exact)"),
         g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
@@ -93,7 +98,11 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
+    tied = _tied_codec(args)
     if args.strategy in DP_STRATEGIES:
+        if args.tied_codec is not None:
+            raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
+                              "a tied codec yet; leave it out")
         return _compile_dp(args, model, cluster, opt, compress, dp_codec)
     micro = args.micro_batches
     if args.global_batch is not None:
@@ -105,7 +114,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                                    rows.pop() if len(rows) == 1 else None)
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
-                         compress=compress, recompute=args.recompute)
+                         compress=compress, recompute=args.recompute, tied_codec=tied)
     if dp_codec is not None and args.replicas < 2:
         raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
@@ -114,6 +123,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
                          dp_codec=dp_codec)
     assign_engines(plan, args.engine)
+    record_codec_plugins(plan)
     return plan
 
 
@@ -133,6 +143,50 @@ def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | N
         raise FusionError(f"--samples {args.samples}: the built-in text corpus gives this model {corpus} windows, "
                           "drawn at random; --samples is the size of a --data function's data set")
     return corpus, False
+
+
+def _tied_codec(args: argparse.Namespace):
+    """The codec cfg of ``--tied-codec`` (None: exact; ``"auto"``: the compiler decides, also the default with
+    ``--compress auto``); FusionError (exit 2) with one line for a bad value."""
+    from fusion.compress.policy import parse_spec
+    from fusion.executors.runtime.compression import TiedCodec
+
+    spec = getattr(args, "tied_codec", None)
+    if spec is None:  # --compress auto compresses the tied exchange too, where it pays (8-bit quant)
+        return "auto" if (getattr(args, "compress", None) or "").strip() == "auto" else None
+    cfg = parse_spec(spec, "--tied-codec")
+    if cfg is None or cfg == "auto":
+        return cfg
+    TiedCodec.from_cfg(cfg, f"--tied-codec {spec}")
+    return cfg
+
+
+def record_codec_plugins(plan) -> list[str]:
+    """List, as plan plugins, the files that register the user codecs the plan names (its edges' codecs and
+    ``tied_codec``), so that executors started with ``--trust-plugins`` import them and know the codecs.
+    Returns the files added."""
+    import sys
+
+    from fusion.ir.errors import FusionError
+    from fusion.kernels.codec import CODECS
+
+    algos = {cfg["algo"] for e in plan.compression for cfg in (e.codec("fwd"), e.codec("bwd")) if cfg is not None}
+    if plan.tied_codec is not None:
+        algos.add(plan.tied_codec["algo"])
+    added = []
+    for algo in sorted(algos):
+        module = CODECS.user_module(algo)
+        if module is None:
+            continue
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if not path or not path.endswith(".py"):
+            raise FusionError(f"codec {algo!r} is defined in {module!r}, which is not a Python file a plan can carry; "
+                              "register it from the model file (or a file the model file imports by path)")
+        path = str(Path(path).resolve())
+        if path not in plan.graph.plugins and module not in plan.graph.plugins:
+            plan.graph.plugins = [*plan.graph.plugins, path]
+            added.append(path)
+    return added
 
 
 def _dp_codec(args: argparse.Namespace):

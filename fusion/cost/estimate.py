@@ -27,6 +27,9 @@ Notation (per micro-batch; part p runs on device d(p)):
 - Tied parameters held by several parts have their gradients summed after the
   pipeline drains: owners send to the first owner and get the sum back,
   ``T_sync = sum_params [max_o T_comm^{o->first}(P) + max_o T_comm^{first->o}(P)]``.
+  With a tied codec (``Plan.tied_codec``, :func:`tied_prices`) P is the codec's
+  wire bytes ``Codec.wire_nbytes`` of the parameter and each parameter adds its
+  encode + decode seconds.
 - Iteration ``T_iter = T_pipe + T_sync``; Eq. (4) throughput
   ``phi = N_s / T_iter`` with ``N_s = n_b * (samples per micro-batch)``.
 - Memory of part p: its parameters (each counted once per part) times
@@ -172,6 +175,10 @@ class CostModel:
     mem_cap: np.ndarray = field(init=False)
     #: set by the compiler for ``--compress CODEC``: :meth:`evaluate` then prices cut edges with the codec
     codec_prices: CodecPrices | None = field(default=None, init=False)
+    #: set by the compiler for ``--tied-codec``: bytes on the wire of each parameter's gradient under the
+    #: codec (None: ``p_bytes``, dense) and seconds of its encode + decode per step (:func:`tied_prices`)
+    tied_wire: np.ndarray | None = field(default=None, init=False)
+    tied_codec_s: np.ndarray | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.speed = np.array([d.peak_flops for d in self.cluster.devices]) * np.array([d.lam for d in self.cluster.devices])
@@ -334,9 +341,11 @@ class CostModel:
             for q in np.nonzero((owners > 1) & self.p_trainable)[0]:
                 holders = sorted(set(ppart[par == q].tolist()))
                 first, others = dev[holders[0]], dev[holders[1:]]
-                nb = self.p_bytes[q]
+                nb = self.p_bytes[q] if self.tied_wire is None else self.tied_wire[q]
                 sync += float(np.max(alpha[others, first] + beta[others, first] * nb))
                 sync += float(np.max(alpha[first, others] + beta[first, others] * nb))
+                if self.tied_codec_s is not None:
+                    sync += float(self.tied_codec_s[q])
         total = pipe + sync
         over = memory > cap
         if not detail:
@@ -415,6 +424,27 @@ def _pick(wire: np.ndarray, secs: np.ndarray, mem: np.ndarray, alpha: np.ndarray
     use = mask & (best < dense_s)
     return (np.where(use, k, -1), np.where(use, best, dense_s), np.where(use, wire[k, cols], dense_b),
             np.where(use, mem[k, cols], 0.0))
+
+
+def tied_prices(cm: CostModel, cfg: dict | None, rate_bytes_s: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(:attr:`CostModel.tied_wire`, :attr:`CostModel.tied_codec_s`) under the tied codec ``cfg`` (None: dense).
+
+    Each parameter's gradient costs ``Codec.wire_nbytes(numel, dtype, cfg)`` bytes on the wire (float
+    parameters; others stay dense) and ``P / rate_bytes_s`` seconds to encode and decode (``rate_bytes_s``:
+    dense bytes per second through the codec, e.g. ``fusion.compress.policy.CODEC_RATE``)."""
+    if cfg is None:
+        return None, None
+    from fusion.kernels.codec import CODECS
+
+    codec = CODECS.get(cfg["algo"])
+    wire = cm.p_bytes.copy()
+    secs = np.zeros_like(cm.p_bytes)
+    for q, name in enumerate(cm.p_names):
+        spec = cm.graph.params[name]
+        if str(spec.dtype).startswith(("float", "bfloat")) and cm.p_bytes[q] > 0:
+            wire[q] = float(codec.wire_nbytes(int(np.prod(spec.shape, dtype=np.int64)), str(spec.dtype), cfg))
+            secs[q] = cm.p_bytes[q] / rate_bytes_s
+    return wire, secs
 
 
 def tensor_bytes(graph: OpGraph, producer: str, index: int | None) -> float:

@@ -42,7 +42,7 @@ def test_the_table_quantises_what_the_plan_says_and_the_receiver_decodes_it():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (EdgeCompression("relu_a", None, "p1", "p3", fwd_codec={"algo": "zip"}), "codec 'zip' is not one the runtime runs"),
+    (EdgeCompression("relu_a", None, "p1", "p3", fwd_codec={"algo": "zip"}), r"p1->p3 \(fwd\): unknown codec 'zip'"),
     (EdgeCompression("relu_a", None, "p1", "p3", fwd_codec={"algo": "quant", "bits": 3}), "bits must be one of"),
     (EdgeCompression("relu_a", None, "p1", "p3", error_feedback=True, fwd_codec=Q4), "error feedback is for Top-K only"),
 ])
