@@ -237,3 +237,30 @@ def test_quantised_tree_allreduce_keeps_replicas_identical(tmp_path):
             np.testing.assert_array_equal(st[k], v, err_msg=k)
     expected = plain_training(model, plain_loss, batches, 3, SGD[1])
     np.testing.assert_allclose([r.loss for r in reports], [e[0] for e in expected], rtol=1e-2)
+
+
+def test_compnode_logs_and_drops_tree_messages_from_outside_the_group_or_at_the_wrong_step(tmp_path, caplog):
+    """3 x 2 with trees: through the real receive path, p0 rejects an all-reduce message from its pipeline peer
+    p1 (not in its group) and one from r2.p0 at step 0 (p0 takes step 0 from r1.p0); r1.p0's is kept."""
+    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+    from tests.executors.runtime.test_dp import _Frame
+
+    build, splits, _, _ = MODELS["cnn"]
+    model = build(mb=MB)
+    plan_dir = _tree_plan(tmp_path, model, 3, splits[2])
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p0", "tcp://127.0.0.1:1"))
+    try:
+        assert node.ring.algo == "tree" and node.dp_group == ["p0", "r1.p0", "r2.p0"]
+        assert {"p1", "r1.p0", "r2.p0"} <= node.transport.allowed
+        n = node.ring.bounds[0][0][1]  # the tree sends the whole bucket
+        assert n == node.ring.buckets[0].total
+        for sender, rejected, why in [("p1", 1, "not in p0's data-parallel group"),
+                                      ("r2.p0", 2, "p0 takes that step from 'r1.p0' only")]:
+            node.transport._handle([_Frame(sender.encode()), *encode_chunk(0, 0, 0, 0, sender, "p0",
+                                                                             np.zeros(n, np.float32))])
+            assert node.transport.rejected == rejected and not node.ring._got
+            assert why in caplog.text
+        node.transport._handle([_Frame(b"r1.p0"), *encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32))])
+        assert node.transport.rejected == 2 and len(node.ring._got) == 1
+    finally:
+        node.transport.close(timeout_s=1.0, linger_s=0.0)
