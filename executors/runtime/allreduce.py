@@ -1,4 +1,4 @@
-"""Ring all-reduce of parameter gradients between a stage's data-parallel replicas (NumPy, over the transport).
+"""Ring or tree all-reduce of parameter gradients between a stage's data-parallel replicas (NumPy, over the transport).
 
 The G CompNodes of one stage (one per replica, ordered by replica: ``Plan.dp_group``) average their
 parameter gradients every step before the optimizer steps, so every replica applies the same
