@@ -120,10 +120,19 @@ def plan_report(plan: Plan) -> str:
                             if (buf := ppred.get(p, {}).get("delta_buffer_bytes")) else ""))
     if R > 1:
         lines.append("")
-        lines.append("data-parallel groups (each stage's replicas average their gradients every step, ring all-reduce):")
+        lines.append("data-parallel groups (each stage's replicas average their gradients every step; ring or tree "
+                     "all-reduce):")
         for stage in order:
             group = plan.dp_group(stage)
-            lines.append(f"  {stage}: " + " -> ".join(f"{p} ({plan.parts[p].device})" for p in group) + f" -> {group[0]}")
+            priced = pr.get("dp_allreduce", {}).get(stage, {})
+            cost = (f" (ring {priced['ring_s']:.3g} s, tree {priced['tree_s']:.3g} s predicted)"
+                    if "ring_s" in priced and "tree_s" in priced else "")
+            if plan.dp_algo_of(stage) == "tree":  # binomial tree rooted at replica 0
+                lines.append(f"  {stage}: tree over " + ", ".join(f"{p} ({plan.parts[p].device})" for p in group)
+                             + f", rooted at {group[0]}" + cost)
+            else:
+                lines.append(f"  {stage}: ring " + " -> ".join(f"{p} ({plan.parts[p].device})" for p in group)
+                             + f" -> {group[0]}" + cost)
     tied = tied_params(plan)
     if tied:
         lines.append("")

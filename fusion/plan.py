@@ -166,6 +166,9 @@ class Plan:
                    or a user codec) for the gradients their owners exchange each step: every owner sums the
                    decoded gradients of all owners in part order, so all apply the same bits
                    (``executors/runtime/compression.py``, ``TiedCodec``). Plans without the field load with None.
+    dp_algo:       stage -> ``"ring"`` or ``"tree"``: the all-reduce algorithm of that stage's data-parallel
+                   group (``executors/runtime/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
+                   without an entry (every stage of an older plan) runs the ring.
     """
 
     graph: OpGraph
@@ -184,6 +187,7 @@ class Plan:
     global_batch: int = 0
     dp_codec: dict | None = None
     tied_codec: dict | None = None
+    dp_algo: dict[str, str] = field(default_factory=dict)
 
     # -- replicas (DP x PP) ---------------------------------------------------------------
     def stage_of(self, part: str) -> str:
@@ -221,6 +225,10 @@ class Plan:
         stage = self.stage_of(part)
         return sorted((n for n in self.parts if self.stage_of(n) == stage), key=lambda n: self.parts[n].replica)
 
+    def dp_algo_of(self, part: str) -> str:
+        """The all-reduce algorithm of ``part``'s data-parallel group (``"ring"`` unless ``dp_algo`` says otherwise)."""
+        return self.dp_algo.get(self.stage_of(part), "ring")
+
     def to_dict(self) -> dict:
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION,
@@ -232,6 +240,7 @@ class Plan:
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
             "global_batch": self.global_batch, "dp_codec": self.dp_codec, "tied_codec": self.tied_codec,
+            "dp_algo": self.dp_algo,
         }
 
     @classmethod
@@ -257,7 +266,7 @@ class Plan:
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
-                   d.get("tied_codec"))
+                   d.get("tied_codec"), d.get("dp_algo", {}))
         plan.check(source)
         return plan
 
@@ -356,6 +365,13 @@ class Plan:
         if self.dp_codec is not None and not (isinstance(self.dp_codec, dict) and self.dp_codec.get("algo") == "quant"):
             raise PlanError(f"{source}: dp_codec must be a quant codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
                             f"got {self.dp_codec!r}")
+        if not isinstance(self.dp_algo, dict):
+            raise PlanError(f"{source}: dp_algo must map stages to 'ring' or 'tree', got {self.dp_algo!r}"[:200])
+        for stage, algo in self.dp_algo.items():
+            if stage not in stages:
+                raise PlanError(f"{source}: dp_algo.{stage}: not a stage of the assignment (stages: {sorted(stages)})")
+            if algo not in ("ring", "tree"):
+                raise PlanError(f"{source}: dp_algo.{stage} must be 'ring' or 'tree', got {algo!r}"[:200])
         if self.global_batch < 0:
             raise PlanError(f"{source}: global_batch must be >= 0, got {self.global_batch}")
         if self.global_batch and self.global_batch % (r_count * self.micro_batches):

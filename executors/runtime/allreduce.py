@@ -1,4 +1,4 @@
-"""Ring all-reduce of parameter gradients between a stage's data-parallel replicas (NumPy, over the transport).
+"""Ring or tree all-reduce of parameter gradients between a stage's data-parallel replicas (NumPy, over the transport).
 
 The G CompNodes of one stage (one per replica, ordered by replica: ``Plan.dp_group``) average their
 parameter gradients every step before the optimizer steps, so every replica applies the same
@@ -29,6 +29,20 @@ itself, and forwarded unchanged round the ring, so the replicas still hold the s
 gradient is then the average to within the codec's step (lossy: not equal to single-process
 training). Two replicas each send ``quant(own)`` and both average the two decoded buffers.
 
+Tree (``Plan.dp_algo[stage] == "tree"``, ``--dp-allreduce tree|auto``): a binomial-tree reduce to
+rank 0 followed by a binomial-tree broadcast from it (Thakur, Rabenseifner & Gropp 2005, the
+short-message algorithm of MPICH), any group size. With ``L = ceil(log2 G)``, reduce step k
+(0 .. L-1): rank r with ``r mod 2^(k+1) == 2^k`` sends its partial sum to ``r - 2^k``, which adds it;
+rank 0 then holds the sum, in one fixed order (``((x0 + x1) + (x2 + x3)) + ...``), divides it by G,
+and broadcast step ``L + j`` (k = L-1-j) sends it from r to ``r + 2^k``. Every message is the whole
+bucket (chunk 0), so a rank sends at most ``L + 1`` buffers and the step costs ``2 L`` latencies
+instead of the ring's ``2 (G - 1)``: the cheaper choice when latency dominates (many replicas,
+small gradients, far links), the dearer one when bandwidth does. Every rank ends with rank 0's
+bits (summed once there, then copied). A receiver accepts a step's message only from the rank
+the schedule names for that step (:func:`tree_steps`). With the codec the partial sums travel
+quantised, rank 0 quantises the average once and keeps the decoded values, and the broadcast
+forwards those bytes unchanged: the replicas still hold the same bits.
+
 Overlap: the stages finish their backward one after the other (the last stage first), so a
 stage's all-reduce runs while the stages before it still compute their backward; ZeroMQ's I/O
 thread moves each chunk while the engine loop adds the previous one.
@@ -47,6 +61,8 @@ from fusion.ir.wire import Message, encode
 log = logging.getLogger(__name__)
 
 KIND = "allreduce"
+#: the all-reduce algorithms (``Plan.dp_algo``); a group without an entry runs the ring
+ALGOS = ("ring", "tree")
 #: gradient dtypes the ring adds (bfloat16 travels as raw bits and cannot be added as such)
 REDUCIBLE = frozenset({"float16", "float32", "float64"})
 
@@ -67,6 +83,35 @@ def ring_steps(g: int, rank: int) -> list[tuple[int, int, bool]]:
     rs = [((rank - k) % g, (rank - k - 1) % g, True) for k in range(g - 1)]
     ag = [((rank + 1 - k) % g, (rank - k) % g, False) for k in range(g - 1)]
     return rs + ag
+
+
+def tree_depth(g: int) -> int:
+    """L = ceil(log2 g): the steps of a binomial-tree reduce (and of its broadcast)."""
+    return max(0, (g - 1).bit_length())
+
+
+def tree_steps(g: int, rank: int) -> list[tuple[str, int, bool] | None]:
+    """Rank ``rank``'s ``2 L`` tree steps: ``("send" | "recv", peer rank, add (reduce) or copy (broadcast))``
+    or None where it is idle. Steps 0 .. L-1 reduce towards rank 0, steps L .. 2L-1 broadcast from it."""
+    depth = tree_depth(g)
+    out: list[tuple[str, int, bool] | None] = []
+    for k in range(depth):  # reduce: the rank 2^k above a multiple of 2^(k+1) hands its partial sum down
+        half = 1 << k
+        if rank % (2 * half) == half:
+            out.append(("send", rank - half, True))
+        elif rank % (2 * half) == 0 and rank + half < g:
+            out.append(("recv", rank + half, True))
+        else:
+            out.append(None)
+    for k in reversed(range(depth)):  # broadcast: the same edges the other way, widest first
+        half = 1 << k
+        if rank % (2 * half) == 0 and rank + half < g:
+            out.append(("send", rank + half, False))
+        elif rank % (2 * half) == half:
+            out.append(("recv", rank - half, False))
+        else:
+            out.append(None)
+    return out
 
 
 @dataclass(frozen=True)
@@ -132,32 +177,66 @@ def _nat(h: dict, key: str) -> int:
 
 
 class RingInbox:
-    """What one CompNode accepts of its ring predecessor's messages (not thread-safe: the CompNode locks it).
+    """What one CompNode accepts of its group's all-reduce messages (not thread-safe: the CompNode locks it).
 
-    me: this part; group: its data-parallel group in ring order (replica order), ``me`` included;
+    me: this part; group: its data-parallel group in rank order (replica order), ``me`` included;
     buckets: as :func:`make_buckets` of this part's parameters (the same on every replica);
-    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``) or None (dense chunks).
+    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``) or None (dense chunks);
+    algo: ``"ring"`` (two replicas: one exchange) or ``"tree"`` (binomial reduce + broadcast).
     """
 
-    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None = None):
+    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None = None,
+                 algo: str = "ring"):
+        if algo not in ALGOS:
+            raise FusionError(f"all-reduce algorithm {algo!r}: expected one of {list(ALGOS)}")
         self.me, self.group, self.buckets = me, list(group), list(buckets)
         self.codec = dict(codec) if codec else None
+        self.algo = algo
         self.g = len(self.group)
         self.rank = self.group.index(me)
         self.prev = self.group[(self.rank - 1) % self.g]
         self.next = self.group[(self.rank + 1) % self.g]
-        self.exchange = self.g == 2  # two replicas: one whole-buffer exchange instead of a two-step ring
-        self.steps = [(0, 0, True)] if self.exchange else ring_steps(self.g, self.rank)
-        self.bounds = [chunk_bounds(b.total, 1 if self.exchange else self.g) for b in self.buckets]
+        self.exchange = algo == "ring" and self.g == 2  # two replicas: one whole-buffer exchange, not a two-step ring
+        if algo == "tree":
+            self.steps: list = tree_steps(self.g, self.rank)
+            self.chunks = 1
+        else:
+            self.steps = [(0, 0, True)] if self.exchange else ring_steps(self.g, self.rank)
+            self.chunks = 1 if self.exchange else self.g
+        self.bounds = [chunk_bounds(b.total, self.chunks) for b in self.buckets]
         self.expected_iter = 0
         self._got: dict[tuple[int, int, int], np.ndarray] = {}
 
+    @property
+    def neighbours(self) -> set[str]:
+        """The parts this one links to: ring: predecessor and successor; tree: every other member of the group
+        (a dropped replica rebuilds the tree over the survivors, whose edges differ; :meth:`accept` still takes
+        each step from the one rank the schedule names)."""
+        if self.algo == "tree":
+            return set(self.group) - {self.me}
+        return {self.prev, self.next} - {self.me}
+
+    def _expected_chunk(self, sender: str, step: int) -> int:
+        """The chunk ``sender``'s message of ``step`` must carry (WireError when it may not send one)."""
+        if step >= len(self.steps):
+            raise WireError(f"all-reduce message for step {step}; a {self.algo} of {self.g} has {len(self.steps)}")
+        if self.algo == "ring":
+            return self.steps[step][1]
+        s = self.steps[step]
+        if s is None or s[0] != "recv":
+            raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} receives "
+                            "nothing at that step")
+        if self.group[s[1]] != sender:
+            raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} takes that "
+                            f"step from {self.group[s[1]]!r} only")
+        return 0
+
     def accept(self, sender: str, msg: Message) -> None:
-        """Keep a ring message from ``sender`` or raise WireError saying why not."""
+        """Keep an all-reduce message from ``sender`` or raise WireError saying why not."""
         if sender not in self.group:
             raise WireError(f"all-reduce message from {sender!r}, which is not in {self.me}'s data-parallel group "
                             f"{self.group}")
-        if sender != self.prev:
+        if self.algo == "ring" and sender != self.prev:
             raise WireError(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
         h = msg.header
         if h.get("src") != sender or h.get("dst") != self.me:
@@ -167,9 +246,7 @@ class RingInbox:
             raise WireError(f"all-reduce message for iteration {it}, this part is at iteration {self.expected_iter}")
         if b >= len(self.buckets):
             raise WireError(f"all-reduce message for bucket {b}; this part has {len(self.buckets)}")
-        if step >= len(self.steps):
-            raise WireError(f"all-reduce message for step {step}; a ring of {self.g} has {len(self.steps)}")
-        want = self.steps[step][1]
+        want = self._expected_chunk(sender, step)
         if chunk != want:
             raise WireError(f"all-reduce step {step} carries chunk {want}, not {chunk}")
         a = _payload(msg)
@@ -268,3 +345,60 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
             else:
                 buf[lo:hi] = dec(got)
                 forward = got
+
+
+def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
+                 wait: Callable[[Callable[[], Any], str], Any]) -> None:
+    """Average ``buffers`` (one per bucket, changed in place) by the binomial tree of ``inbox`` (module docstring).
+
+    send and wait as :func:`ring_average`. At each step this rank sends (or receives) every bucket whole.
+    """
+    g = inbox.g
+    if g == 1:
+        return
+    from fusion.kernels.quant import dequantize, quantize
+
+    codec = inbox.codec
+
+    def enc(a: np.ndarray):
+        return quantize(a, codec) if codec else a.copy()
+
+    def dec(p) -> np.ndarray:
+        return dequantize(p) if codec else p
+
+    depth = tree_depth(g)
+    forward: list[Any] | None = None  # in the broadcast, what this rank passes on (the bytes it got, unchanged)
+    for step, act in enumerate(inbox.steps):
+        if step == depth and inbox.rank == 0:  # rank 0 holds the sum of every rank: average it, once
+            forward = []
+            for buf in buffers:
+                buf /= g
+                payload = enc(buf)
+                if codec:  # keep what the others will decode
+                    buf[:] = dec(payload)
+                forward.append(payload)
+        if act is None:
+            continue
+        kind, peer, reduce = act
+        name = inbox.group[peer]
+        if kind == "send":
+            for b, buf in enumerate(buffers):
+                payload = enc(buf) if reduce else forward[b]
+                send(name, encode_chunk(it, b, step, 0, inbox.me, name, payload), f"allreduce b{b} t{step}")
+            continue
+        got_all = []
+        for b, buf in enumerate(buffers):
+            got = wait(lambda: inbox.take(it, b, step), f"all-reduce tree step {step} of bucket {b} from {name}")
+            if reduce:
+                buf += dec(got)
+            else:
+                buf[:] = dec(got)
+                got_all.append(got)
+        if not reduce:
+            forward = got_all
+
+
+def average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
+            wait: Callable[[Callable[[], Any], str], Any]) -> None:
+    """Average ``buffers`` over the group of ``inbox`` by its algorithm (ring or tree)."""
+    (tree_average if inbox.algo == "tree" else ring_average)(inbox, it, buffers, send, wait)

@@ -35,7 +35,7 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges
-from fusion.executors.runtime.allreduce import RingInbox, flatten, make_buckets, ring_average, unflatten
+from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
 from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
@@ -150,10 +150,10 @@ class CompNode:
         self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
         if self.tied is not None:
             self.inbox.decode_pgrad = self._decode_tied
-        # data parallelism: this stage's replicas average their gradients over a ring (allreduce.py)
+        # data parallelism: this stage's replicas average their gradients over a ring or a tree (allreduce.py)
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
-        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec)
+        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec, plan.dp_algo_of(self.me))
                      if len(self.dp_group) > 1 else None)
         self._aborted: str | None = None
         self._regroup: Control | None = None  # a replica was dropped: abandon the attempt (failover runs)
@@ -164,7 +164,7 @@ class CompNode:
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
         limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
         if self.ring is not None and not cfg.max_message_bytes:
-            limit = max(limit, allreduce_message_limit(self.ring.buckets, len(self.dp_group)))
+            limit = max(limit, allreduce_message_limit(self.ring.buckets, self.ring.chunks))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
@@ -179,8 +179,8 @@ class CompNode:
         peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
         for owners in self.shared.values():
             peers.update(owners)
-        if self.ring is not None:  # ring neighbours in the data-parallel group
-            peers.update({self.ring.prev, self.ring.next})
+        if self.ring is not None:  # all-reduce neighbours in the data-parallel group (ring or tree)
+            peers.update(self.ring.neighbours)
         peers.discard(self.me)
         return peers
 
@@ -514,7 +514,8 @@ class CompNode:
             self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n)[self.me]
             self.dp_group = [p for p in self.dp_group if p not in drop]
             buckets = self.ring.buckets if self.ring is not None else []
-            self.ring = RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec) if len(self.dp_group) > 1 else None
+            self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
+                         if len(self.dp_group) > 1 else None)
             if self.ring is not None:
                 self.ring.expected_iter = self.inbox.expected_iter
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
@@ -522,7 +523,7 @@ class CompNode:
         self.transport.send(COORDINATOR, encode_ctrl("regrouped", it=self.inbox.expected_iter))
 
     def _allreduce(self, it: int) -> None:
-        """Average the parameter gradients over this stage's replicas (ring all-reduce, NumPy)."""
+        """Average the parameter gradients over this stage's replicas (ring or tree all-reduce, NumPy)."""
         engine = self.runtime.engine
         grads = engine.grads()
         buffers = [flatten(b, grads) for b in self.ring.buckets]
@@ -533,7 +534,7 @@ class CompNode:
         def wait(ready, what: str):
             return self._wait(ready, what, self.cfg.data_timeout_s)[0]
 
-        ring_average(self.ring, it, buffers, send, wait)
+        average(self.ring, it, buffers, send, wait)
         for b, flat in zip(self.ring.buckets, buffers):
             for name, g in unflatten(b, flat).items():
                 if grads.get(name) is not None:  # a parameter without a gradient keeps none (on every replica)

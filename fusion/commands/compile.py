@@ -47,6 +47,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "(gradients averaged every step; --micro-batches then counts per replica; default 1)"),
         g.add_argument("--dp-codec", default=None, metavar="quant:bits=8[,block=N]",
                        help="quantise the gradient all-reduce between replicas (lossy; default: exact)"),
+        g.add_argument("--dp-allreduce", default="ring", metavar="ring|tree|auto",
+                       help="all-reduce of each stage's replicas: ring (bandwidth-optimal), tree (binomial reduce + "
+                            "broadcast: 2 ceil(log2 R) latencies instead of 2 (R-1)), or auto: per group the one "
+                            "the estimator prices cheaper on its links (default: ring)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -99,11 +103,15 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
     tied = _tied_codec(args)
+    if args.dp_allreduce not in ("ring", "tree", "auto"):
+        raise FusionError(f"--dp-allreduce {args.dp_allreduce!r}: expected ring, tree or auto")
     if args.strategy in DP_STRATEGIES:
         if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
                               "a tied codec yet; leave it out")
-        return _compile_dp(args, model, cluster, opt, compress, dp_codec)
+        plan = _compile_dp(args, model, cluster, opt, compress, dp_codec)
+        set_dp_allreduce(plan, cluster, args.dp_allreduce)
+        return plan
     micro = args.micro_batches
     if args.global_batch is not None:
         from fusion.replicas import split_global_batch
@@ -122,9 +130,35 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 
         plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
                          dp_codec=dp_codec)
+    set_dp_allreduce(plan, cluster, args.dp_allreduce)
     assign_engines(plan, args.engine)
     record_codec_plugins(plan)
     return plan
+
+
+def set_dp_allreduce(plan, cluster, mode: str) -> None:
+    """``--dp-allreduce``: each stage group's all-reduce (``Plan.dp_algo``), priced by :mod:`fusion.cost.dp` on its
+    slowest link for its gradient bytes; ``auto`` takes the cheaper per group. ``ring`` leaves the plan as before."""
+    import numpy as np
+
+    from fusion.cost.dp import ALLREDUCE_TIMES, choose_allreduce
+    from fusion.ir.boundary import part_order
+
+    if plan.replicas < 2 or mode == "ring":
+        return
+    ratio = plan.dp_codec.get("bits", 8) / 32 if plan.dp_codec else 1.0
+    algos, priced = {}, {}
+    for stage in part_order(plan.graph, plan.assignment):
+        names = {p for n, part in plan.assignment.items() if part == stage for p in plan.graph[n].param_names()}
+        nbytes = ratio * sum(int(np.prod(plan.graph.params[p].shape, dtype=np.int64))
+                             * (2 if plan.graph.params[p].dtype == "bfloat16" else np.dtype(plan.graph.params[p].dtype).itemsize)
+                             for p in names if plan.graph.params[p].trainable)
+        group = [cluster.index(plan.parts[p].device) for p in plan.dp_group(stage)]
+        algos[stage], t = choose_allreduce(cluster, group, float(nbytes), mode)
+        priced[stage] = {"algo": algos[stage], "grad_bytes": float(nbytes),
+                         **{f"{a}_s": f(cluster, group, float(nbytes)) for a, f in ALLREDUCE_TIMES.items()}}
+    plan.dp_algo = algos
+    plan.predicted["dp_allreduce"] = priced
 
 
 def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | None]:

@@ -21,6 +21,11 @@ inside one replica:
   DT-FM prices a group by its slowest connection:
   ``T_ar(C_s) = 2 (R - 1) / R * P_s * beta_max(C_s) + 2 (R - 1) * alpha_max(C_s)``,
   ``beta_max`` and ``alpha_max`` over all ordered pairs of distinct devices of ``C_s``.
+  The tree (binomial reduce to one rank + binomial broadcast, Thakur, Rabenseifner & Gropp 2005,
+  the short-message algorithm of MPICH) sends the whole buffer ``L = ceil(log2 R)`` times each way:
+  ``T_tree(C_s) = 2 ceil(log2 R) (alpha_max(C_s) + P_s beta_max(C_s))``. It pays fewer latencies
+  (``2 L`` vs ``2 (R - 1)``) and more bandwidth (``2 L`` vs ``2 (R - 1) / R`` buffers): ``algo="auto"``
+  takes the cheaper of the two per group (:func:`choose_allreduce`).
   Groups run in parallel (DT-FM: ``DATAP-COST = max_j DATAP-COST(C_j)``).
 - **Overlap**: stage s's gradients are final once its last backward is done;
   the backward of the last micro-batch still has to pass stages ``s-1 .. 0``,
@@ -55,7 +60,8 @@ class DPEstimate:
     pipeline_s:   max_r T_r, the slowest replica's Eq. (3) time plus its tied-parameter sync.
     dp_sync_s:    the all-reduce time not hidden behind the remaining backward (slowest group).
     replica_s:    T_r of every replica.
-    allreduce_s:  T_ar(C_s) of every stage group (before overlap).
+    allreduce_s:  T_ar(C_s) of every stage group (before overlap), by its algorithm.
+    algos:        the all-reduce algorithm priced for every stage group (``"ring"`` or ``"tree"``).
     grad_bytes:   P_s, trainable parameter bytes of every stage (after ``grad_wire_ratio``).
     samples_per_s: Eq. (4) over the global batch.
     global_batch: R * n_b * samples per micro-batch.
@@ -71,6 +77,7 @@ class DPEstimate:
     samples_per_s: float
     global_batch: int
     violations: list[str] = field(default_factory=list)
+    algos: list[str] = field(default_factory=list)
 
     @property
     def feasible(self) -> bool:
@@ -101,6 +108,30 @@ def ring_allreduce_time(cluster: Cluster, group: list[int], nbytes: float) -> fl
     return 2.0 * (n - 1) / n * nbytes * b + 2.0 * (n - 1) * a
 
 
+def tree_allreduce_time(cluster: Cluster, group: list[int], nbytes: float) -> float:
+    """Binomial-tree reduce + broadcast: ``2 ceil(log2 n) (alpha_max + M * beta_max)`` over the group's slowest link."""
+    n = len(group)
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    a, b = group_links(cluster, group)
+    return 2.0 * (n - 1).bit_length() * (a + nbytes * b)
+
+
+#: the all-reduce algorithms the estimator prices (and the runtime runs: ``Plan.dp_algo``)
+ALLREDUCE_TIMES = {"ring": ring_allreduce_time, "tree": tree_allreduce_time}
+
+
+def choose_allreduce(cluster: Cluster, group: list[int], nbytes: float, algo: str = "auto") -> tuple[str, float]:
+    """(algorithm, predicted seconds) of one group's all-reduce: ``algo`` itself, or for ``"auto"`` the cheaper
+    of ring and tree (the ring on a tie: it sends fewer bytes)."""
+    if algo != "auto":
+        if algo not in ALLREDUCE_TIMES:
+            raise ValueError(f"all-reduce algorithm {algo!r}: expected ring, tree or auto")
+        return algo, ALLREDUCE_TIMES[algo](cluster, group, nbytes)
+    ring, tree = (ring_allreduce_time(cluster, group, nbytes), tree_allreduce_time(cluster, group, nbytes))
+    return ("tree", tree) if tree < ring else ("ring", ring)
+
+
 def stage_grad_bytes(cm: CostModel, node_part: np.ndarray, n_stages: int) -> np.ndarray:
     """P_s: bytes of the trainable parameters each stage holds (a tied parameter counts in every holder)."""
     node_part = np.asarray(node_part, dtype=np.int64)
@@ -113,13 +144,15 @@ def stage_grad_bytes(cm: CostModel, node_part: np.ndarray, n_stages: int) -> np.
 
 
 def dp_estimate(cm: CostModel, node_part: np.ndarray, devices: list[list[int]], *, overlap: bool = True,
-                grad_wire_ratio: float = 1.0) -> DPEstimate:
+                grad_wire_ratio: float = 1.0, algo: str | list[str] = "ring") -> DPEstimate:
     """Price a DP x PP layout (module docstring).
 
     cm:        the cost model of ONE replica: ``cm.micro_batches`` is n_b per replica and
                ``cm.samples_per_micro_batch`` the micro-batch size (global batch = R * n_b * that).
     node_part: stage of every node (stages numbered in pipeline order), the same for every replica.
     devices:   ``devices[r][s]``, device index of replica r's stage s.
+    algo:      the all-reduce of every stage group: ``"ring"``, ``"tree"``, ``"auto"`` (the cheaper per
+               group, :func:`choose_allreduce`) or one of those per stage.
     """
     R = len(devices)
     S = len(devices[0]) if R else 0
@@ -136,7 +169,11 @@ def dp_estimate(cm: CostModel, node_part: np.ndarray, devices: list[list[int]], 
     slow = int(np.argmax(replica_s))
     pipe = float(replica_s[slow])
     grad = stage_grad_bytes(cm, node_part, S) * float(grad_wire_ratio)
-    ar = [ring_allreduce_time(cm.cluster, [devices[r][s] for r in range(R)], float(grad[s])) for s in range(S)]
+    per = [algo] * S if isinstance(algo, str) else list(algo)
+    if len(per) != S:
+        raise ValueError(f"algo names {len(per)} stage groups, the layout has {S}")
+    chosen = [choose_allreduce(cm.cluster, [devices[r][s] for r in range(R)], float(grad[s]), per[s]) for s in range(S)]
+    ar = [t for _, t in chosen]
     if overlap:
         exposed = [max(0.0, a - float(tails[slow][s])) for s, a in enumerate(ar)]
     else:
@@ -145,7 +182,8 @@ def dp_estimate(cm: CostModel, node_part: np.ndarray, devices: list[list[int]], 
     total = pipe + sync
     batch = R * cm.micro_batches * cm.samples_per_micro_batch
     return DPEstimate(total, pipe, sync, [float(x) for x in replica_s], [float(x) for x in ar],
-                      [float(x) for x in grad], batch / total if total > 0 else float("inf"), batch, violations)
+                      [float(x) for x in grad], batch / total if total > 0 else float("inf"), batch, violations,
+                      [a for a, _ in chosen])
 
 
 def replica_cost_model(cm: CostModel, micro_batches: int, scale: float = 1.0) -> CostModel:
@@ -163,5 +201,6 @@ def replica_cost_model(cm: CostModel, micro_batches: int, scale: float = 1.0) ->
     return CostModel(**kw)
 
 
-__all__ = ["DPEstimate", "dp_estimate", "ring_allreduce_time", "group_links", "stage_grad_bytes",
+__all__ = ["DPEstimate", "dp_estimate", "ring_allreduce_time", "tree_allreduce_time", "choose_allreduce",
+           "ALLREDUCE_TIMES", "group_links", "stage_grad_bytes",
            "replica_cost_model", "BACKWARD_SHARE"]
