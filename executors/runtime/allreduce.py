@@ -209,12 +209,12 @@ class RingInbox:
 
     @property
     def neighbours(self) -> set[str]:
-        """The parts this one links to: ring: predecessor and successor; tree: every other member of the group
-        (a dropped replica rebuilds the tree over the survivors, whose edges differ; :meth:`accept` still takes
-        each step from the one rank the schedule names)."""
-        if self.algo == "tree":
-            return set(self.group) - {self.me}
-        return {self.prev, self.next} - {self.me}
+        """The parts this one links to: every other member of the group, for the ring as for the tree. A
+        dropped replica makes the survivors rebuild the ring or tree over themselves, and its new edges
+        join parts that were not neighbours before (in a ring of four that loses one, the dropped part's
+        predecessor now sends to its successor); :meth:`accept` still takes each step only from the one
+        rank the schedule names."""
+        return set(self.group) - {self.me}
 
     def _expected_chunk(self, sender: str, step: int) -> int:
         """The chunk ``sender``'s message of ``step`` must carry (WireError when it may not send one)."""

@@ -325,3 +325,35 @@ def test_replicated_run_checkpoints_and_resumes(tmp_path):
     assert_matches_plain(reports, state, plain_training(model, plain_loss, batches, 2 * MICRO, ADAMW[1]))
     for k, v in state.items():
         np.testing.assert_array_equal(other[k], v, err_msg=k)
+
+
+def test_a_ring_of_four_that_loses_a_replica_closes_over_the_survivors(tmp_path):
+    """4 x 1 ring: r2.p0 is killed after step 1. The survivors r0, r1, r3 form a new ring in which r1 now
+    sends to r3, two parts that were not ring neighbours before, so every member must be linked to the
+    whole group from the start. The 12 micro-batches of each global batch are re-split 4 per survivor and
+    every loss and the final weights still equal plain PyTorch."""
+    import os
+    import signal
+
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    build, _, plain_loss, batch_fn = MODELS["cnn"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 4, micro_batches=3, optimizer=SGD[0])
+    batches = [batch_fn(s, 12 * MB) for s in range(4)]
+    cfg = CoordinatorConfig(peer_timeout_s=30, drop_failed_replicas=True)
+    with LocalCluster(plan_dir, tmp_path / "run", cfg, threads=1) as lc:
+        lc.start()
+        reports = [lc.coordinator.step(b, want_grads=True) for b in batches[:2]]
+        os.killpg(lc.processes["r2.p0"].pid, signal.SIGKILL)
+        lc.processes["r2.p0"].wait(10)
+        reports += [lc.coordinator.step(b, want_grads=True) for b in batches[2:]]
+        states = [lc.coordinator.fetch_state(replica=r) for r in (0, 1, 3)]
+        assert lc.coordinator.live == ["p0", "r1.p0", "r3.p0"] and lc.coordinator.n_micro == 4
+    (drop,) = reports[2].dropped
+    assert drop["replica"] == 2 and drop["step"] == 2 and drop["part"] == "r2.p0"
+    assert_matches_plain(reports, states[0], plain_training(model, plain_loss, batches, 12, SGD[1]))
+    for st in states[1:]:
+        for k, v in states[0].items():
+            np.testing.assert_array_equal(st[k], v, err_msg=k)
