@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
             fields["message_overhead_s"] = prof.message_overhead_s
         out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() in (".yaml", ".yml"):
             out.write_text(_yaml_with_lambda(Path(args.cluster), cluster, args.name, fields))
         else:
