@@ -2,30 +2,38 @@
 
 All measured in one run, on this host, loopback only:
 
-1. ``throughput_vs_torch_pipelining``: the same model (a stack of pre-norm MLP
-   blocks with a classifier head), the same split into 2 and 4 stages, the
-   same 8 micro-batches, GPipe, SGD, one thread per process; samples/s of
-   fusion's executors divided by samples/s of ``ScheduleGPipe`` on gloo.
-   Both train from the same weights on the same batches, and their losses
-   are checked against each other. The two alternate for ``--rounds``
-   rounds and each side's best round counts (the host may be shared). CPU
-   seconds per iteration (median over rounds, torch/fusion) are reported too,
+1. ``throughput_vs_torch_pipelining_{2,4}``: the same model (a stack of
+   pre-norm MLP blocks with a classifier head), the same split into 2 and 4
+   stages, the same 8 micro-batches, SGD, one thread per process; the best
+   schedule of each side: fusion's ``gpipe``, ``1f1b`` and ``zb1`` against
+   ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
+   ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (the
+   interleaved ones with two virtual stages per rank, i.e. the model cut
+   into twice as many stages) on gloo. Each schedule's iteration time is the
+   median over ``--rounds`` rounds (every round runs every schedule of both
+   sides in turn, so load from other work on the host falls on all of them);
+   the ratio is torch's best median over fusion's best median. Both train
+   from the same weights on the same batches, and every schedule's losses
+   are checked against fusion's GPipe. CPU seconds per iteration (median
+   over rounds, torch/fusion, each side's fastest schedule) are reported too,
    as ``cpu_efficiency_vs_torch_pipelining_{2,4}``: less sensitive to load
-   from other work on the host. Reported for 2 and 4 stages, and
-   the smaller of the two as the headline.
+   from other work on the host. The smaller of the two stage counts' ratios
+   is the headline ``throughput_vs_torch_pipelining``.
 2. ``predicted_over_measured``: the *compiler's* prediction against the
    measured iteration. ``local-4-two-sites`` (two sites, 1 Gbit/s inside,
    20 Mbit/s and 30 ms between) with every device's lambda fitted on this
-   host by ``fusion profile --threads 1 --batch ROWS``; the model (four
+   host by ``fusion profile --threads 1 --batch ROWS`` (with the per-node and
+   per-message overheads it fits, :mod:`fusion.cost.profile`); the model (four
    pre-norm MLP blocks of width 1024 and a head, 16 rows x 16 micro-batches)
    is compiled by ``compile_model(strategy="equal-flops")`` into four parts
    on the four devices, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
-   ``fusion/cost/estimate.py``) is divided by the median iteration measured with
-   ``--emulate-links``. ``replay_over_measured`` is the runtime's schedule
+   ``fusion/cost/estimate.py``) is divided by the iteration measured with
+   ``--emulate-links`` (median of the steps of a round; the figure is the
+   median over ``--rounds`` rounds). ``replay_over_measured`` is the runtime's schedule
    replay (:mod:`fusion.executors.runtime.replay`) with alpha-beta links and per-part
    compute times from a warm-up run without emulation. OP-Fence's own plan
-   for the same cluster (two parts inside site a) is measured the same way
-   (``emulated.opfence_predicted_over_measured``).
+   for the same cluster (two parts inside site a) is measured the same way,
+   in the same rounds (``opfence_predicted_over_measured``).
 3. ``bottleneck_link_utilization``: bytes moved over the slowest link (both
    directions of the 20 Mbit/s pair, which GPipe uses in turn: activations
    forward, then gradients back) divided by its capacity times the measured
@@ -55,6 +63,12 @@ from pathlib import Path
 import numpy as np
 
 CLASSES = 16
+#: torch.distributed.pipelining schedules the throughput part runs: name -> (class, virtual stages per rank)
+TORCH_SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
+                   "interleaved1f1b": ("ScheduleInterleaved1F1B", 2),
+                   "interleavedzb": ("ScheduleInterleavedZeroBubble", 2)}
+#: fusion's schedules (executors/runtime/schedule.py)
+FUSION_SCHEDULES = ("gpipe", "1f1b", "zb1")
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "local-4-two-sites.yaml"
 
 
@@ -124,16 +138,19 @@ def torch_worker(args) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.numpy import load_file
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining as tp
 
     torch.set_num_threads(1)
     r, n = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r, world_size=n)
     weights = load_file(str(Path(args.plan) / "weights.safetensors"))
-    module = torch_stage(weights, args.d, args.hidden, args.blocks, r, n)
-    stage = PipelineStage(module, r, n, torch.device("cpu"))
-    sched = ScheduleGPipe(stage, args.micro, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y))
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    cls, virtual = TORCH_SCHEDULES[args.schedule]
+    total = n * virtual  # interleaved: stage s on rank s % n, as torch places them
+    modules = [torch_stage(weights, args.d, args.hidden, args.blocks, s, total) for s in range(r, total, n)]
+    stages = [tp.PipelineStage(m, s, total, torch.device("cpu")) for m, s in zip(modules, range(r, total, n))]
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
+    sched = getattr(tp, cls)(stages if virtual > 1 else stages[0], args.micro, loss_fn=loss_fn)
+    opt = torch.optim.SGD([q for m in modules for q in m.parameters()], lr=0.01)
     losses = []
     t0 = time.perf_counter()
     for step in range(args.warmup + args.steps):
@@ -166,10 +183,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path) -> dict:
-    port, out = free_port(), tmp / f"torch-{stages}.json"
+def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path, schedule: str = "gpipe") -> dict:
+    port, out = free_port(), tmp / f"torch-{stages}-{schedule}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, "--torch-worker", "--rank", str(r), "--world", str(stages),
+                               "--schedule", schedule,
                                "--port", str(port), "--plan", str(plan_dir), "--out", str(out), "--d", str(cfg.d),
                                "--hidden", str(cfg.hidden), "--blocks", str(cfg.blocks), "--rows", str(cfg.rows),
                                "--micro", str(cfg.micro), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup)], env=env)
@@ -204,13 +222,14 @@ def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int
     return reports
 
 
-def save_plan_for(model, stages: int, blocks: int, micro: int, tmp: Path, name: str, cluster=None) -> Path:
+def save_plan_for(model, stages: int, blocks: int, micro: int, tmp: Path, name: str, cluster=None,
+                  schedule: str = "gpipe") -> Path:
     from fusion.executors.runtime.launcher import hand_plan
     from fusion.plan import OptimizerConfig
     from fusion.plan import save_plan
 
     devices = {f"p{i}": f"cpu-{i}" for i in range(stages)} if cluster else None
-    plan = hand_plan(model, split(blocks, stages), schedule="gpipe", micro_batches=micro,
+    plan = hand_plan(model, split(blocks, stages), schedule=schedule, micro_batches=micro,
                      optimizer=OptimizerConfig("sgd", lr=0.01), cluster=cluster, devices=devices)
     return save_plan(plan, tmp / name, params=model.params)
 
@@ -221,30 +240,52 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def throughput(cfg, tmp: Path) -> dict:
-    """Alternate fusion and torch rounds; each side's best round counts (the host is shared, load comes and goes)."""
+    """Every schedule of both sides in every round; each schedule's median over rounds, each side's best
+    schedule counts. Returns stages -> (time ratio torch/fusion, CPU ratio torch/fusion, details)."""
     model = build_model(cfg.d, cfg.hidden, cfg.blocks, cfg.rows)
     rows = cfg.rows * cfg.micro
     out = {}
     for stages in (2, 4):
-        plan_dir = save_plan_for(model, stages, cfg.blocks, cfg.micro, tmp, f"plan-{stages}")
-        ours_it, theirs_it, ours_cpu, theirs_cpu = [], [], [], []
+        plans = {s: save_plan_for(model, stages, cfg.blocks, cfg.micro, tmp, f"plan-{stages}-{s}", schedule=s)
+                 for s in cfg.fusion_schedules}
+        ours_it: dict = {s: [] for s in cfg.fusion_schedules}
+        ours_cpu: dict = {s: [] for s in cfg.fusion_schedules}
+        theirs_it: dict = {s: [] for s in cfg.torch_schedules}
+        theirs_cpu: dict = {s: [] for s in cfg.torch_schedules}
+        reference = None  # fusion GPipe's losses: every schedule of both sides must train the same
         for rnd in range(cfg.rounds):
-            cpu: dict = {}
-            ours = run_fusion(plan_dir, tmp / f"run-{stages}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu)
-            theirs = run_torch(plan_dir, stages, cfg, tmp)
-            np.testing.assert_allclose([r.loss for r in ours], theirs["losses"][cfg.warmup:], rtol=1e-4,
-                                       err_msg="fusion and torch pipelining trained differently")
-            ours_it.append(sum(r.iteration_s for r in ours) / len(ours))
-            theirs_it.append(theirs["iteration_s"])
-            ours_cpu.append(cpu["per_iteration_s"])
-            theirs_cpu.append(theirs["cpu_per_iteration_s"])
-            print(f"[throughput] {stages} stages, round {rnd}: fusion {rows / ours_it[-1]:7.1f} samples/s "
-                  f"({ours_cpu[-1]:.3f} CPU-s/iteration), torch.distributed.pipelining ScheduleGPipe/gloo "
-                  f"{rows / theirs_it[-1]:7.1f} samples/s ({theirs_cpu[-1]:.3f} CPU-s/iteration)", flush=True)
-        out[stages] = (min(theirs_it) / min(ours_it), statistics.median(theirs_cpu) / statistics.median(ours_cpu))
-        print(f"[throughput] {stages} stages: best rounds fusion {rows / min(ours_it):.1f} vs torch {rows / min(theirs_it):.1f} "
-              f"samples/s, ratio {out[stages][0]:.3f}; CPU-s per iteration (median) torch/fusion {out[stages][1]:.3f}; "
-              "losses agree to 1e-4", flush=True)
+            for s in cfg.fusion_schedules:
+                cpu: dict = {}
+                ours = run_fusion(plans[s], tmp / f"run-{stages}-{s}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu)
+                losses = [r.loss for r in ours]
+                reference = losses if reference is None else reference
+                np.testing.assert_allclose(losses, reference, rtol=1e-4, err_msg=f"fusion {s} trained differently")
+                ours_it[s].append(sum(r.iteration_s for r in ours) / len(ours))
+                ours_cpu[s].append(cpu["per_iteration_s"])
+                print(f"[throughput] {stages} stages, round {rnd}: fusion {s:<16} {rows / ours_it[s][-1]:7.1f} samples/s "
+                      f"({ours_cpu[s][-1]:.3f} CPU-s/iteration)", flush=True)
+            for s in cfg.torch_schedules:
+                theirs = run_torch(plans[cfg.fusion_schedules[0]], stages, cfg, tmp, s)
+                np.testing.assert_allclose(theirs["losses"][cfg.warmup:], reference, rtol=1e-4,
+                                           err_msg=f"torch pipelining {s} and fusion trained differently")
+                theirs_it[s].append(theirs["iteration_s"])
+                theirs_cpu[s].append(theirs["cpu_per_iteration_s"])
+                print(f"[throughput] {stages} stages, round {rnd}: torch {TORCH_SCHEDULES[s][0]:<29} "
+                      f"{rows / theirs_it[s][-1]:7.1f} samples/s ({theirs_cpu[s][-1]:.3f} CPU-s/iteration)", flush=True)
+        med_ours = {s: statistics.median(v) for s, v in ours_it.items()}
+        med_theirs = {s: statistics.median(v) for s, v in theirs_it.items()}
+        best_ours, best_theirs = min(med_ours, key=med_ours.get), min(med_theirs, key=med_theirs.get)
+        ratio = med_theirs[best_theirs] / med_ours[best_ours]
+        cpu_ratio = statistics.median(theirs_cpu[best_theirs]) / statistics.median(ours_cpu[best_ours])
+        detail = {"fusion_samples_per_s": {s: round(rows / t, 1) for s, t in med_ours.items()},
+                  "torch_samples_per_s": {s: round(rows / t, 1) for s, t in med_theirs.items()},
+                  "best_fusion": best_ours, "best_torch": best_theirs}
+        out[stages] = (ratio, cpu_ratio, detail)
+        print(f"[throughput] {stages} stages, medians of {cfg.rounds} rounds: fusion " +
+              ", ".join(f"{s} {rows / t:.1f}" for s, t in med_ours.items()) + "; torch " +
+              ", ".join(f"{s} {rows / t:.1f}" for s, t in med_theirs.items()) +
+              f" samples/s; best {best_ours} vs best {best_theirs}: ratio {ratio:.3f}; CPU-s per iteration "
+              f"torch/fusion {cpu_ratio:.3f}; losses agree to 1e-4", flush=True)
     return out
 
 
@@ -293,11 +334,25 @@ def fitted_cluster(cfg):
 
     cluster = load_cluster(str(CLUSTER_YAML))
     prof = profile_host(cluster.devices[0].peak_flops, "cpu", batch=cfg.emu_rows, threads=1)
-    cluster.devices = [replace(d, lam=prof.lam) for d in cluster.devices]
+    over = {"node_overhead_s": prof.node_overhead_s, "message_overhead_s": prof.message_overhead_s} \
+        if cfg.overheads else {}
+    cluster.devices = [replace(d, lam=prof.lam, **over) for d in cluster.devices]
     print(f"[emulated] fusion profile --threads 1 --batch {cfg.emu_rows}: {prof.fitted_flops / 1e9:.2f} GFLOP/s of a nominal "
-          f"{prof.peak_flops / 1e9:.0f} GFLOPS, lambda {prof.lam:.3f} (R^2 {prof.r2:.4f}, t0 {prof.overhead_s * 1e6:.0f} us)",
+          f"{prof.peak_flops / 1e9:.0f} GFLOPS, lambda {prof.lam:.3f} (R^2 {prof.r2:.4f}, t0 {prof.overhead_s * 1e6:.0f} us); "
+          f"{prof.node_overhead_s * 1e6:.1f} us per node (interpreted {prof.node_overhead_interpreted_s * 1e6:.1f}), "
+          f"{prof.message_overhead_s * 1e6:.1f} us per message" + ("" if cfg.overheads else " (not used: --no-overheads)"),
           flush=True)
     return cluster, prof
+
+
+def _without_overheads(cluster):
+    """A copy of ``cluster`` with every device's per-node and per-message overhead at 0 (lambda kept)."""
+    from copy import copy
+    from dataclasses import replace
+
+    out = copy(cluster)
+    out.devices = [replace(d, node_overhead_s=0.0, message_overhead_s=0.0) for d in cluster.devices]
+    return out
 
 
 def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
@@ -327,8 +382,27 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
                       "B": statistics.median(x for r in prof_run for x in r.parts[p]["backward_s"])}
         tail[p] = statistics.median(r.parts[p]["sync_s"] + r.parts[p]["optimizer_s"] for r in prof_run)
     pred = replay(plan, compute, tail_s=tail)
-    meas = run_fusion(plan_dir, tmp / "run-emulated", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
-    measured = statistics.median(r.iteration_s for r in meas)
+    # the plan OP-Fence itself picks on this cluster, measured the same way, in the same rounds
+    of = compile_model(model, cluster, strategy="opfence", micro_batches=cfg.emu_micro, schedule="gpipe",
+                       optimizer=OptimizerConfig("sgd", lr=0.01))
+    of_dir = save_plan(of, tmp / "plan-emu-opfence", params=model.params)
+    of_pred = float(of.predicted["iteration_s"])
+    # the same two compiles with lambda only (no per-node / per-message term), for comparison
+    bare = lambda strategy: compile_model(  # noqa: E731
+        model, _without_overheads(cluster),
+        strategy=strategy, micro_batches=cfg.emu_micro, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01))
+    bare_ef, bare_of = bare("equal-flops"), bare("opfence")
+    rounds, of_rounds = [], []
+    for rnd in range(cfg.rounds):
+        meas = run_fusion(plan_dir, tmp / f"run-emulated-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
+        rounds.append(statistics.median(r.iteration_s for r in meas))
+        of_rounds.append(statistics.median(r.iteration_s for r in run_fusion(
+            of_dir, tmp / f"run-emulated-opfence-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)))
+        print(f"[emulated] round {rnd}: equal-flops measured {rounds[-1] * 1e3:.1f} ms (predicted/measured "
+              f"{compiler_pred / rounds[-1]:.3f}), OP-Fence measured {of_rounds[-1] * 1e3:.1f} ms "
+              f"(predicted/measured {of_pred / of_rounds[-1]:.3f})", flush=True)
+    measured = statistics.median(rounds)
+    of_meas = statistics.median(of_rounds)
     # the compiler's compute prediction per part and micro-batch against the warm-up's measured F + B
     comp_pred = {p: plan.predicted["parts"][p]["compute_s"] for p in plan.parts}
     comp_meas = {p: compute[p]["F"] + compute[p]["B"] for p in plan.parts}
@@ -339,31 +413,38 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     used = {tuple(sorted(k)) for k in pred.link_bytes}
     slow = min(used, key=lambda k: bw(*k))
     moved = sum(r.parts[a]["sent"].get(b, {}).get("bytes", 0) for r in meas for a, b in (slow, slow[::-1])) / len(meas)
+    # (meas: the last equal-flops round's steps)
     capacity = bw(*slow) / 8
     util = moved / (capacity * measured)
     print(f"[emulated] local-4-two-sites (fitted lambda), equal-flops: {len(plan.parts)} parts on "
           f"{', '.join(p.device for p in plan.parts.values())}, GPipe x{cfg.emu_micro}", flush=True)
     print(f"[emulated] compiler (Eq. 1-4) predicted {compiler_pred * 1e3:.1f} ms, replay predicted "
-          f"{pred.iteration_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {len(meas)}): "
+          f"{pred.iteration_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {len(rounds)} rounds): "
           f"compiler/measured {compiler_pred / measured:.3f}, replay/measured {pred.iteration_s / measured:.3f}", flush=True)
     print("[emulated] compute per micro-batch (F+B), compiler vs measured without emulation: " +
           ", ".join(f"{p} {comp_pred[p] * 1e3:.2f} vs {comp_meas[p] * 1e3:.2f} ms" for p in plan.parts), flush=True)
     print(f"[emulated] slowest link {slow[0]}<->{slow[1]} ({bw(*slow) / 1e6:.0f} Mbit/s): {moved / 1e3:.1f} kB per iteration, "
           f"utilization {util:.3f}", flush=True)
-    # the plan OP-Fence itself picks on this cluster, measured the same way
-    of = compile_model(model, cluster, strategy="opfence", micro_batches=cfg.emu_micro, schedule="gpipe",
-                       optimizer=OptimizerConfig("sgd", lr=0.01))
-    of_dir = save_plan(of, tmp / "plan-emu-opfence", params=model.params)
-    of_meas = statistics.median(r.iteration_s for r in run_fusion(of_dir, tmp / "run-emulated-opfence", cfg.emu_steps,
-                                                                  cfg.warmup, rows, cfg.emu_d, emulate=True))
-    of_pred = float(of.predicted["iteration_s"])
     print(f"[emulated] OP-Fence on the same cluster: {len(of.parts)} part(s) on "
           f"{', '.join(p.device for p in of.parts.values())}, predicted {of_pred * 1e3:.1f} ms, measured "
-          f"{of_meas * 1e3:.1f} ms, ratio {of_pred / of_meas:.3f} (equal-flops measured {measured * 1e3:.1f} ms: "
+          f"{of_meas * 1e3:.1f} ms (median of {len(of_rounds)} rounds), ratio {of_pred / of_meas:.3f} "
+          f"(equal-flops measured {measured * 1e3:.1f} ms: "
           f"OP-Fence is {measured / of_meas:.1f}x faster)", flush=True)
+    of_comp = {p: of.predicted["parts"][p]["compute_s"] for p in of.parts}
+    print("[emulated] OP-Fence compute per micro-batch predicted: " +
+          ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in of_comp.items()), flush=True)
+    print(f"[emulated] lambda only (no per-node / per-message term): equal-flops predicted "
+          f"{bare_ef.predicted['iteration_s'] * 1e3:.1f} ms ({bare_ef.predicted['iteration_s'] / measured:.3f} of measured), "
+          f"OP-Fence predicted {bare_of.predicted['iteration_s'] * 1e3:.1f} ms ({len(bare_of.parts)} parts; "
+          f"{bare_of.predicted['iteration_s'] / of_meas:.3f} of measured)", flush=True)
     detail = {"compiler_predicted_s": compiler_pred, "replay_predicted_s": pred.iteration_s, "measured_s": measured,
-              "lambda": prof.lam, "slow_link": list(slow), "bytes_per_iteration": moved,
+              "measured_rounds_s": rounds, "opfence_measured_rounds_s": of_rounds,
+              "lambda": prof.lam, "node_overhead_s": prof.node_overhead_s, "message_overhead_s": prof.message_overhead_s,
+              "overheads_used": bool(cfg.overheads), "slow_link": list(slow), "bytes_per_iteration": moved,
               "compiler_compute_s": comp_pred, "measured_compute_s": comp_meas,
+              "lambda_only_predicted_s": float(bare_ef.predicted["iteration_s"]),
+              "opfence_lambda_only_predicted_s": float(bare_of.predicted["iteration_s"]),
+              "opfence_lambda_only_parts": len(bare_of.parts),
               "opfence_parts": len(of.parts), "opfence_predicted_s": of_pred, "opfence_measured_s": of_meas,
               "opfence_predicted_over_measured": of_pred / of_meas}
     return compiler_pred / measured, pred.iteration_s / measured, util, detail
@@ -389,11 +470,24 @@ def main() -> None:
     ap.add_argument("--emu-rows", type=int, default=16, help="rows per micro-batch (emulated part)")
     ap.add_argument("--emu-steps", type=int, default=5, help="measured steps (emulated part)")
     ap.add_argument("--emu-micro", type=int, default=16, help="micro-batches (emulated part)")
+    ap.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    ap.add_argument("--fusion-schedules", default=",".join(FUSION_SCHEDULES),
+                    help="fusion schedules the throughput part runs (comma-separated; the first is the loss reference)")
+    ap.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
+                    help=f"torch.distributed.pipelining schedules the throughput part runs ({', '.join(TORCH_SCHEDULES)})")
+    ap.add_argument("--no-overheads", dest="overheads", action="store_false",
+                    help="emulated part: predict with lambda only (no per-node / per-message overhead)")
     ap.add_argument("--only", choices=["throughput", "emulated", "curve"], help="run one part of the benchmark")
     ap.add_argument("--quick", action="store_true", help="small and short (a smoke run, not a measurement)")
     cfg = ap.parse_args()
     if cfg.torch_worker:
         return torch_worker(cfg)
+    cfg.fusion_schedules = [s for s in cfg.fusion_schedules.split(",") if s]
+    cfg.torch_schedules = [s for s in cfg.torch_schedules.split(",") if s]
+    bad = [s for s in cfg.torch_schedules if s not in TORCH_SCHEDULES] + \
+        [s for s in cfg.fusion_schedules if s not in FUSION_SCHEDULES]
+    if bad or not cfg.fusion_schedules or not cfg.torch_schedules:
+        ap.error(f"unknown or no schedules: {bad}")
     if cfg.quick:
         cfg.d, cfg.hidden, cfg.steps, cfg.emu_d, cfg.emu_steps, cfg.warmup, cfg.rounds = 128, 256, 2, 256, 2, 1, 1
     t0 = time.time()
@@ -410,6 +504,7 @@ def main() -> None:
             "throughput_vs_torch_pipelining_4": round(ratios[4][0], 3),
             "cpu_efficiency_vs_torch_pipelining_2": round(ratios[2][1], 3),
             "cpu_efficiency_vs_torch_pipelining_4": round(ratios[4][1], 3),
+            "throughput_schedules": {str(k): v[2] for k, v in ratios.items()},
         })
     if curve is not None:
         out["curve_overhead"] = round(curve["curve_overhead"], 3)  # samples/s with CURVE / without (target >= 0.95)
@@ -417,11 +512,13 @@ def main() -> None:
         out["curve_cpu_ratio"] = round(curve["cpu"], 3)  # executor CPU-s per iteration without / with CURVE
     if detail:
         out.update({
-            "predicted_over_measured": round(pom, 3),  # the compiler's Eq. 1-4 on the fitted cluster
+            "predicted_over_measured": round(pom, 3),  # the compiler's Eq. 1-4 on the fitted cluster (equal-flops)
+            "opfence_predicted_over_measured": round(detail["opfence_predicted_over_measured"], 3),
             "replay_over_measured": round(rom, 3),  # the runtime's schedule replay with profiled compute
             "bottleneck_link_utilization": round(util, 3),
             "emulated": {k: (round(v, 6) if isinstance(v, float) else
-                             {a: round(b, 6) for a, b in v.items()} if isinstance(v, dict) else v)
+                             {a: round(b, 6) for a, b in v.items()} if isinstance(v, dict) else
+                             [round(b, 6) for b in v] if k.endswith("rounds_s") else v)
                          for k, v in detail.items()},
         })
     print(json.dumps(out))

@@ -53,6 +53,12 @@ class Device:
     address:          where its executor listens (``tcp://host:port``), may be empty.
     group:            a label from the file (machine, region); informational only,
                       OP-Fence finds its own clusters with Louvain.
+    node_overhead_s:  seconds of fixed cost per executed op node per micro-batch, forward +
+                      backward (Python and dispatch work FLOPs do not capture), fitted by
+                      ``fusion profile``; 0 when the file gives none (profiles written before it).
+    message_overhead_s: seconds of CPU per activation or gradient message a part sends or
+                      receives (serialisation, copies, the socket), fitted by ``fusion profile``;
+                      0 when absent.
     """
 
     name: str
@@ -62,6 +68,8 @@ class Device:
     memory_bandwidth: float | None = None
     address: str = ""
     group: str = ""
+    node_overhead_s: float = 0.0
+    message_overhead_s: float = 0.0
 
     @property
     def speed(self) -> float:
@@ -150,6 +158,9 @@ class Cluster:
                 e["memory_bandwidth"] = d.memory_bandwidth
             if d.address:
                 e["address"] = d.address
+            for key in OVERHEAD_KEYS:
+                if getattr(d, key):
+                    e[key] = getattr(d, key)
             devs.append(e)
         alpha = self.alpha.copy()
         np.fill_diagonal(alpha, 0.0)
@@ -203,7 +214,25 @@ def device_from_dict(e: Any, where: str) -> Device:
                 raise ClusterError(f"{where}.{key} ({name}): must be a positive number, got {v!r}")
             vals[key] = float(v)
     return Device(name, vals["peak_flops"], vals["memory_bytes"], vals.get("lambda", 1.0),
-                  vals.get("memory_bandwidth"), str(e.get("address", "") or ""), str(e.get("group", "") or ""))
+                  vals.get("memory_bandwidth"), str(e.get("address", "") or ""), str(e.get("group", "") or ""),
+                  **overheads_from_dict(e, where, name))
+
+
+#: per-device fixed costs fitted by ``fusion profile`` (seconds; absent = 0)
+OVERHEAD_KEYS = ("node_overhead_s", "message_overhead_s")
+
+
+def overheads_from_dict(e: dict, where: str, name: str) -> dict[str, float]:
+    """``node_overhead_s`` / ``message_overhead_s`` of a device entry: finite numbers >= 0, absent = 0."""
+    out = {}
+    for key in OVERHEAD_KEYS:
+        v = e.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ClusterError(f"{where}.{key} ({name}): must be a number >= 0 (seconds), got {v!r}")
+        out[key] = float(v)
+    return out
 
 
 def check_unique(devices: list[Device], source: str) -> None:

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from fusion.cluster.model import Cluster, ClusterError, Device, check_unique, require_fields
+from fusion.cluster.model import Cluster, ClusterError, Device, check_unique, overheads_from_dict, require_fields
 from fusion.cluster.units import UnitError, parse_quantity
 
-_DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address"}
+_DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address",
+                "node_overhead_s", "message_overhead_s"}
 _LINK_KEYS = {"latency", "bandwidth"}
 
 
@@ -90,11 +91,12 @@ def _devices(e: Any, where: str) -> list[Device]:
         raise ClusterError(f"{where}.count: must be a positive integer, got {count!r}")
     group = str(e.get("group", name if count is not None else "") or "")
     address = str(e.get("address", "") or "")
+    over = overheads_from_dict(e, where.rsplit(" (", 1)[0], name)
     if count is None:
-        return [Device(name, peak, mem, float(lam), mbw, address, group)]
+        return [Device(name, peak, mem, float(lam), mbw, address, group, **over)]
     if address:
         raise ClusterError(f"{where}.address: give addresses per device, not on an entry with 'count'")
-    return [Device(f"{name}-{k}", peak, mem, float(lam), mbw, "", group) for k in range(count)]
+    return [Device(f"{name}-{k}", peak, mem, float(lam), mbw, "", group, **over) for k in range(count)]
 
 
 def _spec(e: Any, where: str) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""``fusion profile``: fit lambda_p (actual / peak speed) for this host (FusionLLM §3.5)."""
+"""``fusion profile``: fit lambda_p (actual / peak speed) for this host (FusionLLM §3.5), and its per-node and
+per-message overheads (seconds the estimator adds to a part's compute time, :mod:`fusion.cost.profile`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="fit this host's speed factor lambda from a short warm-up",
                        description="Time a few Linear forward+backward steps, fit time = t0 + FLOPs / S and print "
                                    "S and lambda = S / S* as JSON (lambda needs S*: --peak-flops, or --cluster and "
-                                   "--name). With -o, write a copy of the cluster with that device's lambda set, "
+                                   "--name), then time chains of tiny ops and small loopback messages for the "
+                                   "fixed costs per op node and per message. With -o, write a copy of the cluster "
+                                   "with that device's lambda, node_overhead_s and message_overhead_s set, "
                                    "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
                                    "the scenario format).")
     p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
@@ -19,6 +22,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=64, help="rows per timed Linear step")
     p.add_argument("--repeats", type=int, default=5, help="at least this many timed rounds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing (default: unchanged)")
+    p.add_argument("--interpreted-parts", action="store_true",
+                   help="store the per-node overhead of parts run node by node (for plans run with "
+                        "'fusion executor --interpreted-parts'); default: compiled parts")
+    p.add_argument("--no-overheads", action="store_true",
+                   help="fit lambda only; -o leaves node_overhead_s and message_overhead_s as they are")
     p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
     p.add_argument("--name", help="device name in --cluster")
     p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json)")
@@ -53,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         peak = cluster.devices[dev_index].peak_flops
     try:
         sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-        prof = profile_host(peak or 1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads)
+        prof = profile_host(peak or 1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads,
+                            overheads=not args.no_overheads)
     except ValueError as e:
         raise FusionError(f"profile: {e}") from None
     result = prof.to_dict()
@@ -66,18 +75,30 @@ def run(args: argparse.Namespace) -> int:
     if cluster is not None and args.output:
         if prof.lam <= 0:
             raise ClusterError(f"{args.cluster}: fitted lambda {prof.lam} is not positive")
+        fields: dict = {"lam": prof.lam}
+        if not args.no_overheads:
+            fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
+            fields["message_overhead_s"] = prof.message_overhead_s
         out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() in (".yaml", ".yml"):
-            out.write_text(_yaml_with_lambda(Path(args.cluster), cluster, args.name, prof.lam))
+            out.write_text(_yaml_with_lambda(Path(args.cluster), cluster, args.name, fields))
         else:
-            cluster.devices[dev_index] = replace(cluster.devices[dev_index], lam=prof.lam)
+            cluster.devices[dev_index] = replace(cluster.devices[dev_index], **fields)
             out.write_text(json.dumps(cluster.to_dict(), indent=1))
-        print(f"wrote {args.output} with {args.name}.lambda = {prof.lam:.4g}")
+        extra = "" if args.no_overheads else (f", node_overhead_s = {fields['node_overhead_s']:.3g}, "
+                                               f"message_overhead_s = {fields['message_overhead_s']:.3g}")
+        print(f"wrote {args.output} with {args.name}.lambda = {prof.lam:.4g}{extra}")
     return 0
 
 
-def _yaml_with_lambda(source: Path, cluster, name: str, lam: float) -> str:
-    """The cluster file as YAML with ``lambda`` set on device ``name``.
+#: Device attribute -> the key the cluster file spells it with
+_FILE_KEYS = {"lam": "lambda", "node_overhead_s": "node_overhead_s", "message_overhead_s": "message_overhead_s"}
+
+
+def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
+    """The cluster file as YAML with ``fields`` (Device attribute -> value: ``lam`` and the fitted
+    overheads) set on device ``name``.
 
     A readable YAML file keeps its own structure and units (an entry with ``count`` that holds the device is
     split into one entry per device, the others unchanged); anything else is written in the scenario format.
@@ -91,8 +112,9 @@ def _yaml_with_lambda(source: Path, cluster, name: str, lam: float) -> str:
         data = yaml.safe_load(source.read_text())
     if not (isinstance(data, dict) and isinstance(data.get("devices"), list) and "bandwidth_bps" not in data):
         i = cluster.index(name)
-        cluster.devices[i] = replace(cluster.devices[i], lam=lam)
+        cluster.devices[i] = replace(cluster.devices[i], **fields)
         return yaml.safe_dump(cluster.to_dict(), sort_keys=False)
+    put = {_FILE_KEYS[k]: (round(float(v), 6) if k == "lam" else float(f"{float(v):.4g}")) for k, v in fields.items()}
     devices = []
     for e in data["devices"]:
         count = e.get("count") if isinstance(e, dict) else None
@@ -102,11 +124,11 @@ def _yaml_with_lambda(source: Path, cluster, name: str, lam: float) -> str:
             for k in range(count):
                 d = {"name": f"{e['name']}-{k}", **base}
                 if d["name"] == name:
-                    d["lambda"] = round(float(lam), 6)
+                    d.update(put)
                 devices.append(d)
             continue
         if isinstance(e, dict) and e.get("name") == name:
-            e = {**e, "lambda": round(float(lam), 6)}
+            e = {**e, **put}
         devices.append(e)
     data["devices"] = devices
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)

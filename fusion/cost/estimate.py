@@ -7,7 +7,14 @@ Notation (per micro-batch; part p runs on device d(p)):
   of T_comm^{d(Pa) d(p)}(M)``.
 - Compute: ``C(f,p) = [(F_fwd + F_bwd)(f) / S*_p + (B_fwd + B_bwd)(f) / Bmem*_p] / lambda_p``
   with F the measured FLOPs and B the bytes of memory-bound operators
-  (:mod:`fusion.cost.flops`); ``C_p = sum_{f in p} C(f,p)``.
+  (:mod:`fusion.cost.flops`), plus the fixed costs FLOPs do not capture, fitted by
+  ``fusion profile`` per device (:mod:`fusion.cost.profile`; 0 when a cluster file
+  has none): ``C_p = sum_{f in p} C(f,p) + n_p * o_node + m_p * o_msg`` with n_p the
+  op nodes the part executes (placeholders and outputs run nothing), ``o_node`` the
+  device's ``node_overhead_s``, m_p the messages the part sends or receives per
+  micro-batch (one per cut tensor and consuming part and direction, as the runtime
+  sends them) and ``o_msg`` its ``message_overhead_s``. A recomputing part adds its
+  forward again: FLOPs, bytes and ``FORWARD_SHARE * n_p * o_node``.
 - Eq. (2), backward included: a tensor t (producer output, M_t bytes) made on
   part a and used on part b != a crosses once per (t, b), whatever the number
   of its users on b. Forward it costs ``alpha_ab + beta_ab M_t`` and counts in
@@ -52,6 +59,11 @@ from fusion.cost.flops import NodeCost
 from fusion.ir.boundary import edge_requires_grad
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import PLACEHOLDER_KINDS, NodeKind, TensorMeta
+
+
+#: the share of a node's fixed cost (``node_overhead_s``, forward + backward) that is its forward: 0.39
+#: measured by timing the profiler's op chains with and without backward on the 2-core CPU host
+FORWARD_SHARE = 0.4
 
 
 @dataclass
@@ -173,6 +185,9 @@ class CostModel:
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)
+    executes: np.ndarray = field(init=False)  # whether node i runs an op (not a placeholder or an output)
+    node_overhead: np.ndarray = field(init=False)  # o_node per device, seconds per node per micro-batch
+    message_overhead: np.ndarray = field(init=False)  # o_msg per device, seconds per message
     #: set by the compiler for ``--compress CODEC``: :meth:`evaluate` then prices cut edges with the codec
     codec_prices: CodecPrices | None = field(default=None, init=False)
     #: set by the compiler for ``--tied-codec``: bytes on the wire of each parameter's gradient under the
@@ -184,6 +199,10 @@ class CostModel:
         self.speed = np.array([d.peak_flops for d in self.cluster.devices]) * np.array([d.lam for d in self.cluster.devices])
         self.mem_speed = np.array([d.memory_speed for d in self.cluster.devices])
         self.mem_cap = np.array([d.memory_bytes for d in self.cluster.devices])
+        self.node_overhead = np.array([d.node_overhead_s for d in self.cluster.devices], dtype=float)
+        self.message_overhead = np.array([d.message_overhead_s for d in self.cluster.devices], dtype=float)
+        idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
+        self.executes = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
 
     # -- construction ------------------------------------------------------------
     @classmethod
@@ -236,8 +255,9 @@ class CostModel:
 
     # -- Eq. (1) ------------------------------------------------------------------
     def compute_time(self, node: int, device: int) -> float:
-        """C(f, p) for node index ``node`` on device index ``device`` (fwd + bwd)."""
-        return float(self.flops[node] / self.speed[device] + self.mem[node] / self.mem_speed[device])
+        """C(f, p) for node index ``node`` on device index ``device`` (fwd + bwd), its fixed cost included."""
+        return float(self.flops[node] / self.speed[device] + self.mem[node] / self.mem_speed[device]
+                     + self.executes[node] * self.node_overhead[device])
 
     def op_time(self, node: int, node_part: np.ndarray, part_device: np.ndarray) -> float:
         """Eq. (1): T(f,p) = R(Pa(f)) + C(f,p) + W(f,p), W = 0; forward retrieval of remote parents."""
@@ -274,9 +294,12 @@ class CostModel:
         rc = np.full(n_parts, self.recompute_all) if recompute is None else np.asarray(recompute, dtype=bool)
         flops_p = np.bincount(node_part, weights=self.flops, minlength=n_parts)
         comp = flops_p / self.speed[dev] + np.bincount(node_part, weights=self.mem, minlength=n_parts) / self.mem_speed[dev]
+        n_exec = np.bincount(node_part, weights=self.executes, minlength=n_parts)
+        comp = comp + n_exec * self.node_overhead[dev]
         if rc.any():
             fwd = (np.bincount(node_part, weights=self.fwd_flops, minlength=n_parts) / self.speed[dev]
-                   + np.bincount(node_part, weights=self.fwd_mem, minlength=n_parts) / self.mem_speed[dev])
+                   + np.bincount(node_part, weights=self.fwd_mem, minlength=n_parts) / self.mem_speed[dev]
+                   + FORWARD_SHARE * n_exec * self.node_overhead[dev])
             comp = comp + np.where(rc, fwd, 0.0)
         src = node_part[self.t_prod[self.e_t]]
         dst = node_part[self.e_cons]
@@ -284,6 +307,11 @@ class CostModel:
         pair = np.unique(self.e_t[cut] * n_parts + dst[cut])
         pt, pdst = pair // n_parts, pair % n_parts
         psrc = node_part[self.t_prod[pt]]
+        if self.message_overhead.any():  # each cut (tensor, consumer part): one message forward, one gradient back
+            per_pair = 1.0 + self.t_rg[pt]
+            n_msg = np.bincount(psrc, weights=per_pair, minlength=n_parts) + np.bincount(pdst, weights=per_pair,
+                                                                                        minlength=n_parts)
+            comp = comp + n_msg * self.message_overhead[dev]
         fb = self.t_bytes[pt].copy()
         bb = np.where(self.t_rg[pt], fb, 0.0)
         if wire:

@@ -6,6 +6,21 @@ forward + backward steps of Linear layers of growing size (FLOPs counted by
 a model), then fit by least squares ``t = t0 + FLOPs / S`` and report
 ``lambda = S / S*``. ``t0`` absorbs the per-call overhead; R^2 says how well a
 single speed explains the timings.
+
+FLOPs do not price the fixed work around each op (Python, dispatch, autograd
+bookkeeping), which dominates a part of many small ops. Two more fits price
+it for the estimator (:mod:`fusion.cost.estimate`):
+
+- ``node_overhead_s``: chains of ``k`` tiny ops (LayerNorm, Linear, GELU,
+  residual add on a 4 x 8 tensor, so their FLOPs are negligible) run forward
+  and backward as the torch engine runs a part, one generated
+  ``torch.fx.GraphModule`` call (compiled parts, the default) or a Python
+  loop over the nodes (``--interpreted-parts``); least squares
+  ``t = c0 + k * node_overhead_s`` over several k.
+- ``message_overhead_s``: CPU seconds to move one small activation message
+  as the runtime does (msgpack header + raw array frame over a ZeroMQ
+  loopback socket, decoded back into an array), sender and receiver
+  together, from the slope of time against the number of messages.
 """
 from __future__ import annotations
 
@@ -29,6 +44,10 @@ class Profile:
     overhead_s:     t0, the intercept.
     r2:             coefficient of determination of the fit.
     samples:        (FLOPs, seconds) per timed workload.
+    node_overhead_s: seconds per op node per micro-batch (forward + backward) of a compiled part
+                    (0 when not measured).
+    node_overhead_interpreted_s: the same for a part run by the interpreted loop.
+    message_overhead_s: CPU seconds per message sent or received (0 when not measured).
     """
 
     device: str
@@ -38,10 +57,16 @@ class Profile:
     overhead_s: float
     r2: float
     samples: list[tuple[float, float]]
+    node_overhead_s: float = 0.0
+    node_overhead_interpreted_s: float = 0.0
+    message_overhead_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"device": self.device, "peak_flops": self.peak_flops, "fitted_flops": self.fitted_flops,
                 "lambda": self.lam, "overhead_s": self.overhead_s, "r2": self.r2,
+                "node_overhead_s": self.node_overhead_s,
+                "node_overhead_interpreted_s": self.node_overhead_interpreted_s,
+                "message_overhead_s": self.message_overhead_s,
                 "samples": [[f, t] for f, t in self.samples]}
 
 
@@ -60,16 +85,161 @@ def fit_speed(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
     return 1.0 / slope, float(t0), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
 
 
+def fit_per_unit(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``t = c0 + k * c`` over (k, seconds): returns (c, c0); ``c`` is clipped at 0
+    (a host too noisy to see the per-unit cost prices it at nothing rather than negatively)."""
+    k = np.array([s[0] for s in samples], dtype=float)
+    t = np.array([s[1] for s in samples], dtype=float)
+    if len(k) < 2 or np.ptp(k) == 0:
+        raise ValueError("need timings at two or more different counts to fit a per-unit overhead")
+    slope, c0 = np.polyfit(k, t, 1)
+    return max(float(slope), 0.0), float(c0)
+
+
+def _best_times(steps: list, repeats: int, min_time: float, sync=None) -> list[float]:
+    """Fastest run of each step, round-robin, at least ``repeats`` rounds and ``min_time`` seconds."""
+    best = [float("inf")] * len(steps)
+    spent, rounds = 0.0, 0
+    while rounds < repeats or spent < min_time:
+        for i, step in enumerate(steps):
+            if sync:
+                sync()
+            t = time.perf_counter()
+            step()
+            if sync:
+                sync()
+            el = time.perf_counter() - t
+            best[i] = min(best[i], el)
+            spent += el
+        rounds += 1
+    return best
+
+
+def chain_ops(k: int, width: int = 8, device: str = "cpu"):
+    """``k`` tiny op nodes cycling LayerNorm, Linear, GELU, residual add: (modules, program) where
+    program[i] = (callable, argument indices into the values so far; value 0 is the input)."""
+    import torch
+    from torch import nn
+
+    mods, prog = nn.ModuleList(), []
+    for i in range(k):
+        kind = i % 4
+        if kind == 0:
+            m = nn.LayerNorm(width, device=device)
+            mods.append(m)
+            prog.append((m, (i,)))
+        elif kind == 1:
+            m = nn.Linear(width, width, device=device)
+            mods.append(m)
+            prog.append((m, (i,)))
+        elif kind == 2:
+            prog.append((torch.nn.functional.gelu, (i,)))
+        else:
+            prog.append((torch.add, (i, max(i - 3, 0))))
+    return mods, prog
+
+
+def _chain_module(k: int, width: int, device: str):
+    """A ``torch.fx.GraphModule`` of a k-node chain, written node by node as the engine writes a part."""
+    import torch
+    from torch import fx
+
+    mods, prog = chain_ops(k, width, device)
+    root = torch.nn.Module()
+    g = fx.Graph()
+    vals = [g.placeholder("x")]
+    j = 0
+    for fn, args in prog:
+        if isinstance(fn, torch.nn.Module):
+            name = f"m{j}"
+            root.add_module(name, fn)
+            j += 1
+            vals.append(g.call_module(name, tuple(vals[a] for a in args)))
+        else:
+            vals.append(g.call_function(fn, tuple(vals[a] for a in args)))
+    g.output(vals[-1])
+    return fx.GraphModule(root, g)
+
+
+def _chain_loop(k: int, width: int, device: str):
+    """The same chain run by a Python loop that resolves each node's arguments (the interpreted path)."""
+    _, prog = chain_ops(k, width, device)
+
+    def run(x):
+        env = [x]
+        for fn, args in prog:
+            env.append(fn(*[env[a] for a in args]))
+        return env[-1]
+    return run
+
+
+def profile_node_overhead(device: str = "cpu", lengths: tuple[int, ...] = (8, 32, 64, 128), width: int = 8,
+                          rows: int = 4, repeats: int = 5, min_time: float = 0.3, compiled: bool = True) -> float:
+    """Seconds per op node per micro-batch, forward + backward (see the module docstring)."""
+    import torch
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    steps = []
+    for k in lengths:
+        fn = _chain_module(k, width, device).forward if compiled else _chain_loop(k, width, device)
+        x = torch.randn(rows, width, device=dev, requires_grad=True)
+        steps.append(lambda fn=fn, x=x: fn(x).sum().backward())
+    best = _best_times(steps, repeats, min_time, sync)
+    for k, t in zip(lengths, best):
+        log.info("profile %s chain of %d nodes: %.3g s", "compiled" if compiled else "interpreted", k, t)
+    return fit_per_unit(list(zip(lengths, best)))[0]
+
+
+def profile_message_overhead(counts: tuple[int, ...] = (20, 80, 160), nbytes: int = 256, repeats: int = 3,
+                             min_time: float = 0.2) -> float:
+    """CPU seconds per small message, sender and receiver together (see the module docstring)."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        for s in (pull, push):
+            s.setsockopt(zmq.LINGER, 0)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        arr = np.zeros(nbytes // 4, dtype=np.float32)
+        if not pull.poll(0):  # make sure the connection is up before timing
+            push.send_multipart([msgpack.packb({"warm": 1}), b""])
+            if not pull.poll(5000):
+                raise ValueError("message overhead: the loopback socket did not connect in 5 s")
+            pull.recv_multipart()
+
+        def burst(n: int) -> None:
+            for m in range(n):
+                head = msgpack.packb({"name": "h", "index": 0, "mb": m, "dtype": "float32", "shape": list(arr.shape)})
+                push.send_multipart([head, memoryview(arr)], copy=False)
+            for _ in range(n):
+                h, body = pull.recv_multipart(copy=False)
+                meta = msgpack.unpackb(h.bytes)
+                np.frombuffer(body.buffer, dtype=meta["dtype"]).reshape(meta["shape"]).copy()
+
+        steps = [lambda n=n: burst(n) for n in counts]
+        best = _best_times(steps, repeats, min_time)
+    finally:
+        push.close()
+        pull.close()
+        ctx.term()
+    return fit_per_unit(list(zip(counts, best)))[0]
+
+
 def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] = (256, 512, 768, 1024),
                  batch: int = 64, repeats: int = 5, dtype: str = "float32", min_time: float = 0.5,
-                 threads: int | None = None) -> Profile:
+                 threads: int | None = None, overheads: bool = True) -> Profile:
     """Time fwd+bwd of ``Linear(n, n)`` on a (batch, n) input for each n; fit lambda against ``peak_flops``.
 
     The workloads run round-robin, at least ``repeats`` rounds and at least
     ``min_time`` seconds in all; each keeps its fastest run (on a shared host
     the minimum is the least disturbed measurement, and round-robin spreads a
     disturbed moment over all sizes). ``threads`` sets torch's CPU threads
-    for the measurement (None: leave as is).
+    for the measurement (None: leave as is). ``overheads``: also fit the
+    per-node (compiled and interpreted) and per-message overheads.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -91,24 +261,17 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
                 step()
             steps.append(step)
             flops.append(float(fc.get_total_flops()))
-        best = [float("inf")] * len(sizes)
-        spent, rounds = 0.0, 0
-        while rounds < repeats or spent < min_time:
-            for k, step in enumerate(steps):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t = time.perf_counter()
-                step()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                el = time.perf_counter() - t
-                best[k] = min(best[k], el)
-                spent += el
-            rounds += 1
+        best = _best_times(steps, repeats, min_time, (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None)
+        node = node_i = msg = 0.0
+        if overheads:
+            node = profile_node_overhead(device, compiled=True)
+            node_i = profile_node_overhead(device, compiled=False)
+            msg = profile_message_overhead()
     finally:
         torch.set_num_threads(old_threads)
     samples = list(zip(flops, best))
     for n, (f, t) in zip(sizes, samples):
         log.info("profile n=%d: %.3g FLOP in %.3g s", n, f, t)
     speed, t0, r2 = fit_speed(samples)
-    return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples)
+    log.info("profile overheads: %.3g s per node compiled, %.3g s interpreted, %.3g s per message", node, node_i, msg)
+    return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples, node, node_i, msg)

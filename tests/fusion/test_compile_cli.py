@@ -134,6 +134,11 @@ def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["devices"][1]["lambda"] == pytest.approx(result["lambda"])
     assert "lambda" not in data["devices"][0]
+    # the fitted fixed costs go with lambda (compiled parts' per-node cost by default); other devices keep none
+    assert result["node_overhead_s"] > 0 and result["message_overhead_s"] > 0
+    assert data["devices"][1]["node_overhead_s"] == pytest.approx(result["node_overhead_s"])
+    assert data["devices"][1]["message_overhead_s"] == pytest.approx(result["message_overhead_s"])
+    assert "node_overhead_s" not in data["devices"][0]
     # without a peak (the README's `fusion profile --threads 1`): the measured speed, and what lambda needs
     assert main(["profile", "--threads", "1", "--sizes", "256,512"]) == 0
     cap = capsys.readouterr()
@@ -149,13 +154,17 @@ def test_profile_writes_the_users_yaml_back_as_yaml(tmp_path, capsys):
     out = tmp_path / "profiled.yaml"
     assert main(["profile", "--cluster", LOCAL, "--name", "cpu-1", "--sizes", "256,512", "--threads", "1",
                  "-o", str(out)]) == 0
-    lam = json.loads(capsys.readouterr().out.splitlines()[0])["lambda"]
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    lam = result["lambda"]
     text = out.read_text()
     assert "Mbit/s" in text and "bandwidth_bps" not in text, text
     data = yaml.safe_load(text)
     assert [d["name"] for d in data["devices"]][:2] == ["cpu-0", "cpu-1"]
     before, after = load_cluster(LOCAL), load_cluster(out)
     assert after.devices[1].lam == pytest.approx(lam, rel=1e-5) and after.devices[0].lam == 1.0
+    assert after.devices[1].node_overhead_s == pytest.approx(result["node_overhead_s"], rel=1e-3)
+    assert after.devices[1].message_overhead_s == pytest.approx(result["message_overhead_s"], rel=1e-3)
+    assert after.devices[0].node_overhead_s == 0.0
     assert [d.group for d in after.devices] == [d.group for d in before.devices]
     assert after.to_dict()["bandwidth_bps"] == before.to_dict()["bandwidth_bps"]
 

@@ -125,3 +125,29 @@ def test_unknown_device_lookup():
     c = load_cluster(EXAMPLES / "local-4-two-sites.yaml")
     with pytest.raises(ClusterError, match="unknown device 'gpu-9'"):
         c.index("gpu-9")
+
+
+def test_fitted_overheads_load_round_trip_and_default_to_zero(tmp_path):
+    """Profiles written before the per-node / per-message fit load with both at 0; written ones come back."""
+    import json
+
+    from fusion.cluster.model import Cluster, ClusterError, load_cluster
+
+    old = {"name": "old", "devices": [{"name": "a", "peak_flops": 1e10, "memory_bytes": 1e9, "lambda": 0.9},
+                                      {"name": "b", "peak_flops": 1e10, "memory_bytes": 1e9}],
+           "delay_s": [[0, 0.001], [0.001, 0]], "bandwidth_bps": [[0, 1e9], [1e9, 0]]}
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(old))
+    cl = load_cluster(f)
+    assert [(d.node_overhead_s, d.message_overhead_s) for d in cl.devices] == [(0.0, 0.0), (0.0, 0.0)]
+    assert "node_overhead_s" not in json.dumps(cl.to_dict())  # nothing written that was not fitted
+    old["devices"][0].update(node_overhead_s=2e-5, message_overhead_s=1e-5)
+    cl = Cluster.from_dict(json.loads(json.dumps(Cluster.from_dict(old).to_dict())))
+    assert (cl.devices[0].node_overhead_s, cl.devices[0].message_overhead_s) == (2e-5, 1e-5)
+    y = tmp_path / "c.yaml"
+    y.write_text("name: c\ndevices:\n  - {name: cpu, count: 2, peak_flops: 50 GFLOPS, memory: 4 GB, node_overhead_s: 3.0e-5}\n"
+                 "links:\n  default: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
+    assert [d.node_overhead_s for d in load_cluster(y).devices] == [3e-5, 3e-5]
+    y.write_text(y.read_text().replace("3.0e-5", "-1.0"))
+    with pytest.raises(ClusterError, match=r"c.yaml.*devices\[0\].*node_overhead_s.*>= 0"):
+        load_cluster(y)
