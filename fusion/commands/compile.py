@@ -257,7 +257,8 @@ def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_code
     bits = dp_codec.get("bits", 8) if dp_codec else 32
     planner = plan_dp if s == "dp" else plan_dtfm
     pl = planner(model.graph, cluster, global_batch=args.global_batch, micro_batches=None, schedule=args.schedule,
-                 optimizer_slots=optimizer_slots(opt.name, opt.momentum), seed=args.seed, grad_wire_ratio=bits / 32)
+                 optimizer_slots=optimizer_slots(opt.name, opt.momentum), seed=args.seed, grad_wire_ratio=bits / 32,
+                 allreduce=args.dp_allreduce)
     micro = int(pl.predicted["micro_batches"])
     if args.micro_batches != MICRO_BATCHES and args.micro_batches != micro:
         raise FusionError(f"--micro-batches {args.micro_batches}: the {s} plan runs {micro} micro-batches per replica "

@@ -225,7 +225,7 @@ def search_micro_batches(cm: CostModel, n_groups: int, cap: int = 8) -> int:
 
 
 def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overlap: bool,
-             grad_wire_ratio: float) -> list[Candidate]:
+             grad_wire_ratio: float, allreduce: str = "ring") -> list[Candidate]:
     """OP-Fence on the virtual cluster of ``groups`` plus chain-DP solutions for every stage count."""
     vc, perms = virtual_cluster(cm.cluster, groups)
     vcm = replica_cost_model(cm, search_micro_batches(cm, len(groups))).with_cluster(vc)
@@ -235,7 +235,7 @@ def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overla
         if len(set(seq)) != len(seq):
             return
         devs = replica_paths(groups, seq, perms)
-        est = dp_estimate(cm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio)
+        est = dp_estimate(cm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
         out.append(Candidate(np.asarray(node_part), devs, est, cm, f"{how}/{tag}"))
 
     try:
@@ -257,7 +257,7 @@ def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overla
 
 def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None = None, seed: int = 0,
                   replicas: list[int] | None = None, overlap: bool = True, grad_wire_ratio: float = 1.0,
-                  clusters: list[list[int]] | None = None) -> tuple[DPPlacement, Candidate]:
+                  clusters: list[list[int]] | None = None, allreduce: str = "ring") -> tuple[DPPlacement, Candidate]:
     """Plan on a cost model built for the whole cluster (its micro_batches is ignored; see :func:`plan_dp`)."""
     t0 = time.perf_counter()
     cluster = cm.cluster
@@ -294,13 +294,13 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
             cap = sum(min(cluster.devices[i].memory_bytes for i in g) for g in groups)
             if cap < need:
                 continue
-            for cand in _layouts(rcm, groups, seed, how, overlap, grad_wire_ratio):
+            for cand in _layouts(rcm, groups, seed, how, overlap, grad_wire_ratio, allreduce):
                 tried += 1
                 if best is None or cand.per_sample < best.per_sample:
                     best = cand
     if best is None or not best.estimate.feasible:
         raise DPPlanError(f"{cluster.source}: devices[].memory_bytes: no DP x PP layout fits the devices' memory")
-    best = connected(best, overlap, grad_wire_ratio)
+    best = connected(best, overlap, grad_wire_ratio, allreduce)
     info = {"candidates": tried, "how": best.how, "seconds": round(time.perf_counter() - t0, 3),
             "clusters": len(clusters)}
     log.info("dp planner: %d replicas x %d stages, predicted %.4g s/step (%s) in %.2f s", len(best.devices),
@@ -308,7 +308,7 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
     return placement(best, "dp", info), best
 
 
-def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0) -> Candidate:
+def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0, allreduce: str = "ring") -> Candidate:
     """OP-Fence's connectivity repair (:func:`fusion.partition.fence._connect`) on the slowest replica's devices:
     a stage holding two disconnected pieces gives one to a neighbour it touches; kept when it still fits."""
     from fusion.partition.fence import _connect
@@ -317,7 +317,7 @@ def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0) 
     node_part, fixed = _connect(c.cm, c.node_part, c.devices[slow])
     if not fixed:
         return c
-    est = dp_estimate(c.cm, node_part, c.devices, overlap=overlap, grad_wire_ratio=grad_wire_ratio)
+    est = dp_estimate(c.cm, node_part, c.devices, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
     return Candidate(node_part, c.devices, est, c.cm, c.how + "+connected") if est.feasible else c
 
 
@@ -341,7 +341,7 @@ def build_cost_model(graph: OpGraph, cluster: Cluster, *, costs: Mapping[str, No
 def plan_dp(graph: OpGraph, cluster: Cluster, *, global_batch: int, micro_batches: int | None = None,
             schedule: str = "1f1b", optimizer_slots: int = 2, costs: Mapping[str, NodeCost] | None = None,
             seed: int = 0, replicas: list[int] | None = None, overlap: bool = True,
-            grad_wire_ratio: float = 1.0) -> DPPlacement:
+            grad_wire_ratio: float = 1.0, allreduce: str = "ring") -> DPPlacement:
     """Choose R, the cut and the placement of a DP x PP plan (module docstring).
 
     global_batch:  samples per step over all replicas.
@@ -350,11 +350,13 @@ def plan_dp(graph: OpGraph, cluster: Cluster, *, global_batch: int, micro_batche
     optimizer_slots: state tensors per trainable parameter (SGD 0, momentum 1, AdamW 2).
     replicas:      restrict R to these counts (None: every count the batch allows).
     grad_wire_ratio: wire bytes of an averaged gradient per fp32 byte (1.0 plain, ~0.25 with 8-bit codes).
+    allreduce:     how every candidate's stage groups are priced: ``"ring"``, ``"tree"`` or ``"auto"`` (the
+                   cheaper per group; :func:`fusion.cost.dp.choose_allreduce`), as ``--dp-allreduce`` runs them.
     Raises DPPlanError when the batch does not split or nothing fits.
     """
     cm = build_cost_model(graph, cluster, costs=costs, schedule=schedule, optimizer_slots=optimizer_slots)
     return plan_dp_model(cm, global_batch=global_batch, micro_batches=micro_batches, seed=seed, replicas=replicas,
-                         overlap=overlap, grad_wire_ratio=grad_wire_ratio)[0]
+                         overlap=overlap, grad_wire_ratio=grad_wire_ratio, allreduce=allreduce)[0]
 
 
 __all__ = ["DPPlacement", "DPPlanError", "Candidate", "plan_dp", "plan_dp_model", "placement", "build_cost_model",

@@ -312,7 +312,8 @@ def _paths(cc: CommCost, groups: list[list[int]], order: list[int]) -> list[list
 
 def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | None = None, seed: int = 0,
                     stages: list[int] | None = None, population: int = 10, generations: int = 1000, patience: int = 100,
-                    overlap: bool = True, grad_wire_ratio: float = 1.0) -> tuple[DPPlacement, Candidate, dict]:
+                    overlap: bool = True, grad_wire_ratio: float = 1.0,
+                    allreduce: str = "ring") -> tuple[DPPlacement, Candidate, dict]:
     """Run DT-FM's scheduler for every feasible D_PP (or those in ``stages``) and keep the fastest by the shared estimator.
 
     Returns the placement, the priced candidate and ``{D_PP: SearchTrace}``.
@@ -342,7 +343,7 @@ def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | No
         traces[S] = trace
         for seq in (order, order[::-1]):
             devs = _paths(cc, groups, seq)
-            est = dp_estimate(rcm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio)
+            est = dp_estimate(rcm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
             cand = Candidate(node_part, devs, est, rcm, f"dtfm D_PP={S} D_DP={R}")
             if best is None or cand.per_sample < best.per_sample:
                 best = cand
@@ -350,7 +351,7 @@ def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | No
                 break
     if best is None or not best.estimate.feasible:
         raise DPPlanError(f"{cm.cluster.source}: devices[].memory_bytes: no even D_PP x D_DP split fits the devices' memory")
-    best = connected(best, overlap, grad_wire_ratio)
+    best = connected(best, overlap, grad_wire_ratio, allreduce)
     info = {"how": best.how, "seconds": round(time.perf_counter() - t0, 3), "degrees_tried": sorted(traces),
             "comm_cost": {S: [t.initial_cost, t.final_cost] for S, t in traces.items()}}
     log.info("dtfm scheduler: %s, predicted %.4g s/step in %.2f s", best.how, best.estimate.iteration_s, info["seconds"])
@@ -363,7 +364,7 @@ def plan_dtfm_model(cm: CostModel, *, global_batch: int, micro_batches: int | No
 def plan_dtfm(graph, cluster, *, global_batch: int, micro_batches: int | None = None, schedule: str = "1f1b",
               optimizer_slots: int = 2, costs=None, seed: int = 0, **search) -> DPPlacement:
     """DT-FM's scheduler on a graph (same arguments as :func:`fusion.partition.dp.plan_dp`; ``search``:
-    ``stages``, ``population``, ``generations``, ``patience``, ``overlap``, ``grad_wire_ratio``)."""
+    ``stages``, ``population``, ``generations``, ``patience``, ``overlap``, ``grad_wire_ratio``, ``allreduce``)."""
     from fusion.partition.dp import build_cost_model
 
     cm = build_cost_model(graph, cluster, costs=costs, schedule=schedule, optimizer_slots=optimizer_slots)

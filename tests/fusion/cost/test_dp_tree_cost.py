@@ -61,3 +61,20 @@ def test_dp_estimate_prices_the_chosen_algorithm_per_group():
     assert dp_estimate(cm, zero, devs, algo=["ring"]).algos == ["ring"]
     with pytest.raises(ValueError, match="names 2 stage groups"):
         dp_estimate(cm, zero, devs, algo=["ring", "tree"])
+
+
+def test_the_planners_price_their_candidates_with_the_chosen_all_reduce():
+    """``plan_dp_model(allreduce=...)`` and DT-FM's ``plan_dtfm_model`` price every candidate the way
+    ``--dp-allreduce`` will run it: on far links a small model's plan under ``auto`` takes the tree and is
+    predicted no slower than the same search priced with the ring only."""
+    from fusion.partition.dp import plan_dp_model
+    from fusion.partition.dtfm import plan_dtfm_model
+
+    m = gpt_model(2, 64, 2, 100, 16, 1, device="meta")
+    cm = CostModel.build(m.graph, measure_costs(m.graph), _uniform(8, 50e-3, 10e9), 1, "1f1b", 2, 1)
+    for plan in (lambda a: plan_dp_model(cm, global_batch=64, replicas=[8], allreduce=a),
+                 lambda a: plan_dtfm_model(cm, global_batch=64, stages=[1], generations=20, patience=5, allreduce=a)):
+        _, ring, *_ = plan("ring")
+        _, auto, *_ = plan("auto")
+        assert set(ring.estimate.algos) == {"ring"} and "tree" in auto.estimate.algos
+        assert auto.estimate.iteration_s <= ring.estimate.iteration_s
