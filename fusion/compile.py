@@ -20,6 +20,7 @@ from fusion.partition.baselines import BASELINES
 from fusion.partition.chain import build_chain
 from fusion.cluster.model import Cluster
 from fusion.cost.estimate import CostModel, Estimate, optimizer_slots, samples_per_micro_batch
+from fusion.cost.schedules import SchedulePrice, best_schedule, price_schedule
 from fusion.plan import OptimizerConfig
 from fusion.partition.fence import NoFitError, Partition, op_fence
 from fusion.cost.flops import measure_costs
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("opfence", "equal-count", "equal-flops")
 RECOMPUTE = ("auto", "off", "all")
+#: what ``schedule=`` accepts: a schedule the executors run, or ``auto`` (the compiler prices each and picks)
+SCHEDULE_CHOICES = (*SCHEDULE_NAMES, "auto")
+#: the schedule ``auto`` partitions with: the fewest activations in flight, so a cut that fits any schedule is found
+AUTO_PARTITION_SCHEDULE = "1f1b"
 COST_MODEL = "fusion.estimate/1"
 
 
@@ -52,7 +57,11 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     compress_ratio: AdaTopK's r of Eq. (7); None or 1 compresses nothing.
     compress:       per-direction codecs, applied where they pay (:mod:`fusion.compress.policy`);
                     exclusive with ``compress_ratio``.
-    schedule:       ``gpipe``, ``1f1b`` or ``zb1`` (changes the activation memory in flight).
+    schedule:       ``gpipe``, ``1f1b`` or ``zb1`` (changes the activation memory in flight and the time, see
+                    :mod:`fusion.cost.schedules`), or ``auto``: partition with 1F1B's memory, price all three on
+                    that cut and devices (each with the recomputation it would need) and keep the shortest
+                    simulated iteration among those that fit memory, ties to the smaller peak memory. Every
+                    schedule's price is in ``plan.predicted["schedules"]``.
     recompute:      activation recomputation per part: ``auto`` turns it on only for parts that would
                     not fit their device otherwise (and lets the partitioner count on it when nothing
                     fits without it), ``off`` never, ``all`` on every part.
@@ -66,8 +75,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         raise CompileError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise CompileError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if schedule not in SCHEDULE_NAMES:
-        raise CompileError(f"schedule must be one of {list(SCHEDULE_NAMES)}, got {schedule!r}")
+    if schedule not in SCHEDULE_CHOICES:
+        raise CompileError(f"schedule must be one of {list(SCHEDULE_CHOICES)}, got {schedule!r}")
     if compress is not None and compress_ratio is not None:
         raise CompileError("give either compress_ratio (AdaTopK) or compress (codecs), not both")
     if compress_ratio is not None and not compress_ratio >= 1:
@@ -77,7 +86,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     graph = model.graph
     _ensure_shapes(model)
     costs = measure_costs(graph, progress=len(graph) > 200)
-    cm = CostModel.build(graph, costs, cluster, micro_batches, schedule,
+    auto = schedule == "auto"
+    cm = CostModel.build(graph, costs, cluster, micro_batches, AUTO_PARTITION_SCHEDULE if auto else schedule,
                          optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
     cm.recompute_all = recompute == "all"
     clusters = device_clusters(cluster, seed)
@@ -85,6 +95,12 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         cm.codec_prices = codec_prices(cm, compress)
     tied = _tied_codec(cm, tied_codec)
     part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
+    prices = _price_schedules(cm, part, recompute)
+    if auto:
+        schedule = best_schedule(prices) or AUTO_PARTITION_SCHEDULE  # none fits: 1F1B's error below
+        cm.schedule = schedule
+        log.info("schedule auto: %s (%s)", schedule, ", ".join(
+            f"{n} {p.iteration_s:.4g} s{'' if p.fits else ' (does not fit)'}" for n, p in prices.items()))
     rc = _recompute_choice(cm, part, recompute)
     tied = _tied_pays(cm, part, rc, tied, tied_codec == "auto")
     tied_prices_ = (cm.tied_wire, cm.tied_codec_s)
@@ -110,6 +126,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
     plan.tied_codec = tied
+    plan.predicted["schedules"] = {n: p.to_dict() for n, p in prices.items()}
+    plan.predicted["schedule_choice"] = "auto" if auto else "fixed"
     for k, name in enumerate(names):
         plan.parts[name].recompute = bool(rc[k])
     if rc.any():
@@ -143,6 +161,20 @@ def _partition(cm: CostModel, cluster: Cluster, clusters, strategy: str, seed: i
             return _partition(cm, cluster, clusters, strategy, seed, retry_recompute=False)
         finally:
             cm.recompute_all = False
+
+
+def _price_schedules(cm: CostModel, part: Partition, recompute: str) -> dict[str, SchedulePrice]:
+    """Every schedule priced on the cut (:func:`fusion.cost.schedules.price_schedule`), each with the
+    recomputation ``recompute`` would choose under it. Leaves ``cm.schedule`` as it found it."""
+    before, out = cm.schedule, {}
+    try:
+        for name in SCHEDULE_NAMES:
+            cm.schedule = name
+            rc = _recompute_choice(cm, part, recompute)
+            out[name] = price_schedule(cm, name, part.node_part, part.part_device, rc)[0]
+    finally:
+        cm.schedule = before
+    return out
 
 
 def _recompute_choice(cm: CostModel, part: Partition, mode: str) -> np.ndarray:

@@ -95,6 +95,10 @@ def plan_report(plan: Plan) -> str:
                      f"(pipeline {pr.get('pipeline_s', float('nan')):.4g} s + tied-gradient sync {pr.get('sync_s', 0.0):.4g} s; "
                      f"dense {pr.get('dense_iteration_s', float('nan')):.4g} s), "
                      f"throughput {pr.get('throughput_samples_s', float('nan')):.4g} samples/s")
+    if pr.get("schedules"):  # every schedule priced on this cut (fusion.cost.schedules), the plan's marked
+        lines.append(f"schedules ({pr.get('schedule_choice', 'fixed')}, simulated): " + ", ".join(
+            f"{n}{'*' if n == plan.schedule else ''} {v['iteration_s']:.4g} s {v['peak_memory_bytes'] / 1e6:.3g} MB"
+            f"{'' if v['fits'] else ' (does not fit)'}" for n, v in pr["schedules"].items()))
     flops: dict[str, float] = {}
     count: dict[str, int] = {}
     for n in plan.graph.nodes.values():

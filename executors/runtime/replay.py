@@ -24,19 +24,7 @@ from fusion.ir.opdata import OpData
 from fusion.ir.wire import encode_opdata, frames_nbytes
 from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, link_model
 from fusion.executors.runtime.part import make_routes
-from fusion.executors.runtime.schedule import Action, make_schedule, splits_backward
-
-
-#: the share of a backward that is parameter gradients, when a split schedule's W is not measured
-W_FRACTION = 0.5
-
-
-def _cost(c: Mapping[str, float], kind: str, split: bool) -> float:
-    """Seconds of one action: F, B (whole, or the input half when the schedule splits it), W."""
-    if not split or "W" in c:
-        return float(c.get(kind, 0.0))
-    b = float(c["B"])
-    return b * W_FRACTION if kind == "W" else b * (1 - W_FRACTION) if kind == "B" else float(c[kind])
+from fusion.ir.schedule import W_FRACTION, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
 
 
 @dataclass
@@ -89,41 +77,18 @@ def replay(plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tupl
         links = {(a, b): link_model(plan.cluster, plan.parts[a].device, plan.parts[b].device)
                  for a in order for b in order if a != b}
     emu = {k: EmulatedLink(m) for k, m in links.items()}
-    # what each action waits for: number of messages
-    need: dict[tuple[str, str, int], int] = {}
-    for (p, kind), msgs in sends.items():
-        for dst, _ in msgs:
-            for mb in range(plan.micro_batches):
-                k = (dst, kind, mb)
-                need[k] = need.get(k, 0) + 1
-    split = {p: splits_backward(actions[p]) for p in order}
-    arrived: dict[tuple[str, str, int], list[float]] = {}
-    free = {p: 0.0 for p in order}
-    cursor = {p: 0 for p in order}
-    res = ReplayResult(0.0, timeline={p: [] for p in order})
-    while any(cursor[p] < len(actions[p]) for p in order):
-        progressed = False
-        for p in order:
-            if cursor[p] >= len(actions[p]):
-                continue
-            a: Action = actions[p][cursor[p]]
-            k = (p, a.kind, a.micro_batch)
-            got = arrived.get(k, [])
-            if len(got) < need.get(k, 0):
-                continue
-            start = max([free[p], *got])
-            end = start + _cost(compute[p], a.kind, split[p])
-            free[p] = end
-            res.timeline[p].append((str(a), start, end))
-            for dst, nbytes in sends.get((p, a.kind), []):
-                link = emu[(p, dst)]
-                s, e, d = link.schedule(nbytes, end)
-                arrived.setdefault((dst, a.kind, a.micro_batch), []).append(d)
-                res.link_bytes[(p, dst)] = res.link_bytes.get((p, dst), 0) + nbytes
-                res.link_busy_s[(p, dst)] = res.link_busy_s.get((p, dst), 0.0) + (e - s)
-            cursor[p] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule deadlock in replay at {[(p, cursor[p]) for p in order]}")
+    res = ReplayResult(0.0)
+
+    def deliver(src: str, dst: str, nbytes: int, ready: float) -> float:
+        s, e, d = emu[(src, dst)].schedule(nbytes, ready)
+        res.link_bytes[(src, dst)] = res.link_bytes.get((src, dst), 0) + nbytes
+        res.link_busy_s[(src, dst)] = res.link_busy_s.get((src, dst), 0.0) + (e - s)
+        return d
+
+    try:
+        sim = simulate(actions, compute, sends, deliver)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} in replay") from None
+    free, res.timeline = sim.end_s, sim.timeline
     res.iteration_s = max(free[p] + float((tail_s or {}).get(p, 0.0)) for p in order)
     return res

@@ -72,7 +72,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant "
                             "where the cost model says the iteration gets shorter (default: auto with "
                             "--compress auto, else none: exact)"),
-        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1"], help="pipeline schedule"),
+        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1", "auto"],
+                       help="pipeline schedule (default: gpipe); auto: the compiler prices gpipe, 1f1b and zb1 on "
+                            "the chosen cut and devices by simulating their action lists and keeps the shortest "
+                            "predicted iteration among those that fit memory (ties: the smaller peak memory)"),
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
                             "its device otherwise"),
@@ -253,6 +256,8 @@ def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_code
     if compress is not None or args.compress_ratio is not None:
         raise FusionError(f"--strategy {s}: compressing cut edges is not planned with replicas yet (--dp-codec "
                           "compresses the gradient all-reduce)")
+    if args.schedule == "auto":
+        raise FusionError(f"--schedule auto: the {s} planner does not price schedules yet; give gpipe, 1f1b or zb1")
     _ensure_shapes(model)
     bits = dp_codec.get("bits", 8) if dp_codec else 32
     planner = plan_dp if s == "dp" else plan_dtfm

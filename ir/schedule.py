@@ -1,0 +1,189 @@
+"""Micro-batch schedules as data: a list of actions per part, and their simulation.
+
+As in torch.distributed.pipelining, a schedule is separate from the stage
+that executes it, so a simulator can replay it without a model. A part's
+*depth* is the length of the longest path from it to a sink of the part-level
+DAG (the last stage has depth 0).
+
+Zero-bubble schedules (``zb1``) split a backward into ``B`` (gradients of the
+part's inputs, sent at once to the parts that wait for them) and ``W``
+(gradients of the part's parameters, which nothing waits for), so ``W`` can
+fill the time a part would otherwise idle.
+
+:func:`simulate` runs the action lists against per-action seconds and a message delivery model; the
+runtime's replay (``fusion.executors.runtime.replay``, alpha-beta links with queues) and the
+compiler's schedule pricing (``fusion.cost.schedules``) both use it. Pure Python, no project imports:
+it lives this low so that the compiler may price schedules without importing the executors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kind`` is ``"F"`` (forward), ``"B"`` (backward; in a schedule with ``W`` actions only the
+    input gradients) or ``"W"`` (the parameter gradients of a split backward) of ``micro_batch``."""
+
+    kind: str
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro_batch}"
+
+
+def gpipe(n_micro: int, depth: int = 0) -> list[Action]:
+    """All forwards, then all backwards (GPipe; Huang et al. 2019)."""
+    return [Action("F", m) for m in range(n_micro)] + [Action("B", m) for m in range(n_micro)]
+
+
+def one_f_one_b(n_micro: int, depth: int) -> list[Action]:
+    """1F1B (PipeDream-flush): ``depth`` warm-up forwards, then alternate, then drain."""
+    warm = min(depth, n_micro)
+    acts = [Action("F", m) for m in range(warm)]
+    f, b = warm, 0
+    while f < n_micro:
+        acts.append(Action("F", f))
+        f += 1
+        acts.append(Action("B", b))
+        b += 1
+    acts += [Action("B", m) for m in range(b, n_micro)]
+    return acts
+
+
+def zero_bubble(n_micro: int, depth: int) -> list[Action]:
+    """ZB-H1-style zero bubble (Qi et al. 2023): 1F1B's order of F and B, with each backward split
+    into B (input gradients, sent upstream at once) and W (parameter gradients, needed by nobody).
+
+    Steady phase: a part ``depth`` stages from the end keeps up to ``depth`` Ws deferred
+    (the last part runs each W right after its B). Cool-down: each B is preceded by a deferred
+    W, which runs while the part would otherwise wait for that B's gradient; the rest follow
+    the last B. Upstream parts get their gradients one W earlier per stage, and the Ws fill
+    the drain bubble. Memory: up to ``depth + 1`` forward stashes as in 1F1B, and at most
+    ``2 * depth + 1`` stashes (forward or awaiting a W) in all.
+    """
+    warm = min(depth, n_micro)
+    acts = [Action("F", m) for m in range(warm)]
+    f, b = warm, 0
+    pending: deque[int] = deque()
+    while f < n_micro:
+        acts += [Action("F", f), Action("B", b)]
+        pending.append(b)
+        f, b = f + 1, b + 1
+        if len(pending) > depth:
+            acts.append(Action("W", pending.popleft()))
+    while b < n_micro:
+        if pending:
+            acts.append(Action("W", pending.popleft()))
+        acts.append(Action("B", b))
+        pending.append(b)
+        b += 1
+    acts += [Action("W", m) for m in pending]
+    return acts
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble}
+
+
+def splits_backward(actions: list[Action]) -> bool:
+    """Whether a part's actions split backward into B and W."""
+    return any(a.kind == "W" for a in actions)
+
+
+def part_depths(order: list[str], edges: Mapping[tuple[str, str], object]) -> dict[str, int]:
+    """Longest path (in parts) from each part to a sink of the part DAG."""
+    succ: dict[str, set[str]] = {p: set() for p in order}
+    for (a, b) in edges:
+        succ[a].add(b)
+    depth: dict[str, int] = {}
+    for p in reversed(order):
+        depth[p] = 1 + max((depth[s] for s in succ[p]), default=-1)
+    return depth
+
+
+def make_schedule(name: str, order: list[str], edges: Mapping[tuple[str, str], object], n_micro: int) -> dict[str, list[Action]]:
+    """Actions per part for schedule ``name`` (``gpipe``, ``1f1b`` or ``zb1``)."""
+    try:
+        fn = SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+    if n_micro < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {n_micro}")
+    depth = part_depths(order, edges)
+    return {p: fn(n_micro, depth[p]) for p in order}
+
+
+#: the share of a backward that is parameter gradients, when a split schedule's W is not measured
+#: (a linear layer's backward is two matmuls of equal size: one for its input, one for its weight)
+W_FRACTION = 0.5
+
+
+def action_seconds(c: Mapping[str, float], kind: str, split: bool) -> float:
+    """Seconds of one action: F, B (whole, or the input half when the schedule splits it), W.
+    ``c``: {"F", "B"[, "W"]} seconds of one micro-batch; without "W" a split backward gives
+    :data:`W_FRACTION` of "B" to W."""
+    if not split or "W" in c:
+        return float(c.get(kind, 0.0))
+    b = float(c["B"])
+    return b * W_FRACTION if kind == "W" else b * (1 - W_FRACTION) if kind == "B" else float(c[kind])
+
+
+@dataclass
+class Simulation:
+    """end_s: part -> when its last action ends; timeline: part -> [(action, start, end)]."""
+
+    end_s: dict[str, float]
+    timeline: dict[str, list[tuple[str, float, float]]]
+
+
+def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[str, float]],
+             sends: Mapping[tuple[str, str], list[tuple[str, object]]],
+             deliver: Callable[[str, str, object, float], float]) -> Simulation:
+    """Run every part's action list the way the executors do: an action starts when its part is free
+    and every message it waits for has arrived.
+
+    actions: part -> its actions (:func:`make_schedule`), in the parts' topological order.
+    compute: part -> {"F", "B"[, "W"]} seconds of one micro-batch (see :func:`action_seconds`).
+    sends:   (part, "F" or "B") -> [(destination part, payload)]: the messages one such action sends
+             (forward activations after F, input gradients after B); the destination's action of the
+             same kind and micro-batch waits for them.
+    deliver: (src, dst, payload, ready_s) -> arrival seconds of a message ready at ``ready_s``
+             (a link model; it may keep queues).
+    Raises RuntimeError on a deadlock (an action waits for a message nothing sends).
+    """
+    order = list(actions)
+    n_micro = 1 + max((a.micro_batch for acts in actions.values() for a in acts), default=0)
+    need: dict[tuple[str, str, int], int] = {}
+    for (p, kind), msgs in sends.items():
+        for dst, _ in msgs:
+            for mb in range(n_micro):
+                need[(dst, kind, mb)] = need.get((dst, kind, mb), 0) + 1
+    split = {p: splits_backward(actions[p]) for p in order}
+    arrived: dict[tuple[str, str, int], list[float]] = {}
+    free = {p: 0.0 for p in order}
+    cursor = {p: 0 for p in order}
+    timeline: dict[str, list[tuple[str, float, float]]] = {p: [] for p in order}
+    while any(cursor[p] < len(actions[p]) for p in order):
+        progressed = False
+        for p in order:
+            if cursor[p] >= len(actions[p]):
+                continue
+            a = actions[p][cursor[p]]
+            k = (p, a.kind, a.micro_batch)
+            got = arrived.get(k, [])
+            if len(got) < need.get(k, 0):
+                continue
+            start = max([free[p], *got])
+            end = start + action_seconds(compute[p], a.kind, split[p])
+            free[p] = end
+            timeline[p].append((str(a), start, end))
+            if a.kind != "W":
+                for dst, payload in sends.get((p, a.kind), []):
+                    arrived.setdefault((dst, a.kind, a.micro_batch), []).append(deliver(p, dst, payload, end))
+            cursor[p] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule deadlock at {[(p, cursor[p]) for p in order]}")
+    return Simulation(free, timeline)
