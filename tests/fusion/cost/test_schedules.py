@@ -89,3 +89,28 @@ def test_auto_on_a_tight_cluster_avoids_gpipes_activations_in_flight(gpt):
 def test_a_bad_schedule_is_a_compile_error(gpt):
     with pytest.raises(CompileError, match="schedule must be one of"):
         compile_model(gpt, load_scenario("local-4-two-sites"), schedule="interleaved")
+
+
+@pytest.mark.parametrize("strategy", ["opfence", "equal-flops"])
+def test_the_compilers_price_is_the_runtime_replays(gpt, strategy):
+    """The same per-part F/B seconds through the runtime's replay (wire bytes of the real messages,
+    emulated alpha-beta links) give the compiler's simulated price of every schedule within 3 %."""
+    import numpy as np
+
+    from fusion.cost.estimate import CostModel
+    from fusion.cost.flops import measure_costs
+    from fusion.cost.schedules import part_times
+    from fusion.executors.runtime.replay import replay
+
+    cluster = load_scenario("local-4-two-sites")
+    plan = compile_model(gpt, cluster, strategy=strategy, micro_batches=MICRO, schedule="auto")
+    names = list(plan.parts)
+    node_part = np.array([names.index(plan.assignment[n]) for n in gpt.graph.nodes])
+    dev_names = [d.name for d in cluster.devices]
+    part_device = np.array([dev_names.index(plan.parts[p].device) for p in names])
+    cm = CostModel.build(gpt.graph, measure_costs(gpt.graph), cluster, MICRO)
+    est = cm.evaluate(node_part, part_device)
+    _, compute, _ = part_times(cm, est, node_part, part_device)
+    for s, price in plan.predicted["schedules"].items():
+        r = replay(dataclasses.replace(plan, schedule=s), {names[p]: c for p, c in compute.items()})
+        assert r.iteration_s + est.sync_s == pytest.approx(price["iteration_s"], rel=0.03), s
