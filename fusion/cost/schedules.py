@@ -72,9 +72,9 @@ def simulated_iteration(schedule: str, order: list[int], compute: Mapping[int, M
     return max(sim.end_s.values()) + tail_s
 
 
-def part_times(cm: CostModel, est: Estimate, node_part: np.ndarray, part_device: np.ndarray,
-               recompute: np.ndarray | None = None):
-    """(order, compute, links) of :func:`simulated_iteration` for an estimate of a cut (see module doc)."""
+def part_times(cm: CostModel, est: Estimate, node_part: np.ndarray, part_device: np.ndarray):
+    """(order, compute, links) of :func:`simulated_iteration` for ``est``, the estimate of a cut (see the
+    module doc; a recomputing part's extra forward is in ``est``'s compute and so in its B)."""
     node_part = np.asarray(node_part, dtype=np.int64)
     dev = np.asarray(part_device, dtype=np.int64)
     n = len(dev)
@@ -124,7 +124,7 @@ def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device:
         est = cm.evaluate(node_part, part_device, recompute=recompute)
     finally:
         cm.schedule = before
-    order, compute, links = part_times(cm, est, node_part, part_device, recompute)
+    order, compute, links = part_times(cm, est, node_part, part_device)
     t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s)
     peak = max((pe.memory_bytes for pe in est.parts), default=0.0)
     return SchedulePrice(t, peak, not est.violations), est

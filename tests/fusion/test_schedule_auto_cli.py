@@ -1,7 +1,5 @@
 """``--schedule auto`` on the command line (issue 17): ``fusion run MODEL`` trains the schedule the
 compiler priced fastest, exactly as if that schedule had been given; bad values are one line, exit 2."""
-import json
-
 import numpy as np
 
 from fusion.plan import load_plan
