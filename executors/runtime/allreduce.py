@@ -293,6 +293,16 @@ def unflatten(bucket: Bucket, flat: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def _chunk_codec(codec) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    """(encode, decode) of one all-reduce payload under ``Plan.dp_codec`` (None: a copy of the array and the
+    array itself)."""
+    if not codec:
+        return (lambda a: a.copy()), (lambda p: p)
+    from fusion.kernels.quant import dequantize, quantize
+
+    return (lambda a: quantize(a, codec)), dequantize
+
+
 def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
                  wait: Callable[[Callable[[], Any], str], Any]) -> None:
     """Average ``buffers`` (one per bucket, changed in place) over the ring of ``inbox``.
@@ -303,15 +313,8 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     g = inbox.g
     if g == 1:
         return
-    from fusion.kernels.quant import dequantize, quantize
-
     codec = inbox.codec
-
-    def enc(a: np.ndarray):
-        return quantize(a, codec) if codec else a.copy()
-
-    def dec(p) -> np.ndarray:
-        return dequantize(p) if codec else p
+    enc, dec = _chunk_codec(codec)
 
     if inbox.exchange:
         mine = [enc(buf) for buf in buffers]
@@ -356,15 +359,8 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     g = inbox.g
     if g == 1:
         return
-    from fusion.kernels.quant import dequantize, quantize
-
     codec = inbox.codec
-
-    def enc(a: np.ndarray):
-        return quantize(a, codec) if codec else a.copy()
-
-    def dec(p) -> np.ndarray:
-        return dequantize(p) if codec else p
+    enc, dec = _chunk_codec(codec)
 
     depth = tree_depth(g)
     forward: list[Any] | None = None  # in the broadcast, what this rank passes on (the bytes it got, unchanged)
