@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_dp_measured import measure  # median step time of a plan with emulated links (same folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
@@ -51,21 +52,6 @@ def make_plan(cluster_file: Path, algo: str, out: Path) -> tuple[Path, dict]:
     priced = dict(plan.predicted["dp_allreduce"]["part0"])
     plan.dp_algo = {"part0": algo} if algo == "tree" else {}  # ... then runs the algorithm asked for
     return save_plan(plan, out, params=model.params), priced
-
-
-def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
-    from fusion.data import make_batches
-    from fusion.executors.runtime.coordinator import CoordinatorConfig
-    from fusion.executors.runtime.launcher import LocalCluster
-
-    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=True, peer_timeout_s=60), threads=1,
-                      trace=False, verbose=0) as lc:
-        lc.start()
-        batch = make_batches(lc.plan, "auto", 0)
-        reports = [lc.coordinator.step(batch(s)) for s in range(warmup + steps)][warmup:]
-    it = statistics.median(r.iteration_s for r in reports)
-    return {"iteration_s": round(it, 5), "samples_per_s": round(reports[0].samples / it, 3),
-            "losses": [round(r.loss, 6) for r in reports]}
 
 
 def main(argv: list[str] | None = None) -> int:
