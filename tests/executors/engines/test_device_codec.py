@@ -15,6 +15,7 @@ from fusion.executors.reference import ReferenceExecutor
 from fusion.executors.runtime.compression import CompressionTable, dense_payload
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.kernels import quant_torch
+from fusion.kernels.codec import CODECS as CODECS_REGISTRY
 from fusion.kernels.delta import DeltaPayload
 from fusion.kernels.quant import QuantPayload
 from fusion.kernels.sparse import SparsePayload
@@ -141,23 +142,48 @@ def test_a_dense_or_integer_tensor_leaves_as_a_numpy_array():
     assert cfg is None and isinstance(out, np.ndarray) and out.dtype == np.int64
 
 
-def test_a_codec_without_a_device_path_goes_to_the_host_table():
-    """A codec the device has no implementation of is encoded by the host table from a NumPy copy. This
-    branch's host table refuses unknown algos when it is built, so the rule and the host encode of a
-    user-registered codec are stood in for here; once the runtime runs registered codecs
-    (CodecRegistry in executors/runtime/compression.py), this should register a real one instead."""
-    host, dev = _tables("topk", "float32")
-    calls = []
+class _HalfCodec:
+    """A user codec for the test: float16 values, one frame (NumPy path only)."""
 
-    def host_encode(payload, key, peer, is_grad, mb, ids=None, it=None):
-        calls.append(type(payload))
-        return payload, {"algo": "mine"}
+    name = "test-half"
 
-    rule = dev.host.fwd[(KEY, "b")]
-    dev.host.fwd[(KEY, "b")] = type(rule)({"algo": "mine"})
-    dev.host.encode = host_encode
-    out, cfg = dev.encode(_tensor(0, "float32"), KEY, "b", False, 0)
-    assert calls == [np.ndarray] and cfg == {"algo": "mine"} and isinstance(out, np.ndarray)
+    def wire_nbytes(self, numel, dtype, cfg):
+        return 2 * numel
+
+    def encode_numpy(self, arr, cfg):
+        a = np.asarray(arr)
+        return {"shape": list(a.shape), "h": a.astype(np.float16).tobytes()}
+
+    def decode_numpy(self, p):
+        return np.frombuffer(p["h"], np.float16).astype(np.float32).reshape(p["shape"])
+
+    def encode(self, tensor, cfg):
+        return self.encode_numpy(tensor.detach().cpu().numpy(), cfg)
+
+    def decode(self, payload, like=None):
+        return torch.from_numpy(self.decode_numpy(payload))
+
+
+def test_a_registered_codec_without_a_device_path_goes_to_the_host_table():
+    """A user-registered codec has no device implementation: the device table hands the host table a NumPy
+    copy, and the payload is the one the host table makes of the same values."""
+    from fusion.kernels.codec import register_codec
+
+    before = dict(CODECS_REGISTRY._codecs)
+    try:
+        register_codec(_HalfCodec())
+        cfg = {"algo": "test-half"}
+        e = EdgeCompression("x", None, "a", "b", fwd_codec=cfg, bwd_codec=cfg)
+        host = CompressionTable.build("a", [e], _Graph("float32"))
+        dev = DeviceCompression(CompressionTable.build("a", [e], _Graph("float32")), "cpu", torch_on_cpu=True)
+        x = _tensor(0, "float32")
+        got, got_cfg = dev.encode(x, KEY, "b", False, 0)
+        want, want_cfg = host.encode(x.numpy(), KEY, "b", False, 0)
+        assert got_cfg == want_cfg == cfg and type(got) is type(want) and not isinstance(got, torch.Tensor)
+        assert got == want and got.fields["h"] == x.numpy().astype(np.float16).tobytes()
+    finally:
+        CODECS_REGISTRY._codecs.clear()
+        CODECS_REGISTRY._codecs.update(before)
 
 
 def test_quant_frames_through_a_reused_staging_buffer_are_the_same_bytes():
