@@ -23,6 +23,16 @@ from fusion.ir.node import Ref
 
 # -- branching CNN ---------------------------------------------------------------------------
 
+#: a cluster file of two CPU devices in two sites joined by a 20 Mbit/s, 30 ms link
+TWO_SITES_YAML = """
+name: two-sites
+devices:
+  - {name: cpu-0, group: site-a, peak_flops: 50 GFLOPS, memory: 4 GB}
+  - {name: cpu-1, group: site-b, peak_flops: 50 GFLOPS, memory: 4 GB}
+links:
+  default: {latency: 30 ms, bandwidth: 20 Mbit/s}
+"""
+
 CNN_CLASSES = 5
 
 

@@ -17,21 +17,12 @@ import pytest
 import torch
 
 from fusion.plan import OptimizerConfig
-from tests.executors.dist_models import run_distributed, assert_matches_plain
+from tests.executors.dist_models import run_distributed, assert_matches_plain, TWO_SITES_YAML
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, MICRO = 5, 4
 # SGD with momentum: AdamW would turn the rounding noise of the key bias's (exactly zero) gradient into full-size steps
 OPT = OptimizerConfig("sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
-
-TWO_DEVICES = """
-name: two-sites
-devices:
-  - {name: cpu-0, group: site-a, peak_flops: 50 GFLOPS, memory: 4 GB}
-  - {name: cpu-1, group: site-b, peak_flops: 50 GFLOPS, memory: 4 GB}
-links:
-  default: {latency: 30 ms, bandwidth: 20 Mbit/s}
-"""
 
 
 def _gpt_module():
@@ -78,7 +69,7 @@ def test_traced_gpt_processes_match_pytorch(tmp_path, n_parts, schedule):
     module, example = gpt.tiny()
     model = trace(module, example)
     if n_parts == 2:
-        (tmp_path / "c.yaml").write_text(TWO_DEVICES)
+        (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
         cluster = load_cluster(str(tmp_path / "c.yaml"))
     else:
         cluster = load_cluster(str(REPO / "examples/clusters/local-4-two-sites.yaml"))

@@ -20,6 +20,7 @@ from fusion.ir.opdata import OpData
 from fusion.ir.wire import decode_opdata, encode_opdata
 from fusion.kernels.codec import CODECS, CodecPayload
 from fusion.plan import EdgeCompression, OptimizerConfig
+from tests.executors.dist_models import TWO_SITES_YAML
 
 #: a model file that registers a per-tensor int8 codec (NumPy and torch paths) and a torch-only one
 MODEL = textwrap.dedent('''
@@ -90,14 +91,6 @@ MODEL = textwrap.dedent('''
 ''')
 
 INT8 = {"algo": "int8"}
-CLUSTER = """
-name: two-sites
-devices:
-  - {name: cpu-0, group: site-a, peak_flops: 50 GFLOPS, memory: 4 GB}
-  - {name: cpu-1, group: site-b, peak_flops: 50 GFLOPS, memory: 4 GB}
-links:
-  default: {latency: 30 ms, bandwidth: 20 Mbit/s}
-"""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,7 +122,7 @@ def _batches(steps: int):
 
 def _compile(tmp_path, model_file, *extra):
     out = tmp_path / "plan"
-    (tmp_path / "c.yaml").write_text(CLUSTER)
+    (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
     r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{model_file}:model", "--cluster",
                         str(tmp_path / "c.yaml"), "--strategy", "equal-count", "--micro-batches", "2",
                         "--optimizer", "adamw", "--lr", "0.01", "-o", str(out), *extra],
