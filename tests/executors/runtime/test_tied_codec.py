@@ -16,7 +16,8 @@ from fusion.executors.runtime.compression import TiedCodec, sum_in_order
 from fusion.executors.runtime.control import encode_ctrl
 from fusion.ir.errors import FusionError, WireError
 from fusion.plan import OptimizerConfig
-from tests.executors.runtime.test_distributed_gpt import REPO, TWO_DEVICES, _gpt_module
+from tests.executors.dist_models import TWO_SITES_YAML
+from tests.executors.runtime.test_distributed_gpt import REPO, _gpt_module
 
 Q8 = {"algo": "quant", "bits": 8}
 OPT = OptimizerConfig("sgd", lr=0.1, momentum=0.9)
@@ -30,7 +31,7 @@ def _plan(tmp_path, tied_codec):
 
     module, example = _gpt_module().tiny()
     model = trace(module, example)
-    (tmp_path / "c.yaml").write_text(TWO_DEVICES)
+    (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
     plan = compile_model(model, load_cluster(str(tmp_path / "c.yaml")), strategy="equal-flops", micro_batches=2,
                          optimizer=OPT, tied_codec=tied_codec)
     owners = {plan.assignment[n] for n in model.graph.param_users()[TIED]}
@@ -127,7 +128,7 @@ def test_auto_takes_8_bit_quant_only_where_it_shortens_the_iteration(tmp_path):
                           strategy="equal-flops", micro_batches=2, optimizer=OPT)
     assert slow.tied_codec == {"algo": "quant", "bits": 8}  # the owners part0 and part3 sit on two sites
     assert slow.predicted["sync_s"] < exact.predicted["sync_s"] and slow.predicted["iteration_s"] < exact.predicted["iteration_s"]
-    (tmp_path / "fast.yaml").write_text(TWO_DEVICES.replace("latency: 30 ms, bandwidth: 20 Mbit/s",
+    (tmp_path / "fast.yaml").write_text(TWO_SITES_YAML.replace("latency: 30 ms, bandwidth: 20 Mbit/s",
                                                             "latency: 0.01 ms, bandwidth: 400 Gbit/s"))
     fast = compile_model(model, load_cluster(str(tmp_path / "fast.yaml")), strategy="equal-flops", micro_batches=2,
                          optimizer=OPT, tied_codec="auto")
@@ -135,7 +136,7 @@ def test_auto_takes_8_bit_quant_only_where_it_shortens_the_iteration(tmp_path):
 
 
 def test_compile_refuses_a_bad_tied_codec_with_exit_2_and_one_line(tmp_path):
-    (tmp_path / "c.yaml").write_text(TWO_DEVICES)
+    (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
     r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{REPO}/examples/models/gpt.py:tiny",
                         "--cluster", str(tmp_path / "c.yaml"), "--tied-codec", "delta:bits=4", "-o", str(tmp_path / "p")],
                        capture_output=True, text=True, timeout=120)
