@@ -1,4 +1,5 @@
-"""What the CLI tests share: model files they write and name as MODEL (``file.py:function``), free ports."""
+"""What the CLI tests share: model files they write and name as MODEL (``file.py:function``), the one-line
+error check of an in-process CLI call, free ports."""
 import socket
 
 #: a two-layer CNN built node by node; its traced micro-batch is 2 rows
@@ -15,6 +16,19 @@ def cnn():
     b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
     return b.build(example={"x": torch.randn(2, 3, 6, 6), "y": torch.randint(0, 5, (2,))}, seed=0)
 '''
+
+
+def cnn_model(tmp_path) -> str:
+    """Write :data:`CNN_SRC` to ``tmp_path/model.py``; its MODEL name (``file.py:cnn``)."""
+    (tmp_path / "model.py").write_text(CNN_SRC)
+    return f"{tmp_path / 'model.py'}:cnn"
+
+
+def one_line(capsys) -> str:
+    """What an in-process ``fusion.cli.main`` call wrote to stderr, which must be exactly one line."""
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
 
 
 def free_ports(n: int) -> list[int]:

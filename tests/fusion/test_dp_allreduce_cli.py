@@ -3,21 +3,10 @@ from pathlib import Path
 
 from fusion.cli import main
 from fusion.plan import load_plan
-from tests.fusion.cli_helpers import CNN_SRC
+from tests.fusion.cli_helpers import cnn_model as _model, one_line as _one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
-
-
-def _model(tmp_path) -> str:
-    (tmp_path / "model.py").write_text(CNN_SRC)
-    return f"{tmp_path / 'model.py'}:cnn"
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 def test_bad_dp_allreduce_exits_2_with_one_line(tmp_path, capsys):

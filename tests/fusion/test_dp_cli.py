@@ -8,23 +8,10 @@ import numpy as np
 
 from fusion.cli import main
 from fusion.plan import OptimizerConfig, load_plan, load_weights
-from tests.fusion.cli_helpers import CNN_SRC
+from tests.fusion.cli_helpers import cnn_model as _model, one_line as _one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
-
-MODEL_SRC = CNN_SRC
-
-
-def _model(tmp_path) -> str:
-    (tmp_path / "model.py").write_text(MODEL_SRC)
-    return f"{tmp_path / 'model.py'}:cnn"
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 def test_compile_places_replicas_on_the_next_fastest_free_devices(tmp_path, capsys):
