@@ -5,6 +5,7 @@ import json
 import logging
 import subprocess
 import sys
+import string
 import textwrap
 
 import msgpack
@@ -22,6 +23,47 @@ from fusion.kernels.codec import CODECS, CodecPayload
 from fusion.plan import EdgeCompression, OptimizerConfig
 from tests.executors.dist_models import TWO_SITES_YAML
 
+#: a per-tensor int8 codec class with NumPy and torch paths, torch-free at import (its torch path imports
+#: torch when called); :func:`int8_codec` gives its source under a class and codec name
+INT8_CODEC = string.Template('''
+class $cls:
+    """Per-tensor symmetric int8: one float scale (max |x| / 127), one byte per element."""
+
+    name = "$name"
+
+    def wire_nbytes(self, numel, dtype, cfg):
+        return numel + 8
+
+    def encode_numpy(self, arr, cfg):
+        a = np.asarray(arr, dtype=np.float32)
+        scale = float(np.abs(a).max()) / 127.0 if a.size else 0.0
+        q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8) if scale > 0 else np.zeros(a.shape, np.int8)
+        return {"scale": scale, "shape": list(a.shape), "q": q.tobytes()}
+
+    def decode_numpy(self, p):
+        shape = p["shape"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"bad shape {shape!r}")
+        if not isinstance(p["q"], bytes) or len(p["q"]) != int(np.prod(shape, dtype=np.int64)):
+            raise ValueError(f"{len(p['q'])} code bytes for shape {shape}")
+        if not isinstance(p["scale"], float) or not np.isfinite(p["scale"]):
+            raise ValueError("bad scale")
+        return (np.frombuffer(p["q"], np.int8).astype(np.float32) * np.float32(p["scale"])).reshape(shape)
+
+    def encode(self, tensor, cfg):
+        return self.encode_numpy(tensor.detach().cpu().numpy(), cfg)
+
+    def decode(self, payload, like=None):
+        import torch
+
+        return torch.from_numpy(self.decode_numpy(payload))
+''')
+
+
+def int8_codec(cls: str, name: str) -> str:
+    return INT8_CODEC.substitute(cls=cls, name=name)
+
+
 #: a model file that registers a per-tensor int8 codec (NumPy and torch paths) and a torch-only one
 MODEL = textwrap.dedent('''
     import numpy as np
@@ -31,35 +73,7 @@ MODEL = textwrap.dedent('''
     from fusion.kernels.codec import register_codec
 
 
-    class Int8Codec:
-        """Per-tensor symmetric int8: one float scale (max |x| / 127), one byte per element."""
-
-        name = "int8"
-
-        def wire_nbytes(self, numel, dtype, cfg):
-            return numel + 8
-
-        def encode_numpy(self, arr, cfg):
-            a = np.asarray(arr, dtype=np.float32)
-            scale = float(np.abs(a).max()) / 127.0 if a.size else 0.0
-            q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8) if scale > 0 else np.zeros(a.shape, np.int8)
-            return {"scale": scale, "shape": list(a.shape), "q": q.tobytes()}
-
-        def decode_numpy(self, p):
-            shape = p["shape"]
-            if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError(f"bad shape {shape!r}")
-            if not isinstance(p["q"], bytes) or len(p["q"]) != int(np.prod(shape, dtype=np.int64)):
-                raise ValueError(f"{len(p['q'])} code bytes for shape {shape}")
-            if not isinstance(p["scale"], float) or not np.isfinite(p["scale"]):
-                raise ValueError("bad scale")
-            return (np.frombuffer(p["q"], np.int8).astype(np.float32) * np.float32(p["scale"])).reshape(shape)
-
-        def encode(self, tensor, cfg):
-            return self.encode_numpy(tensor.detach().cpu().numpy(), cfg)
-
-        def decode(self, payload, like=None):
-            return torch.from_numpy(self.decode_numpy(payload))
+''') + int8_codec("Int8Codec", "int8") + textwrap.dedent('''
 
 
     class TorchOnlyCodec(Int8Codec):
@@ -286,40 +300,8 @@ def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(tmp_pat
 
 
 #: a plugin file that only registers a codec, torch-free (its torch path imports torch when called)
-NUMPY_CODEC = textwrap.dedent('''
-    import numpy as np
-
-    from fusion.kernels.codec import register_codec
-
-
-    class NpInt8Codec:
-        name = "npint8"
-
-        def wire_nbytes(self, numel, dtype, cfg):
-            return numel + 8
-
-        def encode_numpy(self, arr, cfg):
-            a = np.asarray(arr, dtype=np.float32)
-            scale = float(np.abs(a).max()) / 127.0 if a.size else 0.0
-            q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8) if scale > 0 else np.zeros(a.shape, np.int8)
-            return {"scale": scale, "shape": list(a.shape), "q": q.tobytes()}
-
-        def decode_numpy(self, p):
-            if len(p["q"]) != int(np.prod(p["shape"], dtype=np.int64)):
-                raise ValueError("code bytes do not match the shape")
-            return (np.frombuffer(p["q"], np.int8).astype(np.float32) * np.float32(p["scale"])).reshape(p["shape"])
-
-        def encode(self, tensor, cfg):
-            return self.encode_numpy(tensor.detach().cpu().numpy(), cfg)
-
-        def decode(self, payload, like=None):
-            import torch
-
-            return torch.from_numpy(self.decode_numpy(payload))
-
-
-    register_codec(NpInt8Codec())
-''')
+NUMPY_CODEC = "import numpy as np\n\nfrom fusion.kernels.codec import register_codec\n\n" \
+    + int8_codec("NpInt8Codec", "npint8") + "\n\nregister_codec(NpInt8Codec())\n"
 
 
 def test_a_numpy_compnode_without_torch_runs_a_user_codec_from_a_plugin(tmp_path):
