@@ -169,6 +169,8 @@ def _price_schedules(cm: CostModel, part: Partition, recompute: str) -> dict[str
     before, out = cm.schedule, {}
     try:
         for name in SCHEDULE_NAMES:
+            if name == "interleaved":  # priced only where the cut has several parts per device
+                continue
             cm.schedule = name
             rc = _recompute_choice(cm, part, recompute)
             out[name] = price_schedule(cm, name, part.node_part, part.part_device, rc)[0]

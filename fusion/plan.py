@@ -29,7 +29,7 @@ PLAN_VERSION = 1
 
 
 #: the micro-batch schedules an executor knows (``fusion.executors.runtime.schedule.SCHEDULES``; a test keeps them equal)
-SCHEDULE_NAMES = ("gpipe", "1f1b", "zb1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb1", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,36 @@ class Plan:
         stage = self.stage_of(part)
         return sorted((n for n in self.parts if self.stage_of(n) == stage), key=lambda n: self.parts[n].replica)
 
+    def _validate_interleaved(self, source: str) -> None:
+        """Interleaved 1F1B: the parts go round-robin over the devices in part order, the micro-batches are a
+        multiple of the devices, one replica (data-parallel replicas of an interleaved pipeline are not built)."""
+        if any(p.replica for p in self.parts.values()):
+            raise PlanError(f"{source}: schedule 'interleaved' runs one pipeline; data-parallel replicas of it are "
+                            "not supported (use 1f1b or zb1 with replicas)")
+        try:
+            ranks = self.lanes()
+        except ValueError as e:
+            raise PlanError(f"{source}: parts: {e}") from None
+        if self.micro_batches % len(ranks):
+            raise PlanError(f"{source}: micro_batches {self.micro_batches} must be a multiple of the {len(ranks)} devices "
+                            "of an interleaved schedule")
+
+    def lanes(self) -> dict[str, list[str]]:
+        """The executor processes of the plan: lane -> the parts it runs, in part order. One part per process,
+        except under ``interleaved``, where one process per device runs the device's chunks (virtual stages)."""
+        if self.schedule != "interleaved":
+            return {p: [p] for p in self.parts}
+        from fusion.ir.boundary import part_order
+        from fusion.ir.schedule import virtual_stages
+
+        order = part_order(self.graph, self.assignment)
+        ranks, v = virtual_stages(order, {p: self.parts[p].device for p in order})
+        return {dev: [order[c * len(ranks) + r] for c in range(v)] for r, dev in enumerate(ranks)}
+
+    def lane_of(self, part: str) -> list[str]:
+        """The parts that share ``part``'s executor process (``[part]`` unless the schedule interleaves)."""
+        return next(ps for ps in self.lanes().values() if part in ps)
+
     def dp_algo_of(self, part: str) -> str:
         """The all-reduce algorithm of ``part``'s data-parallel group (``"ring"`` unless ``dp_algo`` says otherwise)."""
         return self.dp_algo.get(self.stage_of(part), "ring")
@@ -284,6 +314,8 @@ class Plan:
             raise PlanError(f"{source}: schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.micro_batches < 1:
             raise PlanError(f"{source}: micro_batches must be >= 1, got {self.micro_batches}")
+        if self.schedule == "interleaved":
+            self._validate_interleaved(source)
         for c in self.compression:
             if c.src not in self.parts or c.dst not in self.parts:
                 raise PlanError(f"{source}: compression edge {c.producer} names unknown part {c.src!r}->{c.dst!r}")

@@ -5,6 +5,12 @@ that executes it, so a simulator can replay it without a model. A part's
 *depth* is the length of the longest path from it to a sink of the part-level
 DAG (the last stage has depth 0).
 
+Interleaved 1F1B (``interleaved``; Narayanan et al. 2021, Megatron-LM's order) puts several
+non-adjacent parts (*virtual stages*, or chunks) on one device: with D devices, the part at position
+``s`` of the topological order runs on device ``s % D``, and each device runs one merged action list
+over its chunks (a *lane*), which cuts the fill/drain bubble by the number of chunks ``v``.
+:func:`make_lanes` gives the lanes; :func:`make_schedule` gives each part its own projection of them.
+
 Zero-bubble schedules (``zb1``) split a backward into ``B`` (gradients of the
 part's inputs, sent at once to the parts that wait for them) and ``W``
 (gradients of the part's parameters, which nothing waits for), so ``W`` can
@@ -84,7 +90,40 @@ def zero_bubble(n_micro: int, depth: int) -> list[Action]:
     return acts
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble}
+def interleaved_1f1b(n_micro: int, n_devices: int, n_chunks: int, rank: int) -> list[tuple[int, Action]]:
+    """Megatron-LM's interleaved 1F1B order for device ``rank`` of ``n_devices`` holding ``n_chunks``
+    chunks: [(chunk, action)] over ``n_micro * n_chunks`` virtual micro-batches.
+
+    Forwards go chunk-major in groups of D micro-batches (chunk ``(k % (D*v)) // D`` for the k-th
+    forward), backwards the same with chunks reversed. Warm-up: ``2 * (D - rank - 1) + (v - 1) * D``
+    forwards (all of them when ``n_micro == D``), then one forward and one backward alternate, then the
+    remaining backwards drain. ``n_micro`` must be a multiple of D (as in Megatron-LM).
+    """
+    d, v = n_devices, n_chunks
+    if n_micro % d:
+        raise ValueError(f"interleaved 1F1B needs micro_batches a multiple of the devices ({d}), got {n_micro}")
+    total = n_micro * v
+    warm = total if n_micro == d else min(total, 2 * (d - rank - 1) + (v - 1) * d)
+    done = {"F": [0] * v, "B": [0] * v}
+
+    def act(kind: str, k: int) -> tuple[int, Action]:
+        chunk = (k % (d * v)) // d
+        if kind == "B":
+            chunk = v - 1 - chunk
+        mb = done[kind][chunk]
+        done[kind][chunk] += 1
+        return chunk, Action(kind, mb)
+
+    out = [act("F", k) for k in range(warm)]
+    for i in range(total - warm):
+        out += [act("F", warm + i), act("B", i)]
+    out += [act("B", i) for i in range(total - warm, total)]
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble, "interleaved": interleaved_1f1b}
+#: schedules whose parts share devices: one merged action list per device
+LANE_SCHEDULES = ("interleaved",)
 
 
 def splits_backward(actions: list[Action]) -> bool:
@@ -103,16 +142,58 @@ def part_depths(order: list[str], edges: Mapping[tuple[str, str], object]) -> di
     return depth
 
 
-def make_schedule(name: str, order: list[str], edges: Mapping[tuple[str, str], object], n_micro: int) -> dict[str, list[Action]]:
-    """Actions per part for schedule ``name`` (``gpipe``, ``1f1b`` or ``zb1``)."""
-    try:
-        fn = SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+def virtual_stages(order: list[str], devices: Mapping[str, str]) -> tuple[list[str], int]:
+    """(the devices in rank order, chunks per device) of an interleaved placement: the part at position
+    ``s`` of ``order`` must run on the ``s % D``-th device. ValueError names the first part that breaks it."""
+    ranks: list[str] = []
+    for p in order:
+        if devices[p] in ranks:
+            break
+        ranks.append(devices[p])
+    d = len(ranks)
+    if len(order) % d:
+        raise ValueError(f"interleaved: {len(order)} parts do not split evenly over {d} devices ({', '.join(ranks)})")
+    for s, p in enumerate(order):
+        if devices[p] != ranks[s % d]:
+            raise ValueError(f"interleaved: part {p!r} (position {s} of the part order) runs on device "
+                             f"{devices[p]!r}, but virtual stage {s} belongs on {ranks[s % d]!r} "
+                             f"(parts go round-robin over {', '.join(ranks)})")
+    return ranks, len(order) // d
+
+
+def make_lanes(name: str, order: list[str], edges: Mapping[tuple[str, str], object], n_micro: int,
+               devices: Mapping[str, str] | None = None) -> dict[str, list[tuple[str, Action]]]:
+    """What each executor process runs, in order: lane -> [(part, action)].
+
+    A lane is one part for ``gpipe``, ``1f1b`` and ``zb1`` (named by the part), and one device for
+    ``interleaved`` (named by the device; its parts are the device's chunks, ``devices``: part -> device)."""
+    if name not in LANE_SCHEDULES:
+        return {p: [(p, a) for a in acts] for p, acts in make_schedule(name, order, edges, n_micro).items()}
     if n_micro < 1:
         raise ValueError(f"micro_batches must be >= 1, got {n_micro}")
+    if devices is None:
+        raise ValueError(f"schedule {name!r} needs each part's device")
+    ranks, v = virtual_stages(order, devices)
+    d = len(ranks)
+    return {dev: [(order[c * d + r], a) for c, a in interleaved_1f1b(n_micro, d, v, r)] for r, dev in enumerate(ranks)}
+
+
+def make_schedule(name: str, order: list[str], edges: Mapping[tuple[str, str], object], n_micro: int,
+                  devices: Mapping[str, str] | None = None) -> dict[str, list[Action]]:
+    """Actions per part for schedule ``name`` (``gpipe``, ``1f1b``, ``zb1`` or ``interleaved``; the last
+    needs ``devices``, part -> device, and gives each part its projection of its device's lane)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if n_micro < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {n_micro}")
+    if name in LANE_SCHEDULES:
+        out: dict[str, list[Action]] = {p: [] for p in order}
+        for lane in make_lanes(name, order, edges, n_micro, devices).values():
+            for p, a in lane:
+                out[p].append(a)
+        return out
     depth = part_depths(order, edges)
-    return {p: fn(n_micro, depth[p]) for p in order}
+    return {p: SCHEDULES[name](n_micro, depth[p]) for p in order}
 
 
 #: the share of a backward that is parameter gradients, when a split schedule's W is not measured
@@ -140,9 +221,10 @@ class Simulation:
 
 def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[str, float]],
              sends: Mapping[tuple[str, str], list[tuple[str, object]]],
-             deliver: Callable[[str, str, object, float], float]) -> Simulation:
-    """Run every part's action list the way the executors do: an action starts when its part is free
-    and every message it waits for has arrived.
+             deliver: Callable[[str, str, object, float], float],
+             lanes: Mapping[str, list[tuple[str, Action]]] | None = None) -> Simulation:
+    """Run every part's action list the way the executors do: an action starts when its lane (its
+    executor process) is free and every message it waits for has arrived.
 
     actions: part -> its actions (:func:`make_schedule`), in the parts' topological order.
     compute: part -> {"F", "B"[, "W"]} seconds of one micro-batch (see :func:`action_seconds`).
@@ -151,9 +233,13 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
              same kind and micro-batch waits for them.
     deliver: (src, dst, payload, ready_s) -> arrival seconds of a message ready at ``ready_s``
              (a link model; it may keep queues).
+    lanes:   lane -> [(part, action)] (:func:`make_lanes`) when parts share a device: a lane runs its
+             actions in order on one clock. Default: each part is its own lane.
     Raises RuntimeError on a deadlock (an action waits for a message nothing sends).
     """
     order = list(actions)
+    if lanes is None:
+        lanes = {p: [(p, a) for a in actions[p]] for p in order}
     n_micro = 1 + max((a.micro_batch for acts in actions.values() for a in acts), default=0)
     need: dict[tuple[str, str, int], int] = {}
     for (p, kind), msgs in sends.items():
@@ -162,28 +248,28 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
                 need[(dst, kind, mb)] = need.get((dst, kind, mb), 0) + 1
     split = {p: splits_backward(actions[p]) for p in order}
     arrived: dict[tuple[str, str, int], list[float]] = {}
-    free = {p: 0.0 for p in order}
-    cursor = {p: 0 for p in order}
+    free = {lane: 0.0 for lane in lanes}
+    end = {p: 0.0 for p in order}
+    cursor = {lane: 0 for lane in lanes}
     timeline: dict[str, list[tuple[str, float, float]]] = {p: [] for p in order}
-    while any(cursor[p] < len(actions[p]) for p in order):
+    while any(cursor[q] < len(lanes[q]) for q in lanes):
         progressed = False
-        for p in order:
-            if cursor[p] >= len(actions[p]):
+        for q, acts in lanes.items():
+            if cursor[q] >= len(acts):
                 continue
-            a = actions[p][cursor[p]]
+            p, a = acts[cursor[q]]
             k = (p, a.kind, a.micro_batch)
             got = arrived.get(k, [])
             if len(got) < need.get(k, 0):
                 continue
-            start = max([free[p], *got])
-            end = start + action_seconds(compute[p], a.kind, split[p])
-            free[p] = end
-            timeline[p].append((str(a), start, end))
+            start = max([free[q], *got])
+            end[p] = free[q] = start + action_seconds(compute[p], a.kind, split[p])
+            timeline[p].append((str(a), start, end[p]))
             if a.kind != "W":
                 for dst, payload in sends.get((p, a.kind), []):
-                    arrived.setdefault((dst, a.kind, a.micro_batch), []).append(deliver(p, dst, payload, end))
-            cursor[p] += 1
+                    arrived.setdefault((dst, a.kind, a.micro_batch), []).append(deliver(p, dst, payload, end[p]))
+            cursor[q] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule deadlock at {[(p, cursor[p]) for p in order]}")
-    return Simulation(free, timeline)
+            raise RuntimeError(f"schedule deadlock at {[(q, cursor[q]) for q in lanes]}")
+    return Simulation(end, timeline)

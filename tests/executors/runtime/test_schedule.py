@@ -98,7 +98,7 @@ def test_make_schedule_depth_follows_the_part_dag():
 
 
 def test_make_schedule_errors():
-    with pytest.raises(ValueError, match=r"unknown schedule 'zigzag'; choose one of \['1f1b', 'gpipe', 'zb1'\]"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'zigzag'; choose one of \['1f1b', 'gpipe', 'interleaved', 'zb1'\]"):
         make_schedule("zigzag", ["a"], {}, 2)
     with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
         make_schedule("gpipe", ["a"], {}, 0)
