@@ -67,8 +67,8 @@ CLASSES = 16
 TORCH_SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
                    "interleaved1f1b": ("ScheduleInterleaved1F1B", 2),
                    "interleavedzb": ("ScheduleInterleavedZeroBubble", 2)}
-#: fusion's schedules (executors/runtime/schedule.py)
-FUSION_SCHEDULES = ("gpipe", "1f1b", "zb1")
+#: fusion's schedules (ir/schedule.py); ``interleaved`` runs two virtual stages per process, as torch's interleaved
+FUSION_SCHEDULES = ("gpipe", "1f1b", "zb1", "interleaved")
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "local-4-two-sites.yaml"
 
 
@@ -215,10 +215,11 @@ def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int
                       trace=True, verbose=0, curve=curve) as lc:
         lc.start()
         reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup)]
-        c0 = {p: _proc_cpu_s(pr.pid) for p, pr in lc.processes.items()}
+        pids = sorted({pr.pid for pr in lc.processes.values()})  # interleaved: one process runs several parts
+        c0 = {pid: _proc_cpu_s(pid) for pid in pids}
         reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup, warmup + steps)]
         if cpu is not None:
-            cpu["per_iteration_s"] = sum(_proc_cpu_s(pr.pid) - c0[p] for p, pr in lc.processes.items()) / steps / len(c0)
+            cpu["per_iteration_s"] = sum(_proc_cpu_s(pid) - c0[pid] for pid in pids) / steps / len(pids)
     return reports
 
 
@@ -229,7 +230,14 @@ def save_plan_for(model, stages: int, blocks: int, micro: int, tmp: Path, name: 
     from fusion.plan import save_plan
 
     devices = {f"p{i}": f"cpu-{i}" for i in range(stages)} if cluster else None
-    plan = hand_plan(model, split(blocks, stages), schedule=schedule, micro_batches=micro,
+    parts = stages
+    if schedule == "interleaved":  # two virtual stages per process: 2 x stages parts, round-robin over the devices
+        from fusion.executors.runtime.launcher import local_cluster_dict
+
+        parts = 2 * stages
+        cluster = local_cluster_dict([f"d{i}" for i in range(stages)])
+        devices = {f"p{i}": f"local-{i % stages}" for i in range(parts)}
+    plan = hand_plan(model, split(blocks, parts), schedule=schedule, micro_batches=micro,
                      optimizer=OptimizerConfig("sgd", lr=0.01), cluster=cluster, devices=devices)
     return save_plan(plan, tmp / name, params=model.params)
 

@@ -26,7 +26,7 @@ from fusion.executors.runtime.compression import TiedCodec, check_edges, sum_in_
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime
-from fusion.executors.runtime.schedule import Action, make_schedule, splits_backward
+from fusion.executors.runtime.schedule import make_lanes, make_schedule, splits_backward
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class ReferenceExecutor:
                  those edges carry Top-K sparse payloads as in a distributed run.
     engine_options: ``{part or "*": {option: value}}``, e.g. ``{"*": {"compiled": False}}`` runs every
                  torch part interpreted, ``{"p1": {"recompute": True}}`` recomputes p1's activations.
+    devices:     part -> device; needed by ``schedule="interleaved"`` (parts on one device are its virtual
+                 stages, each part runs its projection of the device's order, :func:`~fusion.ir.schedule.make_lanes`).
     tied_codec:  the plan's ``tied_codec`` (None: tied-parameter gradients summed exactly); as in a
                  distributed run, every owner's gradient is encoded and the decoded gradients summed
                  in part order (:class:`~fusion.executors.runtime.compression.TiedCodec`).
@@ -98,7 +100,7 @@ class ReferenceExecutor:
                  optimizer: OptimizerConfig = OptimizerConfig(), micro_batches: int = 1,
                  schedule: str = "gpipe", engines: Mapping[str, str] | None = None,
                  compression: Sequence[Any] | None = None, engine_options: Mapping[str, Mapping[str, Any]] | None = None,
-                 tied_codec: dict | None = None):
+                 tied_codec: dict | None = None, devices: Mapping[str, str] | None = None):
         g = model.graph
         self.graph = g
         self.assignment = dict(assignment) if assignment else {n: "p0" for n in g.nodes}
@@ -106,7 +108,9 @@ class ReferenceExecutor:
         self.order = part_order(g, self.assignment)
         links = part_links(g, self.assignment)
         self.micro_batches = micro_batches
-        self.schedule = make_schedule(schedule, self.order, links, micro_batches)
+        self.schedule = make_schedule(schedule, self.order, links, micro_batches, devices)
+        #: what each executor process would run in order: one lane per part, per device under ``interleaved``
+        self.lanes = make_lanes(schedule, self.order, links, micro_batches, devices)
         names = dict(engines or {})
         check_engines(g, self.assignment, names)
         self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params,
@@ -133,23 +137,22 @@ class ReferenceExecutor:
         mbs = split_micro_batches(batch, self.micro_batches)
         scale = 1.0 / self.micro_batches
         inbox: dict[tuple[str, str, int], list[OpData]] = {}
-        cursor = {p: 0 for p in self.order}
+        cursor = {q: 0 for q in self.lanes}
         losses: list[float] = []
         it = self.iteration
-        total = sum(len(a) for a in self.schedule.values())
+        total = sum(len(a) for a in self.lanes.values())
         done = 0
         while done < total:
             progressed = False
-            for p in self.order:
-                acts = self.schedule[p]
-                if cursor[p] >= len(acts):
+            for q, lane in self.lanes.items():
+                if cursor[q] >= len(lane):
                     continue
-                a: Action = acts[cursor[p]]
+                p, a = lane[cursor[q]]
                 box = inbox.get((p, a.kind, a.micro_batch), [])
                 part = self.parts[p]
                 if a.kind == "W":  # the parameter half of a split backward: local, waits for nothing
                     part.weight(it, a.micro_batch)
-                    cursor[p] += 1
+                    cursor[q] += 1
                     done += 1
                     progressed = True
                     continue
@@ -167,16 +170,16 @@ class ReferenceExecutor:
                         have.setdefault(m.key, set()).add(m.src)
                     if have != want:
                         continue
-                    out = part.backward(it, a.micro_batch, box, scale, split=splits_backward(acts))
+                    out = part.backward(it, a.micro_batch, box, scale, split=splits_backward(self.schedule[p]))
                     kind = "B"
                 inbox.pop((p, a.kind, a.micro_batch), None)
                 for msg in out:
                     inbox.setdefault((msg.dst, kind, msg.micro_batch), []).append(msg)
-                cursor[p] += 1
+                cursor[q] += 1
                 done += 1
                 progressed = True
             if not progressed:
-                stuck = {p: str(self.schedule[p][cursor[p]]) for p in self.order if cursor[p] < len(self.schedule[p])}
+                stuck = {q: str(self.lanes[q][cursor[q]][1]) for q in self.lanes if cursor[q] < len(self.lanes[q])}
                 raise RuntimeError(f"schedule deadlock at {stuck}")
         return float(np.sum(losses) * scale)
 

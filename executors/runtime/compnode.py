@@ -44,11 +44,11 @@ from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
-from fusion.executors.runtime.schedule import make_schedule, splits_backward
+from fusion.executors.runtime.schedule import make_lanes, make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
 from fusion.executors.runtime.keys import Security, insecure_warning
 from fusion.executors.runtime.plandigest import digest_mismatch
-from fusion.executors.runtime.transport import Transport
+from fusion.executors.runtime.transport import Transport, pump_any
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ class ExecutorAbort(FusionError):
 
 class Regroup(Exception):
     """The coordinator dropped a replica: the current attempt is abandoned (a wait raises this)."""
+
+
+@dataclass
+class _Step:
+    """One iteration in progress on one part: the coordinator's step, its feeds per micro-batch, the losses
+    and timings gathered so far, and the phases' hand-overs (tied gradients sent, sync start)."""
+
+    c: Control
+    it: int
+    feeds: list[dict[str, np.ndarray]]
+    losses: list[list]
+    stats: dict
+    t_start: float
+    split: bool
+    own: dict = field(default_factory=dict)
+    t_sync: float = 0.0
 
 
 @dataclass
@@ -123,7 +139,9 @@ class CompNode:
         self.assignment = plan.replica_assignment(self.replica)
         self.order = part_order(g, self.assignment)
         self.n_micro = plan.micro_batches
-        self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro)[self.me]
+        self.devices = {p: plan.parts[p].device for p in self.order}
+        self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro,
+                                     self.devices)[self.me]
         self.engine_name = plan.parts[self.me].engine
         subs = partition(g, self.assignment)
         self.sub = subs[self.me]
@@ -170,6 +188,9 @@ class CompNode:
                                    on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
                                    security=cfg.security)
         self._hb_stop = threading.Event()
+        #: the other parts of this process (interleaved 1F1B: the device's other virtual stages); waits pump their
+        #: sockets too, so their messages and the coordinator's words to them are handled while this part waits
+        self._siblings: list[CompNode] = []
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
         self._weights: dict[str, np.ndarray] | None = None
 
@@ -253,8 +274,9 @@ class CompNode:
         t0 = now_us()
         while True:
             with self._cv:
-                if self._aborted:
-                    raise ExecutorAbort(self._aborted)
+                aborted = self._aborted or next((s._aborted for s in self._siblings if s._aborted), None)
+                if aborted:
+                    raise ExecutorAbort(aborted)
                 if self._regroup is not None and not before_regroup:
                     raise Regroup()
                 v = ready()
@@ -262,7 +284,7 @@ class CompNode:
                     break
                 if self._regroup is not None:
                     raise Regroup()
-            if self.transport.pump(0):  # what arrived while this loop was busy counts before any silence check
+            if self._pump(0):  # what arrived while this loop was busy counts before any silence check
                 continue
             now = time.monotonic()
             if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
@@ -276,11 +298,16 @@ class CompNode:
             if now >= remind:
                 remind = now + self.remind_s
                 log.info("%s: still waiting for %s (%.0f s of %g s)", self.me, what, now - (deadline - timeout_s), timeout_s)
-            self.transport.pump(min(0.1, deadline - now))
+            self._pump(min(0.1, deadline - now))
         t1 = now_us()
         if t1 - t0 > 50:
             self.tracer.add(f"idle: {what}", "idle", t0, t1)
         return v, (t1 - t0) / 1e6
+
+    def _pump(self, timeout_s: float) -> int:
+        if not self._siblings:
+            return self.transport.pump(timeout_s)
+        return pump_any([self.transport, *(s.transport for s in self._siblings)], timeout_s)
 
     def _next_ctrl(self, timeout_s: float) -> Control:
         c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s)
@@ -369,6 +396,15 @@ class CompNode:
 
     # -- one iteration ----------------------------------------------------------------
     def _iteration(self, c: Control) -> None:
+        """Run one step: this part's actions, then the end of the step (:meth:`_end_send` .. :meth:`_end_commit`)."""
+        st = self._begin(c)
+        for a in self.actions:
+            self._act(st, a)
+        self._end_send(st)
+        self._end_reduce(st)
+        self._end_commit(st)
+
+    def _begin(self, c: Control) -> "_Step":
         it = int(c.fields["it"])
         if it != self.inbox.expected_iter:
             raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self.inbox.expected_iter}")
@@ -376,43 +412,52 @@ class CompNode:
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
             feeds[int(mb)][ph] = arr
-        rt, scale = self.runtime, 1.0 / self.n_micro
-        losses: list[list] = []
-        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0}
-        t_start = time.time()
-        split = splits_backward(self.actions)
-        stats["weight_s"] = []
-        for a in self.actions:
-            mb = a.micro_batch
-            if a.kind == "W":  # the parameter half of a split backward: nothing to wait for, nothing to send
-                t0 = now_us()
-                rt.weight(it, mb)
-                t1 = now_us()
-                self.tracer.add(f"W{mb}", "backward", t0, t1)
-                stats["weight_s"].append((t1 - t0) / 1e6)
-                continue
-            if a.kind == "F":
-                box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
-                t0 = now_us()
-                out, loss = rt.forward(it, mb, feeds[mb], box)
-                if loss is not None:
-                    losses.append([mb, loss])
-            else:
-                box, idle = self._wait(lambda: self.inbox.gradients(it, mb), f"gradients of B{mb}", self.cfg.data_timeout_s)
-                t0 = now_us()
-                out = rt.backward(it, mb, box, scale, split=split)
+        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0, "weight_s": []}
+        return _Step(c, it, feeds, [], stats, time.time(), splits_backward(self.actions))
+
+    def _act(self, st: "_Step", a) -> None:
+        """Run one action of the schedule: wait for its inputs, compute, hand its outputs to the transport."""
+        rt, it, mb, stats = self.runtime, st.it, a.micro_batch, st.stats
+        if a.kind == "W":  # the parameter half of a split backward: nothing to wait for, nothing to send
+            t0 = now_us()
+            rt.weight(it, mb)
             t1 = now_us()
-            with self._cv:
-                self.inbox.consume(it, a.kind, mb)
-            self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
-            stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
-            stats["idle_s"] += idle
-            for msg in out:
-                self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
-        t_sync = time.perf_counter()
+            self.tracer.add(f"W{mb}", "backward", t0, t1)
+            stats["weight_s"].append((t1 - t0) / 1e6)
+            return
+        if a.kind == "F":
+            box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
+            t0 = now_us()
+            out, loss = rt.forward(it, mb, st.feeds[mb], box)
+            if loss is not None:
+                st.losses.append([mb, loss])
+        else:
+            box, idle = self._wait(lambda: self.inbox.gradients(it, mb), f"gradients of B{mb}", self.cfg.data_timeout_s)
+            t0 = now_us()
+            out = rt.backward(it, mb, box, 1.0 / self.n_micro, split=st.split)
+        t1 = now_us()
+        with self._cv:
+            self.inbox.consume(it, a.kind, mb)
+        self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
+        stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
+        stats["idle_s"] += idle
+        for msg in out:
+            self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
+
+    def _end_send(self, st: "_Step") -> None:
+        """End of a step, first phase: send this part's tied-parameter gradients to their co-owners (nothing
+        waits here, so the parts of one process may all send before any of them waits)."""
+        st.t_sync = time.perf_counter()
         with self.tracer.span("grad-sync", "sync"):
-            self._sync_shared(it)
-        stats["sync_s"] = time.perf_counter() - t_sync
+            st.own = self._sync_send(st.it)
+
+    def _end_reduce(self, st: "_Step") -> None:
+        """Second phase: sum the tied gradients, average over the data-parallel group, and (failover runs) tell
+        the coordinator this part has its gradients."""
+        it, stats = st.it, st.stats
+        with self.tracer.span("grad-sync", "sync"):
+            self._sync_wait(it, st.own)
+        stats["sync_s"] = time.perf_counter() - st.t_sync
         if self.ring is not None:
             t_ar = time.perf_counter()
             with self.tracer.span("allreduce", "sync"):
@@ -420,6 +465,11 @@ class CompNode:
             stats["allreduce_s"] = time.perf_counter() - t_ar
         if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
             self.transport.send(COORDINATOR, encode_ctrl("reduced", it=it))
+
+    def _end_commit(self, st: "_Step") -> None:
+        """Last phase: (failover runs) the coordinator's go-ahead, the optimizer step, a checkpoint, ``done``."""
+        c, it, stats, rt = st.c, st.it, st.stats, self.runtime
+        if self.failover:
             c2, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the go-ahead of iteration {it}",
                                self.cfg.data_timeout_s, before_regroup=True)
             if c2.op == "abort":
@@ -451,23 +501,24 @@ class CompNode:
             prev = self._prev_sent.get(p, (0, 0, 0.0))
             sent[p] = {"bytes": s.bytes - prev[0], "messages": s.messages - prev[1], "busy_s": s.busy_s - prev[2]}
             self._prev_sent[p] = (s.bytes, s.messages, s.busy_s)
-        stats.update(t_start=t_start, t_end=time.time(), rejected=self.transport.rejected, escaped=self.transport.escaped, sent=sent)
-        self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=losses, stats=stats))
+        stats.update(t_start=st.t_start, t_end=time.time(), rejected=self.transport.rejected,
+                     escaped=self.transport.escaped, sent=sent)
+        self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=st.losses, stats=stats))
 
     def _decode_tied(self, od: OpData) -> np.ndarray:
         """A co-owner's tied gradient under ``plan.tied_codec``, decoded on arrival (WireError: rejected)."""
         spec = self.graph.params[od.name]
         return self.tied.decode(od.payload, tuple(spec.shape), spec.dtype, f"gradient of parameter {od.name!r} from {od.src}")
 
-    def _sync_shared(self, it: int) -> None:
-        """Sum gradients of parameters held by several parts, in plan part order (same bits on every owner).
+    def _sync_send(self, it: int) -> dict[str, np.ndarray | None]:
+        """Send this part's gradients of parameters held by several parts to their co-owners; returns its own
+        (as the co-owners will decode it, under ``plan.tied_codec``) for :meth:`_sync_wait`.
 
         With ``plan.tied_codec`` each owner sends its gradient encoded once and sums the decoded gradients of
         every owner, its own included (:class:`~.compression.TiedCodec`), so all owners still apply one sum."""
         if not self.shared:
-            return
-        engine = self.runtime.engine
-        mine = engine.grads()
+            return {}
+        mine = self.runtime.engine.grads()
         users = self.graph.param_users()
         own: dict[str, np.ndarray | None] = {}
         for name, owners in sorted(self.shared.items()):
@@ -483,14 +534,19 @@ class CompNode:
                     od = OpData(name=name, index=None, op_users=tuple(users.get(name, ())), actual_user=local, is_grad=True,
                                 local_iter=it, micro_batch=-1, src=self.me, dst=o, payload=payload)
                     self.transport.send(o, encode_opdata(od, kind="pgrad"), label=f"grad {name}")
+        return own
 
+    def _sync_wait(self, it: int, own: dict[str, np.ndarray | None]) -> None:
+        """Sum the tied gradients of every owner in plan part order (the same bits on every owner)."""
+        if not self.shared:
+            return
         got_all, _ = self._wait(lambda: self.inbox.param_grads(it), "tied-parameter gradients", self.cfg.data_timeout_s)
         for name, owners in self.shared.items():
             got = got_all[name]
             gs = [own[name] if o == self.me else got[o] for o in owners]
             gs = [np.asarray(g) for g in gs if g is not None]
             if gs:
-                engine.set_grad(name, sum_in_order(gs))
+                self.runtime.engine.set_grad(name, sum_in_order(gs))
 
     def _apply_regroup(self) -> None:
         """A replica was dropped: forget the abandoned attempt, shrink the ring, take the new micro-batch count."""
@@ -511,7 +567,8 @@ class CompNode:
                 self.inbox.finish(it)
             self.n_micro = n
             self.inbox.n_micro = n
-            self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n)[self.me]
+            self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
+                                         self.devices)[self.me]
             self.dp_group = [p for p in self.dp_group if p not in drop]
             buckets = self.ring.buckets if self.ring is not None else []
             self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
@@ -545,75 +602,182 @@ class CompNode:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
             self.transport.send(COORDINATOR, encode_ctrl("hb"))
 
-    def run(self) -> int:
-        """Serve the coordinator until told to stop. Returns the process exit status."""
-        status = 1
-        t0 = time.monotonic()
+    def _listen(self) -> str:
+        """Check the plan's weights for this part and bind its socket. FusionError: the user's to fix (exit 2)."""
+        self._t0 = time.monotonic()
         # a broken plan, and an address already in use, are the user's to fix: FusionError (one line, exit 2)
         self._weights = self.check_weights()
         try:
-            address = self.transport.start()
+            return self.transport.start()
         except FusionError:
             self.transport.close(timeout_s=1.0, linger_s=0.0)
             raise
-        try:
-            log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
-                     self.engine_name, self.cfg.advertise or address)
-            if self.cfg.security is None:
-                log.warning("%s", insecure_warning(self.me, address))
-            self.transport.connect(COORDINATOR, self.cfg.coordinator)
-            self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
-                                                         pid=os.getpid(), engine=self.engine_name,
-                                                         digest=self.cfg.plan_digest))
-            threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
-            log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
-                     self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)
-            c = self._next_ctrl(self.cfg.startup_timeout_s)
-            if c.op != "setup":
-                raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
-            self._setup(c)
-            self.transport.send(COORDINATOR, encode_ctrl("ready", part=self.me))
-            log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - t0,
-                     len(self._peers), ", ".join(sorted(self._peers)) or "none")
-            while True:
-                try:
-                    c = self._next_ctrl(float("inf"))
-                    if c.op == "step":
-                        self._iteration(c)
-                        continue
-                except Regroup:
-                    self._apply_regroup()
-                    continue
-                if c.op == "fetch":
-                    self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
-                elif c.op == "stop":
-                    status = 0
-                    log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
-                    break
-                else:
-                    log.warning("%s: ignoring control op %r", self.me, c.op)
-        except ExecutorAbort as e:
+
+    def _hello(self, address: str) -> None:
+        """Say hello to the coordinator (this part's name and address) and start heartbeating."""
+        log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
+                 self.engine_name, self.cfg.advertise or address)
+        if self.cfg.security is None:
+            log.warning("%s", insecure_warning(self.me, address))
+        self.transport.connect(COORDINATOR, self.cfg.coordinator)
+        self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
+                                                     pid=os.getpid(), engine=self.engine_name,
+                                                     digest=self.cfg.plan_digest))
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
+                 self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)
+
+    def _ready(self) -> None:
+        """Take the coordinator's setup (peers, resume), load the part, say ready."""
+        c = self._next_ctrl(self.cfg.startup_timeout_s)
+        if c.op != "setup":
+            raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
+        self._setup(c)
+        self.transport.send(COORDINATOR, encode_ctrl("ready", part=self.me))
+        log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - self._t0,
+                 len(self._peers), ", ".join(sorted(self._peers)) or "none")
+
+    def _report(self, e: BaseException) -> None:
+        """Tell the coordinator why this part stops (unless the coordinator told it to)."""
+        if isinstance(e, ExecutorAbort):
             log.error("%s: stopping: %s", self.me, e)
-            if not str(e).startswith("aborted by the coordinator") and COORDINATOR in self.transport.senders:
-                self.transport.send(COORDINATOR, encode_ctrl("error", reason=str(e)))
-        except Exception as e:
-            log.exception("%s: failed", self.me)
-            if COORDINATOR in self.transport.senders:
-                self.transport.send(COORDINATOR, encode_ctrl("error", reason=f"{type(e).__name__}: {e}"))
-        finally:
-            self._hb_stop.set()
-            if self.cfg.trace_path:
-                try:
-                    self.tracer.write(self.cfg.trace_path)
-                except OSError as e:
-                    log.error("%s: cannot write trace %s: %s", self.me, self.cfg.trace_path, e)
-            self.transport.close(timeout_s=5.0 if status == 0 else 1.0)
-            log.info("%s: exiting with status %d", self.me, status)
-        return status
+            reason = str(e)
+            if reason.startswith("aborted by the coordinator"):
+                return
+        else:
+            log.error("%s: failed: %s: %s", self.me, type(e).__name__, e)
+            reason = f"{type(e).__name__}: {e}"
+        if COORDINATOR in self.transport.senders:
+            self.transport.send(COORDINATOR, encode_ctrl("error", reason=reason))
+
+    def _close(self, status: int) -> None:
+        self._hb_stop.set()
+        if self.cfg.trace_path:
+            try:
+                self.tracer.write(self.cfg.trace_path)
+            except OSError as e:
+                log.error("%s: cannot write trace %s: %s", self.me, self.cfg.trace_path, e)
+        self.transport.close(timeout_s=5.0 if status == 0 else 1.0)
+        log.info("%s: exiting with status %d", self.me, status)
+
+    def run(self) -> int:
+        """Serve the coordinator until told to stop. Returns the process exit status."""
+        lane = self.plan.lane_of(self.me)
+        if len(lane) > 1:
+            raise FusionError(f"part {self.me!r} shares device {self.plan.parts[self.me].device!r} with "
+                              f"{', '.join(p for p in lane if p != self.me)} under the interleaved schedule: run them in "
+                              f"one process (fusion executor --node {','.join(lane)})")
+        return run_lane([self])
+
+    def _serve(self) -> int:
+        """Steps, fetches and the stop, one control message at a time; the exit status."""
+        while True:
+            try:
+                c = self._next_ctrl(float("inf"))
+                if c.op == "step":
+                    self._iteration(c)
+                    continue
+            except Regroup:
+                self._apply_regroup()
+                continue
+            if c.op == "fetch":
+                self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
+            elif c.op == "stop":
+                log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
+                return 0
+            else:
+                log.warning("%s: ignoring control op %r", self.me, c.op)
 
 
-def run_executor(plan_dir: str | Path, cfg: ExecutorConfig) -> int:
-    """Load the plan at ``plan_dir`` and serve part ``cfg.part``; returns the exit status."""
+def _serve_lane(nodes: list[CompNode]) -> int:
+    """Several parts in one process (the virtual stages of one device under interleaved 1F1B): each step
+    runs the device's merged action list (:func:`fusion.ir.schedule.make_lanes`), one action at a time on
+    the part it belongs to; the end of a step goes phase by phase over the parts, so that no part waits for
+    a tied gradient its neighbour in this process has not sent yet."""
+    first = nodes[0]
+    plan = first.plan
+    devices = {p: plan.parts[p].device for p in first.order}
+    lane = make_lanes(plan.schedule, first.order, part_links(first.graph, first.assignment), first.n_micro,
+                      devices)[devices[first.me]]
+    by_part = {n.me: n for n in nodes}
+    while True:
+        steps: dict[str, Control] = {}
+        stopped: list[str] = []
+        while len(steps) + len(stopped) < len(nodes):  # every part's next step (or stop); fetches answered as they come
+            (n, c), _ = first._wait(lambda: next(((m, m._ctrl.popleft()) for m in nodes if m._ctrl), None),
+                                    "the coordinator", float("inf"))
+            if c.op == "abort":
+                raise ExecutorAbort(f"aborted by the coordinator: {c.fields['reason']}")
+            if c.op == "fetch":
+                n.transport.send(COORDINATOR, encode_ctrl("state", n.runtime.engine.state()))
+            elif c.op == "step" and n.me not in steps:
+                steps[n.me] = c
+            elif c.op == "stop" and n.me not in stopped:
+                stopped.append(n.me)
+            else:
+                log.warning("%s: ignoring control op %r", n.me, c.op)
+        if stopped:
+            if steps:
+                raise ExecutorAbort(f"the coordinator stopped {', '.join(stopped)} but sent a step to "
+                                    f"{', '.join(sorted(steps))} of the same process")
+            log.info("%s: told to stop after %d steps", ", ".join(by_part), first.inbox.expected_iter)
+            return 0
+        sts = {p: by_part[p]._begin(c) for p, c in steps.items()}
+        for p, a in lane:
+            by_part[p]._act(sts[p], a)
+        for phase in (CompNode._end_send, CompNode._end_reduce, CompNode._end_commit):
+            for n in nodes:
+                phase(n, sts[n.me])
+
+
+def run_lane(nodes: list[CompNode]) -> int:
+    """Run the CompNode(s) of one executor process until the coordinator stops them; the exit status.
+
+    One node is the usual CompNode process. Several are the parts of one device under interleaved 1F1B
+    (``Plan.lanes``): each keeps its own socket, inbox and engine, and the process runs the device's
+    merged action list."""
+    if len(nodes) > 1:
+        lanes = nodes[0].plan.lanes()
+        want = next((ps for ps in lanes.values() if nodes[0].me in ps), [])
+        if sorted(n.me for n in nodes) != sorted(want):
+            raise FusionError(f"parts {', '.join(n.me for n in nodes)} are not one device's parts; the plan's processes "
+                              f"run {'; '.join(','.join(ps) for ps in lanes.values())}")
+        nodes = sorted(nodes, key=lambda n: want.index(n.me))
+    for n in nodes:
+        n._siblings = [m for m in nodes if m is not n]
+    addresses: list[str] = []
+    try:
+        for n in nodes:
+            addresses.append(n._listen())
+    except FusionError:
+        for n in nodes[:len(addresses)]:
+            n.transport.close(timeout_s=1.0, linger_s=0.0)
+        raise
+    status = 1
+    try:
+        for n, address in zip(nodes, addresses):
+            n._hello(address)
+        for n in nodes:
+            n._ready()
+        status = nodes[0]._serve() if len(nodes) == 1 else _serve_lane(nodes)
+    except Exception as e:
+        if not isinstance(e, ExecutorAbort):
+            log.exception("%s: failed", ", ".join(n.me for n in nodes))
+        for n in nodes:
+            n._report(e)
+    finally:
+        for n in nodes:
+            n._close(status)
+    return status
+
+
+def run_executor(plan_dir: str | Path, cfg: "ExecutorConfig | list[ExecutorConfig]") -> int:
+    """Load the plan at ``plan_dir`` and serve part ``cfg.part`` (a list: the parts of one device under
+    interleaved 1F1B, in one process); returns the exit status."""
     from fusion.plan import load_plan
 
-    return CompNode(load_plan(plan_dir), plan_dir, cfg).run()
+    plan = load_plan(plan_dir)
+    cfgs = cfg if isinstance(cfg, list) else [cfg]
+    if len(cfgs) == 1:
+        return CompNode(plan, plan_dir, cfgs[0]).run()
+    return run_lane([CompNode(plan, plan_dir, c) for c in cfgs])

@@ -1,9 +1,11 @@
 """The local cluster launcher: one executor process per CompNode on loopback.
 
 :class:`LocalCluster` starts ``python -m fusion.cli executor PLAN --node P``
-for every part of a plan, binds a coordinator in this process, and tears
-everything down on exit (stop, then terminate, then kill — every wait has a
-timeout). Executor logs go to ``RUN/logs/<part>.log``, Chrome traces to
+for every part of a plan (under an interleaved schedule one process per
+device, ``--node P0,P2``: the device's virtual stages), binds a coordinator in
+this process, and tears everything down on exit (stop, then terminate, then
+kill — every wait has a timeout). Executor logs go to ``RUN/logs/<part>.log``
+(``<p0+p2>.log`` for a device's process), Chrome traces to
 ``RUN/trace/<part>.json``, process ids to ``RUN/pids.json``.
 
 :func:`hand_plan` builds a :class:`~fusion.plan.Plan` from a model and a
@@ -95,7 +97,7 @@ class LocalCluster:
         self.cfg = cfg or CoordinatorConfig()
         if self.cfg.checkpoint_dir is None:
             self.cfg.checkpoint_dir = str(self.run_dir / "checkpoints")
-        n = len(self.plan.parts)
+        n = len(self.plan.lanes())  # executor processes
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.trace, self.python, self.verbose = trace, python, verbose
         self.executor_args = list(executor_args or [])
@@ -118,18 +120,24 @@ class LocalCluster:
         addr = self.coordinator.bind()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
                "PYTHONUNBUFFERED": "1"}
-        for p in self.plan.parts:
+        for parts in self.plan.lanes().values():  # one process per part; under interleaved, one per device
+            name = ",".join(parts)
+            keys = [key_args[p] for p in parts]
+            key = keys[0] if len(parts) == 1 or keys[0] == ["--insecure"] else \
+                ["--key", ",".join(k[1] for k in keys), *keys[0][2:]]
             cmd = [self.python, "-c", _ENTRY, package_root(), *(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor",
-                   str(self.plan_dir), "--node", p, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
+                   str(self.plan_dir), "--node", name, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
                    "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
                    *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
-                   "--fast-exit", *key_args[p], *self.executor_args]
+                   "--fast-exit", *key, *self.executor_args]
             if self.trace:
-                cmd += ["--trace", str(self.run_dir / "trace" / f"{p}.json")]
-            f = open(self.run_dir / "logs" / f"{p}.log", "ab")
+                cmd += ["--trace", ",".join(str(self.run_dir / "trace" / f"{p}.json") for p in parts)]
+            f = open(self.run_dir / "logs" / f"{'+'.join(parts)}.log", "ab")
             self._logs.append(f)
-            self.processes[p] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **self.part_env.get(p, {})},
-                                                 start_new_session=True)
+            part_env = {k: v for p in parts for k, v in self.part_env.get(p, {}).items()}
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **part_env}, start_new_session=True)
+            for p in parts:
+                self.processes[p] = proc
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
         return self.coordinator.start(resume=resume)
 

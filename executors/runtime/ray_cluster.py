@@ -238,6 +238,11 @@ class RayCluster:
         self.address = address
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
         self.plan = load_plan(self.plan_dir)
+        shared = [ps for ps in self.plan.lanes().values() if len(ps) > 1]
+        if shared:  # an actor runs one part; a device's virtual stages must share one process
+            raise FusionError(f"--ray runs one part per actor; the interleaved schedule puts {','.join(shared[0])} in one "
+                              "process: run this plan with `fusion run PLAN` on one host, or with `fusion coordinator` and "
+                              f"`fusion executor --node {','.join(shared[0])}` on each host")
         self.cfg = cfg or CoordinatorConfig()
         if self.cfg.checkpoint_dir is None:
             self.cfg.checkpoint_dir = str(self.run_dir / "checkpoints")

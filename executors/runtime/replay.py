@@ -24,7 +24,7 @@ from fusion.ir.opdata import OpData
 from fusion.ir.wire import encode_opdata, frames_nbytes
 from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, link_model
 from fusion.executors.runtime.part import make_routes
-from fusion.ir.schedule import W_FRACTION, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
+from fusion.ir.schedule import W_FRACTION, make_lanes, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
 
 
 @dataclass
@@ -71,7 +71,10 @@ def replay(plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tupl
     """
     g = plan.graph
     order = part_order(g, plan.assignment)
-    actions = make_schedule(plan.schedule, order, part_links(g, plan.assignment), plan.micro_batches)
+    devices = {p: plan.parts[p].device for p in order}
+    edges = part_links(g, plan.assignment)
+    actions = make_schedule(plan.schedule, order, edges, plan.micro_batches, devices)
+    lanes = make_lanes(plan.schedule, order, edges, plan.micro_batches, devices)
     sends = message_bytes(plan)
     if links is None:
         links = {(a, b): link_model(plan.cluster, plan.parts[a].device, plan.parts[b].device)
@@ -86,7 +89,7 @@ def replay(plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tupl
         return d
 
     try:
-        sim = simulate(actions, compute, sends, deliver)
+        sim = simulate(actions, compute, sends, deliver, lanes)
     except RuntimeError as e:
         raise RuntimeError(f"{e} in replay") from None
     free, res.timeline = sim.end_s, sim.timeline

@@ -449,3 +449,17 @@ class Transport:
                 self.on_reject(sender, reason)
             except Exception:  # noqa: BLE001
                 log.exception("%s: on_reject failed", self.name)
+
+
+def pump_any(transports: "list[Transport]", timeout_s: float) -> int:
+    """Caller-receives mode over the transports of one process (the parts of one device under interleaved
+    1F1B): wait up to ``timeout_s`` until any has a message, then handle what arrived on each."""
+    socks = [t._sock for t in transports if t._sock is not None]
+    if socks:
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)))
+    else:
+        time.sleep(timeout_s)
+    return sum(t.pump(0) for t in transports)

@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
                                    "until it says stop. Logs what it waits for. Exit status 0 after stop, 1 after a "
                                    "failure, an abort or a timeout, 2 for a bad plan, part name or address.")
     p.add_argument("plan", help="plan directory (plan.json + weights.safetensors)")
-    p.add_argument("--node", required=True, metavar="PART", help="the part (CompNode) to run: part0, part1, ...")
+    p.add_argument("--node", required=True, metavar="PART[,PART...]",
+                   help="the part (CompNode) to run: part0, part1, ...; under an interleaved schedule, all parts of one "
+                        "device, comma-separated (`fusion inspect PLAN` lists them), run in this one process")
     p.add_argument("--coordinator", required=True, type=zmq_address, metavar="ADDR",
                    help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
     p.add_argument("--bind", default=None, type=zmq_address, metavar="ADDR",
@@ -31,7 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data-timeout", type=positive_float, default=300.0, help="longest wait for one action's inputs (s)")
     p.add_argument("--max-message-bytes", type=int, default=None,
                    help="reject larger messages (default: the largest tensor the plan sends this part, x4, at least 8 MiB)")
-    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (JSON) here at exit")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (JSON) here at exit (several parts: one file per part, comma-separated, "
+                        "or one name that gets .PART before its extension)")
     p.add_argument("--compile-parts", action="store_true",
                    help="torch engine: torch.compile the part's generated module (slow first step; off by default)")
     p.add_argument("--interpreted-parts", action="store_true",
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
-    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig, run_lane
     from fusion.executors.runtime.plandigest import plan_digest
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan
@@ -62,22 +65,45 @@ def run(args: argparse.Namespace) -> int:
 
     device = check_device(args.device)  # before the plan and the sockets: a bad device is one line
     plan = load_plan(args.plan)
-    if args.node not in plan.parts:
-        raise FusionError(f"{args.plan}: plan has no part {args.node!r} (parts: {', '.join(plan.parts)})")
-    plan_addr = plan.parts[args.node].address
-    bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
-    if bind is None:
-        raise FusionError(f"{args.plan}: part {args.node!r} has no address in the plan; pass --bind")
-    advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
-    security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], args.node, bind)
-    cfg = ExecutorConfig(args.node, args.coordinator, bind, advertise, device, args.max_message_bytes,
-                         peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
-                         startup_timeout_s=args.startup_timeout, trace_path=args.trace,
-                         engine_options={**({"compile": True} if args.compile_parts else {}),
-                                         **({"compiled": False} if args.interpreted_parts else {}),
-                                         **({"encode": args.encode} if args.encode else {})},
-                         trust_plugins=args.trust_plugins, security=security, plan_digest=plan_digest(args.plan))
-    status = CompNode(plan, args.plan, cfg).run()
+    names = [n for n in args.node.split(",") if n]
+    for name in names:
+        if name not in plan.parts:
+            raise FusionError(f"{args.plan}: plan has no part {name!r} (parts: {', '.join(plan.parts)})")
+    lane = plan.lane_of(names[0])
+    if sorted(names) != sorted(lane):
+        raise FusionError(f"{args.plan}: --node {args.node}: the interleaved schedule runs parts {','.join(lane)} of device "
+                          f"{plan.parts[names[0]].device!r} in one process; pass --node {','.join(lane)}" if len(lane) > 1 else
+                          f"{args.plan}: --node {args.node}: each of these parts runs in its own process; pass one")
+    keys = args.key.split(",") if args.key else [None] * len(names)
+    if len(keys) != len(names):
+        raise FusionError(f"--key: give one secret key file per part of --node ({len(names)}), comma-separated")
+    if len(names) > 1 and (args.advertise or (args.bind and not args.bind.endswith(":*"))):
+        raise FusionError("--node with several parts: each part listens on its own port; use the plan's addresses "
+                          "or --bind with port * (e.g. tcp://10.0.0.1:*), and no --advertise")
+    traces = args.trace.split(",") if args.trace else [None] * len(names)
+    if len(traces) == 1 and len(names) > 1:  # one Chrome trace per part: NAME.json -> NAME.<part>.json
+        traces = [f"{os.path.splitext(traces[0])[0]}.{n}{os.path.splitext(traces[0])[1]}" for n in names]
+    if len(traces) != len(names):
+        raise FusionError(f"--trace: give one file, or one per part of --node ({len(names)}), comma-separated")
+    digest = plan_digest(args.plan)
+    cfgs = []
+    for name, key in zip(names, keys):
+        plan_addr = plan.parts[name].address
+        bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
+        if bind is None:
+            raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
+        advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
+        security = security_from_args(argparse.Namespace(**{**vars(args), "key": key}), args.plan,
+                                      [COORDINATOR, *plan.parts], name, bind)
+        trace = traces[names.index(name)]
+        cfgs.append(ExecutorConfig(name, args.coordinator, bind, advertise, device, args.max_message_bytes,
+                                   peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
+                                   startup_timeout_s=args.startup_timeout, trace_path=trace,
+                                   engine_options={**({"compile": True} if args.compile_parts else {}),
+                                                   **({"compiled": False} if args.interpreted_parts else {}),
+                                                   **({"encode": args.encode} if args.encode else {})},
+                                   trust_plugins=args.trust_plugins, security=security, plan_digest=digest))
+    status = run_lane([CompNode(plan, args.plan, c) for c in cfgs])
     if args.fast_exit:
         # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch
         import logging

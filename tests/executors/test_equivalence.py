@@ -212,12 +212,12 @@ def _reference_step(twin, opt, batch, n_micro) -> float:
 ENGINE_MODES = {"compiled": None, "interpreted": {"*": {"compiled": False}}}
 
 
-def _assert_trains_like_pytorch(name, n_parts, schedule, n_micro, opt_name, engine_options=None):
+def _assert_trains_like_pytorch(name, n_parts, schedule, n_micro, opt_name, engine_options=None, devices=None):
     case, model = CASES[name], _model(name)
     assignment = None if n_parts == 1 else case["splits"][n_parts](model.graph)
     cfg = OPTIMIZERS[opt_name]
     ex = ReferenceExecutor(model, assignment, cfg, micro_batches=n_micro, schedule=schedule,
-                           engine_options=engine_options)
+                           engine_options=engine_options, devices=devices)
     assert len(ex.parts) == n_parts
     twin = _twin(name, model)
     opt = _torch_optimizer(cfg, twin.parameters())
@@ -247,6 +247,19 @@ def _assert_trains_like_pytorch(name, n_parts, schedule, n_micro, opt_name, engi
 def test_trains_like_plain_pytorch(mode, name, n_parts, schedule, n_micro, opt_name):
     ex = _assert_trains_like_pytorch(name, n_parts, schedule, n_micro, opt_name, ENGINE_MODES[mode])
     assert all(e.compiled == (mode == "compiled") for e in ex.engines.values())
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("n_micro", [2, 6])  # multiples of the devices (BATCH = 6 rows)
+@pytest.mark.parametrize("n_parts,n_devices", [(4, 2), (2, 1), (4, 1)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interleaved_trains_like_plain_pytorch(name, n_parts, n_devices, n_micro, opt_name):
+    """Interleaved 1F1B: the parts go round-robin over ``n_devices`` devices (virtual stages), each
+    device runs its chunks in Megatron-LM's merged order (one lane per device)."""
+    devices = {f"p{i}": f"d{i % n_devices}" for i in range(n_parts)}
+    ex = _assert_trains_like_pytorch(name, n_parts, "interleaved", n_micro, opt_name, devices=devices)
+    assert sorted(ex.lanes) == [f"d{r}" for r in range(n_devices)]
+    assert all(len(lane) == 2 * n_micro * n_parts // n_devices for lane in ex.lanes.values())
 
 
 def test_the_splits_exercise_what_they_claim():

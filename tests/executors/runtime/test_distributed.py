@@ -28,6 +28,9 @@ OPTIMIZERS = {  # (fusion config, the same in torch)
 
 CASES = [(name, n, s) for name in ("cnn", "gpt") for n in (2, 4) for s in ("gpipe", "1f1b")]
 CASES += [("cnn", 4, "zb1"), ("gpt", 2, "zb1")]  # zero bubble: backward split into B and W actions
+# interleaved 1F1B: 4 parts over 2 devices (p0, p2 in one process; p1, p3 in another), and 2 parts on one
+# device (the transformer's tied weight then has both owners in one process)
+CASES += [("cnn", 4, "interleaved"), ("gpt", 4, "interleaved"), ("gpt", 2, "interleaved")]
 
 
 @pytest.mark.parametrize("name,n_parts,schedule", CASES)
@@ -35,7 +38,15 @@ def test_processes_match_single_process_pytorch(tmp_path, name, n_parts, schedul
     build, splits, plain_loss, batch_fn = MODELS[name]
     model = build(mb=MB)
     cfg, torch_opt = OPTIMIZERS[name]
-    plan_dir = save_hand_plan(tmp_path, model, splits[n_parts], schedule=schedule, micro_batches=MICRO, optimizer=cfg)
+    placement = {}
+    if schedule == "interleaved":
+        from fusion.executors.runtime.launcher import local_cluster_dict
+
+        n_dev = n_parts // 2
+        placement = {"cluster": local_cluster_dict([f"d{i}" for i in range(n_dev)]),
+                     "devices": {f"p{i}": f"local-{i % n_dev}" for i in range(n_parts)}}
+    plan_dir = save_hand_plan(tmp_path, model, splits[n_parts], schedule=schedule, micro_batches=MICRO, optimizer=cfg,
+                              **placement)
     batches = [batch_fn(s, MB * MICRO) for s in range(STEPS)]
     reports, state = run_distributed(plan_dir, tmp_path / "run", batches)
     expected = plain_training(model, plain_loss, batches, MICRO, torch_opt)
@@ -47,6 +58,11 @@ def test_processes_match_single_process_pytorch(tmp_path, name, n_parts, schedul
         assert {"forward", "backward"} <= cats
         if schedule == "zb1":  # the weight-gradient actions ran as their own spans
             assert any(e["name"].startswith("W") for e in trace["traceEvents"] if e["ph"] == "X")
+    if schedule == "interleaved":  # one process per device runs that device's parts
+        pids = json.loads((tmp_path / "run" / "pids.json").read_text())
+        n_dev = n_parts // 2
+        assert len(set(pids.values())) == n_dev
+        assert all(pids[f"p{i}"] == pids[f"p{i % n_dev}"] for i in range(n_parts))
 
 
 def test_compnode_side_imports_no_torch():
