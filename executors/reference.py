@@ -26,7 +26,7 @@ from fusion.executors.runtime.compression import TiedCodec, check_edges, sum_in_
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime
-from fusion.executors.runtime.schedule import make_lanes, make_schedule, splits_backward
+from fusion.executors.runtime.schedule import LANE_SCHEDULES, make_lanes, make_schedule, splits_backward
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ class ReferenceExecutor:
         links = part_links(g, self.assignment)
         self.micro_batches = micro_batches
         self.schedule = make_schedule(schedule, self.order, links, micro_batches, devices)
-        #: what each executor process would run in order: one lane per part, per device under ``interleaved``
-        self.lanes = make_lanes(schedule, self.order, links, micro_batches, devices)
+        self._device_lanes = (make_lanes(schedule, self.order, links, micro_batches, devices)
+                              if schedule in LANE_SCHEDULES else None)
         names = dict(engines or {})
         check_engines(g, self.assignment, names)
         self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params,
@@ -131,20 +131,29 @@ class ReferenceExecutor:
                     self.tied.check_engine(p, names.get(p, "torch"))
         self.iteration = 0
 
+    @property
+    def lanes(self) -> dict[str, list[tuple[str, Any]]]:
+        """What each executor process would run, in order: [(part, action)] per part (its :attr:`schedule`),
+        or per device under ``interleaved`` (its virtual stages in Megatron-LM's order)."""
+        if self._device_lanes is not None:
+            return self._device_lanes
+        return {p: [(p, a) for a in acts] for p, acts in self.schedule.items()}
+
     # -- one training step ---------------------------------------------------------
     def forward_backward(self, batch: Mapping[str, Any]) -> float:
         """Forward and backward of every micro-batch by the schedule; returns the loss."""
         mbs = split_micro_batches(batch, self.micro_batches)
         scale = 1.0 / self.micro_batches
         inbox: dict[tuple[str, str, int], list[OpData]] = {}
-        cursor = {q: 0 for q in self.lanes}
+        lanes = self.lanes
+        cursor = {q: 0 for q in lanes}
         losses: list[float] = []
         it = self.iteration
-        total = sum(len(a) for a in self.lanes.values())
+        total = sum(len(a) for a in lanes.values())
         done = 0
         while done < total:
             progressed = False
-            for q, lane in self.lanes.items():
+            for q, lane in lanes.items():
                 if cursor[q] >= len(lane):
                     continue
                 p, a = lane[cursor[q]]
@@ -179,7 +188,7 @@ class ReferenceExecutor:
                 done += 1
                 progressed = True
             if not progressed:
-                stuck = {q: str(self.lanes[q][cursor[q]][1]) for q in self.lanes if cursor[q] < len(self.lanes[q])}
+                stuck = {q: str(lanes[q][cursor[q]][1]) for q in lanes if cursor[q] < len(lanes[q])}
                 raise RuntimeError(f"schedule deadlock at {stuck}")
         return float(np.sum(losses) * scale)
 

@@ -136,14 +136,12 @@ def test_reference_executor_detects_a_deadlocking_schedule():
     # p0 waits for a gradient before producing the activation p1 waits for
     ex.schedule = {"p0": [Action("B", 0), Action("F", 0), Action("F", 1), Action("B", 1)],
                    "p1": [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]}
-    ex.lanes = {p: [(p, a) for a in acts] for p, acts in ex.schedule.items()}  # what the executor runs
     with pytest.raises(RuntimeError, match=r"schedule deadlock at \{'p0': 'B0', 'p1': 'F0'\}"):
         ex.step(_batch())
     ex = _two_part_executor()
     # both parts wait on micro-batch orders that cross: p1 wants F1 first, p0 will only send F0
     ex.schedule = {"p0": [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
                    "p1": [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]}
-    ex.lanes = {p: [(p, a) for a in acts] for p, acts in ex.schedule.items()}
     with pytest.raises(RuntimeError, match=r"schedule deadlock at \{'p0': 'B0', 'p1': 'F1'\}"):
         ex.step(_batch())
 
