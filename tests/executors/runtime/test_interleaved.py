@@ -4,16 +4,10 @@ The equivalence with plain PyTorch across processes is in ``test_distributed.py`
 ``interleaved``) and in process in ``tests/executors/test_equivalence.py``; here: the replay's
 timeline of an interleaved plan, and the executor command's refusals (one line, exit 2).
 """
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.executors.dist_models import CNN_SPLITS, GPT_SPLITS, branching_cnn, save_hand_plan, tied_transformer
-
-ROOT = Path(__file__).resolve().parents[3]
-
+from tests.fusion.cli_helpers import one_line
 
 def _plan(tmp_path, n_dev=2, micro=4, build=tied_transformer, splits=GPT_SPLITS):
     from fusion.executors.runtime.launcher import local_cluster_dict
@@ -51,25 +45,24 @@ def test_plan_check_names_the_misplaced_part(tmp_path):
                   devices={f"p{i}": f"local-{i % 2}" for i in range(4)})
 
 
-def _executor(*args):
-    import os
+def _executor(capsys, *args) -> str:
+    """``fusion executor ARGS`` in process: exit status 2 and one line on stderr, which is returned."""
+    from fusion.cli import main
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "executor", *map(str, args),
-                        "--coordinator", "tcp://127.0.0.1:1", "--startup-timeout", "5"],
-                       capture_output=True, text=True, timeout=120, env=env)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("fusion executor: error:"), (r.returncode, r.stderr)
-    return lines[0]
+    assert main(["executor", *map(str, args), "--coordinator", "tcp://127.0.0.1:1", "--startup-timeout", "5"]) == 2
+    line = one_line(capsys)
+    assert line.startswith("fusion executor: error:"), line
+    return line
 
 
-def test_executor_runs_a_whole_device_or_says_which(tmp_path):
+def test_executor_runs_a_whole_device_or_says_which(tmp_path, capsys):
     plan = _plan(tmp_path)
-    assert "runs parts p0,p2 of device 'local-0' in one process; pass --node p0,p2" in _executor(plan, "--node", "p0")
-    assert "pass --node p1,p3" in _executor(plan, "--node", "p1,p2")
-    assert "no part 'p9'" in _executor(plan, "--node", "p0,p9")
-    assert "one secret key file per part of --node (2)" in _executor(plan, "--node", "p0,p2", "--key", "a.secret")
-    assert "each part listens on its own port" in _executor(plan, "--node", "p0,p2", "--bind", "tcp://127.0.0.1:5999")
+    assert "runs parts p0,p2 of device 'local-0' in one process; pass --node p0,p2" in _executor(capsys, plan, "--node", "p0")
+    assert "pass --node p1,p3" in _executor(capsys, plan, "--node", "p1,p2")
+    assert "no part 'p9'" in _executor(capsys, plan, "--node", "p0,p9")
+    assert "one secret key file per part of --node (2)" in _executor(capsys, plan, "--node", "p0,p2", "--key", "a.secret")
+    assert "each part listens on its own port" in _executor(capsys, plan, "--node", "p0,p2",
+                                                           "--bind", "tcp://127.0.0.1:5999")
 
 
 def test_ray_refuses_a_device_with_several_parts(tmp_path):
