@@ -644,8 +644,7 @@ class CompNode:
             reason = str(e)
             if reason.startswith("aborted by the coordinator"):
                 return
-        else:
-            log.error("%s: failed: %s: %s", self.me, type(e).__name__, e)
+        else:  # run_lane logged it with its traceback
             reason = f"{type(e).__name__}: {e}"
         if COORDINATOR in self.transport.senders:
             self.transport.send(COORDINATOR, encode_ctrl("error", reason=reason))
