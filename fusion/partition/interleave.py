@@ -8,11 +8,12 @@ its V chunks per micro-batch, so a balanced pipeline gives device d the share
 over its chunks: chunk s ends where the prefix of the chain reaches
 ``sum_{t <= s} S*_{d(t)} / (V * sum_e S*_e)`` of the total.
 
-``by="flops"`` measures work in forward + backward FLOPs (the ``equal-flops`` strategy with
+``by="flops"`` measures work in forward + backward FLOPs, with memory-bound bytes and per-node overheads
+converted to FLOPs at the devices' mean rates (:func:`work_prefix`; the ``equal-flops`` strategy with
 interleaving, weighted by device speed); ``by="count"`` in operator nodes, with equal shares
 (``equal-count``: blind to speed, as that baseline is). Work comes in lumps (a matmul is one atom), so the
-chunk ends are chosen together: the cut minimises the squared misses of the chunks' work against their
-targets (a dynamic program over cut positions), ties to fewer bytes across the cuts.
+chunk ends are chosen together: the cut minimises the squared relative misses of the chunks' work against
+their targets (a dynamic program over cut positions), ties to fewer bytes across the cuts.
 """
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def chunk_shares(cm: CostModel, devices: list[int], virtual_stages: int, by: str
     return per_chunk
 
 
+def work_prefix(cm: CostModel, ch: Chain, devices: list[int]) -> np.ndarray:
+    """Prefix sums over the chain of each atom's work in FLOP-equivalents: its FLOPs, plus its memory-bound
+    bytes and executed op nodes at the devices' mean FLOPs per byte (``S* / Bmem*``) and per node overhead
+    (``S* o_node``), so that a chunk's time on device d is its work over ``S*_d`` (Eq. 1's compute)."""
+    dev = np.asarray(devices)
+    per_byte = float(np.mean(cm.speed[dev] / cm.mem_speed[dev]))
+    per_node = float(np.mean(cm.speed[dev] * cm.node_overhead[dev]))
+    nodes = np.concatenate([[0.0], np.cumsum(np.bincount(ch.atom_of_node, weights=cm.executes.astype(float),
+                                                         minlength=ch.n_atoms))])
+    return ch.flops + per_byte * ch.mem + per_node * nodes
+
+
 def interleaved_cut(cm: CostModel, ch: Chain, devices: list[int], virtual_stages: int, by: str = "flops",
                     info: dict | None = None, max_units: int = MAX_UNITS) -> Partition:
     """V*D contiguous, non-empty chunks of the chain with part s on ``devices[s % D]`` (module doc). A chain of
@@ -55,9 +68,12 @@ def interleaved_cut(cm: CostModel, ch: Chain, devices: list[int], virtual_stages
     if n > A:
         raise ValueError(f"{n} chunks ({v} virtual stages x {d} devices) need at least {n} operator nodes; "
                          f"the model has {A}")
-    prefix = ch.flops if by == "flops" and ch.flops[-1] > 0 else np.arange(A + 1, dtype=float)
+    prefix = work_prefix(cm, ch, devices) if by == "flops" else np.arange(A + 1, dtype=float)
+    if prefix[-1] <= 0:
+        prefix = np.arange(A + 1, dtype=float)
     pos = candidate_positions(ch, max(max_units, n + 1))
-    cuts = [int(pos[c]) for c in _closest_cuts(prefix[pos], chunk_shares(cm, devices, v, by) * prefix[-1],
+    shares = chunk_shares(cm, devices, v, by)
+    cuts = [int(pos[c]) for c in _closest_cuts(prefix[pos], shares * prefix[-1],
                                                (ch.cut_fwd_bytes + ch.cut_bwd_bytes)[pos])]
     meta = {"devices_used": d, "virtual_stages": v, "interleave_by": by, **(info or {})}
     return layout_partition(cm, ch, cuts, [devices[s % d] for s in range(n)], meta)
@@ -69,19 +85,19 @@ _TIE = 1e-6
 
 def _closest_cuts(prefix: np.ndarray, targets: np.ndarray, cut_bytes: np.ndarray) -> list[int]:
     """Interior cut positions of ``len(targets)`` non-empty ranges of the chain (``prefix``: work prefix
-    sums, length A + 1) minimising ``sum_k (work_k - targets_k)^2`` by dynamic programming over cut
+    sums, length A + 1) minimising ``sum_k ((work_k - targets_k) / targets_k)^2`` (each chunk's miss relative
+    to its target: in time on its device, as targets go with device speed) by dynamic programming over cut
     positions (one vectorised ``(A+1) x (A+1)`` step per range); among equal misses, fewer bytes crossing
     the cuts."""
     A, n = len(prefix) - 1, len(targets)
-    scale = max(float(np.max(targets)) ** 2, 1e-300)
-    tie = _TIE * scale * cut_bytes / max(float(np.max(cut_bytes)), 1.0)
+    tie = _TIE * cut_bytes / max(float(np.max(cut_bytes)), 1.0)
     i, j = np.meshgrid(np.arange(A + 1), np.arange(A + 1), indexing="ij")
     work = prefix[None, :] - prefix[:, None]
     f = np.full(A + 1, np.inf)
     f[0] = 0.0
     back = []
     for k in range(n):
-        cost = (work - targets[k]) ** 2 + (tie[None, :] if k + 1 < n else 0.0)
+        cost = ((work - targets[k]) / max(targets[k], 1e-300)) ** 2 + (tie[None, :] if k + 1 < n else 0.0)
         val = np.where(i < j, f[:, None] + cost, np.inf)
         arg = np.argmin(val, axis=0)
         back.append(arg)
