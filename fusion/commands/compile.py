@@ -355,8 +355,10 @@ def describe_plan(plan, cluster) -> str:
     pr = plan.predicted
     stages = len(plan.parts) // plan.replicas
     reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
+    chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
+              if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
-            f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
+            f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)")
 
