@@ -42,7 +42,9 @@ Notation (per micro-batch; part p runs on device d(p)):
 - Memory of part p: its parameters (each counted once per part) times
   ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,
   AdamW 2), plus saved activations times the micro-batches in flight (GPipe:
-  n_b; 1F1B: ``min(n_b, depth_p + 1)``), plus, for every cut edge into or out
+  n_b; 1F1B: ``min(n_b, depth_p + 1)``; interleaved: counted from the part's
+  action list, :func:`interleaved_in_flight`, and a device holds the sum over
+  its chunks, :func:`device_memory`), plus, for every cut edge into or out
   of p whose activations go as ``delta`` (AQ-SGD), that edge's buffer: one
   decoded activation per training sample, ``N_samples * M_t / n_mb`` bytes
   (n_mb samples per micro-batch), kept by the sender and by the receiver.

@@ -117,3 +117,36 @@ def test_memory_follows_the_interleaved_in_flight_counts_and_sums_per_device(cha
     worst = int(np.argmax(per_device))
     assert over.violations and f"parts {worst}, {worst + 4} (virtual stages) on d{worst} need" in over.violations[0]
     assert not price_schedule(cm2, "interleaved", part.node_part, part.part_device)[0].fits
+
+
+def test_recomputation_turns_on_for_the_chunks_of_a_device_over_its_memory(chain):
+    """Device d0's two chunks need 1.015 MB together (each alone under 0.6 MB; 0.964 MB recomputing), the
+    others at most 0.87 MB: with 0.99 MB per device, ``recompute auto`` turns it on for d0's chunks only;
+    ``off`` is one error naming them."""
+    from fusion.compile import CompileError
+
+    kw = dict(strategy="equal-flops", micro_batches=MICRO, schedule="interleaved", virtual_stages=2)
+    roomy = compile_model(chain, cluster([1e9] * 4), recompute="off", **kw)
+    need = {d: sum(roomy.predicted["parts"][p]["memory_bytes"] for p in ps) for d, ps in roomy.lanes().items()}
+    cap = 0.99e6
+    assert need["d0"] > cap > max(need["d1"], need["d2"], need["d3"])
+    assert all(roomy.predicted["parts"][p]["memory_bytes"] < cap for p in roomy.parts)
+    with pytest.raises(CompileError, match=r"memory_bytes: strategy equal-flops interleaved does not fit: "
+                                           r"parts 0, 4 \(virtual stages\) on d0 need 0\.001 GB together > 0\.001 GB"):
+        compile_model(chain, cluster([1e9] * 4, memory=cap), recompute="off", **kw)
+    plan = compile_model(chain, cluster([1e9] * 4, memory=cap), recompute="auto", **kw)
+    assert [p for p, part in plan.parts.items() if part.recompute] == ["part0", "part4"]
+    assert sum(plan.predicted["parts"][p]["memory_bytes"] for p in ("part0", "part4")) <= cap
+    assert plan.predicted["schedules"]["interleaved"]["fits"]
+
+
+def test_the_closed_form_is_eq3_at_v1_and_megatrons_with_equal_chunks():
+    import numpy as np
+
+    from fusion.cost.estimate import interleaved_pipeline
+
+    comp, comm = np.array([1.0, 2.0, 3.0]), np.array([0.5, 2.5, 0.1])
+    eq3 = float(np.sum(comp + comm) + (8 - 1) * np.max(np.maximum(comp, comm)))
+    assert interleaved_pipeline(comp, comm, np.array([0, 1, 2]), 8) == pytest.approx(eq3)
+    # D = 4, v = 2, c = 1 per chunk, no communication: (n_b + (D - 1) / v) * v c
+    assert interleaved_pipeline(np.ones(8), np.zeros(8), np.arange(8) % 4, 8) == pytest.approx((8 + 3 / 2) * 2)
