@@ -18,8 +18,9 @@ from fusion.compress.adatopk import adatopk
 from fusion.compress.policy import CompressRequest, choose, codec_prices
 from fusion.partition.baselines import BASELINES
 from fusion.partition.chain import build_chain
+from fusion.partition.interleave import INTERLEAVE_BY, interleaved_cut, interleaved_devices
 from fusion.cluster.model import Cluster
-from fusion.cost.estimate import CostModel, Estimate, optimizer_slots, samples_per_micro_batch
+from fusion.cost.estimate import CostModel, Estimate, device_memory, optimizer_slots, samples_per_micro_batch
 from fusion.cost.schedules import SchedulePrice, best_schedule, price_schedule
 from fusion.plan import OptimizerConfig
 from fusion.partition.fence import NoFitError, Partition, op_fence
@@ -27,6 +28,7 @@ from fusion.cost.flops import measure_costs
 from fusion.ir.errors import FusionError
 from fusion.ir.model import Model
 from fusion.ir.node import TensorMeta
+from fusion.ir.schedule import LANE_SCHEDULES
 from fusion.plan import SCHEDULE_NAMES, Part, Plan, boundary_tables
 from fusion.cluster.topology import device_clusters
 
@@ -38,6 +40,10 @@ RECOMPUTE = ("auto", "off", "all")
 SCHEDULE_CHOICES = (*SCHEDULE_NAMES, "auto")
 #: the schedule ``auto`` partitions with: the fewest activations in flight, so a cut that fits any schedule is found
 AUTO_PARTITION_SCHEDULE = "1f1b"
+#: the schedules priced on one cut with one part per device; ``interleaved`` is priced on its own cut
+CUT_SCHEDULES = tuple(n for n in SCHEDULE_NAMES if n not in LANE_SCHEDULES)
+#: chunks per device of ``schedule="interleaved"`` when ``virtual_stages`` is not given
+DEFAULT_VIRTUAL_STAGES = 2
 COST_MODEL = "fusion.estimate/1"
 
 
@@ -49,7 +55,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   compress_ratio: float | None = None, schedule: str = "gpipe",
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
                   compress: CompressRequest | None = None, recompute: str = "auto",
-                  tied_codec: dict | str | None = None) -> Plan:
+                  tied_codec: dict | str | None = None, virtual_stages: int | None = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -58,10 +64,15 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     compress:       per-direction codecs, applied where they pay (:mod:`fusion.compress.policy`);
                     exclusive with ``compress_ratio``.
     schedule:       ``gpipe``, ``1f1b`` or ``zb1`` (changes the activation memory in flight and the time, see
-                    :mod:`fusion.cost.schedules`), or ``auto``: partition with 1F1B's memory, price all three on
-                    that cut and devices (each with the recomputation it would need) and keep the shortest
-                    simulated iteration among those that fit memory, ties to the smaller peak memory. Every
-                    schedule's price is in ``plan.predicted["schedules"]``.
+                    :mod:`fusion.cost.schedules`), ``interleaved`` (interleaved 1F1B: the chain cut into
+                    ``virtual_stages`` x D parts, part s on the (s % D)-th device, :mod:`fusion.partition.interleave`;
+                    ``equal-flops`` or ``equal-count`` only), or ``auto``: partition with 1F1B's memory, price
+                    gpipe, 1f1b and zb1 on that cut and devices (each with the recomputation it would need) and,
+                    with ``virtual_stages`` > 1, ``interleaved`` on its own cut, and keep the shortest simulated
+                    iteration among those that fit memory, ties to the smaller peak memory. Every schedule's
+                    price is in ``plan.predicted["schedules"]``.
+    virtual_stages: V, chunks per device of ``interleaved`` (default 2); with ``auto``, V > 1 adds interleaved
+                    to what is priced. Any other schedule takes none.
     recompute:      activation recomputation per part: ``auto`` turns it on only for parts that would
                     not fit their device otherwise (and lets the partitioner count on it when nothing
                     fits without it), ``off`` never, ``all`` on every part.
@@ -77,6 +88,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
         raise CompileError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
     if schedule not in SCHEDULE_CHOICES:
         raise CompileError(f"schedule must be one of {list(SCHEDULE_CHOICES)}, got {schedule!r}")
+    v_stages = _virtual_stages(schedule, virtual_stages, strategy)
     if compress is not None and compress_ratio is not None:
         raise CompileError("give either compress_ratio (AdaTopK) or compress (codecs), not both")
     if compress_ratio is not None and not compress_ratio >= 1:
@@ -94,11 +106,19 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
         cm.codec_prices = codec_prices(cm, compress)
     tied = _tied_codec(cm, tied_codec)
-    part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
-    prices = _price_schedules(cm, part, recompute)
+    ipart = _interleaved_partition(cm, cluster, strategy, v_stages) if v_stages else None
+    if schedule == "interleaved":
+        part, prices = ipart, {}
+    else:
+        part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
+        prices = _price_schedules(cm, part, recompute)
+    if ipart is not None:
+        prices["interleaved"] = _price_interleaved(cm, ipart, recompute)
     if auto:
         schedule = best_schedule(prices) or AUTO_PARTITION_SCHEDULE  # none fits: 1F1B's error below
         cm.schedule = schedule
+        if schedule in LANE_SCHEDULES:
+            part = ipart
         log.info("schedule auto: %s (%s)", schedule, ", ".join(
             f"{n} {p.iteration_s:.4g} s{'' if p.fits else ' (does not fit)'}" for n, p in prices.items()))
     rc = _recompute_choice(cm, part, recompute)
@@ -108,7 +128,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     dense = cm.evaluate(part.node_part, part.part_device, recompute=rc, priced=False)
     cm.tied_wire, cm.tied_codec_s = tied_prices_
     if dense.violations:
-        raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy} does not fit"
+        raise CompileError(f"{cluster.source}: devices[].memory_bytes: strategy {strategy}"
+                           f"{' interleaved' if schedule in LANE_SCHEDULES else ''} does not fit"
                            f"{'' if recompute == 'off' else ' even with activation recomputation'}: {dense.violations[0]}")
     names = [f"part{k}" for k in range(len(part.part_device))]
     compression, wire = [], {}
@@ -128,6 +149,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     plan.tied_codec = tied
     plan.predicted["schedules"] = {n: p.to_dict() for n, p in prices.items()}
     plan.predicted["schedule_choice"] = "auto" if auto else "fixed"
+    if schedule in LANE_SCHEDULES:
+        plan.predicted["virtual_stages"] = {"chunks_per_device": v_stages, "lanes": plan.lanes()}
     for k, name in enumerate(names):
         plan.parts[name].recompute = bool(rc[k])
     if rc.any():
@@ -163,14 +186,13 @@ def _partition(cm: CostModel, cluster: Cluster, clusters, strategy: str, seed: i
             cm.recompute_all = False
 
 
-def _price_schedules(cm: CostModel, part: Partition, recompute: str) -> dict[str, SchedulePrice]:
-    """Every schedule priced on the cut (:func:`fusion.cost.schedules.price_schedule`), each with the
+def _price_schedules(cm: CostModel, part: Partition, recompute: str,
+                     names: tuple[str, ...] = CUT_SCHEDULES) -> dict[str, SchedulePrice]:
+    """Schedules ``names`` priced on the cut (:func:`fusion.cost.schedules.price_schedule`), each with the
     recomputation ``recompute`` would choose under it. Leaves ``cm.schedule`` as it found it."""
     before, out = cm.schedule, {}
     try:
-        for name in SCHEDULE_NAMES:
-            if name == "interleaved":  # priced only where the cut has several parts per device
-                continue
+        for name in names:
             cm.schedule = name
             rc = _recompute_choice(cm, part, recompute)
             out[name] = price_schedule(cm, name, part.node_part, part.part_device, rc)[0]
@@ -179,13 +201,75 @@ def _price_schedules(cm: CostModel, part: Partition, recompute: str) -> dict[str
     return out
 
 
+def _price_interleaved(cm: CostModel, part: Partition, recompute: str) -> SchedulePrice:
+    """``interleaved`` priced on its own cut (:func:`_interleaved_partition`)."""
+    return _price_schedules(cm, part, recompute, LANE_SCHEDULES)["interleaved"]
+
+
+def _virtual_stages(schedule: str, virtual_stages: int | None, strategy: str) -> int | None:
+    """V of an interleaved cut to build (None: none), checking ``virtual_stages`` against the schedule and
+    strategy; CompileError with one line otherwise."""
+    if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
+        raise CompileError(f"virtual_stages (--virtual-stages) must be an integer >= 1, got {virtual_stages!r}")
+    if virtual_stages is not None and schedule not in (*LANE_SCHEDULES, "auto"):
+        raise CompileError(f"--virtual-stages {virtual_stages}: virtual stages are chunks of interleaved 1F1B; "
+                           f"give --schedule interleaved (or auto), not {schedule}")
+    v = virtual_stages or (DEFAULT_VIRTUAL_STAGES if schedule in LANE_SCHEDULES else None)
+    if v is None or (schedule == "auto" and v < 2):
+        return None
+    if strategy not in INTERLEAVE_BY:
+        raise CompileError(f"--schedule {schedule} --virtual-stages {v}: strategy {strategy} cuts a DAG, not a chain "
+                           "of chunks round-robin over devices; use --strategy equal-flops (chunks sized by device "
+                           "speed) or equal-count")
+    return v
+
+
+def _interleaved_partition(cm: CostModel, cluster: Cluster, strategy: str, v: int) -> Partition:
+    """The interleaved cut (:func:`fusion.partition.interleave.interleaved_cut`) of ``strategy`` with ``v``
+    chunks per device, its parts numbered in the plan's part order (``ir.boundary.part_order``) and placed
+    round-robin in it. CompileError when the micro-batches are not a multiple of the devices or the model
+    has fewer operators than chunks."""
+    from fusion.ir.boundary import part_order
+
+    ch = build_chain(cm)
+    devices = interleaved_devices(cm, ch, v)
+    d = len(devices)
+    if cm.micro_batches % d:
+        raise CompileError(f"--micro-batches {cm.micro_batches} is not a multiple of the {d} devices of the interleaved "
+                           f"pipeline ({v} virtual stages x {d} devices): interleaved 1F1B runs micro-batches in "
+                           f"groups of {d}; use --micro-batches {cm.micro_batches + d - cm.micro_batches % d}")
+    before, cm.schedule = cm.schedule, "interleaved"
+    try:
+        _check_fits(cm, cluster)
+        try:
+            part = interleaved_cut(cm, ch, devices, v, INTERLEAVE_BY[strategy], {"strategy": strategy})
+        except ValueError as e:
+            raise CompileError(f"--virtual-stages {v}: {e}") from None
+        order = part_order(cm.graph, dict(zip(cm.names, part.node_part.tolist())))
+        if order != list(range(len(order))):  # number parts as the plan will order them, devices round-robin
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[np.asarray(order)] = np.arange(len(order))
+            node_part = rank[part.node_part]
+            part = Partition(node_part, [devices[s % d] for s in range(len(order))],
+                             float(cm.evaluate(node_part, [devices[s % d] for s in range(len(order))], detail=False)[0]),
+                             part.info)
+    finally:
+        cm.schedule = before
+    return part
+
+
 def _recompute_choice(cm: CostModel, part: Partition, mode: str) -> np.ndarray:
-    """Which parts recompute: all, none, or (``auto``) those over their device's memory without it."""
+    """Which parts recompute: all, none, or (``auto``) those over their device's memory without it (under
+    ``interleaved``, every chunk of a device whose chunks together are over its memory)."""
     n = len(part.part_device)
     if mode != "auto":
         return np.full(n, mode == "all")
     est = cm.evaluate(part.node_part, part.part_device, recompute=np.zeros(n, dtype=bool))
-    return np.array([pe.memory_bytes > pe.memory_limit for pe in est.parts], dtype=bool)
+    mem = np.array([pe.memory_bytes for pe in est.parts])
+    if cm.schedule in LANE_SCHEDULES:
+        dev = np.asarray(part.part_device, dtype=np.int64)
+        mem = device_memory(mem, dev)[dev]
+    return mem > np.array([pe.memory_limit for pe in est.parts])
 
 
 def _ensure_shapes(model: Model) -> None:

@@ -99,6 +99,13 @@ def plan_report(plan: Plan) -> str:
         lines.append(f"schedules ({pr.get('schedule_choice', 'fixed')}, simulated): " + ", ".join(
             f"{n}{'*' if n == plan.schedule else ''} {v['iteration_s']:.4g} s {v['peak_memory_bytes'] / 1e6:.3g} MB"
             f"{'' if v['fits'] else ' (does not fit)'}" for n, v in pr["schedules"].items()))
+    chunk = virtual_stages(plan)
+    if chunk:
+        lanes = plan.lanes()
+        v = max(len(ps) for ps in lanes.values())
+        lines.append(f"virtual stages (interleaved 1F1B, {v} chunks per device, one executor per device): "
+                     + "; ".join(f"{dev}: {', '.join(ps)} ({_fmt_bytes(sum(plan.parts[p].memory_bytes for p in ps))})"
+                                 for dev, ps in lanes.items()))
     flops: dict[str, float] = {}
     count: dict[str, int] = {}
     for n in plan.graph.nodes.values():
@@ -108,7 +115,7 @@ def plan_report(plan: Plan) -> str:
     ppred = pr.get("parts", {})
     lines.append("")
     w = max(8, max(len(p) for p in plan.parts))
-    lines.append(f"{'part':<{w}} {'replica':>7} {'device':<16} {'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} "
+    lines.append(f"{'part':<{w}} {'replica':>7} {'device':<16} " + (f"{'chunk':>6} " if chunk else "") + f"{'nodes':>5} {'GFLOP':>10} {'memory':>22} {'compute s':>10} "
                  f"{'comm s':>10}  engine")
     for r in range(R):
         m = plan.replica_parts(r)
@@ -117,7 +124,7 @@ def plan_report(plan: Plan) -> str:
             part = plan.parts[p]
             lim = ppred.get(p, {}).get("memory_limit")
             mem = _fmt_bytes(part.memory_bytes) + (f" / {_fmt_bytes(lim)}" if lim else "")
-            lines.append(f"{p:<{w}} {r:>7} {part.device:<16} {count.get(stage, 0):>5} {flops.get(stage, 0.0) / 1e9:>10.2f} "
+            lines.append(f"{p:<{w}} {r:>7} {part.device:<16} " + (f"{chunk[p]:>6} " if chunk else "") + f"{count.get(stage, 0):>5} {flops.get(stage, 0.0) / 1e9:>10.2f} "
                          f"{mem:>22} {part.predicted_compute_s:>10.4g} {part.predicted_comm_s:>10.4g}  {part.engine}"
                          + (" (recompute)" if part.recompute else "")
                          + (f" (memory holds {_fmt_bytes(buf)} of delta buffers for {pr.get('delta_samples')} samples)"
@@ -153,6 +160,13 @@ def plan_report(plan: Plan) -> str:
         lines.append(f"{e['tensor'][:24]:<24} {e['src'] + '->' + e['dst']:<16} {_fmt_bytes(e['bytes']):>10} {link:<36} "
                      f"{e['dense_s']:>9.4g} {e['fwd']:<22} {e['bwd']:<22}")
     return "\n".join(lines)
+
+
+def virtual_stages(plan: Plan) -> dict[str, str]:
+    """Part -> ``"k/V"`` (its chunk k of the V its device runs) for an interleaved plan; {} otherwise."""
+    if plan.schedule != "interleaved":
+        return {}
+    return {p: f"{k}/{len(ps)}" for ps in plan.lanes().values() for k, p in enumerate(ps)}
 
 
 def part_colors(n: int) -> list:
@@ -359,8 +373,11 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
     ax2.scatter([pos[d][0] for d in free], [pos[d][1] for d in free], s=small, color="0.8", zorder=2)
     ax2.scatter([pos[d][0] for d in used], [pos[d][1] for d in used], s=small * 3, zorder=4,
                 color=[color[plan.stage_of(part_of[d])] for d in used], edgecolors="k")
+    lanes = plan.lanes() if plan.schedule == "interleaved" else {}
     for d in (used if len(pos) > 40 else list(pos)):
         label = f"{d}\n{part_of[d]}" if R > 1 and d in part_of else d
+        if d in lanes:  # the device's virtual stages, in chain order
+            label = f"{d}\n{', '.join(lanes[d])}"
         ax2.annotate(label, pos[d], fontsize=7, xytext=(4, 4), textcoords="offset points", zorder=5)
     links = [(lk["src_device"], lk["dst_device"]) for lk in plan.predicted.get("links", {}).values()]
     if R > 1:  # every replica's pipeline: replica 0's links moved onto its devices
@@ -372,7 +389,11 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
             for a, b in zip(ring, ring[1:] + ring[:1]):
                 if a in pos and b in pos and a != b:
                     ax2.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], ls="--", lw=1.2, color=color[s], zorder=3)
-    links = [(a, b) for a, b in links if a in pos and b in pos and a != b]
+    named: dict[tuple[str, str], str] = {}  # interleaved: a device pair carries several chunks' links
+    for k, lk in (plan.predicted.get("links", {}).items() if lanes else ()):
+        pair = (lk["src_device"], lk["dst_device"])
+        named[pair] = f"{named[pair]}, {k}" if pair in named else k
+    links = [(a, b) for a, b in dict.fromkeys(links) if a in pos and b in pos and a != b]
     on_arrows = len(links) <= 4 and len(pos) <= 16  # else the labels overlap: list them in a box instead
     for a, b in links:
         ax2.annotate("", xy=pos[b], xytext=pos[a], zorder=3,
@@ -382,12 +403,14 @@ def draw_plan(plan: Plan, path: str | Path) -> Path:
             ax2.annotate(bw_label(a, b), ((xa + xb) / 2, (ya + yb) / 2), fontsize=7, color="darkred", ha="center",
                          va="bottom", zorder=6, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
     if links and not on_arrows:
-        rows = [f"{part_of.get(a, a)}->{part_of.get(b, b)}: {bw_label(a, b)}" for a, b in links]
+        rows = [f"{named.get((a, b)) or f'{part_of.get(a, a)}->{part_of.get(b, b)}'}: {bw_label(a, b)}"
+                for a, b in links]
         text = "data-flow links\n" + "\n".join(rows[:12]) + (f"\n... {len(rows) - 12} more" if len(rows) > 12 else "")
         ax2.text(0.0, -0.02, text, transform=ax2.transAxes, fontsize=7, color="darkred", va="top", ha="left",
                  bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="0.8"), zorder=7)
     ax2.set_title(f"{len(devs)} devices in {len(clusters)} Louvain clusters;\nused devices coloured by "
                   + ("stage, data flow red, each stage's all-reduce ring dashed" if R > 1
+                     else "first chunk, its virtual stages listed (interleaved 1F1B), data flow red" if lanes
                      else "part, data flow red (bandwidth, latency)"), fontsize=10)
     pxs, pys = [q[0] for q in pos.values()] or [0.0], [q[1] for q in pos.values()] or [0.0]
     half = max(max(pxs) - min(pxs), max(pys) - min(pys), 1.0) / 2 + 0.75

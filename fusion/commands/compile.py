@@ -72,10 +72,17 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant "
                             "where the cost model says the iteration gets shorter (default: auto with "
                             "--compress auto, else none: exact)"),
-        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1", "auto"],
-                       help="pipeline schedule (default: gpipe); auto: the compiler prices gpipe, 1f1b and zb1 on "
-                            "the chosen cut and devices by simulating their action lists and keeps the shortest "
-                            "predicted iteration among those that fit memory (ties: the smaller peak memory)"),
+        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1", "interleaved", "auto"],
+                       help="pipeline schedule (default: gpipe); interleaved: interleaved 1F1B, the model cut into "
+                            "V x D chunks, chunk s on the (s %% D)-th device (--virtual-stages V; equal-flops or "
+                            "equal-count); auto: the compiler prices gpipe, 1f1b and zb1 on the chosen cut and devices "
+                            "(and, with --virtual-stages V > 1, interleaved on its own cut) by simulating their "
+                            "action lists and keeps the shortest predicted iteration among those that fit memory "
+                            "(ties: the smaller peak memory)"),
+        g.add_argument("--virtual-stages", type=positive_int, default=None, metavar="V",
+                       help="chunks (virtual stages) per device of --schedule interleaved (default 2), or with "
+                            "--schedule auto, V > 1 prices interleaved too; micro-batches must be a multiple of "
+                            "the devices"),
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
                             "its device otherwise"),
@@ -108,6 +115,16 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     tied = _tied_codec(args)
     if args.dp_allreduce not in ("ring", "tree", "auto"):
         raise FusionError(f"--dp-allreduce {args.dp_allreduce!r}: expected ring, tree or auto")
+    if args.virtual_stages is not None and args.schedule not in ("interleaved", "auto"):
+        raise FusionError(f"--virtual-stages {args.virtual_stages}: virtual stages are chunks of interleaved 1F1B; "
+                          f"give --schedule interleaved (or auto), not {args.schedule}")
+    interleaves = args.schedule == "interleaved" or (args.schedule == "auto" and (args.virtual_stages or 1) > 1)
+    if interleaves and args.strategy in DP_STRATEGIES:
+        raise FusionError(f"--schedule {args.schedule} --virtual-stages: the {args.strategy} planner plans data-parallel "
+                          "replicas, which interleaved 1F1B does not run; use --strategy equal-flops or equal-count")
+    if interleaves and args.replicas > 1:
+        raise FusionError(f"--replicas {args.replicas}: interleaved 1F1B runs one pipeline (no data-parallel replicas); "
+                          "leave out --replicas or use --schedule 1f1b/zb1")
     if args.strategy in DP_STRATEGIES:
         if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
@@ -125,7 +142,8 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                                    rows.pop() if len(rows) == 1 else None)
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
-                         compress=compress, recompute=args.recompute, tied_codec=tied)
+                         compress=compress, recompute=args.recompute, tied_codec=tied,
+                         virtual_stages=args.virtual_stages)
     if dp_codec is not None and args.replicas < 2:
         raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
@@ -337,8 +355,10 @@ def describe_plan(plan, cluster) -> str:
     pr = plan.predicted
     stages = len(plan.parts) // plan.replicas
     reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
+    chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
+              if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
-            f"({plan.strategy}), {len(plan.compression)} compressed edges; engines "
+            f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)")
 

@@ -42,7 +42,9 @@ Notation (per micro-batch; part p runs on device d(p)):
 - Memory of part p: its parameters (each counted once per part) times
   ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,
   AdamW 2), plus saved activations times the micro-batches in flight (GPipe:
-  n_b; 1F1B: ``min(n_b, depth_p + 1)``), plus, for every cut edge into or out
+  n_b; 1F1B: ``min(n_b, depth_p + 1)``; interleaved: counted from the part's
+  action list, :func:`interleaved_in_flight`, and a device holds the sum over
+  its chunks, :func:`device_memory`), plus, for every cut edge into or out
   of p whose activations go as ``delta`` (AQ-SGD), that edge's buffer: one
   decoded activation per training sample, ``N_samples * M_t / n_mb`` bytes
   (n_mb samples per micro-batch), kept by the sender and by the receiver.
@@ -330,7 +332,7 @@ class CostModel:
         par, ppart = pp // n_parts, pp % n_parts
         state = np.bincount(ppart, weights=self.p_state[par], minlength=n_parts)
         acts = np.bincount(node_part, weights=self.saved, minlength=n_parts)
-        inflight = self.in_flight(n_parts, psrc, pdst)
+        inflight = self.in_flight(n_parts, psrc, pdst, dev)
         memory = state + acts * inflight
         if rc.any():  # a recomputing part holds its inputs (received dense, or fed) per micro-batch in flight
             held = np.bincount(pdst, weights=self.t_bytes[pt], minlength=n_parts) \
@@ -362,6 +364,8 @@ class CostModel:
         comm = r_fwd + r_bwd
         n_b = self.micro_batches
         pipe = float(np.sum(comp + comm) + (n_b - 1) * np.max(np.maximum(comp, comm)))
+        if self.schedule == "interleaved":
+            pipe = interleaved_pipeline(comp, comm, dev, n_b)
         # tied-parameter gradient sync
         sync = 0.0
         if len(par):
@@ -376,6 +380,8 @@ class CostModel:
                     sync += float(self.tied_codec_s[q])
         total = pipe + sync
         over = memory > cap
+        if self.schedule == "interleaved":  # a device holds all its chunks: their sum against its memory
+            over = device_memory(memory, dev)[dev] > cap
         if not detail:
             return total, not bool(over.any())
         names = [d.name for d in self.cluster.devices]
@@ -394,6 +400,11 @@ class CostModel:
         violations = [f"part {p} on {names[dev[p]]} needs {memory[p] / 1e9:.3f} GB > {cap[p] / 1e9:.3f} GB"
                       + (self._buffer_note(p, pt, psrc, pdst, em) if buf[p] > 0 else "")
                       for p in np.nonzero(over)[0]]
+        if self.schedule == "interleaved":
+            dm = device_memory(memory, dev)
+            violations = [f"parts {', '.join(str(q) for q in np.nonzero(dev == d)[0])} (virtual stages) on {names[d]} "
+                          f"need {dm[d] / 1e9:.3f} GB together > {self.mem_cap[d] / 1e9:.3f} GB"
+                          for d in sorted(set(dev[over].tolist()))]
         n_s = n_b * self.samples_per_micro_batch
         codecs = {} if f_pick is None else {
             (int(t), int(a), int(b)): (int(f), int(g))
@@ -411,10 +422,13 @@ class CostModel:
         return (f" (of which {total / 1e9:.3f} GB are delta (AQ-SGD) buffers, one activation per training sample: "
                 f"{listed}{', ...' if len(mine) > 3 else ''})")
 
-    def in_flight(self, n_parts: int, psrc: np.ndarray, pdst: np.ndarray) -> np.ndarray:
+    def in_flight(self, n_parts: int, psrc: np.ndarray, pdst: np.ndarray, dev: np.ndarray | None = None) -> np.ndarray:
         """Micro-batches whose activations a part holds at once (GPipe: all; 1F1B: depth + 1; zb1: depth + 1
-        plus up to depth deferred weight gradients, counted in full)."""
+        plus up to depth deferred weight gradients, counted in full; interleaved: counted from each part's
+        projection of its device's action list, :func:`interleaved_in_flight`, which needs ``dev``)."""
         n_b = self.micro_batches
+        if self.schedule == "interleaved":
+            return interleaved_in_flight(n_parts, dev, n_b)
         if self.schedule not in ("1f1b", "zb1") or n_parts == 1:
             return np.full(n_parts, n_b)
         succ: dict[int, set[int]] = {p: set() for p in range(n_parts)}
@@ -435,6 +449,42 @@ class CostModel:
         for p in reversed(order):
             depth[p] = 1 + max((depth[s] for s in succ[p]), default=-1)
         return np.minimum(n_b, depth + 1 + (depth if self.schedule == "zb1" else 0))
+
+
+def interleaved_in_flight(n_parts: int, part_device: np.ndarray, n_micro: int) -> np.ndarray:
+    """Per part (parts indexed in pipeline order, part s on device ``part_device[s]``, round-robin): the
+    most forwards it has run whose backward has not, in its projection of its device's interleaved 1F1B
+    action list (:func:`fusion.ir.schedule.make_schedule`). A chunk early in the chain warms up with more
+    forwards than one late in it (Megatron-LM's order), so the counts differ per chunk."""
+    from fusion.ir.schedule import make_schedule
+
+    order = list(range(n_parts))
+    acts = make_schedule("interleaved", order, {(p, p + 1): None for p in order[:-1]}, n_micro,
+                         {p: int(part_device[p]) for p in order})
+    out = np.zeros(n_parts, dtype=int)
+    for p in order:
+        live = 0
+        for a in acts[p]:
+            live += 1 if a.kind == "F" else -1 if a.kind == "B" else 0
+            out[p] = max(out[p], live)
+    return out
+
+
+def device_memory(memory: np.ndarray, part_device: np.ndarray) -> np.ndarray:
+    """Bytes per device index: the sum of its parts' memory (the chunks of an interleaved device)."""
+    dev = np.asarray(part_device, dtype=np.int64)
+    return np.bincount(dev, weights=memory, minlength=int(dev.max()) + 1 if len(dev) else 0)
+
+
+def interleaved_pipeline(comp: np.ndarray, comm: np.ndarray, part_device: np.ndarray, n_micro: int) -> float:
+    """Eq. (3) for interleaved 1F1B with V chunks per device: the fill and drain go through one chunk per
+    device, ``T_pipe = sum_p (C_p + R_p) / V + (n_b - 1 / V) * max_d sum_{p on d} max(C_p, R_p)``.
+    With V = 1 this is Eq. (3); with equal chunks (c per chunk, t = V c per device) it is Megatron-LM's
+    ``(n_b + (D - 1) / V) t`` (Narayanan et al. 2021, Sec. 2.2)."""
+    dev = np.asarray(part_device, dtype=np.int64)
+    v = len(dev) / max(len(set(dev.tolist())), 1)
+    per_device = np.bincount(dev, weights=np.maximum(comp, comm))
+    return float(np.sum(comp + comm) / v + (n_micro - 1 / v) * per_device.max())
 
 
 def _pick(wire: np.ndarray, secs: np.ndarray, mem: np.ndarray, alpha: np.ndarray, beta: np.ndarray,

@@ -10,6 +10,9 @@ lists the CompNodes execute) through :func:`fusion.ir.schedule.simulate` with th
   sends or receives; its backward ``B_p = C_p - F_p`` (Eq. 1's C_p, so F + B is exactly the estimator's
   compute, a recomputing part's second forward in B). A split schedule (``zb1``) gives
   ``W_FRACTION`` of B to the weight-gradient action W.
+- ``interleaved`` (V chunks per device, :mod:`fusion.partition.interleave`): the chunks of one device run
+  on one clock, in Megatron-LM's order (:func:`fusion.ir.schedule.make_lanes`); the estimator's memory of
+  a device is the sum over its chunks, each with its own forwards in flight.
 - each part pair's activations after F and gradients after B as in Eq. (2), the way the runtime's replay
   moves them: on a link per ordered part pair that transmits one message at a time, a message occupies it
   for ``beta * M`` (M summed over the pair's cut tensors) after the messages queued before it and
@@ -26,14 +29,15 @@ from typing import Mapping
 
 import numpy as np
 
-from fusion.cost.estimate import FORWARD_SHARE, CostModel, Estimate
-from fusion.ir.schedule import SCHEDULES, make_schedule, simulate
+from fusion.cost.estimate import FORWARD_SHARE, CostModel, Estimate, device_memory
+from fusion.ir.schedule import LANE_SCHEDULES, SCHEDULES, make_lanes, make_schedule, simulate
 
 
 @dataclass(frozen=True)
 class SchedulePrice:
     """One schedule on one cut: ``iteration_s`` the simulated iteration (seconds), ``peak_memory_bytes``
-    the most any part needs, ``fits`` whether every part fits its device."""
+    the most any device needs (the sum of its parts: one part, or an interleaved device's chunks), ``fits``
+    whether every device holds what it runs."""
 
     iteration_s: float
     peak_memory_bytes: float
@@ -46,14 +50,16 @@ class SchedulePrice:
 def simulated_iteration(schedule: str, order: list[int], compute: Mapping[int, Mapping[str, float]],
                         links: Mapping[tuple[int, int], tuple[tuple[float, float], tuple[float, float] | None]],
                         micro_batches: int,
-                        tail_s: float = 0.0) -> float:
-    """Seconds of one iteration of ``schedule`` (``gpipe``, ``1f1b``, ``zb1``).
+                        tail_s: float = 0.0, devices: Mapping[int, int] | None = None) -> float:
+    """Seconds of one iteration of ``schedule`` (``gpipe``, ``1f1b``, ``zb1``, ``interleaved``).
 
     order:   parts in a topological order of the part DAG.
     compute: part -> {"F": s, "B": s} of one micro-batch (B the whole backward).
     links:   (src, dst) -> (activations after src's F, gradients after dst's B or None when no gradient flows
              back), each ``(busy_s, latency_s)``: seconds the message holds its link (one message at a time
              per ordered pair) and seconds it then takes to arrive.
+    devices: part -> device, for ``interleaved``: the parts of one device run on one clock, in the order
+             of its lane (:func:`fusion.ir.schedule.make_lanes`); ``order`` must then go round-robin over them.
     """
     sends: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for (a, b), (fwd, bwd) in links.items():
@@ -67,8 +73,9 @@ def simulated_iteration(schedule: str, order: list[int], compute: Mapping[int, M
         busy[(src, dst)] = end
         return end + msg[1]
 
-    actions = make_schedule(schedule, order, links, micro_batches)
-    sim = simulate(actions, compute, sends, deliver)
+    actions = make_schedule(schedule, order, links, micro_batches, devices)
+    lanes = make_lanes(schedule, order, links, micro_batches, devices) if schedule in LANE_SCHEDULES else None
+    sim = simulate(actions, compute, sends, deliver, lanes=lanes)
     return max(sim.end_s.values()) + tail_s
 
 
@@ -125,14 +132,18 @@ def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device:
     finally:
         cm.schedule = before
     order, compute, links = part_times(cm, est, node_part, part_device)
-    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s)
-    peak = max((pe.memory_bytes for pe in est.parts), default=0.0)
-    return SchedulePrice(t, peak, not est.violations), est
+    devices = None
+    if name in LANE_SCHEDULES:  # parts indexed in pipeline order, round-robin over their devices
+        order, devices = list(range(len(part_device))), {p: int(d) for p, d in enumerate(part_device)}
+    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s, devices)
+    peak = max(device_memory(np.array([pe.memory_bytes for pe in est.parts]), part_device), default=0.0)
+    return SchedulePrice(float(t), float(peak), not est.violations), est
 
 
 def best_schedule(prices: Mapping[str, SchedulePrice]) -> str | None:
     """The rule of ``--schedule auto``: among the schedules that fit, the shortest iteration; ties (within
-    1e-12 relative) the smaller peak memory, then the name order gpipe, 1f1b, zb1. None if none fits."""
+    1e-12 relative) the smaller peak memory, then the name order gpipe, 1f1b, zb1, interleaved. None if none
+    fits. (With ``--virtual-stages V``, ``interleaved`` is priced on its own cut, the others on theirs.)"""
     fit = [(n, p) for n, p in prices.items() if p.fits]
     if not fit:
         return None

@@ -27,7 +27,7 @@ def test_run_with_schedule_auto_trains_the_chosen_schedule(tmp_path):
 
 def test_bad_schedule_values_exit_2_with_one_line(tmp_path):
     (tmp_path / "c.json").write_text("{}")
-    r = _fusion("compile", "m.py:f", "--cluster", str(tmp_path / "c.json"), "--schedule", "interleaved",
+    r = _fusion("compile", "m.py:f", "--cluster", str(tmp_path / "c.json"), "--schedule", "zigzag",
                 "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--schedule" in r.stderr, r.stderr
     r, _ = _run_model(tmp_path / "dp", "--strategy", "dp", "--global-batch", "8", "--schedule", "auto")
