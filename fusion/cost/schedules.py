@@ -14,9 +14,10 @@ lists the CompNodes execute) through :func:`fusion.ir.schedule.simulate` with th
   moves them: on a link per ordered part pair that transmits one message at a time, a message occupies it
   for ``beta * M`` (M summed over the pair's cut tensors) after the messages queued before it and
   arrives ``alpha`` later.
-- the tied-parameter sync ``T_sync`` after the last action.
+- the tied-parameter sync ``T_sync`` and the work outside the pipeline ``T_step`` (control round trip,
+  feeds, optimizer step: :mod:`fusion.cost.estimate`) after the last action.
 
-``iteration_s = max_p (end of p's last action) + T_sync``. The compiler's ``--schedule auto`` keeps the schedule
+``iteration_s = max_p (end of p's last action) + T_sync + T_step``. The compiler's ``--schedule auto`` keeps the schedule
 with the shortest such time among those whose every part fits its device; ties go to the smaller peak memory.
 """
 from __future__ import annotations
@@ -125,7 +126,7 @@ def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device:
     finally:
         cm.schedule = before
     order, compute, links = part_times(cm, est, node_part, part_device)
-    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s)
+    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s + est.step_s)
     peak = max((pe.memory_bytes for pe in est.parts), default=0.0)
     return SchedulePrice(t, peak, not est.violations), est
 
