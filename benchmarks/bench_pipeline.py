@@ -416,12 +416,14 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
         model, _without_overheads(cluster),
         strategy=strategy, micro_batches=cfg.emu_micro, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01))
     bare_ef, bare_of = bare("equal-flops"), bare("opfence")
-    rounds, of_rounds, of_reports = [], [], []
+    rounds, of_rounds, of_reports, of_cpu = [], [], [], []
     for rnd in range(cfg.rounds):
         meas = run_fusion(plan_dir, tmp / f"run-emulated-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
         rounds.append(statistics.median(r.iteration_s for r in meas))
+        cpu: dict = {}
         of_meas_r = run_fusion(of_dir, tmp / f"run-emulated-opfence-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d,
-                               emulate=True)
+                               emulate=True, cpu=cpu)
+        of_cpu.append(cpu["per_iteration_s"])
         of_reports += of_meas_r
         of_rounds.append(statistics.median(r.iteration_s for r in of_meas_r))
         print(f"[emulated] round {rnd}: equal-flops measured {rounds[-1] * 1e3:.1f} ms (predicted/measured "
@@ -470,6 +472,15 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
           f"predicted T_step {of.predicted.get('step_s', 0.0) * 1e3:.2f} (optimizer "
           + ", ".join(f"{p} {v.get('optimizer_s', 0.0) * 1e3:.2f}" for p, v in of.predicted["parts"].items()) + ")",
           flush=True)
+    # CPU seconds an executor process used per iteration (all its threads; mean over the parts) against the wall time
+    # of its forward + backward + optimizer: what is left is time waiting for a core (2 cores, other work on the host)
+    of_cpu_s = statistics.median(of_cpu)
+    of_busy = statistics.mean(b["forward_s"] + b["backward_s"] + b["optimizer_s"] for p, b in of_break.items()
+                              if p != "coordinator")
+    of_pred_busy = statistics.mean(cfg.emu_micro * v["compute_s"] + v.get("optimizer_s", 0.0)
+                                   for v in of.predicted["parts"].values())
+    print(f"[emulated] OP-Fence executors per iteration (mean over parts): CPU {of_cpu_s * 1e3:.1f} ms, wall in "
+          f"forward + backward + optimizer {of_busy * 1e3:.1f} ms, predicted {of_pred_busy * 1e3:.1f} ms", flush=True)
     sim = float(plan.predicted["schedules"]["gpipe"]["iteration_s"])
     of_sim = float(of.predicted["schedules"]["gpipe"]["iteration_s"])
     print(f"[emulated] schedule simulation (fusion/cost/schedules.py) instead of Eq. 3: equal-flops {sim * 1e3:.1f} ms "
@@ -487,10 +498,22 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
               "step_predicted_s": float(plan.predicted.get("step_s", 0.0)),
               "opfence_step_predicted_s": float(of.predicted.get("step_s", 0.0)),
               "simulated_over_measured": sim / measured, "opfence_simulated_over_measured": of_sim / of_meas,
-              "opfence_breakdown_s": of_break,
+              "opfence_breakdown_s": of_break, "opfence_cpu_per_iteration_s": of_cpu_s,
+              "opfence_busy_wall_s": of_busy, "opfence_busy_predicted_s": of_pred_busy,
               "without_step_predicted_over_measured": (compiler_pred - float(plan.predicted.get("step_s", 0.0))) / measured,
               "opfence_without_step_predicted_over_measured": (of_pred - float(of.predicted.get("step_s", 0.0))) / of_meas}
     return compiler_pred / measured, pred.iteration_s / measured, util, detail
+
+
+def _rounded(v):
+    """``v`` with every float (in nested dicts and lists too) rounded to 6 decimals, for the JSON line."""
+    if isinstance(v, float):
+        return round(v, 6)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_rounded(x) for x in v]
+    return v
 
 
 def main() -> None:
@@ -559,10 +582,7 @@ def main() -> None:
             "opfence_predicted_over_measured": round(detail["opfence_predicted_over_measured"], 3),
             "replay_over_measured": round(rom, 3),  # the runtime's schedule replay with profiled compute
             "bottleneck_link_utilization": round(util, 3),
-            "emulated": {k: (round(v, 6) if isinstance(v, float) else
-                             {a: round(b, 6) for a, b in v.items()} if isinstance(v, dict) else
-                             [round(b, 6) for b in v] if k.endswith("rounds_s") else v)
-                         for k, v in detail.items()},
+            "emulated": _rounded(detail),
         })
     print(json.dumps(out))
 
