@@ -37,8 +37,9 @@ Notation (per micro-batch; part p runs on device d(p)):
   With a tied codec (``Plan.tied_codec``, :func:`tied_prices`) P is the codec's
   wire bytes ``Codec.wire_nbytes`` of the parameter and each parameter adds its
   encode + decode seconds.
-- Eq. (3) prices the pipeline only; an iteration also runs work before and after it that the
-  paper's model leaves out, priced here from per-device costs fitted by ``fusion profile``
+- Eq. (3) prices the pipeline only, and the paper's Eq. (4) divides by it alone
+  (``phi = N_s / T(G)_{n_b,pipe}``, FusionLLM §3.6); an iteration also runs work before and
+  after the pipeline that the paper's model leaves out, priced here from per-device costs fitted by ``fusion profile``
   (:mod:`fusion.cost.profile`; each 0 when a cluster file has none, so older files predict what
   they did):
   ``T_step = max_p o_step + sum_p n_b (k_p o_feed + I_p o_byte) + max_p P_p o_opt``, with

@@ -268,3 +268,18 @@ def test_compile_onnx_file_with_numpy_weights(tmp_path, capsys):
     assert set(w) == set(model.params)
     for k, v in model.params.items():
         np.testing.assert_array_equal(w[k], v)
+
+
+def test_profile_names_the_file_and_field_of_a_bad_step_cost(tmp_path, capsys):
+    """A bad fitted cost in the cluster file stops `fusion profile` before it times anything: exit 2, one line."""
+    from tests.fusion.cli_helpers import one_line
+
+    bad = tmp_path / "bad-cluster.yaml"
+    bad.write_text(Path(LOCAL).read_text().replace("memory: 4 GB, address: \"tcp://127.0.0.1:6101\"",
+                                                   "memory: 4 GB, address: \"tcp://127.0.0.1:6101\", "
+                                                   "optimizer_byte_s: {adamw: -1.0e-9}"))
+    assert "optimizer_byte_s" in bad.read_text()
+    assert main(["profile", "--cluster", str(bad), "--name", "cpu-1", "-o", str(tmp_path / "out.yaml")]) == 2
+    err = one_line(capsys)
+    assert "bad-cluster.yaml" in err and "optimizer_byte_s.adamw" in err and "cpu-1" in err, err
+    assert not (tmp_path / "out.yaml").exists()
