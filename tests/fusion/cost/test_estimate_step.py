@@ -122,3 +122,31 @@ def test_cluster_file_fields_load_and_bad_values_name_file_and_field(tmp_path):
         with pytest.raises(ClusterError, match=match) as e:
             load_cluster(y)
         assert "\n" not in str(e.value)
+
+
+def test_compiled_plan_records_the_step_and_inspect_shows_it():
+    """End to end: compile_model on a cluster with the step costs puts T_step in plan.predicted (and in the
+    simulated schedules), and `fusion inspect`'s report adds it to the sum."""
+    import torch
+
+    from fusion.compile import compile_model
+    from fusion.inspect import plan_report
+    from fusion.ir.builder import GraphBuilder
+    from fusion.plan import OptimizerConfig
+
+    b = GraphBuilder()
+    x, y = b.input("x"), b.label("y")
+    h = b.module("l1", "torch.nn.Linear", x, in_features=8, out_features=8)
+    o = b.module("l2", "torch.nn.Linear", h, in_features=8, out_features=4)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    model = b.build(example={"x": torch.randn(2, 8), "y": torch.randint(0, 4, (2,))}, seed=0)
+    kw = dict(strategy="equal-flops", micro_batches=2, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.1))
+    plain = compile_model(model, _cluster(), **kw)
+    plan = compile_model(model, _with_step(), **kw)
+    step = plan.predicted["step_s"]
+    assert plain.predicted["step_s"] == 0.0 and step >= max(STEP)
+    assert plan.predicted["iteration_s"] == pytest.approx(plan.predicted["pipeline_s"] + step, rel=1e-12)
+    sims = {n: v["iteration_s"] for n, v in plan.predicted["schedules"].items()}
+    assert all(sims[n] == pytest.approx(v["iteration_s"] + step, rel=1e-9)
+               for n, v in plain.predicted["schedules"].items())
+    assert f"+ step {step:.4g} s" in plan_report(plan) and "+ step" not in plan_report(plain)
