@@ -22,8 +22,8 @@ All measured in one run, on this host, loopback only:
 2. ``predicted_over_measured``: the *compiler's* prediction against the
    measured iteration. ``local-4-two-sites`` (two sites, 1 Gbit/s inside,
    20 Mbit/s and 30 ms between) with every device's lambda fitted on this
-   host by ``fusion profile --threads 1 --batch ROWS`` (with the per-node and
-   per-message overheads it fits, :mod:`fusion.cost.profile`); the model (four
+   host by ``fusion profile --threads 1 --batch ROWS`` (with the per-node,
+   per-message and per-iteration step costs it fits, :mod:`fusion.cost.profile`); the model (four
    pre-norm MLP blocks of width 1024 and a head, 16 rows x 16 micro-batches)
    is compiled by ``compile_model(strategy="equal-flops")`` into four parts
    on the four devices, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
@@ -33,7 +33,10 @@ All measured in one run, on this host, loopback only:
    replay (:mod:`fusion.executors.runtime.replay`) with alpha-beta links and per-part
    compute times from a warm-up run without emulation. OP-Fence's own plan
    for the same cluster (two parts inside site a) is measured the same way,
-   in the same rounds (``opfence_predicted_over_measured``).
+   in the same rounds (``opfence_predicted_over_measured``); for it the
+   benchmark also prints where the iteration goes (the executors' ``done``
+   stats: forward, backward, waiting, optimizer, and the time outside every
+   part's span) and its executors' CPU seconds against their busy wall time.
 3. ``bottleneck_link_utilization``: bytes moved over the slowest link (both
    directions of the 20 Mbit/s pair, which GPipe uses in turn: activations
    forward, then gradients back) divided by its capacity times the measured
@@ -500,8 +503,10 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
               "simulated_over_measured": sim / measured, "opfence_simulated_over_measured": of_sim / of_meas,
               "opfence_breakdown_s": of_break, "opfence_cpu_per_iteration_s": of_cpu_s,
               "opfence_busy_wall_s": of_busy, "opfence_busy_predicted_s": of_pred_busy,
-              "without_step_predicted_over_measured": (compiler_pred - float(plan.predicted.get("step_s", 0.0))) / measured,
-              "opfence_without_step_predicted_over_measured": (of_pred - float(of.predicted.get("step_s", 0.0))) / of_meas}
+              "without_step_predicted_over_measured":
+                  (compiler_pred - float(plan.predicted.get("step_s", 0.0))) / measured,
+              "opfence_without_step_predicted_over_measured":
+                  (of_pred - float(of.predicted.get("step_s", 0.0))) / of_meas}
     return compiler_pred / measured, pred.iteration_s / measured, util, detail
 
 
