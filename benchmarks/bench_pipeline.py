@@ -22,8 +22,8 @@ All measured in one run, on this host, loopback only:
 2. ``predicted_over_measured``: the *compiler's* prediction against the
    measured iteration. ``local-4-two-sites`` (two sites, 1 Gbit/s inside,
    20 Mbit/s and 30 ms between) with every device's lambda fitted on this
-   host by ``fusion profile --threads 1 --batch ROWS`` (with the per-node and
-   per-message overheads it fits, :mod:`fusion.cost.profile`); the model (four
+   host by ``fusion profile --threads 1 --batch ROWS`` (with the per-node,
+   per-message and per-iteration step costs it fits, :mod:`fusion.cost.profile`); the model (four
    pre-norm MLP blocks of width 1024 and a head, 16 rows x 16 micro-batches)
    is compiled by ``compile_model(strategy="equal-flops")`` into four parts
    on the four devices, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
@@ -33,7 +33,10 @@ All measured in one run, on this host, loopback only:
    replay (:mod:`fusion.executors.runtime.replay`) with alpha-beta links and per-part
    compute times from a warm-up run without emulation. OP-Fence's own plan
    for the same cluster (two parts inside site a) is measured the same way,
-   in the same rounds (``opfence_predicted_over_measured``).
+   in the same rounds (``opfence_predicted_over_measured``); for it the
+   benchmark also prints where the iteration goes (the executors' ``done``
+   stats: forward, backward, waiting, optimizer, and the time outside every
+   part's span) and its executors' CPU seconds against their busy wall time.
 3. ``bottleneck_link_utilization``: bytes moved over the slowest link (both
    directions of the 20 Mbit/s pair, which GPipe uses in turn: activations
    forward, then gradients back) divided by its capacity times the measured
@@ -342,24 +345,48 @@ def fitted_cluster(cfg):
 
     cluster = load_cluster(str(CLUSTER_YAML))
     prof = profile_host(cluster.devices[0].peak_flops, "cpu", batch=cfg.emu_rows, threads=1)
-    over = {"node_overhead_s": prof.node_overhead_s, "message_overhead_s": prof.message_overhead_s} \
-        if cfg.overheads else {}
+    over = {"node_overhead_s": prof.node_overhead_s, "message_overhead_s": prof.message_overhead_s,
+            "step_overhead_s": prof.step_overhead_s, "feed_overhead_s": prof.feed_overhead_s,
+            "feed_byte_s": prof.feed_byte_s, "optimizer_byte_s": tuple(prof.optimizer_byte_s)} if cfg.overheads else {}
     cluster.devices = [replace(d, lam=prof.lam, **over) for d in cluster.devices]
     print(f"[emulated] fusion profile --threads 1 --batch {cfg.emu_rows}: {prof.fitted_flops / 1e9:.2f} GFLOP/s of a nominal "
           f"{prof.peak_flops / 1e9:.0f} GFLOPS, lambda {prof.lam:.3f} (R^2 {prof.r2:.4f}, t0 {prof.overhead_s * 1e6:.0f} us); "
           f"{prof.node_overhead_s * 1e6:.1f} us per node (interpreted {prof.node_overhead_interpreted_s * 1e6:.1f}), "
-          f"{prof.message_overhead_s * 1e6:.1f} us per message" + ("" if cfg.overheads else " (not used: --no-overheads)"),
+          f"{prof.message_overhead_s * 1e6:.1f} us per message; step round trip {prof.step_overhead_s * 1e6:.0f} us "
+          f"+ {prof.feed_overhead_s * 1e6:.1f} us per fed array + {prof.feed_byte_s * 1e9:.2f} ns per fed byte; "
+          f"SGD step {prof.optimizer_byte_s[0] * 1e12:.0f} ps per parameter byte"
+          + ("" if cfg.overheads else " (not used: --no-overheads)"),
           flush=True)
     return cluster, prof
 
 
 def _without_overheads(cluster):
-    """A copy of ``cluster`` with every device's per-node and per-message overhead at 0 (lambda kept)."""
+    """A copy of ``cluster`` with every device's fitted fixed costs at 0 (lambda kept): per node, per message,
+    and the step terms (round trip, feeds, optimizer)."""
     from copy import copy
     from dataclasses import replace
 
     out = copy(cluster)
-    out.devices = [replace(d, node_overhead_s=0.0, message_overhead_s=0.0) for d in cluster.devices]
+    out.devices = [replace(d, node_overhead_s=0.0, message_overhead_s=0.0, step_overhead_s=0.0, feed_overhead_s=0.0,
+                           feed_byte_s=0.0, optimizer_byte_s=(0.0, 0.0, 0.0)) for d in cluster.devices]
+    return out
+
+
+def breakdown(reports) -> dict:
+    """Where an iteration's wall time goes, from the executors' ``done`` stats: per part the medians over the
+    steps of its forward, backward, idle (waiting for data), tied-gradient sync and optimizer seconds and its
+    span (first action to ``done``); ``coordinator.outside_s``: the step's time outside every part's span (the
+    step message out, feeds decoded, ``done`` back)."""
+    out: dict = {}
+    for p in reports[0].parts:
+        rows = [r.parts[p] for r in reports]
+        out[p] = {k: statistics.median(f(x) for x in rows) for k, f in (
+            ("forward_s", lambda x: sum(x["forward_s"])), ("backward_s", lambda x: sum(x["backward_s"])),
+            ("idle_s", lambda x: x["idle_s"]), ("sync_s", lambda x: x["sync_s"]),
+            ("optimizer_s", lambda x: x["optimizer_s"]), ("span_s", lambda x: x["t_end"] - x["t_start"]))}
+    out["coordinator"] = {"outside_s": statistics.median(
+        r.iteration_s - (max(v["t_end"] for v in r.parts.values()) - min(v["t_start"] for v in r.parts.values()))
+        for r in reports)}
     return out
 
 
@@ -400,12 +427,16 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
         model, _without_overheads(cluster),
         strategy=strategy, micro_batches=cfg.emu_micro, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01))
     bare_ef, bare_of = bare("equal-flops"), bare("opfence")
-    rounds, of_rounds = [], []
+    rounds, of_rounds, of_reports, of_cpu = [], [], [], []
     for rnd in range(cfg.rounds):
         meas = run_fusion(plan_dir, tmp / f"run-emulated-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
         rounds.append(statistics.median(r.iteration_s for r in meas))
-        of_rounds.append(statistics.median(r.iteration_s for r in run_fusion(
-            of_dir, tmp / f"run-emulated-opfence-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)))
+        cpu: dict = {}
+        of_meas_r = run_fusion(of_dir, tmp / f"run-emulated-opfence-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d,
+                               emulate=True, cpu=cpu)
+        of_cpu.append(cpu["per_iteration_s"])
+        of_reports += of_meas_r
+        of_rounds.append(statistics.median(r.iteration_s for r in of_meas_r))
         print(f"[emulated] round {rnd}: equal-flops measured {rounds[-1] * 1e3:.1f} ms (predicted/measured "
               f"{compiler_pred / rounds[-1]:.3f}), OP-Fence measured {of_rounds[-1] * 1e3:.1f} ms "
               f"(predicted/measured {of_pred / of_rounds[-1]:.3f})", flush=True)
@@ -445,6 +476,26 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
           f"{bare_ef.predicted['iteration_s'] * 1e3:.1f} ms ({bare_ef.predicted['iteration_s'] / measured:.3f} of measured), "
           f"OP-Fence predicted {bare_of.predicted['iteration_s'] * 1e3:.1f} ms ({len(bare_of.parts)} parts; "
           f"{bare_of.predicted['iteration_s'] / of_meas:.3f} of measured)", flush=True)
+    of_break = breakdown(of_reports)
+    print("[emulated] OP-Fence iteration, where the time goes (ms, medians over the measured steps): " +
+          "; ".join(f"{p} " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items()) for p, b in of_break.items()
+                    if p != "coordinator") + f"; outside the parts {of_break['coordinator']['outside_s'] * 1e3:.1f}; "
+          f"predicted T_step {of.predicted.get('step_s', 0.0) * 1e3:.2f} (optimizer "
+          + ", ".join(f"{p} {v.get('optimizer_s', 0.0) * 1e3:.2f}" for p, v in of.predicted["parts"].items()) + ")",
+          flush=True)
+    # CPU seconds an executor process used per iteration (all its threads; mean over the parts) against the wall time
+    # of its forward + backward + optimizer: what is left is time waiting for a core (2 cores, other work on the host)
+    of_cpu_s = statistics.median(of_cpu)
+    of_busy = statistics.mean(b["forward_s"] + b["backward_s"] + b["optimizer_s"] for p, b in of_break.items()
+                              if p != "coordinator")
+    of_pred_busy = statistics.mean(cfg.emu_micro * v["compute_s"] + v.get("optimizer_s", 0.0)
+                                   for v in of.predicted["parts"].values())
+    print(f"[emulated] OP-Fence executors per iteration (mean over parts): CPU {of_cpu_s * 1e3:.1f} ms, wall in "
+          f"forward + backward + optimizer {of_busy * 1e3:.1f} ms, predicted {of_pred_busy * 1e3:.1f} ms", flush=True)
+    sim = float(plan.predicted["schedules"]["gpipe"]["iteration_s"])
+    of_sim = float(of.predicted["schedules"]["gpipe"]["iteration_s"])
+    print(f"[emulated] schedule simulation (fusion/cost/schedules.py) instead of Eq. 3: equal-flops {sim * 1e3:.1f} ms "
+          f"({sim / measured:.3f} of measured), OP-Fence {of_sim * 1e3:.1f} ms ({of_sim / of_meas:.3f})", flush=True)
     detail = {"compiler_predicted_s": compiler_pred, "replay_predicted_s": pred.iteration_s, "measured_s": measured,
               "measured_rounds_s": rounds, "opfence_measured_rounds_s": of_rounds,
               "lambda": prof.lam, "node_overhead_s": prof.node_overhead_s, "message_overhead_s": prof.message_overhead_s,
@@ -454,8 +505,28 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
               "opfence_lambda_only_predicted_s": float(bare_of.predicted["iteration_s"]),
               "opfence_lambda_only_parts": len(bare_of.parts),
               "opfence_parts": len(of.parts), "opfence_predicted_s": of_pred, "opfence_measured_s": of_meas,
-              "opfence_predicted_over_measured": of_pred / of_meas}
+              "opfence_predicted_over_measured": of_pred / of_meas,
+              "step_predicted_s": float(plan.predicted.get("step_s", 0.0)),
+              "opfence_step_predicted_s": float(of.predicted.get("step_s", 0.0)),
+              "simulated_over_measured": sim / measured, "opfence_simulated_over_measured": of_sim / of_meas,
+              "opfence_breakdown_s": of_break, "opfence_cpu_per_iteration_s": of_cpu_s,
+              "opfence_busy_wall_s": of_busy, "opfence_busy_predicted_s": of_pred_busy,
+              "without_step_predicted_over_measured":
+                  (compiler_pred - float(plan.predicted.get("step_s", 0.0))) / measured,
+              "opfence_without_step_predicted_over_measured":
+                  (of_pred - float(of.predicted.get("step_s", 0.0))) / of_meas}
     return compiler_pred / measured, pred.iteration_s / measured, util, detail
+
+
+def _rounded(v):
+    """``v`` with every float (in nested dicts and lists too) rounded to 6 decimals, for the JSON line."""
+    if isinstance(v, float):
+        return round(v, 6)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_rounded(x) for x in v]
+    return v
 
 
 def main() -> None:
@@ -524,10 +595,7 @@ def main() -> None:
             "opfence_predicted_over_measured": round(detail["opfence_predicted_over_measured"], 3),
             "replay_over_measured": round(rom, 3),  # the runtime's schedule replay with profiled compute
             "bottleneck_link_utilization": round(util, 3),
-            "emulated": {k: (round(v, 6) if isinstance(v, float) else
-                             {a: round(b, 6) for a, b in v.items()} if isinstance(v, dict) else
-                             [round(b, 6) for b in v] if k.endswith("rounds_s") else v)
-                         for k, v in detail.items()},
+            "emulated": _rounded(detail),
         })
     print(json.dumps(out))
 

@@ -354,7 +354,7 @@ def _assemble(model: Model, cluster: Cluster, cm: CostModel, part: Partition, na
             "bandwidth_bps": cluster.bandwidth_bps(a, b), "latency_s": float(cluster.alpha[a, b])}
     predicted: dict[str, Any] = {
         "cost_model": COST_MODEL,
-        "iteration_s": est.iteration_s, "pipeline_s": est.pipeline_s, "sync_s": est.sync_s,
+        "iteration_s": est.iteration_s, "pipeline_s": est.pipeline_s, "sync_s": est.sync_s, "step_s": est.step_s,
         "throughput_samples_s": est.throughput, "dense_iteration_s": dense.iteration_s,
         "samples_per_micro_batch": cm.samples_per_micro_batch,
         "parts": {names[k]: {"device": pe.device, "compute_s": pe.compute_s, "comm_s": pe.comm_s,
@@ -362,7 +362,8 @@ def _assemble(model: Model, cluster: Cluster, cm: CostModel, part: Partition, na
                              "memory_bytes": pe.memory_bytes, "param_state_bytes": pe.param_state_bytes,
                              "activation_bytes": pe.activation_bytes, "in_flight": pe.in_flight,
                              "memory_limit": pe.memory_limit,
-                             **({"delta_buffer_bytes": pe.delta_buffer_bytes} if pe.delta_buffer_bytes else {})}
+                             **({"delta_buffer_bytes": pe.delta_buffer_bytes} if pe.delta_buffer_bytes else {}),
+                             **({"optimizer_s": pe.optimizer_s} if pe.optimizer_s else {})}
                   for k, pe in enumerate(est.parts)},
         "links": links,
         "clusters": [[dev_names[i] for i in c] for c in clusters],

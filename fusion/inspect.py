@@ -92,7 +92,8 @@ def plan_report(plan: Plan) -> str:
              f"schedule {plan.schedule} x {plan.micro_batches} micro-batches" + (" per replica" if R > 1 else "")]
     if pr:
         lines.append(f"predicted iteration {pr.get('iteration_s', float('nan')):.4g} s "
-                     f"(pipeline {pr.get('pipeline_s', float('nan')):.4g} s + tied-gradient sync {pr.get('sync_s', 0.0):.4g} s; "
+                     f"(pipeline {pr.get('pipeline_s', float('nan')):.4g} s + tied-gradient sync {pr.get('sync_s', 0.0):.4g} s"
+                     + (f" + step {pr['step_s']:.4g} s" if pr.get("step_s") else "") + "; "
                      f"dense {pr.get('dense_iteration_s', float('nan')):.4g} s), "
                      f"throughput {pr.get('throughput_samples_s', float('nan')):.4g} samples/s")
     if pr.get("schedules"):  # every schedule priced on this cut (fusion.cost.schedules), the plan's marked

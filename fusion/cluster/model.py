@@ -59,6 +59,15 @@ class Device:
     message_overhead_s: seconds of CPU per activation or gradient message a part sends or
                       receives (serialisation, copies, the socket), fitted by ``fusion profile``;
                       0 when absent.
+    step_overhead_s:  seconds of one iteration's control round trip between the coordinator and a
+                      part placed here (the ``step`` message out, ``done`` back, no data), fitted by
+                      ``fusion profile``; 0 when absent.
+    feed_overhead_s:  seconds per fed array (one micro-batch of one input or label placeholder) in the
+                      ``step`` message, beside its bytes; 0 when absent.
+    feed_byte_s:      seconds per byte of fed data (split, encode, loopback socket, decode); 0 when absent.
+    optimizer_byte_s: seconds per trainable parameter byte of one optimizer step, one entry per
+                      optimizer kind (:data:`OPTIMIZER_KINDS`: SGD, SGD with momentum, AdamW), timed on
+                      torch's optimizers by ``fusion profile``; 0 when absent.
     """
 
     name: str
@@ -70,6 +79,10 @@ class Device:
     group: str = ""
     node_overhead_s: float = 0.0
     message_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    feed_overhead_s: float = 0.0
+    feed_byte_s: float = 0.0
+    optimizer_byte_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def speed(self) -> float:
@@ -161,6 +174,8 @@ class Cluster:
             for key in OVERHEAD_KEYS:
                 if getattr(d, key):
                     e[key] = getattr(d, key)
+            if any(d.optimizer_byte_s):
+                e["optimizer_byte_s"] = dict(zip(OPTIMIZER_KINDS, d.optimizer_byte_s))
             devs.append(e)
         alpha = self.alpha.copy()
         np.fill_diagonal(alpha, 0.0)
@@ -219,19 +234,37 @@ def device_from_dict(e: Any, where: str) -> Device:
 
 
 #: per-device fixed costs fitted by ``fusion profile`` (seconds; absent = 0)
-OVERHEAD_KEYS = ("node_overhead_s", "message_overhead_s")
+OVERHEAD_KEYS = ("node_overhead_s", "message_overhead_s", "step_overhead_s", "feed_overhead_s", "feed_byte_s")
+#: the optimizers ``optimizer_byte_s`` prices, in the order of their state slots per parameter
+#: (:func:`fusion.cost.estimate.optimizer_slots`: SGD 0, SGD with momentum 1, AdamW 2)
+OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adamw")
 
 
-def overheads_from_dict(e: dict, where: str, name: str) -> dict[str, float]:
-    """``node_overhead_s`` / ``message_overhead_s`` of a device entry: finite numbers >= 0, absent = 0."""
-    out = {}
+def _seconds(v: Any, where: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise ClusterError(f"{where}: must be a number >= 0 (seconds), got {v!r}")
+    return float(v)
+
+
+def overheads_from_dict(e: dict, where: str, name: str) -> dict[str, Any]:
+    """The fitted fixed costs of a device entry (:data:`OVERHEAD_KEYS`: finite numbers >= 0;
+    ``optimizer_byte_s``: a mapping from :data:`OPTIMIZER_KINDS` to such numbers); absent = 0."""
+    out: dict[str, Any] = {}
     for key in OVERHEAD_KEYS:
         v = e.get(key)
-        if v is None:
-            continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ClusterError(f"{where}.{key} ({name}): must be a number >= 0 (seconds), got {v!r}")
-        out[key] = float(v)
+        if v is not None:
+            out[key] = _seconds(v, f"{where}.{key} ({name})")
+    opt = e.get("optimizer_byte_s")
+    if opt is not None:
+        if not isinstance(opt, dict):
+            raise ClusterError(f"{where}.optimizer_byte_s ({name}): must be a mapping of "
+                               f"{', '.join(OPTIMIZER_KINDS)} to seconds per parameter byte, got {opt!r}")
+        unknown = sorted(set(map(str, opt)) - set(OPTIMIZER_KINDS))
+        if unknown:
+            raise ClusterError(f"{where}.optimizer_byte_s.{unknown[0]} ({name}): unknown optimizer "
+                               f"(known: {', '.join(OPTIMIZER_KINDS)})")
+        out["optimizer_byte_s"] = tuple(_seconds(opt.get(k, 0.0), f"{where}.optimizer_byte_s.{k} ({name})")
+                                        for k in OPTIMIZER_KINDS)
     return out
 
 

@@ -30,7 +30,8 @@ from fusion.cluster.model import Cluster, ClusterError, Device, check_unique, ov
 from fusion.cluster.units import UnitError, parse_quantity
 
 _DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address",
-                "node_overhead_s", "message_overhead_s"}
+                "node_overhead_s", "message_overhead_s", "step_overhead_s", "feed_overhead_s", "feed_byte_s",
+                "optimizer_byte_s"}
 _LINK_KEYS = {"latency", "bandwidth"}
 
 

@@ -11,8 +11,11 @@ def add_parser(sub) -> None:
                        description="Time a few Linear forward+backward steps, fit time = t0 + FLOPs / S and print "
                                    "S and lambda = S / S* as JSON (lambda needs S*: --peak-flops, or --cluster and "
                                    "--name), then time chains of tiny ops and small loopback messages for the "
-                                   "fixed costs per op node and per message. With -o, write a copy of the cluster "
-                                   "with that device's lambda, node_overhead_s and message_overhead_s set, "
+                                   "fixed costs per op node and per message, the coordinator's step round trip and feeds, "
+                                   "and the optimizer step per parameter byte. With -o, write a copy of the cluster "
+                                   "with that device's lambda and these fitted costs (node_overhead_s, "
+                                   "message_overhead_s, step_overhead_s, feed_overhead_s, feed_byte_s, "
+                                   "optimizer_byte_s) set, "
                                    "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
                                    "the scenario format).")
     p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
@@ -26,7 +29,7 @@ def add_parser(sub) -> None:
                    help="store the per-node overhead of parts run node by node (for plans run with "
                         "'fusion executor --interpreted-parts'); default: compiled parts")
     p.add_argument("--no-overheads", action="store_true",
-                   help="fit lambda only; -o leaves node_overhead_s and message_overhead_s as they are")
+                   help="fit lambda only; -o leaves the fitted fixed costs (node_overhead_s, ...) as they are")
     p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
     p.add_argument("--name", help="device name in --cluster")
     p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json)")
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_overheads:
             fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
             fields["message_overhead_s"] = prof.message_overhead_s
+            fields.update(step_overhead_s=prof.step_overhead_s, feed_overhead_s=prof.feed_overhead_s,
+                          feed_byte_s=prof.feed_byte_s, optimizer_byte_s=tuple(prof.optimizer_byte_s))
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() in (".yaml", ".yml"):
@@ -87,13 +92,31 @@ def run(args: argparse.Namespace) -> int:
             cluster.devices[dev_index] = replace(cluster.devices[dev_index], **fields)
             out.write_text(json.dumps(cluster.to_dict(), indent=1))
         extra = "" if args.no_overheads else (f", node_overhead_s = {fields['node_overhead_s']:.3g}, "
-                                               f"message_overhead_s = {fields['message_overhead_s']:.3g}")
+                                               f"message_overhead_s = {fields['message_overhead_s']:.3g}, "
+                                               f"step_overhead_s = {fields['step_overhead_s']:.3g}, "
+                                               f"feed_overhead_s = {fields['feed_overhead_s']:.3g}, "
+                                               f"feed_byte_s = {fields['feed_byte_s']:.3g}, optimizer_byte_s = "
+                                               + "/".join(f"{v:.3g}" for v in fields["optimizer_byte_s"]))
         print(f"wrote {args.output} with {args.name}.lambda = {prof.lam:.4g}{extra}")
     return 0
 
 
 #: Device attribute -> the key the cluster file spells it with
-_FILE_KEYS = {"lam": "lambda", "node_overhead_s": "node_overhead_s", "message_overhead_s": "message_overhead_s"}
+_FILE_KEYS = {"lam": "lambda", "node_overhead_s": "node_overhead_s", "message_overhead_s": "message_overhead_s",
+              "step_overhead_s": "step_overhead_s", "feed_overhead_s": "feed_overhead_s", "feed_byte_s": "feed_byte_s",
+              "optimizer_byte_s": "optimizer_byte_s"}
+
+
+def _file_value(key: str, v):
+    """How the YAML file spells a fitted value: lambda to 6 decimals, seconds to 4 significant digits,
+    ``optimizer_byte_s`` as a mapping per optimizer kind."""
+    from fusion.cluster.model import OPTIMIZER_KINDS
+
+    if key == "lam":
+        return round(float(v), 6)
+    if key == "optimizer_byte_s":
+        return {k: float(f"{float(x):.4g}") for k, x in zip(OPTIMIZER_KINDS, v)}
+    return float(f"{float(v):.4g}")
 
 
 def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
@@ -114,7 +137,7 @@ def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
         i = cluster.index(name)
         cluster.devices[i] = replace(cluster.devices[i], **fields)
         return yaml.safe_dump(cluster.to_dict(), sort_keys=False)
-    put = {_FILE_KEYS[k]: (round(float(v), 6) if k == "lam" else float(f"{float(v):.4g}")) for k, v in fields.items()}
+    put = {_FILE_KEYS[k]: _file_value(k, v) for k, v in fields.items()}
     devices = []
     for e in data["devices"]:
         count = e.get("count") if isinstance(e, dict) else None

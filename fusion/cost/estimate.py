@@ -37,7 +37,22 @@ Notation (per micro-batch; part p runs on device d(p)):
   With a tied codec (``Plan.tied_codec``, :func:`tied_prices`) P is the codec's
   wire bytes ``Codec.wire_nbytes`` of the parameter and each parameter adds its
   encode + decode seconds.
-- Iteration ``T_iter = T_pipe + T_sync``; Eq. (4) throughput
+- Eq. (3) prices the pipeline only, and the paper's Eq. (4) divides by it alone
+  (``phi = N_s / T(G)_{n_b,pipe}``, FusionLLM §3.6); an iteration also runs work before and
+  after the pipeline that the paper's model leaves out, priced here from per-device costs fitted by ``fusion profile``
+  (:mod:`fusion.cost.profile`; each 0 when a cluster file has none, so older files predict what
+  they did):
+  ``T_step = max_p o_step + sum_p n_b (k_p o_feed + I_p o_byte) + max_p P_p o_opt``, with
+  ``o_step`` the device's ``step_overhead_s`` (the coordinator's ``step`` control out and ``done``
+  back: one round trip per iteration, the parts' overlap), k_p and I_p the input and label
+  placeholders on part p and the bytes they feed per micro-batch (the coordinator sends every
+  micro-batch's share in the ``step`` message before the part can start), ``o_feed`` /
+  ``o_byte`` the device's ``feed_overhead_s`` / ``feed_byte_s``, P_p the bytes of p's trainable
+  parameters and ``o_opt`` the device's ``optimizer_byte_s`` for the plan's optimizer (the
+  optimizer step and gradient zeroing each part runs after its last backward; the slowest one
+  is priced, exact when the part that drains last has the largest step, as the first part of
+  a GPipe or 1F1B pipeline does when the parameters are spread evenly).
+- Iteration ``T_iter = T_pipe + T_sync + T_step``; Eq. (4) throughput
   ``phi = N_s / T_iter`` with ``N_s = n_b * (samples per micro-batch)``.
 - Memory of part p: its parameters (each counted once per part) times
   ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,
@@ -120,6 +135,7 @@ class PartEstimate:
     in_flight: int
     memory_limit: float
     delta_buffer_bytes: float = 0.0  # AQ-SGD buffers of the part's delta edges (both roles), in memory_bytes
+    optimizer_s: float = 0.0  # P_p * o_opt, its optimizer step per iteration (in Estimate.step_s when the slowest)
 
 
 @dataclass
@@ -148,6 +164,8 @@ class Estimate:
     #: (tensor, src part, dst part) -> (fwd, bwd) row of :class:`CodecPrices` each direction of a cut edge
     #: takes (-1: dense); only when priced with codecs
     codecs: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict)
+    #: T_step: the iteration's work outside the pipeline (control round trip, feeds, optimizer step), in iteration_s
+    step_s: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -184,12 +202,18 @@ class CostModel:
     fwd_mem: np.ndarray | None = None  # memory-bound bytes of the forward per node
     input_bytes: np.ndarray | None = None  # bytes a placeholder node feeds per micro-batch (0 for other nodes)
     recompute_all: bool = False  # price every part as recomputing its activations (see :meth:`evaluate`)
+    optimizer_slots: int = 0  # state tensors per trainable parameter: picks the device's optimizer_byte_s entry
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)
     executes: np.ndarray = field(init=False)  # whether node i runs an op (not a placeholder or an output)
     node_overhead: np.ndarray = field(init=False)  # o_node per device, seconds per node per micro-batch
     message_overhead: np.ndarray = field(init=False)  # o_msg per device, seconds per message
+    step_overhead: np.ndarray = field(init=False)  # o_step per device, seconds per iteration
+    feed_overhead: np.ndarray = field(init=False)  # o_feed per device, seconds per fed array
+    feed_byte: np.ndarray = field(init=False)  # o_byte per device, seconds per fed byte
+    optimizer_byte: np.ndarray = field(init=False)  # o_opt per device, seconds per trainable parameter byte
+    fed: np.ndarray = field(init=False)  # whether node i is an input or label placeholder (fed by the coordinator)
     #: set by the compiler for ``--compress CODEC``: :meth:`evaluate` then prices cut edges with the codec
     codec_prices: CodecPrices | None = field(default=None, init=False)
     #: set by the compiler for ``--tied-codec``: bytes on the wire of each parameter's gradient under the
@@ -203,8 +227,15 @@ class CostModel:
         self.mem_cap = np.array([d.memory_bytes for d in self.cluster.devices])
         self.node_overhead = np.array([d.node_overhead_s for d in self.cluster.devices], dtype=float)
         self.message_overhead = np.array([d.message_overhead_s for d in self.cluster.devices], dtype=float)
+        devs = self.cluster.devices
+        self.step_overhead = np.array([d.step_overhead_s for d in devs], dtype=float)
+        self.feed_overhead = np.array([d.feed_overhead_s for d in devs], dtype=float)
+        self.feed_byte = np.array([d.feed_byte_s for d in devs], dtype=float)
+        kind = min(max(int(self.optimizer_slots), 0), 2)
+        self.optimizer_byte = np.array([d.optimizer_byte_s[kind] for d in devs], dtype=float)
         idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
         self.executes = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
+        self.fed = np.array([self.graph[n].kind in PLACEHOLDER_KINDS for n in self.names], dtype=bool)
 
     # -- construction ------------------------------------------------------------
     @classmethod
@@ -248,7 +279,8 @@ class CostModel:
                                 for n in names], dtype=float)
         return cls(graph, cluster, names, index, flops, mem, saved, t_key, ia(t_prod), np.array(t_bytes, dtype=float),
                    np.array(t_rg, dtype=bool), ia(e_t), ia(e_cons), ia(pn_param), ia(pn_node), p_names, p_state,
-                   p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch, fwd_flops, fwd_mem, input_bytes)
+                   p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch, fwd_flops, fwd_mem, input_bytes,
+                   optimizer_slots=optimizer_slots)
 
     def with_cluster(self, cluster: Cluster) -> "CostModel":
         kw = {k: getattr(self, k) for k in self.__dataclass_fields__ if self.__dataclass_fields__[k].init}
@@ -378,7 +410,8 @@ class CostModel:
                 sync += float(np.max(alpha[first, others] + beta[first, others] * nb))
                 if self.tied_codec_s is not None:
                     sync += float(self.tied_codec_s[q])
-        total = pipe + sync
+        opt, step = self.step_time(node_part, dev, par, ppart)
+        total = pipe + sync + step
         over = memory > cap
         if self.schedule == "interleaved":  # a device holds all its chunks: their sum against its memory
             over = device_memory(memory, dev)[dev] > cap
@@ -387,7 +420,7 @@ class CostModel:
         names = [d.name for d in self.cluster.devices]
         parts = [PartEstimate(names[dev[p]], float(comp[p]), float(comm[p]), float(r_fwd[p]), float(r_bwd[p]),
                               float(flops_p[p]), float(memory[p]), float(state[p]), float(acts[p]),
-                              int(inflight[p]), float(cap[p]), float(buf[p])) for p in range(n_parts)]
+                              int(inflight[p]), float(cap[p]), float(buf[p]), float(opt[p])) for p in range(n_parts)]
         links: dict[tuple[int, int], LinkEstimate] = {}
         for k in range(len(pt)):
             key = (int(psrc[k]), int(pdst[k]))
@@ -410,7 +443,26 @@ class CostModel:
             (int(t), int(a), int(b)): (int(f), int(g))
             for t, a, b, f, g in zip(pt, psrc, pdst, f_pick, b_pick) if f >= 0 or g >= 0}
         return Estimate(parts, sorted(links.values(), key=lambda e: (e.src, e.dst)), pipe, sync, total,
-                        n_s / total if total > 0 else float("inf"), violations, codecs)
+                        n_s / total if total > 0 else float("inf"), violations, codecs, step)
+
+    def step_time(self, node_part: np.ndarray, dev: np.ndarray, par: np.ndarray,
+                  ppart: np.ndarray) -> tuple[np.ndarray, float]:
+        """(optimizer step per part, T_step): the iteration's work outside the pipeline (module docstring).
+
+        par, ppart: one row per (parameter, part holding it), as :meth:`evaluate` builds them."""
+        n_parts = len(dev)
+        opt = np.zeros(n_parts)
+        if len(par) and self.optimizer_byte.any():
+            trainable = np.bincount(ppart, weights=self.p_bytes[par] * self.p_trainable[par], minlength=n_parts)
+            opt = trainable * self.optimizer_byte[dev]
+        step = float(np.max(self.step_overhead[dev]) + np.max(opt))
+        if self.feed_overhead.any() or self.feed_byte.any():
+            n_b = self.micro_batches
+            arrays = np.bincount(node_part, weights=self.fed, minlength=n_parts) * n_b
+            fed_bytes = self.input_bytes if self.input_bytes is not None else np.zeros(len(self.names))
+            nbytes = np.bincount(node_part, weights=fed_bytes, minlength=n_parts) * n_b
+            step += float(np.sum(arrays * self.feed_overhead[dev] + nbytes * self.feed_byte[dev]))
+        return opt, step
 
     def _buffer_note(self, p: int, pt, psrc, pdst, em) -> str:
         """`` (of which 1.6 GB delta (AQ-SGD) buffers: add_2 -> part 2, ...)`` for a part over its memory."""

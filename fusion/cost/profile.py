@@ -21,6 +21,21 @@ it for the estimator (:mod:`fusion.cost.estimate`):
   as the runtime does (msgpack header + raw array frame over a ZeroMQ
   loopback socket, decoded back into an array), sender and receiver
   together, from the slope of time against the number of messages.
+
+Three more price the iteration's work outside the pipeline (``T_step`` of
+:mod:`fusion.cost.estimate`):
+
+- ``step_overhead_s``, ``feed_overhead_s``, ``feed_byte_s``: the coordinator's
+  round trip as the runtime makes it (micro-batches sliced from the batch, a
+  ``step`` control message with one frame per fed array encoded and decoded
+  by the wire format the runtime uses, :mod:`fusion.ir.wire`, over a ZeroMQ
+  loopback socket, a ``done`` message with the executor's stats back),
+  least squares ``t = o_step + k o_feed + B o_byte`` over
+  messages of k arrays and B bytes in all.
+- ``optimizer_byte_s``: torch's SGD, SGD with momentum and AdamW stepping
+  parameters of several total sizes (``zero_grad`` included: gradients set to
+  None, as the runtime does), the slope of time against parameter bytes, one
+  per optimizer.
 """
 from __future__ import annotations
 
@@ -48,6 +63,11 @@ class Profile:
                     (0 when not measured).
     node_overhead_interpreted_s: the same for a part run by the interpreted loop.
     message_overhead_s: CPU seconds per message sent or received (0 when not measured).
+    step_overhead_s: seconds of one empty coordinator round trip (step out, done back).
+    feed_overhead_s: seconds per fed array in the step message.
+    feed_byte_s:    seconds per fed byte.
+    optimizer_byte_s: seconds per trainable parameter byte of one optimizer step, per
+                    :data:`fusion.cluster.model.OPTIMIZER_KINDS` (SGD, SGD with momentum, AdamW).
     """
 
     device: str
@@ -60,6 +80,10 @@ class Profile:
     node_overhead_s: float = 0.0
     node_overhead_interpreted_s: float = 0.0
     message_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    feed_overhead_s: float = 0.0
+    feed_byte_s: float = 0.0
+    optimizer_byte_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def to_dict(self) -> dict:
         return {"device": self.device, "peak_flops": self.peak_flops, "fitted_flops": self.fitted_flops,
@@ -67,6 +91,9 @@ class Profile:
                 "node_overhead_s": self.node_overhead_s,
                 "node_overhead_interpreted_s": self.node_overhead_interpreted_s,
                 "message_overhead_s": self.message_overhead_s,
+                "step_overhead_s": self.step_overhead_s, "feed_overhead_s": self.feed_overhead_s,
+                "feed_byte_s": self.feed_byte_s,
+                "optimizer_byte_s": dict(zip(("sgd", "sgd_momentum", "adamw"), self.optimizer_byte_s)),
                 "samples": [[f, t] for f, t in self.samples]}
 
 
@@ -229,6 +256,109 @@ def profile_message_overhead(counts: tuple[int, ...] = (20, 80, 160), nbytes: in
     return fit_per_unit(list(zip(counts, best)))[0]
 
 
+def fit_step(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Least squares ``t = o_step + k o_feed + B o_byte`` over (k arrays, B bytes, seconds): returns
+    (o_step, o_feed, o_byte), each clipped at 0 (noise priced at nothing rather than negatively)."""
+    a = np.array([[1.0, k, b] for k, b, _ in samples], dtype=float)
+    t = np.array([s[2] for s in samples], dtype=float)
+    if len(samples) < 3 or np.linalg.matrix_rank(a) < 3:
+        raise ValueError("need round trips of at least three independent (arrays, bytes) shapes to fit the step cost")
+    coef = np.linalg.lstsq(a, t, rcond=None)[0]
+    return tuple(max(float(c), 0.0) for c in coef)  # type: ignore[return-value]
+
+
+#: (arrays, bytes per array) of the timed step round trips: 1-64 micro-batches, 1 KiB-256 KiB each
+STEP_SHAPES = ((1, 1024), (1, 262144), (16, 1024), (16, 65536), (64, 1024), (64, 16384))
+
+
+def profile_step_overhead(shapes: tuple[tuple[int, int], ...] = STEP_SHAPES, repeats: int = 3,
+                          min_time: float = 0.3) -> tuple[float, float, float]:
+    """(step_overhead_s, feed_overhead_s, feed_byte_s): see the module docstring."""
+    import msgpack
+    import zmq
+
+    from fusion.ir.wire import decode, encode
+
+    ctx = zmq.Context()
+    socks = {k: ctx.socket(t) for k, t in (("out", zmq.PUSH), ("in", zmq.PULL), ("back", zmq.PUSH), ("home", zmq.PULL))}
+    try:
+        for sk in socks.values():
+            sk.setsockopt(zmq.LINGER, 0)
+        port = socks["in"].bind_to_random_port("tcp://127.0.0.1")
+        socks["out"].connect(f"tcp://127.0.0.1:{port}")
+        port = socks["home"].bind_to_random_port("tcp://127.0.0.1")
+        socks["back"].connect(f"tcp://127.0.0.1:{port}")
+        for a, b in (("out", "in"), ("back", "home")):  # the connections are up before timing
+            socks[a].send_multipart([msgpack.packb({"warm": 1})])
+            if not socks[b].poll(5000):
+                raise ValueError("step overhead: the loopback socket did not connect in 5 s")
+            socks[b].recv_multipart()
+
+        def round_trip(batch: np.ndarray, k: int) -> None:
+            mbs = np.split(batch, k)  # the coordinator's split into micro-batches, then its step message
+            arrays = {f"{m}/x": a for m, a in enumerate(mbs)}
+            socks["out"].send_multipart(encode("ctrl", {"op": "step", "names": list(arrays), "it": 0, "want_grads": False,
+                                                        "checkpoint": False, "save_step": 1}, list(arrays.values())),
+                                        copy=False)
+            msg = decode(socks["in"].recv_multipart(copy=False))  # the part decodes it and keeps its feeds
+            feeds = [{} for _ in range(k)]
+            for name, arr in zip(msg.header["names"], msg.arrays):
+                mb, _, ph = name.partition("/")
+                feeds[int(mb)][ph] = arr
+            stats = {"forward_s": [0.0] * k, "backward_s": [0.0] * k, "idle_s": 0.0, "sync_s": 0.0,
+                     "optimizer_s": 0.0, "t_start": 0.0, "t_end": 0.0, "sent": {}}
+            socks["back"].send_multipart(encode("ctrl", {"op": "done", "names": [], "it": 0,
+                                                         "losses": [[m, 0.0] for m in range(k)], "stats": stats}),
+                                         copy=False)
+            decode(socks["home"].recv_multipart(copy=False))
+
+        steps = []
+        for k, nbytes in shapes:
+            batch = np.zeros((k, max(nbytes // 4, 1)), dtype=np.float32)
+            steps.append(lambda batch=batch, k=k: round_trip(batch, k))
+        best = _best_times(steps, repeats, min_time)
+    finally:
+        for sk in socks.values():
+            sk.close()
+        ctx.term()
+    for (k, nbytes), t in zip(shapes, best):
+        log.info("profile step round trip, %d arrays of %d bytes: %.3g s", k, nbytes, t)
+    return fit_step([(k, k * nbytes, t) for (k, nbytes), t in zip(shapes, best)])
+
+
+def profile_optimizer(device: str = "cpu", sizes_mb: tuple[int, ...] = (2, 8, 16), repeats: int = 3,
+                      min_time: float = 0.2) -> tuple[float, float, float]:
+    """Seconds per trainable parameter byte of one step of torch's SGD, SGD with momentum and AdamW
+    (the order of :data:`fusion.cluster.model.OPTIMIZER_KINDS`), each the slope over ``sizes_mb`` MB
+    of float32 parameters in 1 MiB tensors."""
+    import torch
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    out = []
+    for make in (lambda ps: torch.optim.SGD(ps, lr=1e-3), lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-3)):
+        steps, nbytes = [], []
+        for mb in sizes_mb:
+            params = [torch.zeros(1 << 18, device=dev, requires_grad=True) for _ in range(mb)]
+            grads = [torch.randn(1 << 18, device=dev) for _ in params]
+            opt = make(params)
+
+            def step(opt=opt, params=params, grads=grads) -> None:
+                for p, g in zip(params, grads):  # the backward's gradients, then the runtime's step + zero_grad
+                    p.grad = g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            step()  # optimizer state allocated outside the timing
+            steps.append(step)
+            nbytes.append(mb * (1 << 20))
+        best = _best_times(steps, repeats, min_time, sync)
+        out.append(fit_per_unit(list(zip(nbytes, best)))[0])
+    log.info("profile optimizer step: %s s per parameter byte (sgd, sgd with momentum, adamw)",
+             ", ".join(f"{v:.3g}" for v in out))
+    return tuple(out)  # type: ignore[return-value]
+
+
 def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] = (256, 512, 768, 1024),
                  batch: int = 64, repeats: int = 5, dtype: str = "float32", min_time: float = 0.5,
                  threads: int | None = None, overheads: bool = True) -> Profile:
@@ -263,10 +393,14 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
             flops.append(float(fc.get_total_flops()))
         best = _best_times(steps, repeats, min_time, (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None)
         node = node_i = msg = 0.0
+        step: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        opt: tuple[float, float, float] = (0.0, 0.0, 0.0)
         if overheads:
             node = profile_node_overhead(device, compiled=True)
             node_i = profile_node_overhead(device, compiled=False)
             msg = profile_message_overhead()
+            step = profile_step_overhead()
+            opt = profile_optimizer(device)
     finally:
         torch.set_num_threads(old_threads)
     samples = list(zip(flops, best))
@@ -274,4 +408,6 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
         log.info("profile n=%d: %.3g FLOP in %.3g s", n, f, t)
     speed, t0, r2 = fit_speed(samples)
     log.info("profile overheads: %.3g s per node compiled, %.3g s interpreted, %.3g s per message", node, node_i, msg)
-    return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples, node, node_i, msg)
+    log.info("profile step: %.3g s per round trip, %.3g s per fed array, %.3g s per fed byte", *step)
+    return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples, node, node_i, msg,
+                   *step, opt)

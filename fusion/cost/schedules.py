@@ -17,9 +17,10 @@ lists the CompNodes execute) through :func:`fusion.ir.schedule.simulate` with th
   moves them: on a link per ordered part pair that transmits one message at a time, a message occupies it
   for ``beta * M`` (M summed over the pair's cut tensors) after the messages queued before it and
   arrives ``alpha`` later.
-- the tied-parameter sync ``T_sync`` after the last action.
+- the tied-parameter sync ``T_sync`` and the work outside the pipeline ``T_step`` (control round trip,
+  feeds, optimizer step: :mod:`fusion.cost.estimate`) after the last action.
 
-``iteration_s = max_p (end of p's last action) + T_sync``. The compiler's ``--schedule auto`` keeps the schedule
+``iteration_s = max_p (end of p's last action) + T_sync + T_step``. The compiler's ``--schedule auto`` keeps the schedule
 with the shortest such time among those whose every part fits its device; ties go to the smaller peak memory.
 """
 from __future__ import annotations
@@ -135,7 +136,7 @@ def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device:
     devices = None
     if name in LANE_SCHEDULES:  # parts indexed in pipeline order, round-robin over their devices
         order, devices = list(range(len(part_device))), {p: int(d) for p, d in enumerate(part_device)}
-    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s, devices)
+    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s + est.step_s, devices)
     peak = max(device_memory(np.array([pe.memory_bytes for pe in est.parts]), part_device), default=0.0)
     return SchedulePrice(float(t), float(peak), not est.violations), est
 

@@ -139,6 +139,11 @@ def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
     assert data["devices"][1]["node_overhead_s"] == pytest.approx(result["node_overhead_s"])
     assert data["devices"][1]["message_overhead_s"] == pytest.approx(result["message_overhead_s"])
     assert "node_overhead_s" not in data["devices"][0]
+    # and the iteration's work outside the pipeline (fusion.cost.estimate's T_step)
+    for key in ("step_overhead_s", "feed_overhead_s", "feed_byte_s"):
+        assert data["devices"][1].get(key, 0.0) == pytest.approx(result[key]) and key not in data["devices"][0]
+    assert all(v > 0 for v in result["optimizer_byte_s"].values())
+    assert data["devices"][1]["optimizer_byte_s"] == pytest.approx(result["optimizer_byte_s"])
     # without a peak (the README's `fusion profile --threads 1`): the measured speed, and what lambda needs
     assert main(["profile", "--threads", "1", "--sizes", "256,512"]) == 0
     cap = capsys.readouterr()
@@ -165,6 +170,9 @@ def test_profile_writes_the_users_yaml_back_as_yaml(tmp_path, capsys):
     assert after.devices[1].node_overhead_s == pytest.approx(result["node_overhead_s"], rel=1e-3)
     assert after.devices[1].message_overhead_s == pytest.approx(result["message_overhead_s"], rel=1e-3)
     assert after.devices[0].node_overhead_s == 0.0
+    assert after.devices[1].feed_byte_s == pytest.approx(result["feed_byte_s"], rel=1e-3)
+    assert after.devices[1].optimizer_byte_s == pytest.approx(tuple(result["optimizer_byte_s"].values()), rel=1e-3)
+    assert after.devices[0].optimizer_byte_s == (0.0, 0.0, 0.0)
     assert [d.group for d in after.devices] == [d.group for d in before.devices]
     assert after.to_dict()["bandwidth_bps"] == before.to_dict()["bandwidth_bps"]
 
@@ -260,3 +268,18 @@ def test_compile_onnx_file_with_numpy_weights(tmp_path, capsys):
     assert set(w) == set(model.params)
     for k, v in model.params.items():
         np.testing.assert_array_equal(w[k], v)
+
+
+def test_profile_names_the_file_and_field_of_a_bad_step_cost(tmp_path, capsys):
+    """A bad fitted cost in the cluster file stops `fusion profile` before it times anything: exit 2, one line."""
+    from tests.fusion.cli_helpers import one_line
+
+    bad = tmp_path / "bad-cluster.yaml"
+    bad.write_text(Path(LOCAL).read_text().replace("memory: 4 GB, address: \"tcp://127.0.0.1:6101\"",
+                                                   "memory: 4 GB, address: \"tcp://127.0.0.1:6101\", "
+                                                   "optimizer_byte_s: {adamw: -1.0e-9}"))
+    assert "optimizer_byte_s" in bad.read_text()
+    assert main(["profile", "--cluster", str(bad), "--name", "cpu-1", "-o", str(tmp_path / "out.yaml")]) == 2
+    err = one_line(capsys)
+    assert "bad-cluster.yaml" in err and "optimizer_byte_s.adamw" in err and "cpu-1" in err, err
+    assert not (tmp_path / "out.yaml").exists()
