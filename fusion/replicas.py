@@ -215,6 +215,7 @@ def _price_replicas(plan: Plan, cluster: Cluster, stages: list[str]) -> None:
         return  # a hand plan without predictions or shapes: nothing to re-price
     from fusion.cost.estimate import CostModel, optimizer_slots, samples_per_micro_batch
     from fusion.cost.flops import measure_costs
+    from fusion.cost.schedules import simulate_estimate
 
     opt = OptimizerConfig.from_dict(plan.optimizer or {})
     cm = CostModel.build(plan.graph, measure_costs(plan.graph), cluster, plan.micro_batches, plan.schedule,
@@ -226,7 +227,9 @@ def _price_replicas(plan: Plan, cluster: Cluster, stages: list[str]) -> None:
         m = plan.replica_parts(r)
         row = [cluster.index(plan.parts[m[s]].device) for s in stages]
         est = cm.evaluate(node_part, row)
-        per.append({"devices": [plan.parts[m[s]].device for s in stages], "iteration_s": est.iteration_s,
+        # as the compiler reports a pipeline: its schedule simulated with the estimator's numbers
+        per.append({"devices": [plan.parts[m[s]].device for s in stages],
+                    "iteration_s": simulate_estimate(cm, est, plan.schedule, node_part, np.array(row)),
                     "violations": list(est.violations)})
         for k, s in enumerate(stages):
             pe = est.parts[k]

@@ -52,7 +52,9 @@ Notation (per micro-batch; part p runs on device d(p)):
   optimizer step and gradient zeroing each part runs after its last backward; the slowest one
   is priced, exact when the part that drains last has the largest step, as the first part of
   a GPipe or 1F1B pipeline does when the parameters are spread evenly).
-- Iteration ``T_iter = T_pipe + T_sync + T_step``; Eq. (4) throughput
+- Iteration ``T_iter = T_pipe + T_sync + T_step`` (what the partitioners minimise; the compiler
+  reports the plan's schedule simulated with these numbers instead, :func:`fusion.cost.schedules.simulate_estimate`,
+  and keeps this as ``eq3_iteration_s``); Eq. (4) throughput
   ``phi = N_s / T_iter`` with ``N_s = n_b * (samples per micro-batch)``.
 - Memory of part p: its parameters (each counted once per part) times
   ``1 + [trainable] (1 gradient + optimizer slots)`` (SGD with momentum 1,

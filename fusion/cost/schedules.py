@@ -121,6 +121,19 @@ def part_times(cm: CostModel, est: Estimate, node_part: np.ndarray, part_device:
     return order, compute, links
 
 
+def simulate_estimate(cm: CostModel, est: Estimate, name: str, node_part: np.ndarray,
+                      part_device: np.ndarray) -> float:
+    """Seconds of one iteration of schedule ``name`` on the cut ``est`` prices, simulated with ``est``'s
+    numbers (its links' wire bytes and codec seconds, its recomputation, ``T_sync`` and ``T_step``): what the
+    compiler reports as ``plan.predicted["iteration_s"]`` (Eq. 3 stays what the partitioners minimise)."""
+    order, compute, links = part_times(cm, est, node_part, part_device)
+    devices = None
+    if name in LANE_SCHEDULES:  # parts indexed in pipeline order, round-robin over their devices
+        order, devices = list(range(len(part_device))), {p: int(d) for p, d in enumerate(part_device)}
+    return float(simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s + est.step_s,
+                                     devices))
+
+
 def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device: np.ndarray,
                    recompute: np.ndarray | None = None) -> tuple[SchedulePrice, Estimate]:
     """Price schedule ``name`` on a cut: the estimator's memory with ``name``'s micro-batches in flight,
@@ -132,11 +145,7 @@ def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device:
         est = cm.evaluate(node_part, part_device, recompute=recompute)
     finally:
         cm.schedule = before
-    order, compute, links = part_times(cm, est, node_part, part_device)
-    devices = None
-    if name in LANE_SCHEDULES:  # parts indexed in pipeline order, round-robin over their devices
-        order, devices = list(range(len(part_device))), {p: int(d) for p, d in enumerate(part_device)}
-    t = simulated_iteration(name, order, compute, links, cm.micro_batches, est.sync_s + est.step_s, devices)
+    t = simulate_estimate(cm, est, name, node_part, part_device)
     peak = max(device_memory(np.array([pe.memory_bytes for pe in est.parts]), part_device), default=0.0)
     return SchedulePrice(float(t), float(peak), not est.violations), est
 
