@@ -13,13 +13,14 @@ recorded micro-batch shapes, on a torch device with a given number of threads:
   conditions: the parameters' ``.grad`` already allocated (the warm-up made them), so they accumulate as
   they do from a pipeline's second micro-batch on; the inputs are fresh leaves every time, as a part's
   received activations are;
-- cold weights, warm activations: before each timed forward and each timed backward a buffer of
-  ``flush_bytes`` (default 64 MiB, twice this host's L3) is written, then the call's inputs (forward) or
-  output gradients (backward) are read back, so the node's parameters and gradients come from memory as
-  they do in a part, where its other nodes evict them between one use and the next, while what the
+- cold weights, warm activations, when the model's parameters and their gradients together exceed half of
+  ``flush_bytes`` (default 64 MiB, twice this host's 32 MiB L3; ``cold=True``/``False`` forces it): before
+  each timed forward and each timed backward a buffer of ``flush_bytes`` is read, then the call's inputs
+  (forward) or output gradients (backward) are read back, so the node's parameters and gradients come from
+  memory as they do in a part whose other nodes evict them between one use and the next, while what the
   previous node just produced is in cache (timed on the 2-core EPYC host, one 1024 x 1024 Linear on 16
-  rows: backward 1.6 ms with its weights in cache, 2.2 ms cold, ~2.1 ms inside a 2-block MLP);
-  ``flush_bytes=0`` times with everything in cache instead;
+  rows: backward 1.6 ms with its weights in cache, 2.2 ms cold, ~2.1 ms inside a 2-block MLP). A smaller
+  model stays in cache in a part too, and is timed warm;
 - after ``warmup`` calls, each of ``repeats`` rounds runs the node once (warm caches: enough times to last
   ``min_round_s``); a node's time is the median over the rounds of the mean per call.
 
@@ -190,7 +191,8 @@ def graph_digest(graph: OpGraph) -> str:
 
 def measure_node_times(graph: OpGraph, device: str = "cpu", threads: int | None = None, *, speed_flops: float,
                        warmup: int = 3, repeats: int = 9, min_round_s: float = 2e-3,
-                       flush_bytes: int = 64 * 2**20, progress: bool = True) -> NodeTimes:
+                       flush_bytes: int = 64 * 2**20, cold: bool | None = None,
+                       progress: bool = True) -> NodeTimes:
     """Time every op node of ``graph`` (one run per distinct signature) on ``device``; see the module doc.
 
     speed_flops: the profiling host's fitted speed S (FLOP/s) recorded with the table.
@@ -206,7 +208,11 @@ def measure_node_times(graph: OpGraph, device: str = "cpu", threads: int | None 
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    flush = torch.empty(max(int(flush_bytes) // 4, 0), dtype=torch.float32, device=dev)
+    state = 2 * sum(p.nbytes for p in graph.params.values() if p.trainable)
+    if cold is None:
+        cold = state > flush_bytes / 2
+    log.info("timing with %s caches (parameters + gradients %.1f MB)", "cold" if cold else "warm", state / 1e6)
+    flush = torch.ones(max(int(flush_bytes) // 4, 0) if cold else 0, dtype=torch.float32, device=dev)
     cache: dict[str, NodeTime | None] = {}
     nodes: dict[str, NodeTime] = {}
     todo = [n for n in graph.nodes.values() if n.kind not in _IDLE]
