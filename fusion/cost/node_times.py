@@ -21,8 +21,10 @@ recorded micro-batch shapes, on a torch device with a given number of threads:
   previous node just produced is in cache (timed on the 2-core EPYC host, one 1024 x 1024 Linear on 16
   rows: backward 1.6 ms with its weights in cache, 2.2 ms cold, ~2.1 ms inside a 2-block MLP). A smaller
   model stays in cache in a part too, and is timed warm;
-- after ``warmup`` calls, each of ``repeats`` rounds runs the node once (warm caches: enough times to last
-  ``min_round_s``); a node's time is the median over the rounds of the mean per call.
+- after ``warmup`` calls the node runs ``repeats`` times (warm caches: ``repeats`` x k times, k calls lasting
+  ``min_round_s``), each call timed on its own with Python's garbage collector off; a node's forward and
+  backward times are the medians over those calls (other work on a shared host preempts some calls and
+  only adds time).
 
 A measured time contains the node's fixed cost (Python, dispatch, autograd bookkeeping), so the estimator
 adds no ``node_overhead_s`` for a timed node (:meth:`fusion.cost.estimate.CostModel.use_node_times`).
@@ -33,6 +35,7 @@ reads: JSON, validated on load, tied to the model by a digest of its node names 
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -333,18 +336,20 @@ def _time_node(graph: OpGraph, node: OpNode, dev: torch.device, gen: torch.Gener
         sync()
         return t1 - t0, time.perf_counter() - t2
 
-    for _ in range(max(warmup, 1)):  # the first backward allocates the parameters' .grad
-        once()
-    one = sum(once())
-    k = 1 if flush.numel() else max(1, min(1000, math.ceil(min_round_s / max(one, 1e-7))))
-    fwd, bwd = [], []
-    for _ in range(max(repeats, 1)):
-        f = b = 0.0
-        for _ in range(k):
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside a timed call is not the node's cost (timeit does the same)
+    try:
+        for _ in range(max(warmup, 1)):  # the first backward allocates the parameters' .grad
+            once()
+        one = sum(once())
+        k = 1 if flush.numel() else max(1, min(1000, math.ceil(min_round_s / max(one, 1e-7))))
+        fwd, bwd = [], []
+        for _ in range(max(repeats, 1) * k):
             df, db = once()
-            f += df
-            b += db
-        fwd.append(f / k)
-        bwd.append(b / k)
+            fwd.append(df)
+            bwd.append(db)
+    finally:
+        if gc_was:
+            gc.enable()
     return NodeTime(statistics.median(fwd), statistics.median(bwd))
 
