@@ -26,6 +26,10 @@ recorded micro-batch shapes, on a torch device with a given number of threads:
   backward times are the medians over those calls (other work on a shared host preempts some calls and
   only adds time).
 
+Each node's backward is its own ``torch.autograd.backward`` call, which costs a fixed ~15 us (engine start,
+timed on the 2-core host) that a part pays once for all its nodes: :func:`backward_call_s` fits it from
+chains of 1 and 16 tiny multiplications (``t = c + k u``) and it is taken off every node's backward
+(``NodeTimes.backward_call_s`` records it).
 A measured time contains the node's fixed cost (Python, dispatch, autograd bookkeeping), so the estimator
 adds no ``node_overhead_s`` for a timed node (:meth:`fusion.cost.estimate.CostModel.use_node_times`).
 A node that cannot run on the device is left out (logged) and keeps its FLOP price.
@@ -78,6 +82,8 @@ class NodeTimes:
                  micro-batch shapes too); a table is refused for any other graph.
     device:      torch device timed (``cpu``, ``cuda:0``, ...).
     threads:     torch CPU threads while timing (None: left as torch had it).
+    backward_call_s: the fixed seconds of one ``torch.autograd.backward`` call, taken off each node's
+                 backward (:func:`backward_call_s`; informative).
     speed_flops: S = lambda * S* of the profiling host in FLOP/s: the estimator scales a node's time to a
                  device of speed S_d by ``speed_flops / S_d`` (the same speed: factor 1).
     nodes:       node name -> :class:`NodeTime`, every op node that ran (placeholders and outputs run
@@ -89,11 +95,12 @@ class NodeTimes:
     threads: int | None
     speed_flops: float
     nodes: dict[str, NodeTime] = field(default_factory=dict)
+    backward_call_s: float = 0.0
     source: str = field(default="node times", compare=False)  # the file it was read from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "digest": self.digest, "device": self.device, "threads": self.threads,
-                "speed_flops": self.speed_flops,
+                "speed_flops": self.speed_flops, "backward_call_s": self.backward_call_s,
                 "nodes": {n: {"fwd_s": t.fwd_s, "bwd_s": t.bwd_s} for n, t in self.nodes.items()}}
 
     @classmethod
@@ -116,6 +123,9 @@ class NodeTimes:
         speed = d.get("speed_flops")
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not math.isfinite(speed) or speed <= 0:
             raise bad("speed_flops", f"expected a FLOP/s figure > 0, got {speed!r}")
+        call = d.get("backward_call_s", 0.0)
+        if isinstance(call, bool) or not isinstance(call, (int, float)) or not math.isfinite(call) or call < 0:
+            raise bad("backward_call_s", f"expected seconds >= 0, got {call!r}")
         raw = d.get("nodes")
         if not isinstance(raw, dict):
             raise bad("nodes", f"expected an object of node name -> {{fwd_s, bwd_s}}, got {type(raw).__name__}")
@@ -130,7 +140,7 @@ class NodeTimes:
                     raise bad(f"nodes.{name}.{k}", f"expected seconds >= 0, got {v!r}")
                 vals.append(float(v))
             nodes[name] = NodeTime(*vals)
-        return cls(d["digest"], d["device"], threads, float(speed), nodes, source)
+        return cls(d["digest"], d["device"], threads, float(speed), nodes, float(call), source)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -218,14 +228,17 @@ def measure_node_times(graph: OpGraph, device: str = "cpu", threads: int | None 
     flush = torch.ones(max(int(flush_bytes) // 4, 0) if cold else 0, dtype=torch.float32, device=dev)
     cache: dict[str, NodeTime | None] = {}
     nodes: dict[str, NodeTime] = {}
+    call_s = 0.0
     todo = [n for n in graph.nodes.values() if n.kind not in _IDLE]
     try:
         gen = torch.Generator().manual_seed(0)
+        call_s = backward_call_s(dev)
         for node in tqdm(todo, desc="node times", unit="node", disable=None if progress else True, leave=False):
             key = _signature(graph, node)
             if key not in cache:
                 try:
-                    cache[key] = _time_node(graph, node, dev, gen, warmup, repeats, min_round_s, flush)
+                    t = _time_node(graph, node, dev, gen, warmup, repeats, min_round_s, flush)
+                    cache[key] = NodeTime(t.fwd_s, max(t.bwd_s - call_s, 0.0) if t.bwd_s > 0 else 0.0)
                 except Exception as e:  # an op that cannot run on this device: priced by FLOPs instead
                     log.warning("node %r (%s): cannot time it on %s (%s: %s); the estimator prices it by FLOPs",
                                 node.name, node.target, device, type(e).__name__, e)
@@ -235,7 +248,38 @@ def measure_node_times(graph: OpGraph, device: str = "cpu", threads: int | None 
     finally:
         torch.set_num_threads(before)
     log.info("timed %d of %d op nodes (%d distinct signatures) on %s", len(nodes), len(todo), len(cache), device)
-    return NodeTimes(graph_digest(graph), str(dev), threads, float(speed_flops), nodes)
+    return NodeTimes(graph_digest(graph), str(dev), threads, float(speed_flops), nodes, call_s)
+
+
+def backward_call_s(dev: torch.device, reps: int = 300) -> float:
+    """Fixed seconds of one ``torch.autograd.backward`` call on ``dev``: medians of backward through chains of
+    1 and 16 multiplications of a 1-element tensor, ``c = t_1 - (t_16 - t_1) / 15`` (0 if noise makes it
+    negative)."""
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    x, g = torch.ones(1, device=dev), torch.ones(1, device=dev)
+
+    def timed(k: int) -> float:
+        ts = []
+        for _ in range(reps):
+            y = x.detach().requires_grad_(True)
+            for _ in range(k):
+                y = y * 1.0
+            sync()
+            t0 = time.perf_counter()
+            torch.autograd.backward([y], [g])
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        timed(1)
+        t1, t16 = timed(1), timed(16)
+    finally:
+        if gc_was:
+            gc.enable()
+    return max(t1 - (t16 - t1) / 15, 0.0)
 
 
 def _real(meta: Any, dev: torch.device, gen: torch.Generator) -> Any:

@@ -74,6 +74,7 @@ def test_every_op_node_is_timed_and_the_table_round_trips(measured, tmp_path):
     # the same signature is timed once: both blocks' Linears have the same time
     assert table.nodes["fc1_0"] == table.nodes["fc1_1"] == table.nodes["fc2_0"]
     assert table.digest == graph_digest(model.graph) and table.threads == 1 and table.device == "cpu"
+    assert 0 <= table.backward_call_s < 1e-3  # one torch.autograd.backward call's fixed cost, taken off each node
     assert NodeTimes.from_dict(json.loads(json.dumps(table.to_dict()))) == table
     assert NodeTimes.load(table.save(tmp_path / "sub" / "t.json")) == table
 
@@ -102,6 +103,7 @@ def _good():
     (lambda d: d.update(threads=0), "threads"),
     (lambda d: d.update(speed_flops=-1), "speed_flops"),
     (lambda d: d.update(speed_flops=None), "speed_flops"),
+    (lambda d: d.update(backward_call_s=-1e-6), "backward_call_s"),
     (lambda d: d.update(nodes=[]), "nodes"),
     (lambda d: d["nodes"].update(l1={"fwd_s": -1e-3, "bwd_s": 0}), "nodes.l1.fwd_s"),
     (lambda d: d["nodes"].update(l1={"fwd_s": 1e-3}), "nodes.l1.bwd_s"),
