@@ -390,17 +390,24 @@ def node_times_for(model, prof):
 
 
 def price_cut(model, cluster, plan, micro: int, opt) -> dict:
-    """The FLOP-only estimator (Eq. 1-4, FLOPs / lambda plus the cluster's fitted overheads, no node times) on
-    ``plan``'s cut and devices: ``{"iteration_s", "compute_s": {part: s per micro-batch}}``."""
+    """The FLOP-only estimator (FLOPs / lambda plus the cluster's fitted overheads, no node times) on ``plan``'s
+    cut, devices and recomputation: ``{"iteration_s", "compute_s": {part: s per micro-batch}}``. The iteration is
+    priced as the plan reports its own: the schedule simulated with the estimator's numbers when the plan keeps
+    Eq. 3 apart (``predicted["eq3_iteration_s"]``, cost model 2), else Eq. 1-4."""
     from fusion.cost.estimate import CostModel, optimizer_slots, samples_per_micro_batch
     from fusion.cost.flops import measure_costs
+    from fusion.cost.schedules import price_schedule
 
     cm = CostModel.build(model.graph, measure_costs(model.graph), cluster, micro, plan.schedule,
                          optimizer_slots(opt.name, opt.momentum), samples_per_micro_batch(model.graph))
     names = list(plan.parts)
     node_part = np.array([names.index(plan.assignment[n]) for n in cm.names], dtype=np.int64)
-    est = cm.evaluate(node_part, [cluster.index(plan.parts[p].device) for p in names])
-    return {"iteration_s": float(est.iteration_s), "compute_s": {p: pe.compute_s for p, pe in zip(names, est.parts)}}
+    devices = [cluster.index(plan.parts[p].device) for p in names]
+    rc = np.array([plan.parts[p].recompute for p in names], dtype=bool)
+    price, est = price_schedule(cm, plan.schedule, node_part, devices, rc)
+    simulated = "eq3_iteration_s" in plan.predicted
+    return {"iteration_s": float(price.iteration_s if simulated else est.iteration_s),
+            "compute_s": {p: pe.compute_s for p, pe in zip(names, est.parts)}}
 
 
 def same_cut(a, b) -> bool:
