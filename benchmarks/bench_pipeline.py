@@ -26,14 +26,19 @@ All measured in one run, on this host, loopback only:
    per-message and per-iteration step costs it fits, :mod:`fusion.cost.profile`); the model (four
    pre-norm MLP blocks of width 1024 and a head, 16 rows x 16 micro-batches)
    is compiled by ``compile_model(strategy="equal-flops")`` into four parts
-   on the four devices, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
+   on the four devices, with the model's per-node forward and backward times
+   measured on this host (``fusion profile --model --threads 1``,
+   :mod:`fusion.cost.node_times`, issue 17) so the estimator prices each node
+   at its measured time, and ``plan.predicted["iteration_s"]`` (Eq. 1-4 of
    ``fusion/cost/estimate.py``) is divided by the iteration measured with
    ``--emulate-links`` (median of the steps of a round; the figure is the
    median over ``--rounds`` rounds). ``replay_over_measured`` is the runtime's schedule
    replay (:mod:`fusion.executors.runtime.replay`) with alpha-beta links and per-part
    compute times from a warm-up run without emulation. OP-Fence's own plan
    for the same cluster (two parts inside site a) is measured the same way,
-   in the same rounds (``opfence_predicted_over_measured``); for it the
+   in the same rounds (``opfence_predicted_over_measured``). The same two cuts
+   priced by FLOPs / lambda alone (no node times) give
+   ``flops_predicted_over_measured`` and ``opfence_flops_predicted_over_measured``; for OP-Fence the
    benchmark also prints where the iteration goes (the executors' ``done``
    stats: forward, backward, waiting, optimizer, and the time outside every
    part's span) and its executors' CPU seconds against their busy wall time.
@@ -372,6 +377,44 @@ def _without_overheads(cluster):
     return out
 
 
+def node_times_for(model, prof):
+    """(table, seconds it took): ``fusion profile --model --threads 1`` on this host for ``model``, recorded at
+    the fitted speed ``prof.fitted_flops`` (the speed of every device of :func:`fitted_cluster`)."""
+    from fusion.compile import _ensure_shapes
+    from fusion.cost.node_times import measure_node_times
+
+    _ensure_shapes(model)
+    t0 = time.perf_counter()
+    table = measure_node_times(model.graph, "cpu", 1, speed_flops=prof.fitted_flops, progress=False)
+    return table, time.perf_counter() - t0
+
+
+def price_cut(model, cluster, plan, micro: int, opt) -> dict:
+    """The FLOP-only estimator (FLOPs / lambda plus the cluster's fitted overheads, no node times) on ``plan``'s
+    cut, devices and recomputation: ``{"iteration_s", "compute_s": {part: s per micro-batch}}``. The iteration is
+    priced as the plan reports its own: the schedule simulated with the estimator's numbers when the plan keeps
+    Eq. 3 apart (``predicted["eq3_iteration_s"]``, cost model 2), else Eq. 1-4."""
+    from fusion.cost.estimate import CostModel, optimizer_slots, samples_per_micro_batch
+    from fusion.cost.flops import measure_costs
+    from fusion.cost.schedules import price_schedule
+
+    cm = CostModel.build(model.graph, measure_costs(model.graph), cluster, micro, plan.schedule,
+                         optimizer_slots(opt.name, opt.momentum), samples_per_micro_batch(model.graph))
+    names = list(plan.parts)
+    node_part = np.array([names.index(plan.assignment[n]) for n in cm.names], dtype=np.int64)
+    devices = [cluster.index(plan.parts[p].device) for p in names]
+    rc = np.array([plan.parts[p].recompute for p in names], dtype=bool)
+    price, est = price_schedule(cm, plan.schedule, node_part, devices, rc)
+    simulated = "eq3_iteration_s" in plan.predicted
+    return {"iteration_s": float(price.iteration_s if simulated else est.iteration_s),
+            "compute_s": {p: pe.compute_s for p, pe in zip(names, est.parts)}}
+
+
+def same_cut(a, b) -> bool:
+    """Whether two plans put every node on the same device."""
+    return all(a.parts[a.assignment[n]].device == b.parts[b.assignment[n]].device for n in a.assignment)
+
+
 def breakdown(reports) -> dict:
     """Where an iteration's wall time goes, from the executors' ``done`` stats: per part the medians over the
     steps of its forward, backward, idle (waiting for data), tied-gradient sync and optimizer seconds and its
@@ -402,9 +445,13 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
 
     cluster, prof = fitted_cluster(cfg)
     model = build_model(cfg.emu_d, cfg.emu_d, 4, cfg.emu_rows)
+    # per-node forward/backward seconds on this host (fusion profile --model --threads 1), at the fitted speed
+    # of the cluster's devices, so the estimator prices each node at its measured time (factor 1)
+    times, t_prof = node_times_for(model, prof)
+    opt = OptimizerConfig("sgd", lr=0.01)
     # equal-flops: four parts on the four devices (OP-Fence, which also weighs the 20 Mbit/s link, is reported below)
     plan = compile_model(model, cluster, strategy="equal-flops", micro_batches=cfg.emu_micro, schedule="gpipe",
-                         optimizer=OptimizerConfig("sgd", lr=0.01))
+                         optimizer=opt, node_times=times)
     plan_dir = save_plan(plan, tmp / "plan-emu", params=model.params)
     plan = load_plan(plan_dir)
     compiler_pred = float(plan.predicted["iteration_s"])
@@ -419,13 +466,17 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     pred = replay(plan, compute, tail_s=tail)
     # the plan OP-Fence itself picks on this cluster, measured the same way, in the same rounds
     of = compile_model(model, cluster, strategy="opfence", micro_batches=cfg.emu_micro, schedule="gpipe",
-                       optimizer=OptimizerConfig("sgd", lr=0.01))
+                       optimizer=opt, node_times=times)
     of_dir = save_plan(of, tmp / "plan-emu-opfence", params=model.params)
     of_pred = float(of.predicted["iteration_s"])
+    # the FLOP-only estimator (FLOPs / lambda + the fitted overheads) on the same two cuts, and the plans it picks
+    ef_flops, of_flops = (price_cut(model, cluster, p, cfg.emu_micro, opt) for p in (plan, of))
+    ef_flops_plan, of_flops_plan = (compile_model(model, cluster, strategy=s, micro_batches=cfg.emu_micro,
+                                                  schedule="gpipe", optimizer=opt) for s in ("equal-flops", "opfence"))
     # the same two compiles with lambda only (no per-node / per-message term), for comparison
     bare = lambda strategy: compile_model(  # noqa: E731
         model, _without_overheads(cluster),
-        strategy=strategy, micro_batches=cfg.emu_micro, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01))
+        strategy=strategy, micro_batches=cfg.emu_micro, schedule="gpipe", optimizer=opt)
     bare_ef, bare_of = bare("equal-flops"), bare("opfence")
     rounds, of_rounds, of_reports, of_cpu = [], [], [], []
     for rnd in range(cfg.rounds):
@@ -438,8 +489,9 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
         of_reports += of_meas_r
         of_rounds.append(statistics.median(r.iteration_s for r in of_meas_r))
         print(f"[emulated] round {rnd}: equal-flops measured {rounds[-1] * 1e3:.1f} ms (predicted/measured "
-              f"{compiler_pred / rounds[-1]:.3f}), OP-Fence measured {of_rounds[-1] * 1e3:.1f} ms "
-              f"(predicted/measured {of_pred / of_rounds[-1]:.3f})", flush=True)
+              f"{compiler_pred / rounds[-1]:.3f}, FLOP-only {ef_flops['iteration_s'] / rounds[-1]:.3f}), OP-Fence "
+              f"measured {of_rounds[-1] * 1e3:.1f} ms (predicted/measured {of_pred / of_rounds[-1]:.3f}, FLOP-only "
+              f"{of_flops['iteration_s'] / of_rounds[-1]:.3f})", flush=True)
     measured = statistics.median(rounds)
     of_meas = statistics.median(of_rounds)
     # the compiler's compute prediction per part and micro-batch against the warm-up's measured F + B
@@ -460,8 +512,17 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     print(f"[emulated] compiler (Eq. 1-4) predicted {compiler_pred * 1e3:.1f} ms, replay predicted "
           f"{pred.iteration_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {len(rounds)} rounds): "
           f"compiler/measured {compiler_pred / measured:.3f}, replay/measured {pred.iteration_s / measured:.3f}", flush=True)
-    print("[emulated] compute per micro-batch (F+B), compiler vs measured without emulation: " +
-          ", ".join(f"{p} {comp_pred[p] * 1e3:.2f} vs {comp_meas[p] * 1e3:.2f} ms" for p in plan.parts), flush=True)
+    print("[emulated] compute per micro-batch (F+B), compiler with node times / FLOP-only vs measured without "
+          "emulation: " + ", ".join(f"{p} {comp_pred[p] * 1e3:.2f} / {ef_flops['compute_s'][p] * 1e3:.2f} vs "
+                                    f"{comp_meas[p] * 1e3:.2f} ms" for p in plan.parts), flush=True)
+    print(f"[emulated] node times (fusion profile --model --threads 1, {t_prof:.1f} s): forward "
+          f"{times.summary()['fwd_s'] * 1e3:.2f} ms + backward {times.summary()['bwd_s'] * 1e3:.2f} ms per micro-batch "
+          f"over {len(times.nodes)} nodes; predicted/measured with node times: equal-flops "
+          f"{compiler_pred / measured:.3f}, OP-Fence {of_pred / of_meas:.3f}; FLOP-only on the same cuts: "
+          f"{ef_flops['iteration_s'] / measured:.3f}, {of_flops['iteration_s'] / of_meas:.3f} (FLOP-only plans: "
+          f"equal-flops {'the same cut' if same_cut(ef_flops_plan, plan) else 'another cut'}, OP-Fence "
+          f"{len(of_flops_plan.parts)} parts, {'the same cut' if same_cut(of_flops_plan, of) else 'another cut'})",
+          flush=True)
     print(f"[emulated] slowest link {slow[0]}<->{slow[1]} ({bw(*slow) / 1e6:.0f} Mbit/s): {moved / 1e3:.1f} kB per iteration, "
           f"utilization {util:.3f}", flush=True)
     print(f"[emulated] OP-Fence on the same cluster: {len(of.parts)} part(s) on "
@@ -470,8 +531,9 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
           f"(equal-flops measured {measured * 1e3:.1f} ms: "
           f"OP-Fence is {measured / of_meas:.1f}x faster)", flush=True)
     of_comp = {p: of.predicted["parts"][p]["compute_s"] for p in of.parts}
-    print("[emulated] OP-Fence compute per micro-batch predicted: " +
-          ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in of_comp.items()), flush=True)
+    print("[emulated] OP-Fence compute per micro-batch predicted (node times / FLOP-only): " +
+          ", ".join(f"{p} {v * 1e3:.2f} / {of_flops['compute_s'][p] * 1e3:.2f} ms" for p, v in of_comp.items()),
+          flush=True)
     print(f"[emulated] lambda only (no per-node / per-message term): equal-flops predicted "
           f"{bare_ef.predicted['iteration_s'] * 1e3:.1f} ms ({bare_ef.predicted['iteration_s'] / measured:.3f} of measured), "
           f"OP-Fence predicted {bare_of.predicted['iteration_s'] * 1e3:.1f} ms ({len(bare_of.parts)} parts; "
@@ -506,6 +568,14 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
               "opfence_lambda_only_parts": len(bare_of.parts),
               "opfence_parts": len(of.parts), "opfence_predicted_s": of_pred, "opfence_measured_s": of_meas,
               "opfence_predicted_over_measured": of_pred / of_meas,
+              "flops_predicted_s": ef_flops["iteration_s"], "opfence_flops_predicted_s": of_flops["iteration_s"],
+              "flops_predicted_over_measured": ef_flops["iteration_s"] / measured,
+              "opfence_flops_predicted_over_measured": of_flops["iteration_s"] / of_meas,
+              "flops_compute_s": ef_flops["compute_s"], "opfence_flops_compute_s": of_flops["compute_s"],
+              "opfence_compute_s": of_comp,
+              "flops_plans_same_cut": [same_cut(ef_flops_plan, plan), same_cut(of_flops_plan, of)],
+              "node_times_fwd_s": times.summary()["fwd_s"], "node_times_bwd_s": times.summary()["bwd_s"],
+              "node_times_profile_s": t_prof,
               "step_predicted_s": float(plan.predicted.get("step_s", 0.0)),
               "opfence_step_predicted_s": float(of.predicted.get("step_s", 0.0)),
               "simulated_over_measured": sim / measured, "opfence_simulated_over_measured": of_sim / of_meas,
@@ -593,6 +663,9 @@ def main() -> None:
         out.update({
             "predicted_over_measured": round(pom, 3),  # the compiler's Eq. 1-4 on the fitted cluster (equal-flops)
             "opfence_predicted_over_measured": round(detail["opfence_predicted_over_measured"], 3),
+            # the same cuts priced by FLOPs / lambda (no node times): what the compiler predicted before issue 17
+            "flops_predicted_over_measured": round(detail["flops_predicted_over_measured"], 3),
+            "opfence_flops_predicted_over_measured": round(detail["opfence_flops_predicted_over_measured"], 3),
             "replay_over_measured": round(rom, 3),  # the runtime's schedule replay with profiled compute
             "bottleneck_link_utilization": round(util, 3),
             "emulated": _rounded(detail),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from fusion.ir.node import TensorMeta
 from fusion.ir.schedule import LANE_SCHEDULES
 from fusion.plan import SCHEDULE_NAMES, Part, Plan, boundary_tables
 from fusion.cluster.topology import device_clusters
+
+if TYPE_CHECKING:
+    from fusion.cost.node_times import NodeTimes
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   compress_ratio: float | None = None, schedule: str = "gpipe",
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
                   compress: CompressRequest | None = None, recompute: str = "auto",
-                  tied_codec: dict | str | None = None, virtual_stages: int | None = None) -> Plan:
+                  tied_codec: dict | str | None = None, virtual_stages: int | None = None,
+                  node_times: "NodeTimes | None" = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -79,6 +83,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     tied_codec:     codec cfg for the gradients of tied parameters (``Plan.tied_codec``), priced by the
                     estimator with its wire bytes; ``"auto"``: 8-bit quant when the cost model says the
                     iteration gets shorter with it, else none.
+    node_times:     measured per-node seconds (:class:`fusion.cost.node_times.NodeTimes`, ``--node-times``):
+                    the estimator prices the timed nodes by them (FusionError if measured on another graph).
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -102,6 +108,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     cm = CostModel.build(graph, costs, cluster, micro_batches, AUTO_PARTITION_SCHEDULE if auto else schedule,
                          optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(graph))
     cm.recompute_all = recompute == "all"
+    if node_times is not None:
+        node_times.apply(cm)
     clusters = device_clusters(cluster, seed)
     if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
         cm.codec_prices = codec_prices(cm, compress)
@@ -149,6 +157,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     plan.tied_codec = tied
     plan.predicted["schedules"] = {n: p.to_dict() for n, p in prices.items()}
     plan.predicted["schedule_choice"] = "auto" if auto else "fixed"
+    if node_times is not None:
+        plan.predicted["node_times"] = node_times.summary()
     if schedule in LANE_SCHEDULES:
         plan.predicted["virtual_stages"] = {"chunks_per_device": v_stages, "lanes": plan.lanes()}
     for k, name in enumerate(names):

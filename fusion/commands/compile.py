@@ -86,6 +86,11 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
                        help="activation recomputation per part: auto turns it on only where a part would not fit "
                             "its device otherwise"),
+        g.add_argument("--node-times", default=None, metavar="FILE",
+                       help="per-node forward/backward seconds measured by `fusion profile --model MODEL -o FILE`: "
+                            "the estimator prices those nodes by them (scaled by profiling host speed / device "
+                            "speed) instead of FLOPs / lambda; one pipeline only (not with --replicas, "
+                            "--global-batch or --strategy dp|dtfm)"),
         g.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="optimizer of every part"),
         g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
         g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
@@ -125,6 +130,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     if interleaves and args.replicas > 1:
         raise FusionError(f"--replicas {args.replicas}: interleaved 1F1B runs one pipeline (no data-parallel replicas); "
                           "leave out --replicas or use --schedule 1f1b/zb1")
+    node_times = _node_times(args)
     if args.strategy in DP_STRATEGIES:
         if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
@@ -143,7 +149,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
-                         virtual_stages=args.virtual_stages)
+                         virtual_stages=args.virtual_stages, node_times=node_times)
     if dp_codec is not None and args.replicas < 2:
         raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
@@ -155,6 +161,24 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     assign_engines(plan, args.engine)
     record_codec_plugins(plan)
     return plan
+
+
+def _node_times(args: argparse.Namespace):
+    """The table of ``--node-times`` (None without it); FusionError (exit 2, one line) for a bad file or an
+    option the measured prices are not wired into."""
+    from fusion.cost.node_times import NodeTimes
+    from fusion.ir.errors import FusionError
+
+    path = getattr(args, "node_times", None)
+    if path is None:
+        return None
+    if args.strategy in DP_STRATEGIES:
+        raise FusionError(f"--node-times with --strategy {args.strategy}: the data-parallel planners price by FLOPs "
+                          "only; use --strategy opfence, equal-flops or equal-count")
+    if args.replicas > 1 or args.global_batch is not None:
+        raise FusionError("--node-times prices one pipeline; replicas (--replicas, --global-batch) are priced by "
+                          "FLOPs only: leave one of them out")
+    return NodeTimes.load(path)
 
 
 def set_dp_allreduce(plan, cluster, mode: str) -> None:

@@ -17,7 +17,13 @@ def add_parser(sub) -> None:
                                    "message_overhead_s, step_overhead_s, feed_overhead_s, feed_byte_s, "
                                    "optimizer_byte_s) set, "
                                    "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
-                                   "the scenario format).")
+                                   "the scenario format). With --model MODEL: time each node of the model "
+                                   "forward and backward at its micro-batch shapes instead and write that table "
+                                   "(JSON) to -o, for `fusion compile --node-times FILE`.")
+    p.add_argument("--model", metavar="MODEL",
+                   help="file.py:function (as `fusion compile` takes it): measure its per-node forward and backward "
+                        "seconds and write them to -o (the host speed S recorded with them is --cluster/--name's "
+                        "device speed lambda x peak_flops when given, else fitted here with --batch)")
     p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
                                         "default: the --name device's peak_flops")
     p.add_argument("--device", default="cpu", help="torch device to time")
@@ -32,7 +38,8 @@ def add_parser(sub) -> None:
                    help="fit lambda only; -o leaves the fitted fixed costs (node_overhead_s, ...) as they are")
     p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
     p.add_argument("--name", help="device name in --cluster")
-    p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json)")
+    p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json), or with --model the "
+                                          "node-times table (.json)")
     p.set_defaults(run=run)
 
 
@@ -46,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from fusion.cost.profile import profile_host
     from fusion.cluster.units import UnitError, parse_quantity
 
+    if args.model:
+        return _node_times(args)
     cluster = dev_index = None
     if args.cluster or args.output or args.name:
         if not (args.cluster and args.name):
@@ -155,3 +164,43 @@ def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
         devices.append(e)
     data["devices"] = devices
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+
+
+def _node_times(args: argparse.Namespace) -> int:
+    """``fusion profile --model MODEL -o FILE``: the per-node time table (:mod:`fusion.cost.node_times`)."""
+    from fusion.cluster.model import load_cluster
+    from fusion.compile import _ensure_shapes
+    from fusion.cost.node_times import measure_node_times
+    from fusion.cost.profile import profile_host
+    from fusion.ir.errors import FusionError
+    from fusion.loader import load_model
+
+    if not args.output:
+        raise FusionError("profile --model: give -o FILE, where the node-times table goes")
+    if bool(args.cluster) != bool(args.name):
+        raise FusionError("profile --model: --cluster and --name go together (the device whose speed the table records)")
+    if args.threads is not None and args.threads < 1:
+        raise FusionError(f"--threads: must be >= 1, got {args.threads}")
+    model = load_model(args.model)
+    _ensure_shapes(model)
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+        dev = cluster.devices[cluster.index(args.name)]
+        speed = dev.peak_flops * dev.lam
+        how = f"{args.name}'s lambda x peak_flops in {args.cluster}"
+    else:
+        try:
+            sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+            speed = profile_host(1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads,
+                                 overheads=False).fitted_flops
+        except ValueError as e:
+            raise FusionError(f"profile: {e}") from None
+        how = f"fitted here, --batch {args.batch}"
+    table = measure_node_times(model.graph, args.device, args.threads, speed_flops=speed)
+    out = table.save(args.output)
+    fwd = sum(t.fwd_s for t in table.nodes.values())
+    bwd = sum(t.bwd_s for t in table.nodes.values())
+    print(f"wrote {out}: {len(table.nodes)} nodes timed on {table.device} ({args.threads or 'default'} threads), "
+          f"forward {fwd * 1e3:.3f} ms + backward {bwd * 1e3:.3f} ms per micro-batch in all; host speed "
+          f"{speed / 1e9:.4g} GFLOP/s ({how})")
+    return 0

@@ -15,6 +15,12 @@ Notation (per micro-batch; part p runs on device d(p)):
   micro-batch (one per cut tensor and consuming part and direction, as the runtime
   sends them) and ``o_msg`` its ``message_overhead_s``. A recomputing part adds its
   forward again: FLOPs, bytes and ``FORWARD_SHARE * n_p * o_node``.
+- Measured node times (``fusion compile --node-times FILE``, :mod:`fusion.cost.node_times`,
+  :meth:`CostModel.use_node_times`): a node timed on a host of fitted speed S_h costs
+  ``C(f,p) = (t_fwd + t_bwd)(f) * S_h / S_p`` (S_p = lambda_p S*_p; the same speed: the measured time)
+  instead of its FLOP, byte and ``o_node`` terms (a measured time holds its fixed cost); a recomputing
+  part adds ``t_fwd * S_h / S_p``. Internally a timed node's FLOPs become ``t * S_h``, so every
+  partitioner prices (and ``equal-flops`` balances) measured time; ``PartEstimate.flops`` stays FLOPs.
 - Eq. (2), backward included: a tensor t (producer output, M_t bytes) made on
   part a and used on part b != a crosses once per (t, b), whatever the number
   of its users on b. Forward it costs ``alpha_ab + beta_ab M_t`` and counts in
@@ -205,10 +211,16 @@ class CostModel:
     input_bytes: np.ndarray | None = None  # bytes a placeholder node feeds per micro-batch (0 for other nodes)
     recompute_all: bool = False  # price every part as recomputing its activations (see :meth:`evaluate`)
     optimizer_slots: int = 0  # state tensors per trainable parameter: picks the device's optimizer_byte_s entry
+    #: nodes priced by measured seconds (:meth:`use_node_times`; None: none): their ``flops``/``fwd_flops`` hold
+    #: seconds x the profiling host's speed, their ``mem``/``fwd_mem`` 0, and they pay no ``node_overhead``
+    timed: np.ndarray | None = None
+    op_flops: np.ndarray | None = None  # the counted FLOPs per node when ``flops`` holds measured time (reports)
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)
-    executes: np.ndarray = field(init=False)  # whether node i runs an op (not a placeholder or an output)
+    #: whether node i pays the per-node fixed cost ``node_overhead``: it runs an op (not a placeholder or an
+    #: output) and has no measured time (a measured time holds that cost already)
+    executes: np.ndarray = field(init=False)
     node_overhead: np.ndarray = field(init=False)  # o_node per device, seconds per node per micro-batch
     message_overhead: np.ndarray = field(init=False)  # o_msg per device, seconds per message
     step_overhead: np.ndarray = field(init=False)  # o_step per device, seconds per iteration
@@ -237,6 +249,8 @@ class CostModel:
         self.optimizer_byte = np.array([d.optimizer_byte_s[kind] for d in devs], dtype=float)
         idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
         self.executes = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
+        if self.timed is not None:
+            self.executes &= ~self.timed
         self.fed = np.array([self.graph[n].kind in PLACEHOLDER_KINDS for n in self.names], dtype=bool)
 
     # -- construction ------------------------------------------------------------
@@ -289,6 +303,27 @@ class CostModel:
         kw["cluster"] = cluster
         return CostModel(**kw)
 
+    def use_node_times(self, fwd_s, bwd_s, timed, host_speed: float) -> None:
+        """Price the nodes where ``timed`` holds by measured seconds (forward ``fwd_s``, backward ``bwd_s``, per
+        node index, one micro-batch) taken on a host of speed ``host_speed`` (FLOP/s): on device d such a node
+        costs ``(fwd_s + bwd_s) * host_speed / speed[d]``, its forward share ``fwd_s * host_speed / speed[d]``
+        (recomputation, the schedule simulation), with no FLOP, byte or per-node overhead term. Placeholders
+        and outputs stay untimed."""
+        if not host_speed > 0:
+            raise ValueError(f"host_speed must be > 0, got {host_speed!r}")
+        idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
+        runs = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
+        timed = np.asarray(timed, dtype=bool) & runs
+        fwd, bwd = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
+        if self.op_flops is None:
+            self.op_flops = self.flops.copy()
+        self.flops = np.where(timed, (fwd + bwd) * host_speed, self.flops)
+        self.fwd_flops = np.where(timed, fwd * host_speed, self.fwd_flops)
+        self.mem = np.where(timed, 0.0, self.mem)
+        self.fwd_mem = np.where(timed, 0.0, self.fwd_mem)
+        self.timed = timed if self.timed is None else (self.timed | timed)
+        self.executes = runs & ~self.timed
+
     # -- Eq. (1) ------------------------------------------------------------------
     def compute_time(self, node: int, device: int) -> float:
         """C(f, p) for node index ``node`` on device index ``device`` (fwd + bwd), its fixed cost included."""
@@ -328,10 +363,12 @@ class CostModel:
         dev = np.asarray(part_device, dtype=np.int64)
         n_parts = len(dev)
         rc = np.full(n_parts, self.recompute_all) if recompute is None else np.asarray(recompute, dtype=bool)
-        flops_p = np.bincount(node_part, weights=self.flops, minlength=n_parts)
-        comp = flops_p / self.speed[dev] + np.bincount(node_part, weights=self.mem, minlength=n_parts) / self.mem_speed[dev]
+        comp = np.bincount(node_part, weights=self.flops, minlength=n_parts) / self.speed[dev] \
+            + np.bincount(node_part, weights=self.mem, minlength=n_parts) / self.mem_speed[dev]
         n_exec = np.bincount(node_part, weights=self.executes, minlength=n_parts)
         comp = comp + n_exec * self.node_overhead[dev]
+        flops_p = np.bincount(node_part, weights=self.flops if self.op_flops is None else self.op_flops,
+                              minlength=n_parts)
         if rc.any():
             fwd = (np.bincount(node_part, weights=self.fwd_flops, minlength=n_parts) / self.speed[dev]
                    + np.bincount(node_part, weights=self.fwd_mem, minlength=n_parts) / self.mem_speed[dev]
