@@ -29,6 +29,8 @@ M_MMAP_THRESHOLD = -3
 THRESHOLDS = (1 << 30, 32 << 20)
 
 _done: bool | None = None
+#: the threshold the first successful call set (bytes), None before or where none was set
+threshold: int | None = None
 
 
 def _libc():
@@ -55,7 +57,7 @@ def steady_heap() -> bool:
     Returns False (and changes nothing) where there is no glibc. Idempotent: later
     calls return the first call's result without calling ``mallopt`` again. Logs once.
     """
-    global _done
+    global _done, threshold
     if _done is not None:
         return _done
     mallopt = _libc()
@@ -67,7 +69,7 @@ def steady_heap() -> bool:
         if mallopt(M_MMAP_THRESHOLD, value) == 1 and mallopt(M_TRIM_THRESHOLD, value) == 1:
             log.info("heap: steady (glibc M_MMAP_THRESHOLD and M_TRIM_THRESHOLD = %d MiB): freed tensors stay "
                      "in the heap for the next step", value >> 20)
-            _done = True
+            _done, threshold = True, value
             return _done
     log.warning("heap: glibc refused mallopt(M_MMAP_THRESHOLD/M_TRIM_THRESHOLD); allocator left as it is")
     _done = False

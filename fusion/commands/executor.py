@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
                    help="torch engine: where compressed edges are encoded (same payload bytes): on the engine's "
                         "device, only payloads leave it (default); 'torch': the torch codecs even on a CPU device; "
                         "'host': from a NumPy copy of every dense tensor, as before")
+    p.add_argument("--heap", default="steady", choices=["steady", "default"],
+                   help="steady (default): raise glibc's mmap/trim thresholds so the tensors a step frees are reused "
+                        "by the next step instead of being unmapped and page-faulted in again (the process keeps its "
+                        "peak memory); default: leave the C allocator as it is. No effect without glibc")
     p.add_argument("--trust-plugins", action="store_true",
                    help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
     from fusion.commands.keys import add_security_options
@@ -55,6 +59,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    if args.heap == "steady":  # before the plan's weights and the engine's tensors are allocated
+        from fusion.executors.runtime.heap import steady_heap
+
+        steady_heap()
     from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig, run_lane
     from fusion.executors.runtime.plandigest import plan_digest
