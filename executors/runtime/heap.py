@@ -62,19 +62,20 @@ def steady_heap() -> bool:
     """Raise glibc's mmap and trim thresholds for this process; True if both were set.
 
     Returns False (and changes nothing) where there is no glibc. Idempotent: later
-    calls return the first call's result without calling ``mallopt`` again. Logs once.
+    calls return the first call's result without calling ``mallopt`` again. Logs once, at debug level
+    (a command's failure stays one line on stderr); a warning only if glibc refuses.
     """
     global _done, threshold
     if _done is not None:
         return _done
     mallopt = _libc()
     if mallopt is None:
-        log.info("heap: not glibc (%s); allocator thresholds left as they are", sys.platform)
+        log.debug("heap: not glibc (%s); allocator thresholds left as they are", sys.platform)
         _done = False
         return _done
     for value in THRESHOLDS:
         if mallopt(M_MMAP_THRESHOLD, value) == 1 and mallopt(M_TRIM_THRESHOLD, value) == 1:
-            log.info("heap: steady (glibc M_MMAP_THRESHOLD and M_TRIM_THRESHOLD = %d MiB): freed tensors stay "
+            log.debug("heap: steady (glibc M_MMAP_THRESHOLD and M_TRIM_THRESHOLD = %d MiB): freed tensors stay "
                      "in the heap for the next step", value >> 20)
             _done, threshold = True, value
             return _done

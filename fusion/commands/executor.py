@@ -59,10 +59,6 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    if args.heap == "steady":  # before the plan's weights and the engine's tensors are allocated
-        from fusion.executors.runtime.heap import steady_heap
-
-        steady_heap()
     from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig, run_lane
     from fusion.executors.runtime.plandigest import plan_digest
@@ -111,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
                                                    **({"compiled": False} if args.interpreted_parts else {}),
                                                    **({"encode": args.encode} if args.encode else {})},
                                    trust_plugins=args.trust_plugins, security=security, plan_digest=digest))
+    if args.heap == "steady":  # after the checks (a bad argument stays a one-line error), before the engines' tensors
+        from fusion.executors.runtime.heap import steady_heap
+
+        steady_heap()
     status = run_lane([CompNode(plan, args.plan, c) for c in cfgs])
     if args.fast_exit:
         # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch
