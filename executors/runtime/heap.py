@@ -12,8 +12,8 @@ thresholds keeps freed memory in the heap for the next step to reuse.
 The arena count (``M_ARENA_MAX``) is left alone. Memory freed by a step stays
 reserved by the process (its resident size stays at the peak of a step), which
 is what a process that runs steps in a loop wants anyway. Measured on GPT small
-(``ReferenceExecutor``, one part): 750–1460 minor faults a step with the
-defaults, 0–21 steady; the resident size grew 2–3 MB over the first ~250 steps
+(``ReferenceExecutor``, one part): 750–1600 minor faults a step with the
+defaults, 0–27 steady; the resident size grew 2–3 MB over the first ~250 steps
 (eager PyTorch alike), then stayed flat up to step 2000.
 
 ``fusion executor`` calls :func:`steady_heap` at start unless ``--heap default``;
