@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
                    help="torch engine: where compressed edges are encoded (same payload bytes): on the engine's "
                         "device, only payloads leave it (default); 'torch': the torch codecs even on a CPU device; "
                         "'host': from a NumPy copy of every dense tensor, as before")
+    p.add_argument("--heap", default="steady", choices=["steady", "default"],
+                   help="steady (default): raise glibc's mmap/trim thresholds so the tensors a step frees are reused "
+                        "by the next step instead of being unmapped and page-faulted in again (the process keeps its "
+                        "peak memory); default: leave the C allocator as it is. No effect without glibc")
     p.add_argument("--trust-plugins", action="store_true",
                    help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
     from fusion.commands.keys import add_security_options
@@ -103,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
                                                    **({"compiled": False} if args.interpreted_parts else {}),
                                                    **({"encode": args.encode} if args.encode else {})},
                                    trust_plugins=args.trust_plugins, security=security, plan_digest=digest))
+    if args.heap == "steady":  # after the checks (a bad argument stays a one-line error), before the engines' tensors
+        from fusion.executors.runtime.heap import steady_heap
+
+        steady_heap()
     status = run_lane([CompNode(plan, args.plan, c) for c in cfgs])
     if args.fast_exit:
         # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch

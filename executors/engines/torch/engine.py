@@ -27,11 +27,17 @@ Key = tuple[str, "int | None"]
 log = logging.getLogger(__name__)
 
 def to_array(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view (CPU) or copy (other devices) of a tensor, detached."""
-    t = t.detach()
-    if t.device.type != "cpu":
+    """A NumPy view (CPU) or copy (other devices) of a tensor, detached.
+
+    Called for every parameter gradient of every step (:meth:`TorchPart.grads`), so it
+    does only the work a tensor needs: ``.detach()`` only when it requires grad, ``is_cpu``
+    rather than building a ``torch.device``.
+    """
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
         t = t.cpu()
-    if t.dtype == torch.bfloat16:
+    if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)  # raw bits; wire records the dtype
     return t.numpy()
 
@@ -156,9 +162,14 @@ class TorchPart:
                 if tuple(t.shape) != tuple(spec.shape):
                     raise GraphError(f"parameter {pname!r} has shape {tuple(t.shape)}, graph says {spec.shape}", node_name)
                 self.params[pname] = nn.Parameter(t) if spec.trainable else t
+        #: (name, parameter) of the trainable ones, built once: grads() and trainable() run every step
+        self._trainable: tuple[tuple[str, nn.Parameter], ...] = tuple(
+            (n, p) for n, p in self.params.items() if isinstance(p, nn.Parameter))
         self.modules: dict[str, nn.Module] = {}
         self._local = set(sub.nodes)
         self.steps = [self._make_step(n) for n in sub.nodes]
+        #: the input/label placeholders' names, in node order (what forward() reads from its feeds)
+        self._fed_names: tuple[str, ...] = tuple(s.name for s in self.steps if s.placeholder)
         self.recv_keys: dict[Key, bool] = {}
         for e in sub.boundary.required_acts:
             self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
@@ -297,11 +308,10 @@ class TorchPart:
                     v = v.detach().requires_grad_(True)
             st.leaves[key] = v
         fed: dict[str, Any] = {}
-        for s in self.steps:
-            if s.placeholder:
-                if s.name not in feeds:
-                    raise GraphError("no data fed to this placeholder", s.name)
-                fed[s.name] = from_wire(feeds[s.name], self.dtypes[s.name], self.device)
+        for name in self._fed_names:
+            if name not in feeds:
+                raise GraphError("no data fed to this placeholder", name)
+            fed[name] = from_wire(feeds[name], self.dtypes[name], self.device)
         if self.recompute and record is None:
             st.feeds, st.rng = fed, self._rng_state()
             with torch.no_grad():
@@ -466,13 +476,18 @@ class TorchPart:
 
     # -- parameters ----------------------------------------------------------------
     def trainable(self) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in self.params.items() if isinstance(p, nn.Parameter)}
+        """Trainable parameters by graph name (``params`` is fixed once the part is built)."""
+        return dict(self._trainable)
 
     def state(self) -> dict[str, np.ndarray]:
         return {n: to_array(p).copy() for n, p in self.params.items()}
 
     def grads(self) -> dict[str, np.ndarray | None]:
-        return {n: (None if p.grad is None else to_array(p.grad)) for n, p in self.trainable().items()}
+        out: dict[str, np.ndarray | None] = {}
+        for n, p in self._trainable:
+            g = p.grad
+            out[n] = None if g is None else to_array(g)
+        return out
 
     def set_grad(self, name: str, grad: Any) -> None:
         p = self.params[name]
