@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
                        help="torch engine: torch.compile each part's generated module (slow first step)")
     parts.add_argument("--interpreted-parts", action="store_true",
                        help="torch engine: walk each part node by node instead of one generated function")
+    p.add_argument("--heap", default="steady", choices=["steady", "default"],
+                   help="every CompNode's C allocator (fusion executor --heap): steady (default) keeps freed tensor "
+                        "memory for the next step instead of unmapping and page-faulting it in again; default: as is")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="run each CompNode as a Ray actor on the node of an existing Ray cluster (HOST:PORT of its "
                         "head, or auto) that has the resource fusion-dev:<device> of its device; needs "
@@ -84,6 +87,8 @@ def executor_flags(args: argparse.Namespace, trust: bool) -> list[str]:
         flags.append("--compile-parts")
     if args.interpreted_parts:
         flags.append("--interpreted-parts")
+    if args.heap != "steady":
+        flags += ["--heap", args.heap]
     return flags
 
 
