@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fusion.cluster.scenarios import load_scenario
 from tests.fusion.cli_helpers import CNN_SRC
@@ -180,3 +181,15 @@ def test_a_device_this_host_lacks_is_one_line_before_anything_starts(tmp_path):
     r = _fusion("executor", str(tmp_path / "noplan"), "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
                 "--device", "tpu9")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "tpu9" in r.stderr, r.stderr
+
+
+def test_run_passes_the_heap_mode_on_to_every_executor():
+    """``fusion run --heap default`` reaches each ``fusion executor``; the default (steady) is the executor's own."""
+    from fusion.cli import build_parser
+    from fusion.commands.run import executor_flags
+
+    args = build_parser().parse_args(["run", "plan-dir", "--heap", "default"])
+    assert executor_flags(args, False)[-2:] == ["--heap", "default"]
+    assert "--heap" not in executor_flags(build_parser().parse_args(["run", "plan-dir"]), False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "plan-dir", "--heap", "tcmalloc"])
