@@ -143,23 +143,32 @@ def _fake(meta: Any) -> Any:
     return t
 
 
-def _inputs(graph: OpGraph, node: OpNode, params: dict[str, torch.Tensor]):
+def _meta_param(spec) -> torch.Tensor:
+    t = torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
+    return torch.nn.Parameter(t, requires_grad=spec.trainable) if t.is_floating_point() else t
+
+
+def node_inputs(graph: OpGraph, node: OpNode, params: dict[str, torch.Tensor], tensor=None, param=None):
+    """``(args, kwargs)`` of ``node`` with every reference made a tensor: ``tensor(meta)`` for a producer's
+    recorded output, ``param(spec)`` for a graph parameter (made once, kept in ``params``); meta tensors by
+    default. :mod:`fusion.cost.node_times` passes makers of real tensors."""
+    tensor, param = tensor or _fake, param or _meta_param
+
     def get(r):
         if isinstance(r, ParamRef):
             if r.name not in params:
-                spec = graph.params[r.name]
-                t = torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
-                params[r.name] = torch.nn.Parameter(t, requires_grad=spec.trainable) if t.is_floating_point() else t
+                params[r.name] = param(graph.params[r.name])
             return params[r.name]
         src = graph[r.node]
         outs = src.meta.outputs
         if not outs:
             raise ValueError(f"producer {r.node!r} has no shape metadata")
         if r.index is None:
-            return tuple(_fake(o) for o in outs) if src.meta.multi else _fake(outs[0])
-        return _fake(outs[r.index])
+            return tuple(tensor(o) for o in outs) if src.meta.multi else tensor(outs[0])
+        return tensor(outs[r.index])
 
     return map_refs(node.args, get), map_refs(node.kwargs, get)
+
 
 
 def _measure(graph: OpGraph, node: OpNode) -> NodeCost:
@@ -176,7 +185,7 @@ def _measure(graph: OpGraph, node: OpNode) -> NodeCost:
                 t.requires_grad_(graph.params[gname].trainable and t.is_floating_point())
                 params[gname] = t
         fn = make_call(call, obj, module)
-        args, kwargs = _inputs(graph, node, params)
+        args, kwargs = node_inputs(graph, node, params)
         param_ids = {id(p) for p in params.values()}
         saved: dict[int, torch.Tensor] = {}
 

@@ -53,10 +53,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fusion.cost.flops import _TORCH_DTYPES, _is_param, _meta_key, _signature
+from fusion.cost.flops import _TORCH_DTYPES, _is_param, _meta_key, _signature, node_inputs
 from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, OpNode, ParamRef, ValueMeta, map_refs
+from fusion.ir.node import NodeKind, OpNode, ValueMeta
 
 log = logging.getLogger(__name__)
 
@@ -327,24 +327,11 @@ def _time_node(graph: OpGraph, node: OpNode, dev: torch.device, gen: torch.Gener
             needs.add(id(t))
         return t
 
-    def get(r):
-        if isinstance(r, ParamRef):
-            if r.name not in params:
-                spec = graph.params[r.name]
-                t = _real(spec, dev, gen)
-                if t.is_floating_point():
-                    t = torch.nn.Parameter(t * 0.02, requires_grad=spec.trainable)
-                params[r.name] = t
-            return params[r.name]
-        src = graph[r.node]
-        outs = src.meta.outputs
-        if not outs:
-            raise ValueError(f"producer {r.node!r} has no shape metadata")
-        if r.index is None:
-            return tuple(real(o) for o in outs) if src.meta.multi else real(outs[0])
-        return real(outs[r.index])
+    def param(spec):
+        t = _real(spec, dev, gen)
+        return torch.nn.Parameter(t * 0.02, requires_grad=spec.trainable) if t.is_floating_point() else t
 
-    args, kwargs = on_device(map_refs(node.args, get), dev), on_device(map_refs(node.kwargs, get), dev)
+    args, kwargs = on_device(node_inputs(graph, node, params, real, param), dev)
     flat_in, spec_in = tree_flatten((args, kwargs))
     grad_in = [id(x) in needs for x in flat_in]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
