@@ -1,5 +1,6 @@
 """What the CLI tests share: model files they write and name as MODEL (``file.py:function``), the one-line
 error check of an in-process CLI call, free ports."""
+import signal
 import socket
 
 #: a two-layer CNN built node by node; its traced micro-batch is 2 rows
@@ -41,3 +42,10 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child a test interrupts with SIGINT: give it the default disposition, so that
+    Python turns Ctrl-C into KeyboardInterrupt even when the test run itself was started with SIGINT ignored
+    (a background job of a non-interactive shell, which every child would otherwise inherit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fusion.cli_helpers import CNN_SRC
+from tests.fusion.cli_helpers import CNN_SRC, sigint_default
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
@@ -368,7 +368,7 @@ def test_ctrl_c_still_writes_weights_plot_and_trace(cnn_plan, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", str(cnn_plan), "--out", str(run), "--steps",
                              "100000", "--no-progress", "--data", "synthetic"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

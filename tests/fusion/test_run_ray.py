@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from fusion.executors.runtime.ray_cluster import device_resource, missing_devices, part_resources
-from tests.fusion.cli_helpers import free_ports
+from tests.fusion.cli_helpers import free_ports, sigint_default
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "examples" / "models" / "gpt.py") + ":tiny"
@@ -264,7 +264,8 @@ def test_ctrl_c_tears_the_ray_run_down(ray_cluster, tmp_path):
     assert r.returncode == 0, r.stderr
     proc = subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", str(plan), "--steps", "100000", "--threads", "1",
                              "--out", str(tmp_path / "run"), "--no-progress", "--ray", ray_cluster], cwd=tmp_path,
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     lines = []
     try:
         deadline = time.monotonic() + 120
