@@ -24,6 +24,8 @@ class NodeKind(str, Enum):
 
 
 PLACEHOLDER_KINDS = (NodeKind.INPUT, NodeKind.LABEL)
+#: kinds of node that run no op: the placeholders (fed data) and the output marker
+IDLE_KINDS = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
     from fusion.cluster.model import ClusterError, load_cluster
     from fusion.ir.errors import FusionError
-    from fusion.cost.profile import profile_host
     from fusion.cluster.units import UnitError, parse_quantity
 
     if args.model:
@@ -71,12 +70,7 @@ def run(args: argparse.Namespace) -> int:
             raise FusionError(f"--peak-flops: must be > 0, got {args.peak_flops!r}")
     elif cluster is not None:
         peak = cluster.devices[dev_index].peak_flops
-    try:
-        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-        prof = profile_host(peak or 1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads,
-                            overheads=not args.no_overheads)
-    except ValueError as e:
-        raise FusionError(f"profile: {e}") from None
+    prof = _profile_host(args, peak or 1.0, overheads=not args.no_overheads)
     result = prof.to_dict()
     if peak is None:
         result.update(peak_flops=None, **{"lambda": None})
@@ -166,12 +160,25 @@ def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
 
 
+def _profile_host(args: argparse.Namespace, peak: float, overheads: bool):
+    """:func:`fusion.cost.profile.profile_host` with the command's ``--device``, ``--sizes``, ``--batch``,
+    ``--repeats`` and ``--threads``; a bad value is one line (FusionError)."""
+    from fusion.cost.profile import profile_host
+    from fusion.ir.errors import FusionError
+
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+        return profile_host(peak, args.device, sizes, args.batch, args.repeats, threads=args.threads,
+                            overheads=overheads)
+    except ValueError as e:
+        raise FusionError(f"profile: {e}") from None
+
+
 def _node_times(args: argparse.Namespace) -> int:
     """``fusion profile --model MODEL -o FILE``: the per-node time table (:mod:`fusion.cost.node_times`)."""
     from fusion.cluster.model import load_cluster
     from fusion.compile import _ensure_shapes
     from fusion.cost.node_times import measure_node_times
-    from fusion.cost.profile import profile_host
     from fusion.ir.errors import FusionError
     from fusion.loader import load_model
 
@@ -189,12 +196,7 @@ def _node_times(args: argparse.Namespace) -> int:
         speed = dev.peak_flops * dev.lam
         how = f"{args.name}'s lambda x peak_flops in {args.cluster}"
     else:
-        try:
-            sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-            speed = profile_host(1.0, args.device, sizes, args.batch, args.repeats, threads=args.threads,
-                                 overheads=False).fitted_flops
-        except ValueError as e:
-            raise FusionError(f"profile: {e}") from None
+        speed = _profile_host(args, 1.0, overheads=False).fitted_flops
         how = f"fitted here, --batch {args.batch}"
     table = measure_node_times(model.graph, args.device, args.threads, speed_flops=speed)
     out = table.save(args.output)

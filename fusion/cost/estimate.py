@@ -83,7 +83,7 @@ from fusion.cluster.model import Cluster
 from fusion.cost.flops import NodeCost
 from fusion.ir.boundary import edge_requires_grad
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import PLACEHOLDER_KINDS, NodeKind, TensorMeta
+from fusion.ir.node import IDLE_KINDS, PLACEHOLDER_KINDS, NodeKind, TensorMeta
 
 
 #: the share of a node's fixed cost (``node_overhead_s``, forward + backward) that is its forward: 0.39
@@ -247,10 +247,7 @@ class CostModel:
         self.feed_byte = np.array([d.feed_byte_s for d in devs], dtype=float)
         kind = min(max(int(self.optimizer_slots), 0), 2)
         self.optimizer_byte = np.array([d.optimizer_byte_s[kind] for d in devs], dtype=float)
-        idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
-        self.executes = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
-        if self.timed is not None:
-            self.executes &= ~self.timed
+        self.executes = self._runs_op() if self.timed is None else self._runs_op() & ~self.timed
         self.fed = np.array([self.graph[n].kind in PLACEHOLDER_KINDS for n in self.names], dtype=bool)
 
     # -- construction ------------------------------------------------------------
@@ -303,6 +300,10 @@ class CostModel:
         kw["cluster"] = cluster
         return CostModel(**kw)
 
+    def _runs_op(self) -> np.ndarray:
+        """Whether node i runs an op (is not a placeholder or the output marker)."""
+        return np.array([self.graph[n].kind not in IDLE_KINDS for n in self.names], dtype=bool)
+
     def use_node_times(self, fwd_s, bwd_s, timed, host_speed: float) -> None:
         """Price the nodes where ``timed`` holds by measured seconds (forward ``fwd_s``, backward ``bwd_s``, per
         node index, one micro-batch) taken on a host of speed ``host_speed`` (FLOP/s): on device d such a node
@@ -311,8 +312,7 @@ class CostModel:
         and outputs stay untimed."""
         if not host_speed > 0:
             raise ValueError(f"host_speed must be > 0, got {host_speed!r}")
-        idle = (*PLACEHOLDER_KINDS, NodeKind.OUTPUT)
-        runs = np.array([self.graph[n].kind not in idle for n in self.names], dtype=bool)
+        runs = self._runs_op()
         timed = np.asarray(timed, dtype=bool) & runs
         fwd, bwd = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
         if self.op_flops is None:

@@ -170,7 +170,6 @@ def node_inputs(graph: OpGraph, node: OpNode, params: dict[str, torch.Tensor], t
     return map_refs(node.args, get), map_refs(node.kwargs, get)
 
 
-
 def _measure(graph: OpGraph, node: OpNode) -> NodeCost:
     from fusion.ir.torch_ops import build_module, make_call, node_callable
 

@@ -56,13 +56,12 @@ from torch.utils._pytree import tree_flatten
 from fusion.cost.flops import _TORCH_DTYPES, _is_param, _meta_key, _signature, node_inputs
 from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, OpNode, ValueMeta
+from fusion.ir.node import IDLE_KINDS, OpNode, ValueMeta
 
 log = logging.getLogger(__name__)
 
 #: the ``format`` field of a node-times file
 FORMAT = "fusion.node_times/1"
-_IDLE = (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,7 @@ def measure_node_times(graph: OpGraph, device: str = "cpu", threads: int | None 
     cache: dict[str, NodeTime | None] = {}
     nodes: dict[str, NodeTime] = {}
     call_s = 0.0
-    todo = [n for n in graph.nodes.values() if n.kind not in _IDLE]
+    todo = [n for n in graph.nodes.values() if n.kind not in IDLE_KINDS]
     try:
         gen = torch.Generator().manual_seed(0)
         call_s = backward_call_s(dev)
