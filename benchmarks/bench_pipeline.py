@@ -213,18 +213,15 @@ def run_torch(plan_dir: Path, stages: int, cfg, tmp: Path, schedule: str = "gpip
     return res
 
 
-#: ``fusion executor --heap`` of every executor this benchmark starts (``--heap``; steady is the executor's default)
-EXECUTOR_HEAP = {"heap": "steady"}
-
-
 def run_fusion(plan_dir: Path, run_dir: Path, steps: int, warmup: int, rows: int, d: int, emulate: bool = False,
-               cpu: dict | None = None, curve: bool = False) -> list:
-    """Steps of a local run (after ``warmup``); ``cpu`` gets the executors' CPU seconds per measured iteration."""
+               cpu: dict | None = None, curve: bool = False, heap: str = "steady") -> list:
+    """Steps of a local run (after ``warmup``); ``cpu`` gets the executors' CPU seconds per measured iteration;
+    ``heap`` is every executor's ``fusion executor --heap`` (``--heap`` of this benchmark)."""
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
 
     with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=emulate, peer_timeout_s=60), threads=1,
-                      trace=True, verbose=0, curve=curve, executor_args=["--heap", EXECUTOR_HEAP["heap"]]) as lc:
+                      trace=True, verbose=0, curve=curve, executor_args=["--heap", heap]) as lc:
         lc.start()
         reports = [lc.coordinator.step(batch(s, rows, d)) for s in range(warmup)]
         pids = sorted({pr.pid for pr in lc.processes.values()})  # interleaved: one process runs several parts
@@ -276,7 +273,8 @@ def throughput(cfg, tmp: Path) -> dict:
         for rnd in range(cfg.rounds):
             for s in cfg.fusion_schedules:
                 cpu: dict = {}
-                ours = run_fusion(plans[s], tmp / f"run-{stages}-{s}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu)
+                ours = run_fusion(plans[s], tmp / f"run-{stages}-{s}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu,
+                                  heap=cfg.heap)
                 losses = [r.loss for r in ours]
                 reference = losses if reference is None else reference
                 np.testing.assert_allclose(losses, reference, rtol=1e-4, err_msg=f"fusion {s} trained differently")
@@ -326,7 +324,7 @@ def curve_overhead(cfg, tmp: Path) -> dict:
         for curve in ((True, False) if rnd % 2 == 0 else (False, True)):
             cpu: dict = {}
             rs = run_fusion(plan_dir, tmp / f"run-curve-{curve}-{rnd}", cfg.steps, cfg.warmup, rows, cfg.d, cpu=cpu,
-                            curve=curve)
+                            curve=curve, heap=cfg.heap)
             its[curve].append(sum(r.iteration_s for r in rs) / len(rs))
             cpus[curve].append(cpu["per_iteration_s"])
             losses[curve] = [r.loss for r in rs]
@@ -461,7 +459,7 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     compiler_pred = float(plan.predicted["iteration_s"])
     rows = cfg.emu_rows * cfg.emu_micro
     # the runtime's replay predictor: per-part compute times from a warm-up run without emulation
-    prof_run = run_fusion(plan_dir, tmp / "run-profile", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d)
+    prof_run = run_fusion(plan_dir, tmp / "run-profile", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, heap=cfg.heap)
     compute, tail = {}, {}
     for p in plan.parts:
         compute[p] = {"F": statistics.median(x for r in prof_run for x in r.parts[p]["forward_s"]),
@@ -484,11 +482,12 @@ def emulated(cfg, tmp: Path) -> tuple[float, float, float, dict]:
     bare_ef, bare_of = bare("equal-flops"), bare("opfence")
     rounds, of_rounds, of_reports, of_cpu = [], [], [], []
     for rnd in range(cfg.rounds):
-        meas = run_fusion(plan_dir, tmp / f"run-emulated-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True)
+        meas = run_fusion(plan_dir, tmp / f"run-emulated-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d, emulate=True,
+                          heap=cfg.heap)
         rounds.append(statistics.median(r.iteration_s for r in meas))
         cpu: dict = {}
         of_meas_r = run_fusion(of_dir, tmp / f"run-emulated-opfence-{rnd}", cfg.emu_steps, cfg.warmup, rows, cfg.emu_d,
-                               emulate=True, cpu=cpu)
+                               emulate=True, cpu=cpu, heap=cfg.heap)
         of_cpu.append(cpu["per_iteration_s"])
         of_reports += of_meas_r
         of_rounds.append(statistics.median(r.iteration_s for r in of_meas_r))
@@ -635,7 +634,6 @@ def main() -> None:
     ap.add_argument("--heap", choices=["steady", "default"], default="steady",
                     help="fusion executor --heap of every executor (steady: the executors' default)")
     cfg = ap.parse_args()
-    EXECUTOR_HEAP["heap"] = cfg.heap
     if cfg.torch_worker:
         return torch_worker(cfg)
     cfg.fusion_schedules = [s for s in cfg.fusion_schedules.split(",") if s]
