@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fusion.ir.errors import GraphError
-from fusion.ir.node import NodeKind, OpNode, map_nested
+from fusion.ir.node import IDLE_KINDS, OpNode, map_nested
 from fusion.ir.registry import REGISTRY, OpRegistry
 
 TORCH_DTYPES = {
@@ -80,7 +80,7 @@ def set_module_tensor(mod: nn.Module, path: str, value: torch.Tensor, trainable:
 
 def node_callable(node: OpNode, registry: OpRegistry = REGISTRY) -> tuple[str, Any]:
     """``(call, obj)``: for modules the class, for functions the function, for methods the name."""
-    if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+    if node.kind in IDLE_KINDS:
         return node.kind.value, None
     found = registry.resolve(node.target)
     if found is None:

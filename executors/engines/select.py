@@ -24,7 +24,7 @@ import numpy as np
 from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind
+from fusion.ir.node import IDLE_KINDS
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import EnginePart
 
@@ -147,7 +147,7 @@ def check_engines(graph: OpGraph, assignment: Mapping[str, str], engines: Mappin
     """
     problems: dict[tuple[str, str, str], list[tuple[str, str]]] = {}  # (engine, op, why) -> [(node, part)]
     for node in graph.nodes.values():
-        if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+        if node.kind in IDLE_KINDS:
             continue
         part = assignment.get(node.name)
         engine = engines.get(part, "torch")

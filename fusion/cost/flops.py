@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, OpNode, ParamRef, TensorMeta, ValueMeta, map_refs
+from fusion.ir.node import IDLE_KINDS, OpNode, ParamRef, TensorMeta, ValueMeta, map_refs
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def measure_costs(graph: OpGraph, progress: bool = False) -> dict[str, NodeCost]
     nodes = list(graph.nodes.values())
     for node in tqdm(nodes, desc="estimate", unit="node", disable=True if not progress else None, leave=False):
         cost = NodeCost()
-        if node.kind not in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+        if node.kind not in IDLE_KINDS:
             key = _signature(graph, node)
             if key not in cache:
                 cache[key] = _measure(graph, node)

@@ -19,7 +19,7 @@ import numpy as np
 from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta
+from fusion.ir.node import IDLE_KINDS, NodeKind, OpNode, ParamRef, Ref, TensorMeta
 from fusion.executors.engines.numpy.ops import NpOp
 from fusion.executors.engines.numpy.torch_ops import TORCH_STYLE
 from fusion.executors.engines.numpy.onnx_ops import ONNX_NUMPY
@@ -37,7 +37,7 @@ def supports(target: str) -> bool:
 
 def node_problem(node: OpNode) -> str | None:
     """Why this node cannot run on the NumPy engine (argument structure), or None."""
-    if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+    if node.kind in IDLE_KINDS:
         return None
     for v in node.kwargs.values():
         if isinstance(v, (Ref, ParamRef)):
@@ -141,7 +141,7 @@ class NumpyPart:
         self.stash: dict[Any, _Tape] = {}
 
     def _make_step(self, node: OpNode) -> _Step:
-        if node.kind in (NodeKind.INPUT, NodeKind.LABEL, NodeKind.OUTPUT):
+        if node.kind in IDLE_KINDS:
             return _Step(node.name, node.kind, None, node.args, {}, {}, {})
         op = OPS.get(node.target)
         if op is None:
