@@ -62,6 +62,107 @@ class OptimizerConfig:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class DPSync:
+    """How the data-parallel replicas of a plan synchronise (``Plan.dp_sync``; ``fusion compile --dp-sync``).
+
+    mode:           ``"every"``: today's synchronous data parallelism, gradients averaged every step (the
+                    default, and what a plan without the field means); ``"diloco"``: DiLoCo (Douillard et al.
+                    2023, Algorithm 1): each replica takes ``inner_steps`` steps with the plan's optimizer
+                    (the *inner* optimizer, its state per replica), then the replicas average their
+                    pseudo-gradient ``Delta = theta_global - theta_local`` and the *outer* optimizer (SGD with
+                    Nesterov momentum) updates the global weights, which every replica then continues from.
+    inner_steps:    H, inner steps per outer step (>= 1).
+    outer_lr:       the outer optimizer's learning rate (DiLoCo's 0.7; 1 with ``outer_momentum`` 0 and an SGD
+                    inner optimizer makes H = 1 equal to synchronous DP).
+    outer_momentum: the outer optimizer's momentum (DiLoCo's 0.9); 0: plain SGD.
+    nesterov:       Nesterov momentum (DiLoCo's choice) or heavy-ball.
+    codec:          None (pseudo-gradients averaged exactly) or a codec cfg of the registry that may serve the
+                    pseudo-gradient role (``{"algo": "quant", "bits": 4}``, ``{"algo": "topk", "ratio": 100}``).
+    error_feedback: keep each replica's unsent residual of its pseudo-gradient and add it to the next one
+                    (SparseLoCo / DeMo style); only with a lossy ``codec``.
+    fragments:      Streaming DiLoCo: each stage's parameters split into this many fragments, fragment ``f``
+                    synced at inner steps ``t`` with ``t % H == (f * H) // fragments`` (staggered); 1: all at once.
+    delay:          outer steps by which an outer update is applied late (0: at once; 1: the all-reduce overlaps
+                    the next H inner steps and is applied at the following boundary, the eager/delayed variant).
+    shares:         replica -> relative share of the global batch rows per inner step (unequal islands); empty:
+                    equal shares. The outer average weights each replica's pseudo-gradient by the samples it saw.
+    """
+
+    mode: str = "every"
+    inner_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    codec: dict | None = None
+    error_feedback: bool = False
+    fragments: int = 1
+    delay: int = 0
+    shares: dict[int, float] = field(default_factory=dict)
+
+    MODES = ("every", "diloco")
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
+                                           "error_feedback", "fragments", "delay")}
+        d["shares"] = {str(r): float(v) for r, v in self.shares.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "plan.dp_sync") -> "DPSync":
+        """The config of a plan's ``dp_sync`` field; PlanError naming the field for anything malformed."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: expected a map, got {type(d).__name__}")
+        unknown = set(d) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
+                            "error_feedback", "fragments", "delay", "shares"}
+        if unknown:
+            raise PlanError(f"{source}: unknown field(s) {sorted(unknown)}")
+        try:
+            shares = {int(r): float(v) for r, v in dict(d.get("shares") or {}).items()}
+        except (TypeError, ValueError):
+            raise PlanError(f"{source}.shares: expected replica -> share, got {d.get('shares')!r}"[:200]) from None
+        out = cls(str(d.get("mode", "every")), d.get("inner_steps", 1), d.get("outer_lr", 0.7),
+                  d.get("outer_momentum", 0.9), d.get("nesterov", True), d.get("codec"),
+                  d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares)
+        out.check(source)
+        return out
+
+    def check(self, source: str = "plan.dp_sync") -> None:
+        """PlanError (one line naming the field) for a value out of range."""
+        def nat(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise PlanError(f"{source}.{name} must be an integer >= {lo}, got {v!r}")
+
+        if self.mode not in self.MODES:
+            raise PlanError(f"{source}.mode must be one of {list(self.MODES)}, got {self.mode!r}")
+        nat("inner_steps", 1)
+        nat("fragments", 1)
+        nat("delay", 0)
+        for name in ("outer_lr", "outer_momentum"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or v != v or v == float("inf"):
+                raise PlanError(f"{source}.{name} must be a finite number >= 0, got {v!r}")
+        if self.outer_momentum >= 1:
+            raise PlanError(f"{source}.outer_momentum must be < 1, got {self.outer_momentum!r}")
+        if not isinstance(self.nesterov, bool) or not isinstance(self.error_feedback, bool):
+            raise PlanError(f"{source}: nesterov and error_feedback must be true or false")
+        if self.codec is not None and not (isinstance(self.codec, dict) and isinstance(self.codec.get("algo"), str)):
+            raise PlanError(f"{source}.codec must be a codec cfg with an 'algo' name or null, got {self.codec!r}"[:200])
+        if self.error_feedback and self.codec is None:
+            raise PlanError(f"{source}.error_feedback needs a codec (exact averaging leaves no residual)")
+        if self.fragments > self.inner_steps:
+            raise PlanError(f"{source}.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps})")
+        if any(r < 0 or not v > 0 or v == float("inf") for r, v in self.shares.items()):
+            raise PlanError(f"{source}.shares: every share must be a positive number of a replica >= 0")
+        if self.mode == "every" and (self.inner_steps != 1 or self.fragments != 1 or self.delay or self.codec
+                                     or self.error_feedback):
+            raise PlanError(f"{source}: inner_steps, fragments, delay, codec and error_feedback are DiLoCo's "
+                            "(mode 'diloco'); synchronous DP takes its codec from dp_codec")
+
+
 class PlanError(FusionError):
     """A malformed or inconsistent plan; the message names the file and field."""
 
@@ -169,6 +270,8 @@ class Plan:
     dp_algo:       stage -> ``"ring"`` or ``"tree"``: the all-reduce algorithm of that stage's data-parallel
                    group (``executors/runtime/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
                    without an entry (every stage of an older plan) runs the ring.
+    dp_sync:       how the replicas synchronise (:class:`DPSync`): every step (synchronous DP, the default and
+                   what a plan without the field means) or DiLoCo's outer steps.
     """
 
     graph: OpGraph
@@ -188,6 +291,7 @@ class Plan:
     dp_codec: dict | None = None
     tied_codec: dict | None = None
     dp_algo: dict[str, str] = field(default_factory=dict)
+    dp_sync: DPSync = field(default_factory=DPSync)
 
     # -- replicas (DP x PP) ---------------------------------------------------------------
     def stage_of(self, part: str) -> str:
@@ -270,7 +374,7 @@ class Plan:
             "optimizer": self.optimizer, "seed": self.seed, "predicted": self.predicted,
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
             "global_batch": self.global_batch, "dp_codec": self.dp_codec, "tied_codec": self.tied_codec,
-            "dp_algo": self.dp_algo,
+            "dp_algo": self.dp_algo, "dp_sync": self.dp_sync.to_dict(),
         }
 
     @classmethod
@@ -296,7 +400,7 @@ class Plan:
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
-                   d.get("tied_codec"), d.get("dp_algo", {}))
+                   d.get("tied_codec"), d.get("dp_algo", {}), DPSync.from_dict(d.get("dp_sync"), f"{source}: dp_sync"))
         plan.check(source)
         return plan
 
@@ -404,6 +508,11 @@ class Plan:
                 raise PlanError(f"{source}: dp_algo.{stage}: not a stage of the assignment (stages: {sorted(stages)})")
             if algo not in ("ring", "tree"):
                 raise PlanError(f"{source}: dp_algo.{stage} must be 'ring' or 'tree', got {algo!r}"[:200])
+        if not isinstance(self.dp_sync, DPSync):
+            raise PlanError(f"{source}: dp_sync must be a DPSync, got {type(self.dp_sync).__name__}")
+        self.dp_sync.check(f"{source}: dp_sync")
+        if any(r >= r_count for r in self.dp_sync.shares):
+            raise PlanError(f"{source}: dp_sync.shares names replica {max(self.dp_sync.shares)}, the plan has {r_count}")
         if self.global_batch < 0:
             raise PlanError(f"{source}: global_batch must be >= 0, got {self.global_batch}")
         if self.global_batch and self.global_batch % (r_count * self.micro_batches):
