@@ -74,6 +74,7 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
         raise GraphError(f"method must be one of {METHODS}, got {method!r}")
     labels = tuple(labels) or tuple(getattr(module, "fusion_labels", ()))
     _check_example(module, example, labels)
+    example = unalias(example)
     cls = type(module).__name__
     if granularity == "op":
         if method == "fx":
@@ -145,6 +146,30 @@ def _check_example(module: nn.Module, example: Mapping[str, Any], labels: tuple[
     for name in labels:
         if name not in example or not isinstance(example[name], torch.Tensor):
             raise GraphError(f"label {name!r} is not a tensor in the example")
+
+
+def unalias(example: Mapping[str, Any]) -> dict[str, Any]:
+    """``example`` with every tensor that shares memory with an earlier one (``{"input_ids": ids, "labels": ids}``)
+    replaced by a copy, so each name becomes its own placeholder.
+
+    Tracers see tensors, not names: torch.export lifts one tensor passed under two names into one graph input
+    (the second name's), so the graph would feed every user of ``input_ids`` from ``labels`` and leave
+    ``input_ids`` unused, a silently wrong model. A copy per name keeps the names apart; at run time each name
+    is fed on its own, whatever the batches alias."""
+    out: dict[str, Any] = {}
+    seen: dict[tuple, str] = {}
+    for name, v in example.items():
+        if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.numel():
+            st = v.untyped_storage()
+            key = (v.device, st.data_ptr())
+            if key in seen:
+                log.info("example inputs %r and %r are the same tensor; %r is traced from a copy, as its own input",
+                         seen[key], name, name)
+                v = v.clone()
+            else:
+                seen[key] = name
+        out[name] = v
+    return out
 
 
 def _warn_eval_mode(module: nn.Module) -> None:

@@ -103,3 +103,22 @@ def test_forward_outputs_match_the_loss_of_a_training_step():
     np.testing.assert_allclose(outs[loss_name], want, rtol=1e-5)
     after = ex.state()
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_one_tensor_under_two_names_is_traced_as_two_inputs():
+    """``{"input_ids": ids, "labels": ids}`` (the form the docs show for a causal LM): torch.export lifts the one tensor
+    as one graph input, which fed the embedding from ``labels`` and left ``input_ids`` unused. Each name is now its own
+    input, and the partitioned run equals plain PyTorch when the two names are then fed different tensors."""
+    module, example, options = hf_models.entry("llama")
+    ids = example["input_ids"]
+    model = trace(module, {"input_ids": ids, "labels": ids}, **options)
+    g = model.graph
+    users = {n: [u for u in g.nodes.values() if n in {r.node for r in u.refs()}] for n in ("input_ids", "labels")}
+    assert [u.name for u in users["input_ids"]] and all("embed" not in u.name for u in users["labels"]), users
+    assert torch.equal(torch.as_tensor(model.example["input_ids"]), ids)
+    ex = ReferenceExecutor(model, contiguous_parts(model, 2), ADAMW)
+    batch = hf_models.example("llama", seed=7)  # input_ids and labels differ: a swap would show
+    ref = hf_models.build("llama", seed=0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=0.01)
+    loss, _ = plain_step(ref, opt, batch, 1)
+    np.testing.assert_allclose(ex.step(batch).loss, loss, rtol=1e-5)
