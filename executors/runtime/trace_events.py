@@ -5,6 +5,11 @@ Each CompNode records complete events (``"ph": "X"``) on named threads:
 ``send -> <peer>`` (time a message spends on the emulated or real wire) and
 ``recv`` (decoding and checking arrivals). Timestamps are wall-clock
 microseconds, so the files of all CompNodes line up when loaded together.
+
+The file layout is ordinary Chrome-trace JSON written one event a line
+(:func:`write_events`), so a long run's trace is written and merged as a
+stream (:func:`iter_events`): neither the CompNode nor the coordinator ever
+holds a whole run's events in memory.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TextIO
+
+#: the first line of a trace file written by :func:`write_events`
+HEAD = '{"traceEvents": ['
 
 
 def now_us() -> float:
@@ -72,11 +80,14 @@ class Tracer:
         self._spilled += len(self._events)
         self._events.clear()
 
-    def _spilled_events(self) -> list[dict]:
+    def _spilled_events(self) -> Iterator[dict]:
+        """The events spilled to the file so far, read back one line at a time."""
         if self.spill is None or not self._spilled:
-            return []
+            return
         with open(self.spill) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
 
     @contextmanager
     def span(self, name: str, cat: str, thread: str = "compute", **args: Any) -> Iterator[None]:
@@ -88,23 +99,64 @@ class Tracer:
 
     def events(self) -> list[dict]:
         with self._lock:
-            return self._spilled_events() + list(self._events)
+            return [*self._spilled_events(), *self._events]
+
+    def _meta(self) -> list[dict]:
+        meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": self.process}}]
+        return meta + [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": t}}
+                       for t, tid in self._tids.items()]
+
+    def _other(self) -> dict:
+        return {"displayTimeUnit": "ms", "otherData": {"process": self.process, "dropped_events": self.dropped}}
 
     def to_json(self) -> dict:
         with self._lock:
-            meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": self.process}}]
-            meta += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": t}}
-                     for t, tid in self._tids.items()]
-            return {"traceEvents": meta + self._spilled_events() + list(self._events), "displayTimeUnit": "ms",
-                    "otherData": {"process": self.process, "dropped_events": self.dropped}}
+            return {"traceEvents": [*self._meta(), *self._spilled_events(), *self._events], **self._other()}
 
     def write(self, path: str | Path) -> Path:
-        """Write the trace atomically (tmp file + rename)."""
+        """Write the trace atomically (tmp file + rename), streaming the spilled events from their file: the
+        memory this takes does not grow with the run's length."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_json()))
+        with self._lock, open(tmp, "w") as f:
+            write_events(f, (*self._meta(),), self._spilled_events(), self._events, tail=self._other())
         os.replace(tmp, path)
         if self.spill is not None:
             self.spill.unlink(missing_ok=True)
         return path
+
+
+def write_events(f: TextIO, *streams: Iterable[dict], tail: dict | None = None) -> int:
+    """Write a Chrome-trace JSON object to ``f``, one event a line, from ``streams`` in order (each consumed
+    lazily), then the ``tail`` keys (``displayTimeUnit``, ``otherData``); returns the number of events."""
+    f.write(HEAD)
+    n = 0
+    for stream in streams:
+        for ev in stream:
+            f.write(("\n" if n == 0 else ",\n") + json.dumps(ev))
+            n += 1
+    rest = json.dumps(tail or {})[1:]  # the tail's keys after the array: '"k": v}' (or '}' when empty)
+    f.write("\n]" + (", " + rest if rest != "}" else "}") + "\n")
+    return n
+
+
+def iter_events(path: str | Path) -> Iterator[dict]:
+    """The events of a trace file, one at a time: a file :func:`write_events` wrote is read a line at a time;
+    any other JSON trace (an object with ``traceEvents``, or a bare array) is parsed whole."""
+    path = Path(path)
+    with open(path) as f:
+        first = f.readline()
+        if first.rstrip("\n") != HEAD:
+            f.seek(0)
+            data = json.load(f)
+            yield from (data["traceEvents"] if isinstance(data, dict) else data)
+            return
+        for line in f:
+            line = line.rstrip("\n").rstrip(",")
+            if not line or line.startswith("]"):
+                continue
+            ev = json.loads(line)
+            if not isinstance(ev, dict):
+                raise ValueError(f"{path}: a trace event must be an object, got {line[:80]!r}")
+            yield ev

@@ -13,16 +13,21 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of ``metrics.jsonl`` (a torn last line of a killed run is skipped)."""
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
+def iter_metrics(path: Path):
+    """The rows of ``metrics.jsonl`` one at a time (a torn last line of a killed run is skipped)."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
             try:
-                rows.append(json.loads(line))
+                yield json.loads(line)
             except ValueError:
                 continue
-    return rows
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` (a torn last line of a killed run is skipped)."""
+    return list(iter_metrics(path))
 
 
 def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
@@ -60,32 +65,45 @@ def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
 
 def merge_traces(trace_dir: Path, out: Path, metrics: Path | None = None) -> Path | None:
     """One Chrome/Perfetto trace of the whole run: every CompNode's events (one process row each), plus a
-    ``coordinator`` row with one span per step from ``metrics.jsonl``. None when no CompNode trace exists."""
-    events: list[dict] = []
-    pids: set = set()
-    for f in sorted(trace_dir.glob("*.json")):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            log.warning("skipping trace %s: %s", f, e)
-            continue
-        evs = data["traceEvents"] if isinstance(data, dict) else data
-        events += evs
-        pids.update(e.get("pid") for e in evs)
-    if not events:
+    ``coordinator`` row with one span per step from ``metrics.jsonl``. None when no CompNode trace exists.
+
+    Streamed: events go from each CompNode's file to the merged file one at a time, so merging a day-long
+    run's traces takes the memory of one event, not of the run (issue 28)."""
+    from fusion.executors.runtime.trace_events import iter_events, write_events
+
+    files = sorted(trace_dir.glob("*.json"))
+    if not files:
         return None
-    if metrics is not None:
+    pids: set = set()
+
+    def parts():
+        for f in files:
+            try:
+                for ev in iter_events(f):
+                    pids.add(ev.get("pid"))
+                    yield ev
+            except (OSError, ValueError, KeyError, TypeError) as e:  # events already written stay: a torn file
+                log.warning("skipping (the rest of) trace %s: %s", f, e)
+
+    def coordinator():
+        if metrics is None or not pids:
+            return
         pid = max((p for p in pids if isinstance(p, int)), default=-1) + 1
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "coordinator"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": -1}})
-        for r in read_metrics(metrics):
+        yield {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "coordinator"}}
+        yield {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": -1}}
+        for r in iter_metrics(metrics):
             if "time" in r and "iteration_s" in r:
                 dur = r["iteration_s"] * 1e6
-                events.append({"name": f"step {r['step']}", "cat": "step", "ph": "X", "pid": pid, "tid": 1,
-                               "ts": round(r["time"] * 1e6 - dur, 1), "dur": round(dur, 1),
-                               "args": {"loss": r.get("loss"), "samples_per_s": r.get("samples_per_s")}})
+                yield {"name": f"step {r['step']}", "cat": "step", "ph": "X", "pid": pid, "tid": 1,
+                       "ts": round(r["time"] * 1e6 - dur, 1), "dur": round(dur, 1),
+                       "args": {"loss": r.get("loss"), "samples_per_s": r.get("samples_per_s")}}
+
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    with open(tmp, "w") as f:
+        n = write_events(f, parts(), coordinator(), tail={"displayTimeUnit": "ms"})
+    if not n:
+        tmp.unlink()
+        return None
     tmp.replace(out)
     return out
 
