@@ -34,6 +34,7 @@ from fusion.ir.node import NodeKind
 from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint
 from fusion.executors.runtime.limits import coordinator_message_limit
+from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.control import TO_COORDINATOR, Control, decode_ctrl, encode_ctrl
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
@@ -134,6 +135,8 @@ class Coordinator:
         self.report = report or (lambda line: log.info("%s", line))
         self.parts = list(plan.parts)
         self.processes = processes if processes is not None else {}  # by reference: a launcher may fill it later
+        #: part -> the log file its process writes (set by a local launcher): a dead process's reason is quoted
+        self.logs: dict[str, Path] = {}
         g = plan.graph
         self.replica_of = {p: plan.parts[p].replica for p in self.parts}
         self.feeds_of = {p: [n for n, q in plan.assignment.items()
@@ -185,7 +188,9 @@ class Coordinator:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None else None
             if rc is not None:
-                return CompNodeFailure(p, f"its process (pid {proc.pid}) exited with status {rc}")
+                why = last_error(self.logs.get(p))
+                return CompNodeFailure(p, f"its process (pid {proc.pid}) exited with status {rc}"
+                                          + (f" ({why}; log {self.logs[p]})" if why else ""))
         for p in parts:
             seen = self._last_seen.get(p)
             if seen is not None and now - seen > self.cfg.peer_timeout_s:

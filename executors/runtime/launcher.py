@@ -132,8 +132,10 @@ class LocalCluster:
                    "--fast-exit", *key, *self.executor_args]
             if self.trace:
                 cmd += ["--trace", ",".join(str(self.run_dir / "trace" / f"{p}.json") for p in parts)]
-            f = open(self.run_dir / "logs" / f"{'+'.join(parts)}.log", "ab")
+            log_path = self.run_dir / "logs" / f"{'+'.join(parts)}.log"
+            f = open(log_path, "ab")
             self._logs.append(f)
+            self.coordinator.logs.update(dict.fromkeys(parts, log_path))
             part_env = {k: v for p in parts for k, v in self.part_env.get(p, {}).items()}
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **part_env}, start_new_session=True)
             for p in parts:

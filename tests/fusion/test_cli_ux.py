@@ -389,3 +389,19 @@ def test_ctrl_c_still_writes_weights_plot_and_trace(cnn_plan, tmp_path):
     merged = json.loads((run / "trace.json").read_text())["traceEvents"]
     assert any(e.get("cat") == "forward" for e in merged)  # the executors were stopped cleanly and wrote traces
     assert sorted(p.name for p in (run / "trace").iterdir()) == ["part0.json", "part1.json"]
+
+
+def test_run_quotes_the_reason_an_executor_failed_at_start_up(cnn_plan, tmp_path):
+    """An executor that fails at start-up (here: a truncated weights file) used to be reported as only "exited with
+    status 2", its reason left in logs/ (issue 28); fusion run now quotes the executor's own error line."""
+    import shutil
+
+    bad = tmp_path / "bad.plan"
+    shutil.copytree(cnn_plan, bad)
+    w = bad / "weights.safetensors"
+    w.write_bytes(w.read_bytes()[:-40])  # truncated
+    r = fusion("run", bad, "--out", tmp_path / "run", "--steps", "2", "--no-progress", "--data", "synthetic",
+               timeout=240)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]  # after the start-up lines: the one error line
+    assert line.startswith("fusion run: error:") and "exited with status 2" in line and "weights.safetensors" in line and "logs" in line, line
