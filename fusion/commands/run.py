@@ -118,10 +118,12 @@ def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
-    from fusion.commands.rundir import check_run_dir, default_run_dir, prepare_run_dir
+    from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
+                                        record_plan_digest)
     from fusion.data import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
+    from fusion.executors.runtime.plandigest import plan_digest
     from fusion.ir.errors import FusionError
     from fusion.plan import save_plan
 
@@ -157,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if not is_plan and not (args.resume and (out / "plan" / "plan.json").exists()):
         # compile in memory first: a model or cluster error leaves no run folder behind
         if not args.cluster:
+            if ":" not in args.target:  # neither a plan folder nor file.py:function: most likely a mistyped plan
+                raise FusionError(f"{args.target}: not a plan folder (no {Path(args.target) / 'plan.json'}) and not a "
+                                  "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
         from fusion.cluster.model import load_cluster
         from fusion.commands.compile import compile_from_args, describe_plan
@@ -168,11 +173,16 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.target)
         plan = compile_from_args(args, model, cluster_)
         _say(f"compiled: {describe_plan(plan, cluster_)} ({time.monotonic() - t_start:.1f} s)")
+    digest = None
+    if args.resume and plan_dir is not None:  # a plan folder given: it must be the plan that wrote the run
+        digest = plan_digest(plan_dir)
+        check_resume_plan(out, digest, plan_dir)
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)
     if plan is not None:
         plan_dir = save_plan(plan, out / "plan", params=model.params)
     elif plan_dir is None:
         plan_dir = out / "plan"  # resume runs the plan compiled the first time
+    record_plan_digest(out, digest or plan_digest(plan_dir))
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             drop_failed_replicas=args.drop_failed_replicas)

@@ -83,6 +83,33 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path 
     (out / MARKER).write_text(json.dumps({**info, "runs": [*runs, info][-20:]}, indent=1))
 
 
+def record_plan_digest(out: Path, digest: str) -> None:
+    """Note in ``run.json`` (this run's entry) the digest of the plan the run executes, for ``--resume`` to compare."""
+    try:
+        info = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return
+    info["plan_digest"] = digest
+    if info.get("runs"):
+        info["runs"][-1]["plan_digest"] = digest
+    (out / MARKER).write_text(json.dumps(info, indent=1))
+
+
+def check_resume_plan(out: Path, digest: str, plan_dir: Path) -> None:
+    """FusionError (one line) when the run in ``out`` was written by a plan other than the one at ``plan_dir``
+    (digest ``digest``): its checkpoints hold another cut's parameters, which used to fail deep in an executor
+    (``no initial value for parameter ...``). Runs that recorded no digest are not judged."""
+    try:
+        runs = json.loads((out / MARKER).read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return
+    prev = next((r.get("plan_digest") for r in reversed(runs) if isinstance(r, dict) and r.get("plan_digest")), None)
+    if prev and prev != digest:
+        raise FusionError(f"--resume {out}: the run was written by another plan (digest {prev[:16]}), {plan_dir} is "
+                          f"{digest[:16]}; resume it with the plan that wrote it ({out / 'plan'} when the run "
+                          "compiled its own) or start a new --out")
+
+
 def trim_metrics(path: Path, first: int) -> int:
     """Keep the lines of ``metrics.jsonl`` for steps before ``first`` (a resumed run rewrites the rest).
 

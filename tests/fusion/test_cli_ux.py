@@ -405,3 +405,29 @@ def test_run_quotes_the_reason_an_executor_failed_at_start_up(cnn_plan, tmp_path
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]  # after the start-up lines: the one error line
     assert line.startswith("fusion run: error:") and "exited with status 2" in line and "weights.safetensors" in line and "logs" in line, line
+
+
+def test_resume_with_another_plan_is_refused_in_one_line(cnn_plan, tmp_path):
+    """--resume with a plan that did not write the run folder failed deep in an executor ("no initial value for
+    parameter ..."); now the plan's digest is compared with the one recorded in run.json (issue 28)."""
+    import shutil
+
+    run = tmp_path / "run"
+    common = ["--no-progress", "--data", "synthetic", "--checkpoint-every", "1"]
+    r = fusion("run", cnn_plan, "--out", run, "--steps", "1", *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    other = tmp_path / "other.plan"
+    shutil.copytree(cnn_plan, other)
+    doc = json.loads((other / "plan.json").read_text())
+    doc["seed"] = doc.get("seed", 0) + 1  # another plan: same graph, another seed
+    (other / "plan.json").write_text(json.dumps(doc))
+    r = fusion("run", other, "--out", run, "--steps", "2", "--resume", *common)
+    line = one_line_error(r, "run")
+    assert "written by another plan" in line and str(other) in line, line
+    assert steps_of(run) == [0]  # nothing of the run was touched
+
+
+def test_a_mistyped_plan_folder_is_named_as_such(tmp_path):
+    r = fusion("run", tmp_path / "no-such.plan", "--steps", "1")
+    line = one_line_error(r, "run")
+    assert "not a plan folder" in line and "no-such.plan" in line, line
