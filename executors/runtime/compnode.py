@@ -45,7 +45,7 @@ from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime, make_routes
-from fusion.executors.runtime.schedule import make_lanes, make_schedule, splits_backward
+from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
 from fusion.executors.runtime.keys import Security, insecure_warning
 from fusion.executors.runtime.plandigest import digest_mismatch
@@ -414,14 +414,14 @@ class CompNode:
     def _act(self, st: "_Step", a) -> None:
         """Run one action of the schedule: wait for its inputs, compute, hand its outputs to the transport."""
         rt, it, mb, stats = self.runtime, st.it, a.micro_batch, st.stats
-        if a.kind == "W":  # the parameter half of a split backward: nothing to wait for, nothing to send
+        if a.kind == ActionKind.W:  # the parameter half of a split backward: nothing to wait for, nothing to send
             t0 = now_us()
             rt.weight(it, mb)
             t1 = now_us()
             self.tracer.add(f"W{mb}", "backward", t0, t1)
             stats["weight_s"].append((t1 - t0) / 1e6)
             return
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
             t0 = now_us()
             out, loss = rt.forward(it, mb, st.feeds[mb], box)
@@ -434,8 +434,8 @@ class CompNode:
         t1 = now_us()
         with self._cv:
             self.inbox.consume(it, a.kind, mb)
-        self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
-        stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
+        self.tracer.add(str(a), "forward" if a.kind == ActionKind.F else "backward", t0, t1)
+        stats["forward_s" if a.kind == ActionKind.F else "backward_s"].append((t1 - t0) / 1e6)
         stats["idle_s"] += idle
         for msg in out:
             self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
