@@ -10,7 +10,6 @@ remote autodiff without sockets; the distributed runtime drives the same
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -210,7 +209,7 @@ class ReferenceExecutor:
             acts: dict[Any, Any] = {}
             for p in self.order:
                 part, engine = self.parts[p], self.engines[p]
-                if "record" not in inspect.signature(engine.forward).parameters:
+                if not engine.RECORDS_OUTPUTS:
                     raise FusionError(f"part {p}: its engine cannot report node outputs (forward_outputs needs the torch engine)")
                 got: dict[str, Any] = {}
 
@@ -221,7 +220,7 @@ class ReferenceExecutor:
                 with torch.no_grad():
                     sent, _ = engine.forward(key, {k: acts[k] for k in part.needs_acts()},
                                              {k: feeds[k] for k in part.placeholders if k in feeds}, record=record)
-                getattr(engine, "stash", {}).pop(key, None)
+                engine.forget(key)
                 acts.update(sent)
                 for name, v in got.items():
                     if isinstance(v, torch.Tensor):

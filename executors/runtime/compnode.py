@@ -553,9 +553,8 @@ class CompNode:
             raise ExecutorAbort(f"this part's replica was dropped at iteration {it}")
         if self.opt is not None:
             self.opt.zero_grad()  # gradients of the abandoned attempt (a committed one has stepped and zeroed them)
-        stash = getattr(self.runtime.engine, "stash", None) if self.runtime is not None else None
-        if isinstance(stash, dict):
-            stash.clear()
+        if self.runtime is not None:
+            self.runtime.engine.forget()  # the abandoned attempt's in-flight micro-batches
         with self._cv:
             # late messages and queued orders of the abandoned attempt are refused from here on
             self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit)) and x.it <= it))
