@@ -43,7 +43,7 @@ from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
-from fusion.plan import OptimizerConfig
+from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
@@ -124,7 +124,7 @@ class CompNode:
     #: seconds between "still waiting for ..." log lines of a long wait
     remind_s = 10.0
 
-    def __init__(self, plan, plan_dir: str | Path, cfg: ExecutorConfig):
+    def __init__(self, plan: Plan, plan_dir: str | Path, cfg: ExecutorConfig):
         if cfg.part not in plan.parts:
             raise FusionError(f"plan has no part {cfg.part!r} (parts: {sorted(plan.parts)})")
         self.plan, self.plan_dir, self.cfg, self.me = plan, Path(plan_dir), cfg, cfg.part

@@ -39,6 +39,7 @@ from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Commit, Con
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport
+from fusion.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, np.n
 class Coordinator:
     """Drives the executors of one plan."""
 
-    def __init__(self, plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None,
+    def __init__(self, plan: Plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None,
                  report: Callable[[str], None] | None = None):
         """report: called with one line per start-up event (a CompNode says hello, is ready, is still awaited)."""
         self.plan, self.cfg = plan, cfg
