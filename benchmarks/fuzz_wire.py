@@ -171,7 +171,7 @@ def _bytes_frames(frames: list) -> list[bytes]:
 
 def corpus(graph, me: str, routes, n_micro: int) -> list[tuple[str, list[bytes]]]:
     """(sender, frames) of valid messages for part ``me``: its real activations and gradients, and every control op."""
-    from fusion.executors.runtime.control import encode_ctrl
+    from fusion.executors.runtime.control import Abort, Done, Error, Fetch, Hb, Hello, Ready, Setup, State, Step, Stop
 
     out: list[tuple[str, list[bytes]]] = []
     for key, src in routes.recv_from.items():
@@ -190,15 +190,15 @@ def corpus(graph, me: str, routes, n_micro: int) -> list[tuple[str, list[bytes]]
     out.append(("p0", encode_opdata(OpData("w", None, (), (), True, 0, -1, "p0", me, (1, 2.5)), kind="pgrad")))
     c = "coordinator"
     out += [
-        (c, encode_ctrl("step", {"0/x": np.zeros((2, 8), np.float32), "0/y": np.zeros(2, np.int64)}, it=0, want_grads=True,
-                        checkpoint=False)),
-        (c, encode_ctrl("setup", peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None, checkpoint_dir=None,
-                        digest="")),
-        (c, encode_ctrl("fetch")), (c, encode_ctrl("stop")), (c, encode_ctrl("abort", reason="x")), (c, encode_ctrl("hb")),
-        ("p0", encode_ctrl("hello", part="p0", address="tcp://127.0.0.1:9", pid=1, engine="torch", digest="")),
-        ("p0", encode_ctrl("ready", part="p0")),
-        ("p0", encode_ctrl("done", {"w": np.zeros(3, np.float32)}, it=0, losses=[[0, 1.5]], stats={"rejected": 0})),
-        ("p0", encode_ctrl("state", {"w": np.zeros(3, np.float32)})), ("p0", encode_ctrl("error", reason="x")),
+        (c, Step(arrays={"0/x": np.zeros((2, 8), np.float32), "0/y": np.zeros(2, np.int64)}, it=0, want_grads=True,
+                 checkpoint=False).frames()),
+        (c, Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None, checkpoint_dir=None,
+                  digest="").frames()),
+        (c, Fetch().frames()), (c, Stop().frames()), (c, Abort(reason="x").frames()), (c, Hb().frames()),
+        ("p0", Hello(part="p0", address="tcp://127.0.0.1:9", pid=1, engine="torch", digest="").frames()),
+        ("p0", Ready(part="p0").frames()),
+        ("p0", Done(arrays={"w": np.zeros(3, np.float32)}, it=0, losses=[[0, 1.5]], stats={"rejected": 0}).frames()),
+        ("p0", State(arrays={"w": np.zeros(3, np.float32)}).frames()), ("p0", Error(reason="x").frames()),
     ]
     return [(s, _bytes_frames(f)) for s, f in out]
 
@@ -235,14 +235,14 @@ def batch(step: int) -> dict[str, np.ndarray]:
 
 def run_direct(n: int, seed: int, plan_dir: Path) -> dict:
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-    from fusion.executors.runtime.control import Control
+    from fusion.executors.runtime.control import Setup
     from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
     from fusion.plan import load_plan
 
     plan = load_plan(plan_dir)
     node = CompNode(plan, plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9"))
-    node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False, "resume_step": None,
-                                  "checkpoint_dir": None}))
+    node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None,
+                      checkpoint_dir=None))
     coord = Coordinator(plan, CoordinatorConfig())
     seeds = corpus(plan.graph, "p1", node.inbox.routes, plan.micro_batches)
     rng = random.Random(seed)

@@ -10,7 +10,6 @@ remote autodiff without sockets; the distributed runtime drives the same
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -26,7 +25,7 @@ from fusion.executors.runtime.compression import TiedCodec, check_edges, sum_in_
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime
-from fusion.executors.runtime.schedule import LANE_SCHEDULES, make_lanes, make_schedule, splits_backward
+from fusion.executors.runtime.schedule import LANE_SCHEDULES, ActionKind, make_lanes, make_schedule, splits_backward
 
 log = logging.getLogger(__name__)
 
@@ -159,19 +158,19 @@ class ReferenceExecutor:
                 p, a = lane[cursor[q]]
                 box = inbox.get((p, a.kind, a.micro_batch), [])
                 part = self.parts[p]
-                if a.kind == "W":  # the parameter half of a split backward: local, waits for nothing
+                if a.kind == ActionKind.W:  # the parameter half of a split backward: local, waits for nothing
                     part.weight(it, a.micro_batch)
                     cursor[q] += 1
                     done += 1
                     progressed = True
                     continue
-                if a.kind == "F":
+                if a.kind == ActionKind.F:
                     if {m.key for m in box} != part.needs_acts():
                         continue
                     out, loss = part.forward(it, a.micro_batch, mbs[a.micro_batch], box)
                     if loss is not None:
                         losses.append(loss)
-                    kind = "F"
+                    kind = ActionKind.F
                 else:
                     want = part.needs_grads()
                     have: dict = {}
@@ -180,7 +179,7 @@ class ReferenceExecutor:
                     if have != want:
                         continue
                     out = part.backward(it, a.micro_batch, box, scale, split=splits_backward(self.schedule[p]))
-                    kind = "B"
+                    kind = ActionKind.B
                 inbox.pop((p, a.kind, a.micro_batch), None)
                 for msg in out:
                     inbox.setdefault((msg.dst, kind, msg.micro_batch), []).append(msg)
@@ -210,7 +209,7 @@ class ReferenceExecutor:
             acts: dict[Any, Any] = {}
             for p in self.order:
                 part, engine = self.parts[p], self.engines[p]
-                if "record" not in inspect.signature(engine.forward).parameters:
+                if not engine.RECORDS_OUTPUTS:
                     raise FusionError(f"part {p}: its engine cannot report node outputs (forward_outputs needs the torch engine)")
                 got: dict[str, Any] = {}
 
@@ -221,7 +220,7 @@ class ReferenceExecutor:
                 with torch.no_grad():
                     sent, _ = engine.forward(key, {k: acts[k] for k in part.needs_acts()},
                                              {k: feeds[k] for k in part.placeholders if k in feeds}, record=record)
-                getattr(engine, "stash", {}).pop(key, None)
+                engine.forget(key)
                 acts.update(sent)
                 for name, v in got.items():
                     if isinstance(v, torch.Tensor):

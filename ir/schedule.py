@@ -23,39 +23,79 @@ it lives this low so that the compiler may price schedules without importing the
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Mapping
+
+
+class ActionKind(str, Enum):
+    """What an action computes. Its text (``str(kind)``, :meth:`parse`) is the one letter that traces, node-times
+    files (``{"F", "B", "W"}`` seconds) and the docs use; as a ``str`` it also equals that letter."""
+
+    F = "F"  #: forward of a micro-batch
+    B = "B"  #: backward (in a schedule with ``W`` actions only the gradients of the part's inputs)
+    W = "W"  #: the parameter gradients of a split backward (zero-bubble schedules)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, text: str) -> "ActionKind":
+        """The kind written ``text`` (``"F"``, ``"B"`` or ``"W"``); ValueError names anything else."""
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(f"unknown action kind {str(text)[:40]!r}; one of {', '.join(k.value for k in cls)}") from None
+
+
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 
 
 @dataclass(frozen=True)
 class Action:
-    """``kind`` is ``"F"`` (forward), ``"B"`` (backward; in a schedule with ``W`` actions only the
-    input gradients) or ``"W"`` (the parameter gradients of a split backward) of ``micro_batch``."""
+    """``kind`` (:class:`ActionKind`; a letter is parsed) of ``micro_batch``. Its text is kind and micro-batch,
+    ``"F0"``, ``"W3"`` (trace events and simulated timelines use it; :meth:`parse` reads it back)."""
 
-    kind: str
+    kind: ActionKind
     micro_batch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            object.__setattr__(self, "kind", ActionKind.parse(self.kind))
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro_batch}"
 
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action written ``text`` (``str(action)``); ValueError names anything else."""
+        m = re.fullmatch(r"([A-Z])(0|[1-9][0-9]*)", text)
+        if m is None:
+            raise ValueError(f"{str(text)[:40]!r} is not an action (a kind F, B or W and a micro-batch, like 'F0')")
+        return cls(ActionKind.parse(m.group(1)), int(m.group(2)))
+
 
 def gpipe(n_micro: int, depth: int = 0) -> list[Action]:
     """All forwards, then all backwards (GPipe; Huang et al. 2019)."""
-    return [Action("F", m) for m in range(n_micro)] + [Action("B", m) for m in range(n_micro)]
+    return [Action(F, m) for m in range(n_micro)] + [Action(B, m) for m in range(n_micro)]
 
 
 def one_f_one_b(n_micro: int, depth: int) -> list[Action]:
     """1F1B (PipeDream-flush): ``depth`` warm-up forwards, then alternate, then drain."""
     warm = min(depth, n_micro)
-    acts = [Action("F", m) for m in range(warm)]
+    acts = [Action(F, m) for m in range(warm)]
     f, b = warm, 0
     while f < n_micro:
-        acts.append(Action("F", f))
+        acts.append(Action(F, f))
         f += 1
-        acts.append(Action("B", b))
+        acts.append(Action(B, b))
         b += 1
-    acts += [Action("B", m) for m in range(b, n_micro)]
+    acts += [Action(B, m) for m in range(b, n_micro)]
     return acts
 
 
@@ -71,22 +111,22 @@ def zero_bubble(n_micro: int, depth: int) -> list[Action]:
     ``2 * depth + 1`` stashes (forward or awaiting a W) in all.
     """
     warm = min(depth, n_micro)
-    acts = [Action("F", m) for m in range(warm)]
+    acts = [Action(F, m) for m in range(warm)]
     f, b = warm, 0
     pending: deque[int] = deque()
     while f < n_micro:
-        acts += [Action("F", f), Action("B", b)]
+        acts += [Action(F, f), Action(B, b)]
         pending.append(b)
         f, b = f + 1, b + 1
         if len(pending) > depth:
-            acts.append(Action("W", pending.popleft()))
+            acts.append(Action(W, pending.popleft()))
     while b < n_micro:
         if pending:
-            acts.append(Action("W", pending.popleft()))
-        acts.append(Action("B", b))
+            acts.append(Action(W, pending.popleft()))
+        acts.append(Action(B, b))
         pending.append(b)
         b += 1
-    acts += [Action("W", m) for m in pending]
+    acts += [Action(W, m) for m in pending]
     return acts
 
 
@@ -104,20 +144,20 @@ def interleaved_1f1b(n_micro: int, n_devices: int, n_chunks: int, rank: int) -> 
         raise ValueError(f"interleaved 1F1B needs micro_batches a multiple of the devices ({d}), got {n_micro}")
     total = n_micro * v
     warm = total if n_micro == d else min(total, 2 * (d - rank - 1) + (v - 1) * d)
-    done = {"F": [0] * v, "B": [0] * v}
+    done = {F: [0] * v, B: [0] * v}
 
-    def act(kind: str, k: int) -> tuple[int, Action]:
+    def act(kind: ActionKind, k: int) -> tuple[int, Action]:
         chunk = (k % (d * v)) // d
-        if kind == "B":
+        if kind == B:
             chunk = v - 1 - chunk
         mb = done[kind][chunk]
         done[kind][chunk] += 1
         return chunk, Action(kind, mb)
 
-    out = [act("F", k) for k in range(warm)]
+    out = [act(F, k) for k in range(warm)]
     for i in range(total - warm):
-        out += [act("F", warm + i), act("B", i)]
-    out += [act("B", i) for i in range(total - warm, total)]
+        out += [act(F, warm + i), act(B, i)]
+    out += [act(B, i) for i in range(total - warm, total)]
     return out
 
 
@@ -128,7 +168,7 @@ LANE_SCHEDULES = ("interleaved",)
 
 def splits_backward(actions: list[Action]) -> bool:
     """Whether a part's actions split backward into B and W."""
-    return any(a.kind == "W" for a in actions)
+    return any(a.kind == W for a in actions)
 
 
 def part_depths(order: list[str], edges: Mapping[tuple[str, str], object]) -> dict[str, int]:
@@ -201,14 +241,14 @@ def make_schedule(name: str, order: list[str], edges: Mapping[tuple[str, str], o
 W_FRACTION = 0.5
 
 
-def action_seconds(c: Mapping[str, float], kind: str, split: bool) -> float:
+def action_seconds(c: Mapping[str, float], kind: ActionKind, split: bool) -> float:
     """Seconds of one action: F, B (whole, or the input half when the schedule splits it), W.
     ``c``: {"F", "B"[, "W"]} seconds of one micro-batch; without "W" a split backward gives
     :data:`W_FRACTION` of "B" to W."""
     if not split or "W" in c:
         return float(c.get(kind, 0.0))
     b = float(c["B"])
-    return b * W_FRACTION if kind == "W" else b * (1 - W_FRACTION) if kind == "B" else float(c[kind])
+    return b * W_FRACTION if kind == W else b * (1 - W_FRACTION) if kind == B else float(c[kind])
 
 
 @dataclass
@@ -220,7 +260,7 @@ class Simulation:
 
 
 def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[str, float]],
-             sends: Mapping[tuple[str, str], list[tuple[str, object]]],
+             sends: Mapping[tuple[str, ActionKind], list[tuple[str, object]]],
              deliver: Callable[[str, str, object, float], float],
              lanes: Mapping[str, list[tuple[str, Action]]] | None = None) -> Simulation:
     """Run every part's action list the way the executors do: an action starts when its lane (its
@@ -228,7 +268,7 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
 
     actions: part -> its actions (:func:`make_schedule`), in the parts' topological order.
     compute: part -> {"F", "B"[, "W"]} seconds of one micro-batch (see :func:`action_seconds`).
-    sends:   (part, "F" or "B") -> [(destination part, payload)]: the messages one such action sends
+    sends:   (part, F or B) -> [(destination part, payload)]: the messages one such action sends
              (forward activations after F, input gradients after B); the destination's action of the
              same kind and micro-batch waits for them.
     deliver: (src, dst, payload, ready_s) -> arrival seconds of a message ready at ``ready_s``
@@ -241,13 +281,13 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
     if lanes is None:
         lanes = {p: [(p, a) for a in actions[p]] for p in order}
     n_micro = 1 + max((a.micro_batch for acts in actions.values() for a in acts), default=0)
-    need: dict[tuple[str, str, int], int] = {}
+    need: dict[tuple[str, ActionKind, int], int] = {}
     for (p, kind), msgs in sends.items():
         for dst, _ in msgs:
             for mb in range(n_micro):
                 need[(dst, kind, mb)] = need.get((dst, kind, mb), 0) + 1
     split = {p: splits_backward(actions[p]) for p in order}
-    arrived: dict[tuple[str, str, int], list[float]] = {}
+    arrived: dict[tuple[str, ActionKind, int], list[float]] = {}
     free = {lane: 0.0 for lane in lanes}
     end = {p: 0.0 for p in order}
     cursor = {lane: 0 for lane in lanes}
@@ -265,7 +305,7 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
             start = max([free[q], *got])
             end[p] = free[q] = start + action_seconds(compute[p], a.kind, split[p])
             timeline[p].append((str(a), start, end[p]))
-            if a.kind != "W":
+            if a.kind != W:
                 for dst, payload in sends.get((p, a.kind), []):
                     arrived.setdefault((dst, a.kind, a.micro_batch), []).append(deliver(p, dst, payload, end[p]))
             cursor[q] += 1

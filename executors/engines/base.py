@@ -36,22 +36,83 @@ is registered by name in ``fusion.executors.engines.ENGINES`` and provides:
    NumPy array (or anything ``np.asarray`` accepts) plus dtype and shape, so
    the wire codec never needs the framework and never pickles.
 
-This module is documentation plus the two typing protocols; it imports
-neither torch nor NumPy engines.
+6. **Optional abilities**, declared on :class:`EnginePart` with defaults that are right for an engine
+   without them, so the runtime calls them without probing: ``backward_input``/``backward_weight`` (a
+   split backward for zero-bubble schedules; default: all of backward in the first, nothing in the
+   second), ``forget`` (drop what forward kept for backward; default: nothing kept),
+   ``compress_on_device`` (encode compressed edges where the tensors are; default: on the host, the
+   runtime's table unchanged) and ``RECORDS_OUTPUTS`` (``forward`` takes ``record=``; default False).
+
+Every engine part subclasses :class:`EnginePart` (``make_engine_part`` checks it). This module
+imports neither torch nor NumPy engines.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Mapping
 
-from fusion.executors.runtime.part import EnginePart
+import numpy as np
 
 Key = tuple[str, "int | None"]
 
 
-class TrainablePart(EnginePart, Protocol):
-    """An ``EnginePart`` that can also be trained by the executors."""
+class EnginePart(ABC):
+    """What an engine provides for one sub-DAG (arrays in, arrays out), and its optional abilities."""
 
-    def trainable(self) -> Mapping[str, Any]: ...
+    #: the engine's registered name (``"torch"``, ``"numpy"``); picks the runtime's host codecs
+    engine: ClassVar[str]
+    #: the option names ``make_engine_part(..., options=)`` accepts for this engine
+    OPTIONS: ClassVar[tuple[str, ...]] = ()
+    #: whether ``forward`` takes ``record=callable(node name, value)`` to report every node's output
+    #: (the reference executor's ``forward_outputs``)
+    RECORDS_OUTPUTS: ClassVar[bool] = False
 
+    # -- what every engine implements ------------------------------------------------------
+    @abstractmethod
+    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]:
+        """(activations other parts need, this part's summed loss or None); keeps what backward needs under ``mb_key``."""
+
+    @abstractmethod
+    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]:
+        """Gradients of the received activations; accumulates the parameter gradients (FusionLLM §3.3)."""
+
+    @abstractmethod
+    def trainable(self) -> Mapping[str, Any]:
+        """Name -> trainable parameter (the engine's own object, which its optimizer steps)."""
+
+    @abstractmethod
+    def state(self) -> dict[str, np.ndarray]:
+        """Name -> a copy of every parameter and buffer of the part."""
+
+    @abstractmethod
+    def grads(self) -> dict[str, np.ndarray | None]:
+        """Name -> accumulated gradient of each trainable parameter (None: it got none)."""
+
+    @abstractmethod
+    def set_grad(self, name: str, grad: Any) -> None:
+        """Replace a parameter's gradient (tied parameters: the sum over owners; data parallelism: the average)."""
+
+    # -- optional abilities, with the defaults of an engine that lacks them -----------------------
+    def backward_input(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]:
+        """The ``B`` half of a split backward: the gradients of the received activations. Default: the whole
+        backward (parameter gradients included), so :meth:`backward_weight` has nothing left to do."""
+        return self.backward(mb_key, grads, loss_scale)
+
+    def backward_weight(self, mb_key: Any) -> None:
+        """The ``W`` half of a split backward: accumulate micro-batch ``mb_key``'s parameter gradients.
+        Default: nothing (:meth:`backward_input` did all of backward)."""
+
+    def forget(self, mb_key: Any = None) -> None:
+        """Drop what forward kept for backward: of micro-batch ``mb_key``, or of every micro-batch (None; an
+        abandoned attempt after a replica was dropped). Default: nothing is kept."""
+
+    def compress_on_device(self, table: Any) -> Any:
+        """Given the part's host ``CompressionTable``, the table the runtime should use (the torch engine
+        encodes on its device). Default: the host table, unchanged."""
+        return table
+
+
+#: an engine part that can be trained by the executors (every one: ``trainable`` is part of :class:`EnginePart`)
+TrainablePart = EnginePart
 
 __all__ = ["EnginePart", "TrainablePart", "Key"]

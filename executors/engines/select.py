@@ -9,7 +9,7 @@ registered by name with import paths (resolved lazily) or callables:
                     "fusion.executors.engines.numpy.engine:NumpyOptimizer")
 
 A part factory is called as ``factory(graph, subgraph, params, device)`` and
-returns an :class:`~fusion.executors.runtime.part.EnginePart`. An optimizer factory
+returns an instance of a subclass of :class:`~fusion.executors.engines.base.EnginePart`. An optimizer factory
 is called as ``factory(part, OptimizerConfig)`` and returns a
 :class:`LocalOptimizer`.
 """
@@ -26,7 +26,7 @@ from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import IDLE_KINDS
 from fusion.plan import OptimizerConfig
-from fusion.executors.runtime.part import EnginePart
+from fusion.executors.engines.base import EnginePart
 
 
 class LocalOptimizer(Protocol):
@@ -101,13 +101,16 @@ def make_engine_part(engine: str, graph: OpGraph, sub: SubGraph, params: Mapping
              its ``OPTIONS`` is an error naming the ones it has.
     """
     factory = _resolve(_spec(engine).part, engine)
-    if not options:
-        return factory(graph, sub, params, device)
-    known = tuple(getattr(factory, "OPTIONS", ()))
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise FusionError(f"engine {engine!r} has no option(s) {unknown}; its options: {list(known)}")
-    return factory(graph, sub, params, device, **dict(options))
+    if options:
+        known = tuple(getattr(factory, "OPTIONS", ()))
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise FusionError(f"engine {engine!r} has no option(s) {unknown}; its options: {list(known)}")
+    part = factory(graph, sub, params, device, **dict(options or {}))
+    if not isinstance(part, EnginePart):  # the runtime calls its optional abilities without probing for them
+        raise FusionError(f"engine {engine!r}: its part factory returned a {type(part).__name__}, not a subclass of "
+                          f"fusion.executors.engines.base.EnginePart")
+    return part
 
 
 def engine_options_for(part: str, engine: str, options: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Any]:

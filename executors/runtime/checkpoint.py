@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fusion.ir.errors import FusionError
-from fusion.plan import atomic_write, fsync_dir, remove_stale_tmp, sha256_file
+from fusion.ir.files import atomic_write, fsync_dir, remove_stale_tmp, sha256_file
 
 LATEST = "latest.json"
 COMPLETE = "COMPLETE.json"

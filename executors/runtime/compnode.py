@@ -36,15 +36,16 @@ from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges
 from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
-from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, encode_ctrl
+from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Commit, Control, Done, Error, Hb, Hello, Ready, Reduced,
+                                              Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
-from fusion.plan import OptimizerConfig
+from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
-from fusion.executors.runtime.schedule import make_lanes, make_schedule, splits_backward
+from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_schedule, splits_backward
 from fusion.executors.runtime.trace_events import Tracer, now_us
 from fusion.executors.runtime.keys import Security, insecure_warning
 from fusion.executors.runtime.plandigest import digest_mismatch
@@ -70,7 +71,7 @@ class _Step:
     """One iteration in progress on one part: the coordinator's step, its feeds per micro-batch, the losses
     and timings gathered so far, and the phases' hand-overs (tied gradients sent, sync start)."""
 
-    c: Control
+    c: Step
     it: int
     feeds: list[dict[str, np.ndarray]]
     losses: list[list]
@@ -123,7 +124,7 @@ class CompNode:
     #: seconds between "still waiting for ..." log lines of a long wait
     remind_s = 10.0
 
-    def __init__(self, plan, plan_dir: str | Path, cfg: ExecutorConfig):
+    def __init__(self, plan: Plan, plan_dir: str | Path, cfg: ExecutorConfig):
         if cfg.part not in plan.parts:
             raise FusionError(f"plan has no part {cfg.part!r} (parts: {sorted(plan.parts)})")
         self.plan, self.plan_dir, self.cfg, self.me = plan, Path(plan_dir), cfg, cfg.part
@@ -174,7 +175,7 @@ class CompNode:
         self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec, plan.dp_algo_of(self.me))
                      if len(self.dp_group) > 1 else None)
         self._aborted: str | None = None
-        self._regroup: Control | None = None  # a replica was dropped: abandon the attempt (failover runs)
+        self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
         self._last_coord = time.monotonic()
         self._heard_coord = False  # before first contact only the startup timeout applies
@@ -216,13 +217,9 @@ class CompNode:
             c = decode_ctrl(msg, TO_EXECUTOR)
             if c.op == "hb":
                 return
-            if c.op == "step":
+            if isinstance(c, Step):  # (its save_step was checked when decoded)
                 self._check_feeds(c)
-                save = c.fields.get("save_step", 1)
-                if not (isinstance(save, int) and not isinstance(save, bool) and 1 <= save <= c.fields["it"] + 1):
-                    raise WireError(f"step {c.fields['it']}: save_step {repr(save)[:40]} is not a step count "
-                                    f"in 1..{c.fields['it'] + 1}")
-            if c.op == "regroup":
+            if isinstance(c, RegroupMsg):
                 with self._cv:
                     self._regroup = c
                     self._cv.notify_all()
@@ -230,8 +227,8 @@ class CompNode:
             with self._cv:
                 if len(self._ctrl) >= MAX_QUEUED_CTRL and c.op != "abort":
                     raise WireError(f"{len(self._ctrl)} control messages already queued; dropping {c.op!r}")
-                if c.op == "abort":
-                    self._aborted = f"aborted by the coordinator: {c.fields['reason']}"
+                if isinstance(c, Abort):
+                    self._aborted = f"aborted by the coordinator: {c.reason}"
                 self._ctrl.append(c)
                 self._cv.notify_all()
             return
@@ -247,15 +244,15 @@ class CompNode:
             self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
             self._cv.notify_all()
 
-    def _check_feeds(self, c: Control) -> None:
+    def _check_feeds(self, c: Step) -> None:
         """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part."""
         mine = {n for n in self.sub.nodes if self.graph[n].kind.value in ("input", "label")}
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
             if ph == SAMPLE_IDS and (arr.ndim != 1 or arr.dtype != np.int64):  # every part gets the sample ids
-                raise WireError(f"step {c.fields['it']}: {name!r} must be a 1-D int64 array, got {arr.dtype}{list(arr.shape)}")
+                raise WireError(f"step {c.it}: {name!r} must be a 1-D int64 array, got {arr.dtype}{list(arr.shape)}")
             if not (mb.isdigit() and int(mb) < self.n_micro and (ph in mine or ph == SAMPLE_IDS)):
-                raise WireError(f"step {c.fields['it']}: tensor {name[:80]!r} is not '<micro-batch>/<placeholder>' "
+                raise WireError(f"step {c.it}: tensor {name[:80]!r} is not '<micro-batch>/<placeholder>' "
                                 f"of this part (micro-batches 0..{self.n_micro - 1}, placeholders {sorted(mine)})")
 
     def _on_send_error(self, peer: str, reason: str) -> None:
@@ -311,21 +308,20 @@ class CompNode:
 
     def _next_ctrl(self, timeout_s: float) -> Control:
         c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s)
-        if c.op == "abort":
-            raise ExecutorAbort(f"aborted by the coordinator: {c.fields['reason']}")
+        if isinstance(c, Abort):
+            raise ExecutorAbort(f"aborted by the coordinator: {c.reason}")
         return c
 
     # -- setup --------------------------------------------------------------------------
-    def _setup(self, c: Control) -> None:
-        f = c.fields
-        bad = digest_mismatch(self.cfg.plan_digest, str(f.get("digest", "")), "the coordinator", f"CompNode {self.me}'s")
+    def _setup(self, c: Setup) -> None:
+        bad = digest_mismatch(self.cfg.plan_digest, c.digest, "the coordinator", f"CompNode {self.me}'s")
         if bad:
             raise ExecutorAbort(bad)
-        resume = f["resume_step"]
-        source = self._resume_source(f.get("resume_from", self.me)) if resume is not None else self.me
+        resume = c.resume_step
+        source = self._resume_source(self.me if c.resume_from is None else c.resume_from) if resume is not None else self.me
         if resume is not None:
             # a part whose replica was dropped before this checkpoint loads its stage's surviving copy
-            params, opt_arrays, opt_meta = checkpoint.load_part(f["checkpoint_dir"], int(resume), source)
+            params, opt_arrays, opt_meta = checkpoint.load_part(c.checkpoint_dir, int(resume), source)
             if source != self.me:
                 log.warning("%s: resuming step %s from %s's copy of stage %r (this replica was dropped before it)",
                             self.me, resume, source, self.plan.stage_of(self.me))
@@ -342,20 +338,20 @@ class CompNode:
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
         # a copied replica starts its delta buffers afresh, at both ends of each edge (both are copies)
-        delta_edges.attach(self.runtime, self.inbox, f["checkpoint_dir"], resume if source == self.me else None)
+        delta_edges.attach(self.runtime, self.inbox, c.checkpoint_dir, resume if source == self.me else None)
         with self._cv:
             self.inbox.expected_iter = int(resume or 0)
             if self.ring is not None:
                 self.ring.expected_iter = int(resume or 0)
             self.inbox.open = True
-        self.checkpoint_dir = f["checkpoint_dir"]
-        self.failover = f.get("failover") is True
-        peers = f["peers"]
+        self.checkpoint_dir = c.checkpoint_dir
+        self.failover = c.failover is True
+        peers = c.peers
         for p in sorted(self._peers):
             if p not in peers:
                 raise FusionError(f"setup gives no address for peer {p!r}")
             link = None
-            if f["emulate_links"]:
+            if c.emulate_links:
                 m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
                 link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
             self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
@@ -395,7 +391,7 @@ class CompNode:
         return w
 
     # -- one iteration ----------------------------------------------------------------
-    def _iteration(self, c: Control) -> None:
+    def _iteration(self, c: Step) -> None:
         """Run one step: this part's actions, then the end of the step (:meth:`_end_send` .. :meth:`_end_commit`)."""
         st = self._begin(c)
         for a in self.actions:
@@ -404,8 +400,8 @@ class CompNode:
         self._end_reduce(st)
         self._end_commit(st)
 
-    def _begin(self, c: Control) -> "_Step":
-        it = int(c.fields["it"])
+    def _begin(self, c: Step) -> "_Step":
+        it = c.it
         if it != self.inbox.expected_iter:
             raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self.inbox.expected_iter}")
         feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]
@@ -418,14 +414,14 @@ class CompNode:
     def _act(self, st: "_Step", a) -> None:
         """Run one action of the schedule: wait for its inputs, compute, hand its outputs to the transport."""
         rt, it, mb, stats = self.runtime, st.it, a.micro_batch, st.stats
-        if a.kind == "W":  # the parameter half of a split backward: nothing to wait for, nothing to send
+        if a.kind == ActionKind.W:  # the parameter half of a split backward: nothing to wait for, nothing to send
             t0 = now_us()
             rt.weight(it, mb)
             t1 = now_us()
             self.tracer.add(f"W{mb}", "backward", t0, t1)
             stats["weight_s"].append((t1 - t0) / 1e6)
             return
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
             t0 = now_us()
             out, loss = rt.forward(it, mb, st.feeds[mb], box)
@@ -438,8 +434,8 @@ class CompNode:
         t1 = now_us()
         with self._cv:
             self.inbox.consume(it, a.kind, mb)
-        self.tracer.add(f"{a.kind}{a.micro_batch}", "forward" if a.kind == "F" else "backward", t0, t1)
-        stats["forward_s" if a.kind == "F" else "backward_s"].append((t1 - t0) / 1e6)
+        self.tracer.add(str(a), "forward" if a.kind == ActionKind.F else "backward", t0, t1)
+        stats["forward_s" if a.kind == ActionKind.F else "backward_s"].append((t1 - t0) / 1e6)
         stats["idle_s"] += idle
         for msg in out:
             self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
@@ -464,7 +460,7 @@ class CompNode:
                 self._allreduce(it)
             stats["allreduce_s"] = time.perf_counter() - t_ar
         if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
-            self.transport.send(COORDINATOR, encode_ctrl("reduced", it=it))
+            self.transport.send(COORDINATOR, Reduced(it=it).frames())
 
     def _end_commit(self, st: "_Step") -> None:
         """Last phase: (failover runs) the coordinator's go-ahead, the optimizer step, a checkpoint, ``done``."""
@@ -472,21 +468,21 @@ class CompNode:
         if self.failover:
             c2, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the go-ahead of iteration {it}",
                                self.cfg.data_timeout_s, before_regroup=True)
-            if c2.op == "abort":
-                raise ExecutorAbort(f"aborted by the coordinator: {c2.fields['reason']}")
-            if c2.op != "commit" or c2.fields["it"] != it:
+            if isinstance(c2, Abort):
+                raise ExecutorAbort(f"aborted by the coordinator: {c2.reason}")
+            if not isinstance(c2, Commit) or c2.it != it:
                 raise ExecutorAbort(f"expected commit of iteration {it} from the coordinator, got {c2.op!r}")
         engine = rt.engine
-        grads = {n: g for n, g in engine.grads().items() if g is not None} if c.fields["want_grads"] else {}
+        grads = {n: g for n, g in engine.grads().items() if g is not None} if c.want_grads else {}
         grads = {n: np.array(g) for n, g in grads.items()}
         t_opt = time.perf_counter()
         with self.tracer.span("optimizer", "optimizer"):
             self.opt.step()
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
-        if c.fields["checkpoint"]:
+        if c.checkpoint:
             # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
-            save = c.fields.get("save_step", it + 1)
+            save = it + 1 if c.save_step is None else c.save_step
             with self.tracer.span("checkpoint", "checkpoint"):
                 checkpoint.save_part(self.checkpoint_dir, save, self.me, engine.state(), *self.opt.state(),
                                      delta=delta_edges.checkpoint_arrays(rt))
@@ -503,7 +499,7 @@ class CompNode:
             self._prev_sent[p] = (s.bytes, s.messages, s.busy_s)
         stats.update(t_start=st.t_start, t_end=time.time(), rejected=self.transport.rejected,
                      escaped=self.transport.escaped, sent=sent)
-        self.transport.send(COORDINATOR, encode_ctrl("done", grads, it=it, losses=st.losses, stats=stats))
+        self.transport.send(COORDINATOR, Done(arrays=grads, it=it, losses=st.losses, stats=stats).frames())
 
     def _decode_tied(self, od: OpData) -> np.ndarray:
         """A co-owner's tied gradient under ``plan.tied_codec``, decoded on arrival (WireError: rejected)."""
@@ -552,17 +548,16 @@ class CompNode:
         """A replica was dropped: forget the abandoned attempt, shrink the ring, take the new micro-batch count."""
         with self._cv:
             c, self._regroup = self._regroup, None
-        it, drop, n = int(c.fields["it"]), set(c.fields["drop"]), int(c.fields["micro_batches"])
+        it, drop, n = c.it, set(c.drop), c.micro_batches
         if self.me in drop:
             raise ExecutorAbort(f"this part's replica was dropped at iteration {it}")
         if self.opt is not None:
             self.opt.zero_grad()  # gradients of the abandoned attempt (a committed one has stepped and zeroed them)
-        stash = getattr(self.runtime.engine, "stash", None) if self.runtime is not None else None
-        if isinstance(stash, dict):
-            stash.clear()
+        if self.runtime is not None:
+            self.runtime.engine.forget()  # the abandoned attempt's in-flight micro-batches
         with self._cv:
             # late messages and queued orders of the abandoned attempt are refused from here on
-            self._ctrl = deque(x for x in self._ctrl if not (x.op in ("step", "commit") and x.fields["it"] <= it))
+            self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit)) and x.it <= it))
             if self.inbox.expected_iter <= it:
                 self.inbox.finish(it)
             self.n_micro = n
@@ -577,7 +572,7 @@ class CompNode:
                 self.ring.expected_iter = self.inbox.expected_iter
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
                     ", ".join(sorted(drop)), it, self.dp_group, n)
-        self.transport.send(COORDINATOR, encode_ctrl("regrouped", it=self.inbox.expected_iter))
+        self.transport.send(COORDINATOR, Regrouped(it=self.inbox.expected_iter).frames())
 
     def _allreduce(self, it: int) -> None:
         """Average the parameter gradients over this stage's replicas (ring or tree all-reduce, NumPy)."""
@@ -600,7 +595,7 @@ class CompNode:
     # -- the process ------------------------------------------------------------------
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
-            self.transport.send(COORDINATOR, encode_ctrl("hb"))
+            self.transport.send(COORDINATOR, Hb().frames())
 
     def _listen(self) -> str:
         """Check the plan's weights for this part and bind its socket. FusionError: the user's to fix (exit 2)."""
@@ -620,9 +615,9 @@ class CompNode:
         if self.cfg.security is None:
             log.warning("%s", insecure_warning(self.me, address))
         self.transport.connect(COORDINATOR, self.cfg.coordinator)
-        self.transport.send(COORDINATOR, encode_ctrl("hello", part=self.me, address=self.cfg.advertise or address,
-                                                     pid=os.getpid(), engine=self.engine_name,
-                                                     digest=self.cfg.plan_digest))
+        self.transport.send(COORDINATOR, Hello(part=self.me, address=self.cfg.advertise or address,
+                                                pid=os.getpid(), engine=self.engine_name,
+                                                digest=self.cfg.plan_digest).frames())
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
         log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
                  self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)
@@ -630,10 +625,10 @@ class CompNode:
     def _ready(self) -> None:
         """Take the coordinator's setup (peers, resume), load the part, say ready."""
         c = self._next_ctrl(self.cfg.startup_timeout_s)
-        if c.op != "setup":
+        if not isinstance(c, Setup):
             raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
         self._setup(c)
-        self.transport.send(COORDINATOR, encode_ctrl("ready", part=self.me))
+        self.transport.send(COORDINATOR, Ready(part=self.me).frames())
         log.info("%s: ready after %.1f s (%d peers: %s); waiting for steps", self.me, time.monotonic() - self._t0,
                  len(self._peers), ", ".join(sorted(self._peers)) or "none")
 
@@ -647,7 +642,7 @@ class CompNode:
         else:  # run_lane logged it with its traceback
             reason = f"{type(e).__name__}: {e}"
         if COORDINATOR in self.transport.senders:
-            self.transport.send(COORDINATOR, encode_ctrl("error", reason=reason))
+            self.transport.send(COORDINATOR, Error(reason=reason).frames())
 
     def _close(self, status: int) -> None:
         self._hb_stop.set()
@@ -680,7 +675,7 @@ class CompNode:
                 self._apply_regroup()
                 continue
             if c.op == "fetch":
-                self.transport.send(COORDINATOR, encode_ctrl("state", self.runtime.engine.state()))
+                self.transport.send(COORDINATOR, State(arrays=self.runtime.engine.state()).frames())
             elif c.op == "stop":
                 log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
                 return 0
@@ -700,15 +695,15 @@ def _serve_lane(nodes: list[CompNode]) -> int:
                       devices)[devices[first.me]]
     by_part = {n.me: n for n in nodes}
     while True:
-        steps: dict[str, Control] = {}
+        steps: dict[str, Step] = {}
         stopped: list[str] = []
         while len(steps) + len(stopped) < len(nodes):  # every part's next step (or stop); fetches answered as they come
             (n, c), _ = first._wait(lambda: next(((m, m._ctrl.popleft()) for m in nodes if m._ctrl), None),
                                     "the coordinator", float("inf"))
-            if c.op == "abort":
-                raise ExecutorAbort(f"aborted by the coordinator: {c.fields['reason']}")
+            if isinstance(c, Abort):
+                raise ExecutorAbort(f"aborted by the coordinator: {c.reason}")
             if c.op == "fetch":
-                n.transport.send(COORDINATOR, encode_ctrl("state", n.runtime.engine.state()))
+                n.transport.send(COORDINATOR, State(arrays=n.runtime.engine.state()).frames())
             elif c.op == "step" and n.me not in steps:
                 steps[n.me] = c
             elif c.op == "stop" and n.me not in stopped:

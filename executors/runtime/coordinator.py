@@ -35,10 +35,12 @@ from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
-from fusion.executors.runtime.control import TO_COORDINATOR, Control, decode_ctrl, encode_ctrl
+from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Commit, Control, Done, Error, Fetch, Hb, Hello,
+                                              Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport
+from fusion.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, np.n
 class Coordinator:
     """Drives the executors of one plan."""
 
-    def __init__(self, plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None,
+    def __init__(self, plan: Plan, cfg: CoordinatorConfig, processes: Mapping[str, Process] | None = None,
                  report: Callable[[str], None] | None = None):
         """report: called with one line per start-up event (a CompNode says hello, is ready, is still awaited)."""
         self.plan, self.cfg = plan, cfg
@@ -165,8 +167,8 @@ class Coordinator:
         c = decode_ctrl(msg, TO_COORDINATOR)
         with self._cv:
             self._last_seen[sender] = time.monotonic()
-            if c.op == "error":
-                self._errors.setdefault(sender, str(c.fields["reason"]))
+            if isinstance(c, Error):
+                self._errors.setdefault(sender, c.reason)
             elif c.op != "hb":
                 if len(self._inbox[sender]) >= MAX_QUEUED_PER_PART:
                     raise WireError(f"{len(self._inbox[sender])} messages from {sender} already wait; dropping {c.op!r}")
@@ -255,9 +257,8 @@ class Coordinator:
         threading.Thread(target=self._heartbeat, name="coordinator-heartbeat", daemon=True).start()
         t0 = time.monotonic()
 
-        def hello(p: str, c: Control) -> None:
-            f = c.fields
-            self.report(f"{p} up: pid {f.get('pid')}, {f.get('engine')} engine, listening on {f.get('address')} "
+        def hello(p: str, c: Hello) -> None:
+            self.report(f"{p} up: pid {c.pid}, {c.engine} engine, listening on {c.address} "
                         f"({time.monotonic() - t0:.1f} s after launch)")
 
         def ready(p: str, c: Control) -> None:
@@ -281,20 +282,20 @@ class Coordinator:
             if resume_step is None:
                 log.warning("no complete checkpoint in %s; starting from step 0", self.cfg.checkpoint_dir)
         for p, h in hellos.items():
-            if h.fields["part"] != p:
-                raise CompNodeFailure(p, f"says hello as {h.fields['part']!r}")
-            self.addresses[p] = str(h.fields["address"])
+            if h.part != p:
+                raise CompNodeFailure(p, f"says hello as {h.part!r}")
+            self.addresses[p] = h.address
             self.transport.connect(p, self.addresses[p])
         for p, h in hellos.items():  # after connecting: the abort reaches every executor
-            bad = digest_mismatch(self.cfg.plan_digest, str(h.fields.get("digest", "")), f"CompNode {p!r}", "the coordinator's")
+            bad = digest_mismatch(self.cfg.plan_digest, h.digest, f"CompNode {p!r}", "the coordinator's")
             if bad:
                 self._abort_locked(bad)
                 raise FusionError(bad)
         ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
         for p in self.parts:
-            self.transport.send(p, encode_ctrl("setup", peers=self.addresses, emulate_links=self.cfg.emulate_links,
-                                               resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover,
-                                               digest=self.cfg.plan_digest, resume_from=sources[p]))
+            self.transport.send(p, Setup(peers=self.addresses, emulate_links=self.cfg.emulate_links,
+                                         resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover,
+                                         digest=self.cfg.plan_digest, resume_from=sources[p]).frames())
         self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
         self.step_index = resume_step or 0
         log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
@@ -303,7 +304,7 @@ class Coordinator:
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
             for p in list(self.transport.senders):
-                self.transport.send(p, encode_ctrl("hb"))
+                self.transport.send(p, Hb().frames())
 
     @property
     def _failover(self) -> bool:
@@ -321,7 +322,7 @@ class Coordinator:
         drops: list[dict] = []
         while True:
             committed: list[bool] = [False, False]  # [go-ahead sent, checkpoint asked for]
-            done: dict[str, Control] = {}
+            done: dict[str, Done] = {}
             try:
                 r = self._step_once(batch, want_grads, committed, done)
                 r.dropped = drops
@@ -366,9 +367,9 @@ class Coordinator:
         self.n_micro = self.n_micro * len(reps) // (len(reps) - 1)
         exec_it = self.step_index + self.iter_offset
         for p in gone:
-            self.transport.send(p, encode_ctrl("abort", reason=f"replica {r} dropped: {e}"))
+            self.transport.send(p, Abort(reason=f"replica {r} dropped: {e}").frames())
         for p in self.live:
-            self.transport.send(p, encode_ctrl("regroup", it=exec_it, drop=gone, micro_batches=self.n_micro))
+            self.transport.send(p, Regroup(it=exec_it, drop=gone, micro_batches=self.n_micro).frames())
         self._collect("regrouped", self.live, self.cfg.startup_timeout_s, f"regrouping without replica {r}", abort=False)
         if abandoned:
             self.iter_offset += 1
@@ -405,12 +406,12 @@ class Coordinator:
             if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
                 arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[k * n + m][SAMPLE_IDS] for m in range(n)})
             # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
-            self.transport.send(p, encode_ctrl("step", arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt,
-                                               save_step=self.step_index + 1))
+            self.transport.send(p, Step(arrays=arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt,
+                                        save_step=self.step_index + 1).frames())
         return rows
 
     def _step_once(self, batch: Mapping[str, Any], want_grads: bool, committed: list[bool],
-                   done: dict[str, Control]) -> StepReport:
+                   done: dict[str, Done]) -> StepReport:
         it = self.step_index
         exec_it = it + self.iter_offset
         every = self.cfg.checkpoint_every
@@ -422,12 +423,12 @@ class Coordinator:
         if self._failover:  # commit only when every live part has its averaged gradients: all step or none
             self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
             for p in self.live:
-                self.transport.send(p, encode_ctrl("commit", it=exec_it))
+                self.transport.send(p, Commit(it=exec_it).frames())
             committed[0] = True
         self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=not self._failover)
         return self._report(it, exec_it, rows, done, t0, ckpt)
 
-    def _finish_committed(self, batch, done: dict[str, Control], drops: list[dict], ckpt: bool) -> StepReport:
+    def _finish_committed(self, batch, done: dict[str, Done], drops: list[dict], ckpt: bool) -> StepReport:
         """A replica was lost after the go-ahead: the survivors applied (and, if asked, saved) the step."""
         it = self.step_index
         t0 = time.monotonic()
@@ -437,7 +438,7 @@ class Coordinator:
         r.dropped = drops
         return r
 
-    def _report(self, it: int, exec_it: int, rows: int, done: dict[str, Control], t0: float, ckpt: bool) -> StepReport:
+    def _report(self, it: int, exec_it: int, rows: int, done: dict[str, Done], t0: float, ckpt: bool) -> StepReport:
         dt = time.monotonic() - t0
         n, R = self.n_micro, len(self.live_replicas())
         losses = []
@@ -445,14 +446,14 @@ class Coordinator:
         grads: dict[str, np.ndarray] = {}
         for p in self.live:  # plan part order
             c = done[p]
-            if c.fields["it"] != exec_it:
-                raise CompNodeFailure(p, f"answered iteration {c.fields['it']} to iteration {exec_it}")
-            losses += [float(v) for _, v in c.fields["losses"]]
-            covered |= {(self.replica_of[p], int(mb)) for mb, _ in c.fields["losses"]}
+            if c.it != exec_it:
+                raise CompNodeFailure(p, f"answered iteration {c.it} to iteration {exec_it}")
+            losses += [float(v) for _, v in c.losses]
+            covered |= {(self.replica_of[p], int(mb)) for mb, _ in c.losses}
             for name, g in c.arrays.items():
                 grads.setdefault(name, np.array(g))
         if ckpt:
-            unsaved = [p for p in self.live if done[p].fields["stats"].get("checkpoint_step") != it + 1]
+            unsaved = [p for p in self.live if done[p].stats.get("checkpoint_step") != it + 1]
             if unsaved:
                 raise CompNodeFailure(unsaved[0], f"did not confirm its checkpoint of step {it + 1}")
             # each executor wrote its own files (on its own host); their confirmations make the step complete.
@@ -462,7 +463,7 @@ class Coordinator:
         self.step_index = it + 1
         # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
         # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
-        return StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].fields["stats"] for p in self.live},
+        return StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
                           grads)
 
     def fetch_state(self, timeout_s: float = 60.0, replica: int | None = None) -> dict[str, np.ndarray]:
@@ -472,7 +473,7 @@ class Coordinator:
             replica = self.live_replicas()[0]
         parts = [p for p in self.live if self.replica_of[p] == replica]
         for p in parts:
-            self.transport.send(p, encode_ctrl("fetch"))
+            self.transport.send(p, Fetch().frames())
         got = self._collect("state", parts, timeout_s, "fetching parameters")
         out: dict[str, np.ndarray] = {}
         for p in parts:
@@ -482,12 +483,12 @@ class Coordinator:
 
     def _abort_locked(self, reason: str) -> None:
         for p in list(self.transport.senders):
-            self.transport.send(p, encode_ctrl("abort", reason=reason))
+            self.transport.send(p, Abort(reason=reason).frames())
 
     def stop(self) -> None:
         """Tell every executor to finish (they flush traces and exit 0; a dropped replica's were aborted)."""
         for p in list(self.transport.senders):
-            self.transport.send(p, encode_ctrl("stop"))
+            self.transport.send(p, Stop().frames())
 
     def close(self, linger_s: float = 0.5) -> None:
         """Release the sockets; queued messages (stop, abort) get ``linger_s`` to leave."""

@@ -133,7 +133,7 @@ def load_secret(path: str | Path) -> KeyPair:
 
 def write_public(keys: Mapping[str, str], path: str | Path) -> Path:
     """Write the public key list (name -> Z85) to ``path``, atomically."""
-    from fusion.plan import atomic_write
+    from fusion.ir.files import atomic_write
 
     path = Path(path)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(dict(sorted(keys.items())), indent=1) + "\n"))

@@ -15,6 +15,7 @@ import math
 
 from fusion.ir.boundary import partition
 from fusion.ir.node import NodeKind, TensorMeta
+from fusion.plan import Plan
 
 HEADROOM = 4
 FLOOR_BYTES = 8 << 20
@@ -33,7 +34,7 @@ def _limit(n: int) -> int:
     return max(FLOOR_BYTES, HEADROOM * n)
 
 
-def part_message_limit(plan, part: str) -> int:
+def part_message_limit(plan: Plan, part: str) -> int:
     """The largest message ``part`` should receive, with headroom (bytes)."""
     g = plan.graph
     sub = partition(g, plan.assignment)[part]
@@ -50,7 +51,7 @@ def part_message_limit(plan, part: str) -> int:
     return _limit(biggest)
 
 
-def coordinator_message_limit(plan) -> int:
+def coordinator_message_limit(plan: Plan) -> int:
     """The largest ``done``/``state`` message a part should send the coordinator: all its parameters, with headroom."""
     g = plan.graph
     biggest = 0

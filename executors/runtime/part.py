@@ -10,10 +10,11 @@ both drive this class; only how OpData travels differs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from fusion.executors.engines.base import EnginePart
 from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
@@ -21,22 +22,6 @@ from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.executors.runtime.compression import dense_payload, table_for
 
 Key = tuple[str, "int | None"]
-
-
-class EnginePart(Protocol):
-    """What an engine provides for one sub-DAG (arrays in, arrays out)."""
-
-    engine: str
-
-    def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]: ...
-
-    def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]: ...
-
-    def state(self) -> dict[str, np.ndarray]: ...
-
-    def grads(self) -> dict[str, np.ndarray | None]: ...
-
-    def set_grad(self, name: str, grad: Any) -> None: ...
 
 
 @dataclass
@@ -80,10 +65,9 @@ class PartRuntime:
                  compression: "Iterable[Any] | None" = None):
         """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
-        self.compression = table_for(name, compression, graph, getattr(engine, "engine", "torch"))
-        hook = getattr(engine, "compress_on_device", None)  # torch engine: encode/decode on its device
-        if self.compression is not None and hook is not None:
-            self.compression = hook(self.compression)
+        self.compression = table_for(name, compression, graph, engine.engine)
+        if self.compression is not None:  # the torch engine encodes and decodes on its device
+            self.compression = engine.compress_on_device(self.compression)
         self.routes = make_routes(sub, assignment)
         self._users = {n: tuple(u) for n, u in graph.users().items()}
         self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
@@ -127,8 +111,8 @@ class PartRuntime:
         """Sum received gradients per tensor (over actual users), run local BP, return input grads.
 
         split: the schedule has a ``W`` action for this micro-batch: compute only the input
-               gradients now (engines without ``backward_input`` do all of backward here and
-               nothing in :meth:`weight`)."""
+               gradients now (``EnginePart.backward_input``; an engine that cannot split does all
+               of backward here and nothing in :meth:`weight`)."""
         summed: dict[Key, Any] = {}
         for msg in sorted(inbox, key=lambda m: m.src):  # one summation order whatever the arrival order: same bits
             # on every run (a resumed run equals an uninterrupted one), and the reference executor's order
@@ -140,7 +124,7 @@ class PartRuntime:
             else:
                 g = np.asarray(dense_payload(msg.payload) if self.compression is None else self.compression.decode(msg))
             summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
-        if split and hasattr(self.engine, "backward_input"):
+        if split:
             grads_in = self.engine.backward_input((it, mb), summed, loss_scale)
         else:
             grads_in = self.engine.backward((it, mb), summed, loss_scale)
@@ -157,5 +141,4 @@ class PartRuntime:
 
     def weight(self, it: int, mb: int) -> None:
         """The ``W`` action of a split backward: accumulate the parameter gradients of micro-batch ``mb``."""
-        if hasattr(self.engine, "backward_weight"):
-            self.engine.backward_weight((it, mb))
+        self.engine.backward_weight((it, mb))

@@ -24,7 +24,8 @@ from fusion.ir.opdata import OpData
 from fusion.ir.wire import encode_opdata, frames_nbytes
 from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, link_model
 from fusion.executors.runtime.part import make_routes
-from fusion.ir.schedule import W_FRACTION, make_lanes, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
+from fusion.ir.schedule import W_FRACTION, ActionKind, make_lanes, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
+from fusion.plan import Plan
 
 
 @dataclass
@@ -38,27 +39,27 @@ class ReplayResult:
     timeline: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)
 
 
-def message_bytes(plan) -> dict[tuple[str, str], list[tuple[str, int]]]:
-    """(part, "F"/"B") -> [(destination part, wire bytes)] that one action of that part sends."""
+def message_bytes(plan: Plan) -> dict[tuple[str, ActionKind], list[tuple[str, int]]]:
+    """(part, F or B) -> [(destination part, wire bytes)] that one action of that part sends."""
     g = plan.graph
     subs = partition(g, plan.assignment)
-    out: dict[tuple[str, str], list[tuple[str, int]]] = {}
+    out: dict[tuple[str, ActionKind], list[tuple[str, int]]] = {}
     for p, sub in subs.items():
         r = make_routes(sub, plan.assignment)
-        for kind, pairs in (("F", [(k, d) for k, ds in r.send_to.items() for d in ds]),
-                            ("B", list(r.grads_to.items()))):
+        for kind, pairs in ((ActionKind.F, [(k, d) for k, ds in r.send_to.items() for d in ds]),
+                            (ActionKind.B, list(r.grads_to.items()))):
             msgs = out.setdefault((p, kind), [])
             for key, dst in pairs:
                 outs = g[key[0]].meta.outputs
                 m = outs[key[1] or 0] if outs else None
                 payload = np.empty(m.shape, dtype="uint16" if m.dtype == "bfloat16" else m.dtype) \
                     if isinstance(m, TensorMeta) else 0
-                od = OpData(key[0], key[1], tuple(g.users().get(key[0], ())), ("x" * 8,), kind == "B", 0, 0, p, dst, payload)
+                od = OpData(key[0], key[1], tuple(g.users().get(key[0], ())), ("x" * 8,), kind == ActionKind.B, 0, 0, p, dst, payload)
                 msgs.append((dst, frames_nbytes(encode_opdata(od))))
     return out
 
 
-def replay(plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tuple[str, str], LinkModel] | None = None,
+def replay(plan: Plan, compute: Mapping[str, Mapping[str, float]], links: Mapping[tuple[str, str], LinkModel] | None = None,
            tail_s: Mapping[str, float] | None = None) -> ReplayResult:
     """Predict one iteration of ``plan``.
 

@@ -547,7 +547,7 @@ def interleaved_in_flight(n_parts: int, part_device: np.ndarray, n_micro: int) -
     most forwards it has run whose backward has not, in its projection of its device's interleaved 1F1B
     action list (:func:`fusion.ir.schedule.make_schedule`). A chunk early in the chain warms up with more
     forwards than one late in it (Megatron-LM's order), so the counts differ per chunk."""
-    from fusion.ir.schedule import make_schedule
+    from fusion.ir.schedule import ActionKind, make_schedule
 
     order = list(range(n_parts))
     acts = make_schedule("interleaved", order, {(p, p + 1): None for p in order[:-1]}, n_micro,
@@ -556,7 +556,7 @@ def interleaved_in_flight(n_parts: int, part_device: np.ndarray, n_micro: int) -
     for p in order:
         live = 0
         for a in acts[p]:
-            live += 1 if a.kind == "F" else -1 if a.kind == "B" else 0
+            live += 1 if a.kind == ActionKind.F else -1 if a.kind == ActionKind.B else 0
             out[p] = max(out[p], live)
     return out
 

@@ -31,7 +31,7 @@ from typing import Mapping
 import numpy as np
 
 from fusion.cost.estimate import FORWARD_SHARE, CostModel, Estimate, device_memory
-from fusion.ir.schedule import LANE_SCHEDULES, SCHEDULES, make_lanes, make_schedule, simulate
+from fusion.ir.schedule import LANE_SCHEDULES, SCHEDULES, ActionKind, make_lanes, make_schedule, simulate
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,11 @@ def simulated_iteration(schedule: str, order: list[int], compute: Mapping[int, M
     devices: part -> device, for ``interleaved``: the parts of one device run on one clock, in the order
              of its lane (:func:`fusion.ir.schedule.make_lanes`); ``order`` must then go round-robin over them.
     """
-    sends: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    sends: dict[tuple[int, ActionKind], list[tuple[int, float]]] = {}
     for (a, b), (fwd, bwd) in links.items():
-        sends.setdefault((a, "F"), []).append((b, fwd))
+        sends.setdefault((a, ActionKind.F), []).append((b, fwd))
         if bwd is not None:
-            sends.setdefault((b, "B"), []).append((a, bwd))
+            sends.setdefault((b, ActionKind.B), []).append((a, bwd))
     busy: dict[tuple[int, int], float] = {}
 
     def deliver(src: int, dst: int, msg: tuple[float, float], ready: float) -> float:

@@ -87,3 +87,26 @@ def test_interleaved_bad_placement_and_counts():
         make_schedule("interleaved", order, edges, 4)
     assert make_lanes("1f1b", order[:2], {("p0", "p1"): 1}, 2) == {"p0": [("p0", Action("F", 0)), ("p0", Action("F", 1)), ("p0", Action("B", 0)), ("p0", Action("B", 1))],
                                                                    "p1": [("p1", Action("F", 0)), ("p1", Action("B", 0)), ("p1", Action("F", 1)), ("p1", Action("B", 1))]}
+
+
+# -- action kinds: an enum with a text form that parses back ----------------------------------------------
+
+def test_action_kinds_are_an_enum_whose_text_parses_back():
+    from fusion.ir.schedule import ActionKind
+
+    assert [str(k) for k in ActionKind] == ["F", "B", "W"]
+    for name in ("gpipe", "1f1b", "zb1"):
+        for acts in make_schedule(name, ["a", "b", "c"], {("a", "b"): None, ("b", "c"): None}, 4).values():
+            for a in acts:
+                assert isinstance(a.kind, ActionKind)
+                assert ActionKind.parse(str(a.kind)) is a.kind and Action.parse(str(a)) == a
+    assert str(Action(ActionKind.W, 12)) == f"{Action(ActionKind.W, 12)}" == "W12"
+    assert Action("B", 3) == Action(ActionKind.B, 3)  # a letter is parsed
+    for bad in ("X", "f", "", "FB"):
+        with pytest.raises(ValueError, match="unknown action kind"):
+            ActionKind.parse(bad)
+    with pytest.raises(ValueError, match="unknown action kind 'Q'"):
+        Action("Q", 0)
+    for bad in ("F", "F-1", "F01", "0F", "X3", "F1 "):
+        with pytest.raises(ValueError):
+            Action.parse(bad)

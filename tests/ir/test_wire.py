@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from fusion.executors.runtime.control import decode_ctrl, encode_ctrl
+from fusion.executors.runtime.control import Step, decode_ctrl
 from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, TokenBucket, link_model
 from fusion.executors.runtime.transport import Transport
 from fusion.ir.errors import FusionError, WireError
@@ -126,8 +126,8 @@ def test_rejections_name_the_reason():
 
 
 def test_control_messages():
-    c = decode_ctrl(decode(encode_ctrl("step", {"0/x": np.zeros(2, np.float32)}, it=4, want_grads=False, checkpoint=True)))
-    assert c.op == "step" and c.fields["it"] == 4 and list(c.arrays) == ["0/x"]
+    c = decode_ctrl(decode(Step(arrays={"0/x": np.zeros(2, np.float32)}, it=4, want_grads=False, checkpoint=True).frames()))
+    assert c.op == "step" and isinstance(c, Step) and c.it == 4 and list(c.arrays) == ["0/x"]
     with pytest.raises(WireError, match="lacks fields"):
         decode_ctrl(decode(encode("ctrl", {"op": "step", "names": []})))
     with pytest.raises(WireError, match="unknown control op"):

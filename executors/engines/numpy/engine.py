@@ -20,6 +20,7 @@ from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import IDLE_KINDS, NodeKind, OpNode, ParamRef, Ref, TensorMeta
+from fusion.executors.engines.base import EnginePart
 from fusion.executors.engines.numpy.ops import NpOp
 from fusion.executors.engines.numpy.torch_ops import TORCH_STYLE
 from fusion.executors.engines.numpy.onnx_ops import ONNX_NUMPY
@@ -100,7 +101,7 @@ def _asarray(v: Any) -> Any:
     return np.asarray(v)  # NumPy arrays, and anything with __array__ (CPU torch tensors in the same process)
 
 
-class NumpyPart:
+class NumpyPart(EnginePart):
     """One sub-DAG on the NumPy engine (``engine = "numpy"``).
 
     params: graph parameter name -> initial value (array-like) for every
@@ -108,6 +109,13 @@ class NumpyPart:
     """
 
     engine = "numpy"
+
+    def forget(self, mb_key: Any = None) -> None:
+        """Drop the tapes of micro-batch ``mb_key`` (None: of every one)."""
+        if mb_key is None:
+            self.stash.clear()
+        else:
+            self.stash.pop(mb_key, None)
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str = "cpu"):
         if str(device) not in ("cpu", "meta"):

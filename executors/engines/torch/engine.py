@@ -21,6 +21,7 @@ from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
 from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
+from fusion.executors.engines.base import EnginePart
 
 Key = tuple[str, "int | None"]
 
@@ -112,7 +113,7 @@ class _Stash:
     weight: Any = None
 
 
-class TorchPart:
+class TorchPart(EnginePart):
     """One sub-DAG on the torch engine.
 
     params: graph parameter name -> initial value for every parameter this
@@ -137,6 +138,14 @@ class TorchPart:
     #: the option names ``make_engine_part(..., options=)`` accepts for this engine
     OPTIONS = ("compiled", "compile", "recompute", "encode")
     ENCODE = ("device", "torch", "host")
+    RECORDS_OUTPUTS = True  # forward(..., record=)
+
+    def forget(self, mb_key: Any = None) -> None:
+        """Drop the stash of micro-batch ``mb_key`` (None: of every one)."""
+        if mb_key is None:
+            self.stash.clear()
+        else:
+            self.stash.pop(mb_key, None)
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
                  compiled: bool = True, compile: bool = False, recompute: bool = False, encode: str = "device"):

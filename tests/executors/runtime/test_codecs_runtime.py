@@ -86,7 +86,7 @@ def test_distributed_run_with_codecs_equals_the_reference(tmp_path, compression)
 
 def test_a_compnode_rejects_a_malformed_quantised_payload_and_keeps_serving(tmp_path, caplog):
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-    from fusion.executors.runtime.control import Control
+    from fusion.executors.runtime.control import Setup
     from fusion.executors.runtime.launcher import hand_plan
     from fusion.plan import load_plan, save_plan
 
@@ -95,8 +95,8 @@ def test_a_compnode_rejects_a_malformed_quantised_payload_and_keeps_serving(tmp_
     plan.compression = [EdgeCompression("relu_a", None, "p0", "p1", fwd_codec=Q4)]
     plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9"))
-    node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False,
-                                  "resume_step": None, "checkpoint_dir": None}))
+    node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False,
+                      resume_step=None, checkpoint_dir=None))
     try:
         x = np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32)
         good = encode_opdata(OpData("relu_a", None, ("add_ab",), ("add_ab",), False, 0, 0, src="p0", dst="p1",

@@ -10,7 +10,7 @@ import zmq
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, save_hand_plan
 from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
 from fusion.executors.runtime.compression import densify, topk_numpy
-from fusion.executors.runtime.control import Control
+from fusion.executors.runtime.control import Setup
 from fusion.ir.errors import WireError
 from fusion.ir.opdata import OpData
 from fusion.ir.wire import decode, decode_opdata, encode_opdata
@@ -69,8 +69,8 @@ def test_a_compnode_rejects_malformed_sparse_opdata_with_a_logged_reason(tmp_pat
     plan.compression = [EdgeCompression("relu_a", None, "p0", "p1", 10.0, ("fwd", "bwd"))]
     plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9"))
-    node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False,
-                                  "resume_step": None, "checkpoint_dir": None}))
+    node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False,
+                      resume_step=None, checkpoint_dir=None))
     try:
         assert node.runtime.compression is not None and node.runtime.compression.bwd
         x = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)

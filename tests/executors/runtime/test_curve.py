@@ -19,7 +19,7 @@ import zmq
 from tests.executors.dist_models import CNN_SPLITS, MODELS, branching_cnn, cnn_batch, plain_training, \
     run_distributed, save_hand_plan, wait_for
 from fusion.executors.runtime.compnode import CompNode, ExecutorAbort, ExecutorConfig
-from fusion.executors.runtime.control import Control
+from fusion.executors.runtime.control import Setup
 from fusion.executors.runtime.coordinator import CoordinatorConfig
 from fusion.executors.runtime.keys import (KeyFileError, PUBLIC_KEYS_FILE, generate, load_public, load_secret,
                                            write_secret)
@@ -211,8 +211,8 @@ def test_a_plan_with_another_digest_is_refused_at_hello(tmp_path):
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9", plan_digest=mine))
     try:
         with pytest.raises(ExecutorAbort, match=f"the coordinator runs another plan: its digest is cdcdcdcd.*, CompNode p1's is {mine[:16]}"):
-            node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False,
-                                          "resume_step": None, "checkpoint_dir": None, "digest": "cd" * 32}))
+            node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False,
+                              resume_step=None, checkpoint_dir=None, digest="cd" * 32))
     finally:
         node.transport.close(timeout_s=1, linger_s=0)
     # one changed byte of the weights changes the digest

@@ -132,13 +132,13 @@ def test_resume_after_a_kill_continues_the_delta_run_bit_for_bit(tmp_path):
 
 def test_a_compnode_rejects_delta_payloads_it_cannot_decode_and_keeps_serving(tmp_path, caplog):
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-    from fusion.executors.runtime.control import Control
+    from fusion.executors.runtime.control import Setup
     from fusion.plan import load_plan
 
     plan_dir = _plan_dir(tmp_path)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p3", "tcp://127.0.0.1:9"))
-    node._setup(Control("setup", {"peers": {p: "tcp://127.0.0.1:9" for p in ("p0", "p1", "p2")},
-                                  "emulate_links": False, "resume_step": None, "checkpoint_dir": None}))
+    node._setup(Setup(peers={p: "tcp://127.0.0.1:9" for p in ("p0", "p1", "p2")},
+                      emulate_links=False, resume_step=None, checkpoint_dir=None))
     try:
         x = np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32)
         sender = DeltaBuffer(D2)
@@ -178,13 +178,13 @@ def test_a_compnode_rejects_delta_payloads_it_cannot_decode_and_keeps_serving(tm
 
 def test_a_part_without_delta_edges_refuses_a_delta_payload(tmp_path, caplog):
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-    from fusion.executors.runtime.control import Control
+    from fusion.executors.runtime.control import Setup
     from fusion.plan import load_plan
 
     plan_dir = _plan_dir(tmp_path)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p2", "tcp://127.0.0.1:9"))  # conv1 comes dense
-    node._setup(Control("setup", {"peers": {p: "tcp://127.0.0.1:9" for p in ("p0", "p3")},
-                                  "emulate_links": False, "resume_step": None, "checkpoint_dir": None}))
+    node._setup(Setup(peers={p: "tcp://127.0.0.1:9" for p in ("p0", "p3")},
+                      emulate_links=False, resume_step=None, checkpoint_dir=None))
     try:
         x = np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32)
         f = encode_opdata(OpData("conv1", None, ("conv_a", "conv_b", "add_skip"), ("conv_b",), False, 0, 0, src="p0",

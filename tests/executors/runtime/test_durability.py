@@ -12,7 +12,8 @@ import pytest
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, save_hand_plan
 from fusion.executors.runtime import checkpoint
-from fusion.plan import PlanError, atomic_write, load_plan, save_plan
+from fusion.ir.files import atomic_write
+from fusion.plan import PlanError, load_plan, save_plan
 
 
 def _fusion(*args):

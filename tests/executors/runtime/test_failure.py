@@ -18,7 +18,7 @@ from tests.executors.dist_models import CNN_SPLITS, GPT_SPLITS, branching_cnn, c
     tied_transformer
 from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
 from fusion.cluster.scenarios import load_scenario
-from fusion.executors.runtime.control import Control
+from fusion.executors.runtime.control import Setup
 from fusion.executors.runtime.coordinator import CoordinatorConfig
 from fusion.executors.runtime.keys import load_secret
 from fusion.executors.runtime.launcher import LocalCluster
@@ -180,8 +180,8 @@ def test_compnode_checks_each_message_against_its_boundary(tmp_path):
     model = branching_cnn(mb=2)
     plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[4], micro_batches=2)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p3", "tcp://127.0.0.1:9"))
-    node._setup(Control("setup", {"peers": {p: "tcp://127.0.0.1:9" for p in ("p0", "p1", "p2")}, "emulate_links": False,
-                                  "resume_step": None, "checkpoint_dir": None}))
+    node._setup(Setup(peers={p: "tcp://127.0.0.1:9" for p in ("p0", "p1", "p2")}, emulate_links=False,
+                      resume_step=None, checkpoint_dir=None))
     try:
         def msg(**kw):
             base = dict(name="relu_a", index=None, op_users=("add_ab",), actual_user=("add_ab",), is_grad=False,

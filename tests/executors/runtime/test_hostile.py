@@ -10,7 +10,7 @@ import zmq
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch, save_hand_plan
 from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-from fusion.executors.runtime.control import Control, decode_ctrl
+from fusion.executors.runtime.control import decode_ctrl
 from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
 from fusion.executors.runtime.launcher import LocalCluster
 from fusion.ir.errors import WireError
@@ -116,7 +116,7 @@ def test_type_confused_control_fields_are_rejected_by_the_receivers(tmp_path):
         for m, reason in to_coord:
             with pytest.raises(WireError, match=re.escape(reason)):
                 coord._on_message("p0", m)
-        assert decode_ctrl(ctrl(op="done", it=0, losses=[[0, 1.5]], stats={})).fields["losses"] == [[0, 1.5]]
+        assert decode_ctrl(ctrl(op="done", it=0, losses=[[0, 1.5]], stats={})).losses == [[0, 1.5]]
     finally:
         node.transport.close(timeout_s=1, linger_s=0)
         coord.transport.close(timeout_s=1, linger_s=0)

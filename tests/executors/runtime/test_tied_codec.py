@@ -13,7 +13,7 @@ import pytest
 
 from fusion.executors.reference import ReferenceExecutor
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order
-from fusion.executors.runtime.control import encode_ctrl
+from fusion.executors.runtime.control import Fetch
 from fusion.ir.errors import FusionError, WireError
 from fusion.plan import OptimizerConfig
 from tests.executors.dist_models import TWO_SITES_YAML
@@ -60,7 +60,7 @@ def test_tied_gpt_processes_with_quant8_equal_the_reference_and_owners_stay_iden
         losses = [lc.coordinator.step(b).loss for b in batches]
         co = lc.coordinator
         for p in plan.parts:  # each owner's own copy of the weights, not the merged view fetch_state gives
-            co.transport.send(p, encode_ctrl("fetch"))
+            co.transport.send(p, Fetch().frames())
         got = co._collect("state", list(plan.parts), 60.0, "fetching parameters")
 
     ref = ReferenceExecutor(model, plan.assignment, OPT, micro_batches=2, tied_codec=Q8)

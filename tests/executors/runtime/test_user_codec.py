@@ -232,7 +232,7 @@ def test_a_user_payload_crosses_the_wire_as_msgpack_and_frames_and_bad_ones_are_
 
 def test_a_compnode_rejects_malformed_user_payloads_and_keeps_serving(tmp_path, model_file, caplog):
     from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
-    from fusion.executors.runtime.control import Control
+    from fusion.executors.runtime.control import Setup
     from fusion.executors.runtime.launcher import hand_plan
     from fusion.executors.reference import contiguous_parts
     from fusion.commands.compile import record_codec_plugins
@@ -248,8 +248,8 @@ def test_a_compnode_rejects_malformed_user_payloads_and_keeps_serving(tmp_path, 
     assert record_codec_plugins(plan) == [str(model_file.resolve())]
     plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
     node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9", trust_plugins=True))
-    node._setup(Control("setup", {"peers": {"p0": "tcp://127.0.0.1:9"}, "emulate_links": False, "resume_step": None,
-                                  "checkpoint_dir": None}))
+    node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None,
+                      checkpoint_dir=None))
     try:
         shape = tuple(model.graph.output_meta(*edge).shape)
         x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
