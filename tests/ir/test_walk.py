@@ -152,3 +152,22 @@ def test_torch_engine_error_names_the_node():
     with pytest.raises(RuntimeError) as info:
         part.forward(0, {}, {"x": torch.zeros(2, 5)})
     assert info.value.__notes__ == ["while running node 'fc' (torch.nn.Linear)"]
+
+
+def test_shape_inference_names_the_node():
+    """Shape inference's walk on the meta device: a failing op and a missing example value name the node."""
+    torch = pytest.importorskip("torch")
+    from fusion.ir.builder import GraphBuilder
+
+    def builder():
+        b = GraphBuilder()
+        b.output("y", b.module("fc", "torch.nn.Linear", b.input("x"), in_features=4, out_features=3))
+        return b
+
+    with pytest.raises(RuntimeError) as info:
+        builder().build({"x": torch.zeros(2, 5)}, device="meta")
+    assert info.value.__notes__ == ["while running node 'fc' (torch.nn.Linear)"]
+    with pytest.raises(GraphError, match="^node 'x': no example value for this placeholder"):
+        builder().build({}, device="meta")
+    model = builder().build({"x": torch.zeros(2, 4)}, device="meta")
+    assert model.graph["fc"].meta.outputs[0].shape == (2, 3) and model.graph["y"].meta.outputs[0].requires_grad
