@@ -146,9 +146,7 @@ class TorchPart:
         self.recv_keys: dict[Key, bool] = self.walk.recv_keys
         self.send_keys: list[Key] = self.walk.send_keys
         #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
-        self.dtypes: dict[Any, str | None] = {k: getattr(graph.output_meta(*k), "dtype", None) for k in self.recv_keys}
-        self.dtypes.update({n: getattr(graph.output_meta(n, None), "dtype", None) for n in sub.nodes
-                            if graph[n].kind in (NodeKind.INPUT, NodeKind.LABEL)})
+        self.dtypes: dict[Any, str | None] = self.walk.dtypes
         self.stash: dict[Any, _Stash] = {}
         self.recompute = bool(recompute)
         #: running statistics (BatchNorm) a recomputed forward must not update a second time
@@ -353,8 +351,12 @@ class _TorchWalk(GraphWalk):
     parameters, fed values and received activations are the part's tensors on its device."""
 
     def __init__(self, part: TorchPart):
-        self.part = part
+        self.part, self.device = part, part.device
         super().__init__(part.graph, part.sub)
+        g = part.graph
+        #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
+        self.dtypes: dict[Any, str | None] = {k: getattr(g.output_meta(*k), "dtype", None) for k in self.recv_keys}
+        self.dtypes.update({n: getattr(g.output_meta(n, None), "dtype", None) for n in self.placeholders})
 
     def call(self, node: OpNode) -> Callable[..., Any] | None:
         part = self.part
@@ -393,11 +395,11 @@ class _TorchWalk(GraphWalk):
         return on_device(node.args, self.part.device), on_device(dict(node.kwargs), self.part.device)
 
     def fetch_placeholder(self, name: str, value: Any) -> torch.Tensor:
-        return from_wire(value, self.part.dtypes[name], self.part.device)
+        return from_wire(value, self.dtypes[name], self.device)
 
     def fetch_received(self, key: Key, value: Any, needs_grad: bool) -> Any:
         if isinstance(value, (np.ndarray, torch.Tensor)):
-            value = from_wire(value, self.part.dtypes[key], self.part.device)
+            value = from_wire(value, self.dtypes[key], self.device)
             if needs_grad and value.is_floating_point():
                 value = value.detach().requires_grad_(True)
         return value
