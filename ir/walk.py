@@ -36,7 +36,7 @@ framework (the NumPy engine must stay torch-free).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from fusion.ir.boundary import SubGraph
@@ -61,6 +61,8 @@ class Step:
     fast:     the arguments hold no list, tuple or dict: only ``arg_refs`` / ``kw_refs`` are filled
               per run; otherwise every reference is resolved per run through the nested containers.
     arg_refs / kw_refs: ``(slot, env key, index)`` of each top-level Ref (``fast`` steps).
+    name, kind: the node's; placeholder / output / loss: whether it is an input or label node, the
+              output marker, a loss node (its output is one term of the part's summed loss).
     """
 
     node: OpNode
@@ -70,14 +72,18 @@ class Step:
     fast: bool
     arg_refs: tuple = ()
     kw_refs: tuple = ()
+    name: str = field(init=False)
+    kind: NodeKind = field(init=False)
+    placeholder: bool = field(init=False)
+    output: bool = field(init=False)
+    loss: bool = field(init=False)
 
     def __post_init__(self) -> None:
         kind = self.node.kind
-        self.name: str = self.node.name
-        self.kind: NodeKind = kind
-        self.placeholder: bool = kind in PLACEHOLDER_KINDS
-        self.output: bool = kind == NodeKind.OUTPUT
-        self.loss: bool = kind == NodeKind.LOSS
+        self.name, self.kind = self.node.name, kind
+        self.placeholder = kind in PLACEHOLDER_KINDS
+        self.output = kind == NodeKind.OUTPUT
+        self.loss = kind == NodeKind.LOSS
 
 
 class GraphWalk:
