@@ -15,8 +15,9 @@ from torch import nn
 
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_refs
+from fusion.ir.node import NodeKind, OpNode, TensorMeta, ValueMeta
 from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
+from fusion.ir.walk import GraphWalk
 
 _META = torch.device("meta")
 
@@ -45,52 +46,61 @@ def _meta_like(v: Any) -> torch.Tensor:
     return torch.empty(tuple(v.shape), dtype=dtype, device=_META)
 
 
+class _MetaWalk(GraphWalk):
+    """The graph walk on the meta device: parameters and fed values are meta tensors of their shapes."""
+
+    missing_feed = "no example value for this placeholder"
+
+    def __init__(self, graph: OpGraph, params: Mapping[str, torch.Tensor]):
+        self.params = params
+        super().__init__(graph)
+
+    def call(self, node: OpNode):
+        if node.kind == NodeKind.OUTPUT:
+            return None
+        call, obj = node_callable(node)
+        module = None
+        if call == "module":
+            module = build_module(node, obj)
+            for path, pname in node.params.items():
+                set_module_tensor(module, path, self.params[pname], self.graph.params[pname].trainable)
+        return make_call(call, obj, module)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.params[name]
+
+    def literals(self, node: OpNode) -> tuple[tuple, dict]:
+        return on_device(node.args, _META), on_device(dict(node.kwargs), _META)
+
+    def fetch_placeholder(self, name: str, value: Any) -> torch.Tensor:
+        return _meta_like(value)
+
+
 def infer_meta(graph: OpGraph, feeds: Mapping[str, Any]) -> OpGraph:
     """Fill every node's ``meta.outputs`` (and ``meta.multi``) by running the graph once on meta tensors.
 
     ``feeds`` holds a value (tensor or array) of the micro-batch shape for every placeholder.
     Trainable parameters are ``nn.Parameter`` so that ``requires_grad`` is recorded as training sees it.
+    The walk is :class:`fusion.ir.walk.GraphWalk`'s; this pass says only how a node runs on the meta device.
     """
     params: dict[str, torch.Tensor] = {}
     for name, spec in graph.params.items():
         t = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device=_META)
         params[name] = nn.Parameter(t) if spec.trainable else t
-    env: dict[str, Any] = {}
 
-    def get(r: Ref | ParamRef) -> Any:
-        if isinstance(r, ParamRef):
-            return params[r.name]
-        v = env[r.node]
-        return v if r.index is None else v[r.index]
+    def record(name: str, out: Any) -> None:
+        node = graph[name]
+        try:
+            node.meta.outputs, node.meta.multi = output_meta(out)
+        except TypeError as e:
+            raise GraphError(f"output of type {e} is not supported (tensors, tuples of tensors, ints and shapes are)",
+                             name) from None
 
     # Factory ops in the graph (torch.ones, torch.arange, ... without a device argument) must make
     # meta tensors too, or they would meet meta activations as CPU tensors.
     with torch.device(_META):
-        for name in graph.topo_order():
-            node = graph[name]
-            if node.kind in (NodeKind.INPUT, NodeKind.LABEL):
-                if name not in feeds:
-                    raise GraphError("no example value for this placeholder", name)
-                out = _meta_like(feeds[name])
-            else:
-                args = map_refs(on_device(node.args, _META), get)
-                kwargs = map_refs(on_device(dict(node.kwargs), _META), get)
-                if node.kind == NodeKind.OUTPUT:
-                    out = args[0]
-                else:
-                    call, obj = node_callable(node)
-                    module = None
-                    if call == "module":
-                        module = build_module(node, obj)
-                        for path, pname in node.params.items():
-                            set_module_tensor(module, path, params[pname], graph.params[pname].trainable)
-                    out = make_call(call, obj, module)(*args, **kwargs)
-            env[name] = out
-            try:
-                node.meta.outputs, node.meta.multi = output_meta(out)
-            except TypeError as e:
-                raise GraphError(f"output of type {e} is not supported (tensors, tuples of tensors, ints and shapes are)",
-                                 name) from None
+        walk = _MetaWalk(graph, params)
+        walk.run({}, walk.feed(feeds), record)
     return graph
 
 

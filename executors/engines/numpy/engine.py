@@ -12,7 +12,7 @@ can run it on a host without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -20,12 +20,11 @@ from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import IDLE_KINDS, NodeKind, OpNode, ParamRef, Ref, TensorMeta
+from fusion.ir.walk import GraphWalk, Key, Step
 from fusion.executors.engines.base import EnginePart
 from fusion.executors.engines.numpy.ops import NpOp
 from fusion.executors.engines.numpy.torch_ops import TORCH_STYLE
 from fusion.executors.engines.numpy.onnx_ops import ONNX_NUMPY
-
-Key = tuple[str, "int | None"]
 
 #: every target the NumPy engine implements
 OPS: dict[str, NpOp] = {**TORCH_STYLE, **ONNX_NUMPY}
@@ -68,22 +67,10 @@ def _flat(v):
 
 
 @dataclass
-class _Step:
-    name: str
-    kind: NodeKind
-    op: NpOp | None
-    args: tuple
-    kwargs: dict
-    attrs: dict
-    params: dict[str, str]  # module path -> graph parameter
-
-
-@dataclass
 class _Tape:
     """What one in-flight micro-batch keeps for its backward."""
 
     ctx: dict[str, Any] = field(default_factory=dict)
-    args: dict[str, tuple] = field(default_factory=dict)  # the node's argument specs (refs) for routing
     needs_grad: set[str] = field(default_factory=set)  # nodes whose output depends on something trainable
     leaf_grad: dict[Key, bool] = field(default_factory=dict)
     sent: dict[Key, Any] = field(default_factory=dict)
@@ -124,7 +111,6 @@ class NumpyPart(EnginePart):
         self.params: dict[str, np.ndarray] = {}
         self.trainable_names: list[str] = []
         self._grads: dict[str, np.ndarray | None] = {}
-        self.steps: list[_Step] = []
         for name in sub.nodes:
             node = graph[name]
             for pname in node.param_names():
@@ -140,88 +126,81 @@ class NumpyPart(EnginePart):
                 if spec.trainable:
                     self.trainable_names.append(pname)
                     self._grads[pname] = None
-            self.steps.append(self._make_step(node))
-        self._local = set(sub.nodes)
-        self.recv_keys: dict[Key, bool] = {}
-        for e in sub.boundary.required_acts:
-            self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
-        self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        self._local = frozenset(sub.nodes)
+        self._trainable_set = frozenset(self.trainable_names)
+        #: the op of every compute node (what backward's vector-Jacobian products use)
+        self.ops: dict[str, NpOp] = {}
+        #: the tape of the micro-batch whose forward is running (the walk's callables write to it)
+        self._tape: _Tape | None = None
+        #: the part's nodes ready to run (the graph walk of :mod:`fusion.ir.walk`; fills ``ops``)
+        self.walk = _NumpyWalk(self)
+        self.steps = self.walk.steps
+        self.recv_keys: dict[Key, bool] = self.walk.recv_keys
+        self.send_keys: list[Key] = self.walk.send_keys
         self.stash: dict[Any, _Tape] = {}
 
-    def _make_step(self, node: OpNode) -> _Step:
-        if node.kind in IDLE_KINDS:
-            return _Step(node.name, node.kind, None, node.args, {}, {}, {})
+    def _op(self, node: OpNode) -> NpOp:
         op = OPS.get(node.target)
         if op is None:
             raise GraphError(f"the numpy engine has no op {node.target!r}", node.name)
         why = node_problem(node)
         if why:
             raise GraphError(f"the numpy engine cannot run {node.target}: {why}", node.name)
-        return _Step(node.name, node.kind, op, node.args, dict(node.kwargs), dict(node.attrs), dict(node.params))
+        self.ops[node.name] = op
+        return op
+
+    def _call(self, node: OpNode) -> Callable[..., Any]:
+        """The callable of ``node`` for the walk: runs the op's forward and writes what backward needs
+        (the op's context when a gradient flows through the node, the number of outputs) to the tape."""
+        name, kind = node.name, node.kind
+        op = None if kind == NodeKind.OUTPUT else self._op(node)
+        trainable = self._trainable_set
+        # whether a gradient flows through the node: static for parameters, per run for values
+        static = any(r.name in trainable for r in node.param_refs()) or \
+            any(p in trainable for p in node.params.values())
+        local = tuple(r.node for r in node.refs() if r.node in self._local)
+        received = tuple((r.node, r.index) for r in node.refs() if r.node not in self._local)
+        keeps = kind == NodeKind.OUTPUT or op.vjp is not None
+        module = {p: g for p, g in node.params.items()} if op is not None and op.module else None
+        attrs = dict(node.attrs)
+        params = self.params
+
+        def fn(*args, **kwargs):
+            tape = self._tape
+            if op is None:
+                out, ctx = args[0], None
+            elif module is not None:
+                out, ctx = op.fwd({p: params[g] for p, g in module.items()}, attrs, *args, **kwargs)
+            else:
+                out, ctx = op.fwd(*args, **kwargs)
+            if isinstance(out, tuple):
+                tape.multi[name] = len(out)
+            if keeps and (static or any(n in tape.needs_grad for n in local)
+                          or any(tape.leaf_grad.get(k, False) for k in received)):
+                tape.needs_grad.add(name)
+                tape.ctx[name] = ctx
+            if kind == NodeKind.LOSS:
+                tape.losses.append(name)
+            return out
+
+        return fn
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]:
         """Run the sub-DAG for one micro-batch (same contract as ``TorchPart.forward``)."""
         tape = _Tape()
-        leaves: dict[Key, Any] = {}
+        leaves = self.walk.receive(inputs)
         for key, needs_grad in self.recv_keys.items():
-            if key not in inputs:
-                raise GraphError(f"missing activation {key} from another part", key[0])
-            leaves[key] = _asarray(inputs[key])
             tape.leaf_grad[key] = needs_grad and _is_float(leaves[key])
-        env: dict[str, Any] = {}
-        trainable = set(self.trainable_names)
-
-        def get(r):
-            if isinstance(r, ParamRef):
-                return self.params[r.name]
-            v = env[r.node] if r.node in self._local else leaves[(r.node, r.index)]
-            return v if r.node not in self._local or r.index is None else v[r.index]
-
-        def grad_flows(r) -> bool:
-            if isinstance(r, ParamRef):
-                return r.name in trainable
-            if r.node in self._local:
-                return r.node in tape.needs_grad
-            return tape.leaf_grad.get((r.node, r.index), False)
-
-        for s in self.steps:
-            if s.kind in (NodeKind.INPUT, NodeKind.LABEL):
-                if s.name not in feeds:
-                    raise GraphError("no data fed to this placeholder", s.name)
-                env[s.name] = np.asarray(feeds[s.name])
-                continue
-            args = [get(a) if isinstance(a, (Ref, ParamRef)) else a for a in s.args]
-            refs = [a for a in s.args if isinstance(a, (Ref, ParamRef))]
-            flows = any(grad_flows(r) for r in refs) or any(p in trainable for p in s.params.values())
-            if s.kind == NodeKind.OUTPUT:
-                out, ctx = args[0], None
-            else:
-                kwargs = {k: v for k, v in s.kwargs.items()}
-                try:
-                    if s.op.module:
-                        out, ctx = s.op.fwd({p: self.params[g] for p, g in s.params.items()}, s.attrs, *args, **kwargs)
-                    else:
-                        out, ctx = s.op.fwd(*args, **kwargs)
-                except GraphError:
-                    raise
-                except Exception as e:
-                    raise GraphError(f"numpy engine failed on {self.graph[s.name].target}: {type(e).__name__}: {e}", s.name) from None
-            env[s.name] = out
-            if isinstance(out, tuple):
-                tape.multi[s.name] = len(out)
-            if flows and (s.kind == NodeKind.OUTPUT or (s.op is not None and s.op.vjp is not None)):
-                tape.needs_grad.add(s.name)
-                tape.ctx[s.name] = ctx
-            if s.kind == NodeKind.LOSS:
-                tape.losses.append(s.name)
-        sent = {}
-        for key in self.send_keys:
-            v = env[key[0]]
-            sent[key] = v if key[1] is None else v[key[1]]
+        fed = self.walk.feed(feeds)
+        self._tape = tape
+        try:
+            sent, losses = self.walk.run(leaves, fed)
+        finally:
+            self._tape = None
         tape.sent = sent
         self.stash[mb_key] = tape
-        loss = float(sum(float(np.asarray(env[n])) for n in tape.losses)) if tape.losses else None
+        loss = float(sum(float(np.asarray(v)) for v in losses)) if losses else None
         return dict(sent), loss
 
     # -- backward ----------------------------------------------------------------------
@@ -265,14 +244,14 @@ class NumpyPart(EnginePart):
             if s.kind == NodeKind.OUTPUT:
                 in_grads = {0: g}
             else:
-                in_grads = s.op.vjp(tape.ctx[s.name], g)
+                in_grads = self.ops[s.name].vjp(tape.ctx[s.name], g)
             for slot, gi in in_grads.items():
                 if gi is None:
                     continue
                 if isinstance(slot, str):  # a module's parameter
-                    self._accumulate(s.params[slot], gi)
+                    self._accumulate(s.node.params[slot], gi)
                     continue
-                ref = s.args[slot]
+                ref = s.node.args[slot]
                 if isinstance(ref, ParamRef):
                     if ref.name in trainable:
                         self._accumulate(ref.name, gi)
@@ -316,3 +295,30 @@ class NumpyPart(EnginePart):
     def zero_grad(self) -> None:
         for n in self._grads:
             self._grads[n] = None
+
+
+class _NumpyWalk(GraphWalk):
+    """The graph walk (:class:`fusion.ir.walk.GraphWalk`) of a NumPy part: a node calls its NumPy kernel
+    (:meth:`NumpyPart._call`, which also keeps the tape); values are arrays; an op that fails is a
+    :class:`GraphError` naming the node."""
+
+    def __init__(self, part: NumpyPart):
+        self.part = part
+        super().__init__(part.graph, part.sub)
+
+    def call(self, node: OpNode) -> Callable[..., Any]:
+        return self.part._call(node)
+
+    def param(self, name: str) -> np.ndarray:
+        return self.part.params[name]
+
+    def fetch_placeholder(self, name: str, value: Any) -> np.ndarray:
+        return np.asarray(value)
+
+    def fetch_received(self, key: Key, value: Any, needs_grad: bool) -> Any:
+        return _asarray(value)
+
+    def failed(self, step: Step, error: Exception) -> Exception:
+        if isinstance(error, GraphError):
+            return error
+        return GraphError(f"numpy engine failed on {step.node.target}: {type(error).__name__}: {error}", step.name)

@@ -35,7 +35,6 @@ import torch
 from torch import fx, nn
 
 from fusion.ir.node import NodeKind, ParamRef, Ref, map_nested, map_refs
-from fusion.ir.torch_ops import on_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from fusion.executors.engines.torch.engine import TorchPart
@@ -67,7 +66,8 @@ def build_part_module(part: "TorchPart") -> tuple[fx.GraphModule, int, bool]:
     env: dict[Any, fx.Node] = {}
     for key in part.recv_keys:
         env[key] = g.placeholder(_ident(f"in_{key[0]}" + ("" if key[1] is None else f"_{key[1]}"), taken))
-    for s in part.steps:
+    walk = part.walk  # the part's graph walk (fusion.ir.walk): its steps, callables and Ref addresses
+    for s in walk.steps:
         if s.placeholder:
             env[s.name] = g.placeholder(_ident(s.name, taken))
     attrs: dict[int, fx.Node] = {}
@@ -96,20 +96,21 @@ def build_part_module(part: "TorchPart") -> tuple[fx.GraphModule, int, bool]:
 
     def resolve(r):
         if isinstance(r, ParamRef):
-            return attr(part.params[r.name], f"p_{r.name}")
-        key, idx = part._env_key(r)
+            return attr(walk.param(r.name), f"p_{r.name}")
+        key, idx = walk.env_key(r)
         return value(key, idx)
 
     def literal(v):
         return attr(v, "const") if isinstance(v, torch.Tensor) else v
 
     losses: list[fx.Node] = []
-    for s in part.steps:
+    for s in walk.steps:
         if s.placeholder:
             continue
-        node = part.graph[s.name]
-        args = map_nested(map_refs(on_device(node.args, part.device), resolve), literal)
-        kwargs = map_nested(map_refs(on_device(dict(node.kwargs), part.device), resolve), literal)
+        node = s.node
+        args, kwargs = walk.literals(node)  # device literals on the part's device, as the walk has them
+        args = map_nested(map_refs(args, resolve), literal)
+        kwargs = map_nested(map_refs(kwargs, resolve), literal)
         if s.output:
             env[s.name] = args[0]
             continue

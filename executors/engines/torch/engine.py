@@ -19,11 +19,10 @@ from torch import nn
 from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
-from fusion.ir.node import NodeKind, ParamRef, Ref, TensorMeta, ValueMeta, map_nested, map_refs
+from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref, TensorMeta
 from fusion.ir.torch_ops import TORCH_DTYPES, build_module, dtype_name, make_call, node_callable, on_device, set_module_tensor
+from fusion.ir.walk import GraphWalk, Key
 from fusion.executors.engines.base import EnginePart
-
-Key = tuple[str, "int | None"]
 
 log = logging.getLogger(__name__)
 
@@ -69,30 +68,6 @@ def from_wire(a: Any, dtype: str | None, device: torch.device | str = "cpu") -> 
     if want is not None and want.is_floating_point and t.is_floating_point():
         return t.to(want)
     return t
-
-
-@dataclass
-class _Step:
-    """One node, prepared for the forward loop.
-
-    args/kwargs are templates: literals, and parameters already resolved to
-    their tensors; ``arg_refs``/``kw_refs`` list the slots that take values
-    computed in this run as ``(slot, env key, index)``. The env holds local
-    outputs under the node name and received activations under their
-    ``(producer, index)`` key, so one lookup serves both.
-    """
-
-    name: str
-    kind: NodeKind
-    fn: Callable[..., Any] | None
-    args: tuple
-    kwargs: dict
-    fast: bool  # args/kwargs hold only top-level refs and literals
-    arg_refs: tuple = ()
-    kw_refs: tuple = ()
-    placeholder: bool = False
-    output: bool = False
-    loss: bool = False
 
 
 @dataclass
@@ -175,18 +150,12 @@ class TorchPart(EnginePart):
         self._trainable: tuple[tuple[str, nn.Parameter], ...] = tuple(
             (n, p) for n, p in self.params.items() if isinstance(p, nn.Parameter))
         self.modules: dict[str, nn.Module] = {}
-        self._local = set(sub.nodes)
-        self.steps = [self._make_step(n) for n in sub.nodes]
-        #: the input/label placeholders' names, in node order (what forward() reads from its feeds)
-        self._fed_names: tuple[str, ...] = tuple(s.name for s in self.steps if s.placeholder)
-        self.recv_keys: dict[Key, bool] = {}
-        for e in sub.boundary.required_acts:
-            self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
-        self.send_keys: list[Key] = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
+        #: the part's nodes ready to run (the graph walk of :mod:`fusion.ir.walk`; builds ``modules``)
+        self.walk = _TorchWalk(self)
+        self.recv_keys: dict[Key, bool] = self.walk.recv_keys
+        self.send_keys: list[Key] = self.walk.send_keys
         #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
-        self.dtypes: dict[Any, str | None] = {k: getattr(graph.output_meta(*k), "dtype", None) for k in self.recv_keys}
-        self.dtypes.update({n: getattr(graph.output_meta(n, None), "dtype", None) for n in sub.nodes
-                            if graph[n].kind in (NodeKind.INPUT, NodeKind.LABEL)})
+        self.dtypes: dict[Any, str | None] = self.walk.dtypes
         self.stash: dict[Any, _Stash] = {}
         self.recompute = bool(recompute)
         #: running statistics (BatchNorm) a recomputed forward must not update a second time
@@ -239,62 +208,6 @@ class TorchPart(EnginePart):
             return v
         return v.detach() if key in keep else to_array(v)
 
-    # -- building ---------------------------------------------------------------
-    def _make_step(self, name: str) -> _Step:
-        node = self.graph[name]
-        call, obj = node_callable(node)
-        fn = None
-        if call == "module":
-            mod = build_module(node, obj)
-            for path, pname in node.params.items():
-                set_module_tensor(mod, path, self.params[pname], self.graph.params[pname].trainable)
-            leftovers = [n for n, t in list(mod.named_parameters()) + list(mod.named_buffers()) if t.device.type == "meta"]
-            if leftovers and self.device.type != "meta":
-                raise GraphError(f"module tensors {leftovers} have no graph parameter (node.params is incomplete)", name)
-            mod.to(self.device) if self.device.type != "meta" else None
-            self.modules[name] = mod
-            fn = make_call(call, obj, mod)
-        elif call == "method" and self._tensor_arg(node):
-            fn = getattr(torch.Tensor, obj)  # the receiver is a tensor: call the unbound method, no wrapper
-        elif call in ("function", "method"):
-            fn = make_call(call, obj, None)
-        args, kwargs = on_device(node.args, self.device), on_device(dict(node.kwargs), self.device)
-        fast = all(not isinstance(a, (list, tuple, dict)) for a in args) and \
-            all(not isinstance(v, (list, tuple, dict)) for v in kwargs.values())
-        step = _Step(name, node.kind, fn, args, kwargs, fast, placeholder=node.kind in (NodeKind.INPUT, NodeKind.LABEL),
-                     output=node.kind == NodeKind.OUTPUT, loss=node.kind == NodeKind.LOSS)
-        if fast:  # resolve parameters now, leave slots for values computed per run
-            arg_refs, kw_refs = [], []
-            targs = list(args)
-            for i, a in enumerate(args):
-                if isinstance(a, ParamRef):
-                    targs[i] = self.params[a.name]
-                elif isinstance(a, Ref):
-                    arg_refs.append((i, *self._env_key(a)))
-            for k, v in kwargs.items():
-                if isinstance(v, ParamRef):
-                    kwargs[k] = self.params[v.name]
-                elif isinstance(v, Ref):
-                    kw_refs.append((k, *self._env_key(v)))
-            step.args, step.kwargs, step.arg_refs, step.kw_refs = tuple(targs), kwargs, tuple(arg_refs), tuple(kw_refs)
-        return step
-
-    def _tensor_arg(self, node) -> bool:
-        """Whether shape inference says the node's first argument is a tensor."""
-        a = node.args[0] if node.args else None
-        if isinstance(a, ParamRef):
-            return True
-        if not isinstance(a, Ref) or a.node not in self.graph.nodes:
-            return False
-        outs = self.graph[a.node].meta.outputs
-        i = a.index or 0
-        return i < len(outs) and isinstance(outs[i], TensorMeta) and (a.index is not None or len(outs) == 1)
-
-    def _env_key(self, r: Ref) -> tuple[Any, int | None]:
-        """Where a Ref's value lives in the forward env: ``(name, index)`` for a local
-        output, ``((producer, index), None)`` for an activation received from another part."""
-        return (r.node, r.index) if r.node in self._local else ((r.node, r.index), None)
-
     # -- forward -----------------------------------------------------------------
     def forward(self, mb_key: Any, inputs: Mapping[Key, Any], feeds: Mapping[str, Any],
                 record: Callable[[str, Any], None] | None = None) -> tuple[dict[Key, Any], float | None]:
@@ -307,20 +220,8 @@ class TorchPart(EnginePart):
         loss (None when the part has no loss node).
         """
         st = _Stash()
-        for key, needs_grad in self.recv_keys.items():
-            if key not in inputs:
-                raise GraphError(f"missing activation {key} from another part", key[0])
-            v = inputs[key]
-            if isinstance(v, (np.ndarray, torch.Tensor)):
-                v = from_wire(v, self.dtypes[key], self.device)
-                if needs_grad and v.is_floating_point():
-                    v = v.detach().requires_grad_(True)
-            st.leaves[key] = v
-        fed: dict[str, Any] = {}
-        for name in self._fed_names:
-            if name not in feeds:
-                raise GraphError("no data fed to this placeholder", name)
-            fed[name] = from_wire(feeds[name], self.dtypes[name], self.device)
+        st.leaves = self.walk.receive(inputs)
+        fed = self.walk.feed(feeds)
         if self.recompute and record is None:
             st.feeds, st.rng = fed, self._rng_state()
             with torch.no_grad():
@@ -338,44 +239,7 @@ class TorchPart(EnginePart):
             outs = self._fn(*(leaves[k] for k in self.recv_keys), *fed.values())
             sent = dict(zip(self.send_keys, outs[:self._n_sent]))
             return sent, (outs[self._n_sent] if self._has_loss else None)
-        env: dict[Any, Any] = dict(leaves)
-        get = None
-        losses = []
-        for s in self.steps:
-            if s.placeholder:
-                out = fed[s.name]
-            else:
-                if s.fast:
-                    args = s.args
-                    if s.arg_refs:
-                        args = list(args)
-                        for i, key, idx in s.arg_refs:
-                            v = env[key]
-                            args[i] = v if idx is None else v[idx]
-                    kwargs = s.kwargs
-                    if s.kw_refs:
-                        kwargs = dict(kwargs)
-                        for k, key, idx in s.kw_refs:
-                            v = env[key]
-                            kwargs[k] = v if idx is None else v[idx]
-                else:
-                    if get is None:
-                        get = self._resolver(env)
-                    args = map_refs(s.args, get)
-                    kwargs = map_refs(s.kwargs, get)
-                if s.output:
-                    out = args[0]
-                else:
-                    out = s.fn(*args, **kwargs)
-                    if s.loss:
-                        losses.append(out)
-            env[s.name] = out
-            if record is not None:
-                record(s.name, out)
-        sent = {}
-        for key in self.send_keys:
-            v = env[key[0]]
-            sent[key] = v if key[1] is None else v[key[1]]
+        sent, losses = self.walk.run(leaves, fed, record)
         return sent, (sum(losses[1:], losses[0]) if losses else None)
 
     def _rng_state(self) -> tuple:
@@ -394,19 +258,6 @@ class TorchPart(EnginePart):
             for b, v in zip(self._stat_buffers, saved):
                 b.data.copy_(v)  # .data: a running statistic is no input of the backward (no version bump)
         st.feeds = st.rng = None
-
-    def _resolver(self, env: dict[Any, Any]):
-        """Ref/ParamRef -> value, for arguments nested in lists, tuples or dicts."""
-        params = self.params
-
-        def get(r):
-            if isinstance(r, ParamRef):
-                return params[r.name]
-            key, idx = self._env_key(r)
-            v = env[key]
-            return v if idx is None else v[idx]
-
-        return get
 
     # -- backward ----------------------------------------------------------------
     def backward(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, np.ndarray]:
@@ -501,3 +352,63 @@ class TorchPart(EnginePart):
     def set_grad(self, name: str, grad: Any) -> None:
         p = self.params[name]
         p.grad = from_wire(grad, dtype_name(p.dtype), self.device).to(p.dtype).clone()
+
+
+class _TorchWalk(GraphWalk):
+    """The graph walk (:class:`fusion.ir.walk.GraphWalk`) of a torch part: a node calls its torch op, or
+    the part's own ``nn.Module`` built here from the node (with the part's parameters, on its device);
+    parameters, fed values and received activations are the part's tensors on its device."""
+
+    def __init__(self, part: TorchPart):
+        self.part, self.device = part, part.device
+        super().__init__(part.graph, part.sub)
+        g = part.graph
+        #: the graph's dtype of every received activation and fed placeholder (bfloat16 arrives as bits)
+        self.dtypes: dict[Any, str | None] = {k: getattr(g.output_meta(*k), "dtype", None) for k in self.recv_keys}
+        self.dtypes.update({n: getattr(g.output_meta(n, None), "dtype", None) for n in self.placeholders})
+
+    def call(self, node: OpNode) -> Callable[..., Any] | None:
+        part = self.part
+        call, obj = node_callable(node)
+        if call == "module":
+            mod = build_module(node, obj)
+            for path, pname in node.params.items():
+                set_module_tensor(mod, path, part.params[pname], part.graph.params[pname].trainable)
+            leftovers = [n for n, t in list(mod.named_parameters()) + list(mod.named_buffers()) if t.device.type == "meta"]
+            if leftovers and part.device.type != "meta":
+                raise GraphError(f"module tensors {leftovers} have no graph parameter (node.params is incomplete)", node.name)
+            mod.to(part.device) if part.device.type != "meta" else None
+            part.modules[node.name] = mod
+            return make_call(call, obj, mod)
+        if call == "method" and self._tensor_arg(node):
+            return getattr(torch.Tensor, obj)  # the receiver is a tensor: call the unbound method, no wrapper
+        if call in ("function", "method"):
+            return make_call(call, obj, None)
+        return None  # the output marker: its argument passes through
+
+    def _tensor_arg(self, node: OpNode) -> bool:
+        """Whether shape inference says the node's first argument is a tensor."""
+        a = node.args[0] if node.args else None
+        if isinstance(a, ParamRef):
+            return True
+        if not isinstance(a, Ref) or a.node not in self.graph.nodes:
+            return False
+        outs = self.graph[a.node].meta.outputs
+        i = a.index or 0
+        return i < len(outs) and isinstance(outs[i], TensorMeta) and (a.index is not None or len(outs) == 1)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.part.params[name]
+
+    def literals(self, node: OpNode) -> tuple[tuple, dict]:
+        return on_device(node.args, self.part.device), on_device(dict(node.kwargs), self.part.device)
+
+    def fetch_placeholder(self, name: str, value: Any) -> torch.Tensor:
+        return from_wire(value, self.dtypes[name], self.device)
+
+    def fetch_received(self, key: Key, value: Any, needs_grad: bool) -> Any:
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            value = from_wire(value, self.dtypes[key], self.device)
+            if needs_grad and value.is_floating_point():
+                value = value.detach().requires_grad_(True)
+        return value

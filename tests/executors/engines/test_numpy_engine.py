@@ -238,3 +238,20 @@ def test_numpy_part_rejects_what_it_cannot_build():
         NumpyPart(model.graph, sub, model.params, device="cuda")
     with pytest.raises(GraphError, match="no initial value for parameter"):
         NumpyPart(model.graph, sub, {})
+
+
+def test_numpy_forward_errors_name_the_node():
+    """The NumPy engine's graph walk: an op that fails, or a placeholder without data, is a GraphError naming it."""
+    from fusion.ir.builder import GraphBuilder
+
+    b = GraphBuilder()
+    b.output("y", b.module("fc", "torch.nn.Linear", b.input("x"), in_features=4, out_features=3))
+    model = b.build({"x": torch.zeros(2, 4)})
+    part = NumpyPart(model.graph, model.graph.subgraph(model.graph.nodes), model.params)
+    with pytest.raises(GraphError, match=r"^node 'fc': numpy engine failed on torch.nn.Linear: ValueError"):
+        part.forward(0, {}, {"x": np.zeros((2, 5), np.float32)})
+    with pytest.raises(GraphError, match="^node 'x': no data fed to this placeholder"):
+        part.forward(0, {}, {})
+    out, loss = part.forward(0, {}, {"x": np.ones((2, 4), np.float32)})
+    assert out == {} and loss is None  # nothing sent, no loss node
+    assert part.stash[0].needs_grad == {"fc", "y"} and set(part.stash[0].ctx) == {"fc", "y"}  # both depend on fc's weights
