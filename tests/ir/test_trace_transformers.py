@@ -65,7 +65,10 @@ def test_transformers_model_trains_like_pytorch(family, n_parts):
         np.testing.assert_allclose(r.loss, loss, rtol=1e-5, err_msg=f"{family} loss, step {step}")
         assert set(r.grads) == set(grads), sorted(set(r.grads) ^ set(grads))
         for name, gr in grads.items():
-            np.testing.assert_allclose(r.grads[name], gr.numpy(), rtol=1e-4, atol=1e-7,
+            # atol scales with the tensor's largest gradient: float32 sums in another order differ by ~1e-7 of
+            # it, which on the tiny elements of t5's attention grads (transformers 5.x) exceeded a fixed 1e-7
+            g = gr.numpy()
+            np.testing.assert_allclose(r.grads[name], g, rtol=1e-4, atol=max(1e-7, 1e-5 * float(np.abs(g).max())),
                                        err_msg=f"{family} grad {name}, step {step}")
     state = ex.state()
     for name, p in ref.named_parameters():
