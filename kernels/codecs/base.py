@@ -161,6 +161,8 @@ class Codec:
     auto: ClassVar[Mapping[Role, tuple]] = {}
     host_on_cpu: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = ()
+    payload_word: ClassVar[str] = ""  # how log lines name its payloads ("sparse", "quantised"); default: its name
+    title: ClassVar[str] = ""  # how log lines name the codec ("delta (AQ-SGD)"); default: its name
     order: ClassVar[int] = 100
     has_device: ClassVar[bool] = False
 
@@ -183,6 +185,14 @@ class Codec:
     def runs_on_device(self, device_type: str, torch_on_cpu: bool) -> bool:
         """Whether a tensor on a ``device_type`` device is encoded by the device path."""
         return self.has_device and (device_type != "cpu" or torch_on_cpu or not self.host_on_cpu)
+
+    def check_payload(self, payload: Any, shape: tuple, dtype: str) -> str | None:
+        """Why a received payload cannot be the graph's tensor ``dtype[shape]`` (None: it can). Default: the
+        payload says its ``shape`` and ``dtype``, which must be the graph's."""
+        if tuple(payload.shape) != tuple(shape) or payload.dtype != dtype:
+            return (f"{self.payload_word or self.name} payload of {payload.dtype}{list(payload.shape)} does not "
+                    f"match the graph's {dtype}{list(shape)}")
+        return None
 
     def message_cfg(self, cfg: Mapping[str, Any], payload: Any) -> dict:
         return dict(cfg)

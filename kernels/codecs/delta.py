@@ -55,6 +55,7 @@ class DeltaCodec(Codec):
                                                  {"algo": "delta", "bits": 2, "block": 64})}
     has_device: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = (DeltaPayload,)
+    title: ClassVar[str] = "delta (AQ-SGD)"
     order: ClassVar[int] = 3
 
     def config(self, cfg: Mapping[str, Any]) -> DeltaConfig:
@@ -68,6 +69,13 @@ class DeltaCodec(Codec):
             raise FusionError("delta (AQ-SGD) compresses activations only; give the gradients another codec "
                               "(--compress-bwd)")
         super().check(cfg, role, error_feedback)
+
+    def check_payload(self, payload: DeltaPayload, shape: tuple, dtype: str) -> str | None:
+        """Rows are samples: the tensor, its leading dimension split per sample if need be."""
+        ms, p = tuple(shape), payload
+        ok = bool(ms) and p.rows > 0 and ms[0] % p.rows == 0 and p.dtype == dtype and \
+            p.shape == (ms if ms[0] == p.rows else (p.rows, ms[0] // p.rows, *ms[1:]))
+        return None if ok else f"delta payload of {p.dtype}{list(p.shape)} does not match the graph's {dtype}{list(ms)}"
 
     def new_state(self, cfg: Mapping[str, Any], device: Any = None):
         """One end's buffers of one edge: ``DeltaBuffer`` (NumPy) when ``device`` is None, else

@@ -49,6 +49,7 @@ class QuantCodec(Codec):
     auto: ClassVar[Mapping] = {Role.ACTIVATION: (_Q8, _Q4), Role.GRADIENT: (_Q8, _Q4)}
     has_device: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = (QuantPayload,)
+    payload_word: ClassVar[str] = "quantised"
     order: ClassVar[int] = 1
 
     def config(self, cfg: Mapping[str, Any]) -> QuantConfig:

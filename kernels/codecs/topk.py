@@ -107,6 +107,7 @@ class TopKCodec(Codec):
     host_on_cpu: ClassVar[bool] = False  # a CPU tensor's selection reads the tensor in place: no copy to make
     has_device: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = (SparsePayload,)
+    payload_word: ClassVar[str] = "sparse"
     order: ClassVar[int] = 0
 
     @staticmethod
