@@ -475,18 +475,12 @@ class Plan:
         if not (isinstance(c, dict) and isinstance(c.get("algo"), str)):
             raise PlanError(f"{source}: dp_codec must be a codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
                             f"got {c!r}"[:200])
-        if c["algo"] not in CODECS:
-            if self.graph.plugins:
-                return
-            raise PlanError(f"{source}: dp_codec: unknown codec {c['algo']!r} (known: {', '.join(CODECS.names())})")
-        unit = CODECS.unit(c["algo"])
-        if Role.DP_GRADIENT not in unit.roles:
-            raise PlanError(f"{source}: dp_codec: {c['algo']} cannot compress data-parallel gradients (use one of "
-                            f"{', '.join(CODECS.serving(Role.DP_GRADIENT))})")
+        if c["algo"] not in CODECS and self.graph.plugins:
+            return
         try:
-            unit.check_cfg(c)
+            CODECS.check_role(c, Role.DP_GRADIENT, f"{source}: dp_codec")
         except FusionError as e:
-            raise PlanError(f"{source}: dp_codec: {e}") from None
+            raise PlanError(str(e)) from None
 
     def _check_replicas(self, source: str) -> None:
         """Replicas run the same cut on disjoint devices; the global batch divides over them."""

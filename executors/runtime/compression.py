@@ -57,8 +57,8 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.graph import OpGraph
-from fusion.kernels.codecs import CODECS, FLOAT_DTYPES, Codec, CodecContext, CodecPayload, Counter, PluginCodec, Role
-from fusion.kernels.codecs.base import ROLE_WORDS, dtype_of, is_torch, to_numpy, to_tensor
+from fusion.kernels.codecs import CODECS, FLOAT_DTYPES, Codec, CodecContext, CodecPayload, Counter, Role
+from fusion.kernels.codecs.base import dtype_of, is_torch, to_numpy, to_tensor
 from fusion.kernels.codecs.registry import decode_checked, numpy_path
 from fusion.kernels.codecs.topk import densify, topk_numpy
 from fusion.executors.runtime.delta_edges import DeltaEdges
@@ -70,8 +70,8 @@ Key = tuple[str, "int | None"]
 #: tensor dtypes a payload may be compressed in (the codecs' ``FLOAT_DTYPES``)
 COMPRESSIBLE = FLOAT_DTYPES
 
-__all__ = ["EdgeRule", "CompressionTable", "TiedCodec", "table_for", "check_edges", "check_plan_codecs",
-           "dense_payload", "densify", "topk_numpy", "sum_in_order", "COMPRESSIBLE"]
+__all__ = ["EdgeRule", "CompressionTable", "table_for", "check_edges", "check_plan_codecs", "dense_payload", "densify",
+           "topk_numpy", "COMPRESSIBLE"]
 
 
 @dataclass(frozen=True)
@@ -360,95 +360,6 @@ def check_edges(edges: Iterable[Any], assignment: Mapping[str, str]) -> None:
             raise FusionError(f"compression of {e.producer!r}: unknown dst part {e.dst!r}")
 
 
-# -- tied-parameter gradients --------------------------------------------------------------------
-
-def check_role(cfg: Any, role: Role, where: str) -> Codec:
-    """The codec a cfg names, checked for ``role``; FusionError (one line naming ``where``) for a cfg that is
-    not one, a codec the registry lacks, one that cannot serve ``role``, or a bad cfg."""
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("algo"), str):
-        raise FusionError(f"{where}: expected a codec cfg with an 'algo' name, got {cfg!r}")
-    algo = cfg["algo"]
-    if algo not in CODECS:
-        raise FusionError(f"{where}: unknown codec {algo!r} (known: {', '.join(CODECS.names())}); a user codec is "
-                          "registered by a plugin file the plan lists, imported with --trust-plugins")
-    unit = CODECS.unit(algo)
-    if role not in unit.roles:
-        serving = [n for n in CODECS.serving(role) if not isinstance(CODECS.unit(n), PluginCodec)]
-        raise FusionError(f"{where}: {algo} cannot compress {ROLE_WORDS[role]} (use one of {', '.join(serving)} "
-                          "or a user codec)")
-    try:
-        unit.check(cfg, role)
-    except FusionError as err:
-        raise FusionError(f"{where}: {err}") from None
-    return unit
-
-
-@dataclass(frozen=True)
-class TiedCodec:
-    """How the owners of a tied parameter exchange its gradient (``Plan.tied_codec``).
-
-    cfg: the codec cfg (``{"algo": "quant", "bits": 8}``; any codec of the registry that may serve
-         tied-parameter gradients: quant, hadamard-quant, topk or a user codec).
-
-    Semantics (deterministic, the same on every owner): each owner encodes its own accumulated gradient
-    once (:meth:`encode`), sends that payload to the other owners, and every owner sums the *decoded*
-    gradients of all owners, its own included (:meth:`decode`, same NumPy code on every end), in plan
-    part order (:func:`sum_in_order`). So every owner applies the same bits and the weights stay identical;
-    the reference executor does the same in one process. A gradient whose dtype is not a float travels
-    dense (and counts dense on every owner).
-    """
-
-    cfg: dict
-    unit: Codec = field(compare=False, repr=False)
-
-    @classmethod
-    def from_cfg(cls, cfg: Any, where: str = "plan.tied_codec") -> "TiedCodec | None":
-        """None for no codec; FusionError (one line) for one the registry lacks or the exchange cannot use."""
-        if cfg is None:
-            return None
-        return cls(dict(cfg), check_role(cfg, Role.TIED_GRADIENT, where))
-
-    @property
-    def algo(self) -> str:
-        return self.cfg["algo"]
-
-    def check_engine(self, part: str, engine: str) -> None:
-        """FusionError when a NumPy part would have to run a torch-only user codec."""
-        if engine == "numpy" and not numpy_path(self.unit):
-            raise FusionError(f"plan.tied_codec: codec {self.algo!r} has only a torch path, and part {part} (an owner "
-                              "of a tied parameter) runs the numpy engine")
-
-    def encode(self, grad: np.ndarray, dtype: str, name: str, owner: str, it: int) -> Any:
-        """The payload of ``owner``'s gradient of parameter ``name`` at iteration ``it`` (``dtype``: the graph's;
-        bfloat16 as uint16 bits). Stochastic rounding is seeded by (name, owner, it): the same on every run."""
-        if dtype not in COMPRESSIBLE:
-            return grad
-        ctx = CodecContext(Role.TIED_GRADIENT, owner, (name, None), iteration=it)
-        return self.unit.encode_host(grad, dtype, self.cfg, ctx)
-
-    def decode(self, payload: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
-        """The dense gradient of a payload :meth:`encode` made; WireError naming ``what`` when it is not one
-        (another codec, or a tensor of another shape or dtype)."""
-        if isinstance(payload, np.ndarray) and dtype not in COMPRESSIBLE:
-            return payload
-        if not self.unit.owns(payload):
-            raise WireError(f"{what}: expected a {self.algo} payload (plan.tied_codec), got {type(payload).__name__}")
-        if isinstance(payload, CodecPayload):
-            return decode_checked(self.unit, payload, shape, dtype, what)
-        if tuple(payload.shape) != tuple(shape) or payload.dtype != dtype:
-            raise WireError(f"{what}: {self.algo} payload of {payload.dtype}{list(payload.shape)}, the parameter is "
-                            f"{dtype}{list(shape)}")
-        return np.asarray(self.unit.decode_host(payload))
-
-
-def sum_in_order(grads: list[np.ndarray]) -> np.ndarray:
-    """The sum of ``grads`` left to right (the one order every owner and the reference executor use)."""
-    total = np.array(grads[0], copy=True)
-    for g in grads[1:]:
-        total = total + g
-    return total
-
-
 def check_plan_codecs(plan: Any) -> None:
     """Refuse (FusionError, one line naming the edge and codec) a plan whose codecs this process can judge
     before any executor starts: every part's rules (unknown codec, bad cfg, a torch-only codec on a NumPy
@@ -462,9 +373,19 @@ def check_plan_codecs(plan: Any) -> None:
         return
     for name, part in plan.parts.items():
         table_for(name, plan.replica_compression(part.replica), plan.graph, part.engine)
+    from fusion.executors.runtime.tied import TiedCodec
+
     tied = TiedCodec.from_cfg(plan.tied_codec)
     if tied is not None:
         for name, part in plan.parts.items():
             tied.check_engine(name, part.engine)
     if plan.dp_codec is not None:
-        check_role(plan.dp_codec, Role.DP_GRADIENT, "plan.dp_codec")
+        CODECS.check_role(plan.dp_codec, Role.DP_GRADIENT, "plan.dp_codec")
+
+
+def __getattr__(name: str):  # the tied-gradient codec's old home (its module is .tied)
+    if name in ("TiedCodec", "sum_in_order"):
+        from fusion.executors.runtime import tied
+
+        return getattr(tied, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.kernels.codecs.base import ALL_ROLES, Codec, CodecContext, Role, as_torch, to_numpy
+from fusion.kernels.codecs.base import ALL_ROLES, ROLE_WORDS, Codec, CodecContext, Role, as_torch, to_numpy
 from fusion.kernels.codecs.plain import MAX_PLAIN_KEY, CodecPayload, check_plain
 
 
@@ -190,6 +190,26 @@ class CodecRegistry:
         """Whether a cfg names a codec with per-sample state (``delta``): its edges need every micro-batch's
         sample ids, and both ends keep buffers."""
         return cfg is not None and cfg.get("algo") in self._codecs and self.unit(cfg["algo"]).stateful
+
+    def check_role(self, cfg: Any, role: Role, where: str) -> Codec:
+        """The codec a cfg names, checked for ``role``; FusionError (one line naming ``where``) for a cfg that is
+        not one, a codec this registry lacks, one that cannot serve ``role``, or a bad cfg."""
+        if not isinstance(cfg, Mapping) or not isinstance(cfg.get("algo"), str):
+            raise FusionError(f"{where}: expected a codec cfg with an 'algo' name, got {cfg!r}"[:300])
+        algo = cfg["algo"]
+        if algo not in self._codecs:
+            raise FusionError(f"{where}: unknown codec {algo!r} (known: {', '.join(self.names())}); a user codec is "
+                              "registered by a plugin file the plan lists, imported with --trust-plugins")
+        unit = self.unit(algo)
+        if role not in unit.roles:
+            serving = [n for n in self.serving(role) if is_unit(self.get(n))]
+            raise FusionError(f"{where}: {algo} cannot compress {ROLE_WORDS[role]} (use one of {', '.join(serving)} "
+                              "or a user codec)")
+        try:
+            unit.check(cfg, role)
+        except FusionError as err:
+            raise FusionError(f"{where}: {err}") from None
+        return unit
 
     def names(self) -> list[str]:
         """Registered codec names, sorted."""
