@@ -268,7 +268,7 @@ class Plan:
                    "bits": 8}``; quant, hadamard-quant, topk or a user codec) for the gradients their owners
                    exchange each step: every owner sums the
                    decoded gradients of all owners in part order, so all apply the same bits
-                   (``executors/runtime/compression.py``, ``TiedCodec``). Plans without the field load with None.
+                   (``executors/runtime/tied.py``, ``TiedCodec``). Plans without the field load with None.
     dp_algo:       stage -> ``"ring"`` or ``"tree"``: the all-reduce algorithm of that stage's data-parallel
                    group (``executors/runtime/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
                    without an entry (every stage of an older plan) runs the ring.
