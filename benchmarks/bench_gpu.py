@@ -25,7 +25,7 @@ a GPT-2-small micro-batch), float32, encoded as a torch part sends it:
                     a view on CPU, the whole dense tensor copied off a GPU) and then
                     ``CompressionTable.encode`` in NumPy
   device_ms         the device path, the default (engine option ``encode="device"``):
-                    ``DeviceCompression.encode`` on the tensor where it lives (only the
+                    ``CompressionTable.encode`` on the tensor where it lives (only the
                     payload is copied to the host); on CPU, Top-K through the torch path
                     and the quantised codecs / delta in NumPy on a view of the tensor
   torch_ms          the torch codecs (``encode="torch"``; on CUDA: the same as device_ms,
@@ -155,7 +155,6 @@ def encode_per_message(device: str, shape: tuple[int, ...], reps: int) -> dict:
     """Device encode vs host encode of one float32 message per codec (see the module docstring)."""
     import numpy as np
 
-    from fusion.executors.engines.torch.device_codec import DeviceCompression
     from fusion.executors.engines.torch.engine import to_array
     from fusion.executors.runtime.compression import CompressionTable
     from fusion.plan import EdgeCompression
@@ -168,8 +167,8 @@ def encode_per_message(device: str, shape: tuple[int, ...], reps: int) -> dict:
     for name, cfg in MESSAGE_CODECS.items():
         edges = [EdgeCompression("x", None, "a", "b", fwd_codec=cfg)]
         host = CompressionTable.build("a", edges)
-        on_dev = DeviceCompression(CompressionTable.build("a", edges), dev)
-        on_torch = DeviceCompression(CompressionTable.build("a", edges), dev, torch_on_cpu=True)
+        on_dev = CompressionTable.build("a", edges, device=dev)
+        on_torch = CompressionTable.build("a", edges, device=dev, torch_on_cpu=True)
         via_host = lambda: host.encode(to_array(x), key, "b", False, 0, ids=ids, it=0)  # noqa: E731
         via_dev = lambda: on_dev.encode(x, key, "b", False, 0, ids=ids, it=0)  # noqa: E731
         via_torch = lambda: on_torch.encode(x, key, "b", False, 0, ids=ids, it=0)  # noqa: E731

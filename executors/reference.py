@@ -21,7 +21,8 @@ from fusion.ir.boundary import partition, part_links, part_order
 from fusion.ir.errors import FusionError
 from fusion.ir.model import Model
 from fusion.ir.opdata import OpData
-from fusion.executors.runtime.compression import TiedCodec, check_edges, sum_in_order
+from fusion.executors.runtime.compression import check_edges
+from fusion.executors.runtime.tied import TiedCodec, sum_in_order
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime

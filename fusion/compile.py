@@ -166,7 +166,9 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     if rc.any():
         log.info("activation recomputation on %s (they would not fit their devices otherwise)",
                  ", ".join(n for n, r in zip(names, rc) if r))
-    if any((c.codec("fwd") or {}).get("algo") == "delta" for c in compression):
+    from fusion.kernels.codecs import CODECS
+
+    if any(CODECS.needs_sample_ids(c.codec("fwd")) for c in compression):
         plan.predicted["delta_samples"] = compress.samples  # the data set size the buffers were sized for
     plan.predicted["compile_s"] = round(time.perf_counter() - t0, 4)
     log.info("compiled %d nodes onto %d of %d devices with %s: predicted %.4g s/iteration",
@@ -324,12 +326,12 @@ TIED_AUTO = {"algo": "quant", "bits": 8}
 
 def _tied_codec(cm: CostModel, spec: dict | str | None) -> dict | None:
     """The tied codec to price partitioning with (``auto``: :data:`TIED_AUTO`); sets the estimator's prices."""
-    from fusion.compress.policy import CODEC_RATE
     from fusion.cost.estimate import tied_prices
+    from fusion.kernels.codecs import CODECS
 
     cfg = dict(TIED_AUTO) if spec == "auto" else spec
-    if cfg is not None:
-        cm.tied_wire, cm.tied_codec_s = tied_prices(cm, cfg, CODEC_RATE.get(cfg["algo"], CODEC_RATE["quant"]))
+    if cfg is not None:  # a codec without a measured rate is priced as quant
+        cm.tied_wire, cm.tied_codec_s = tied_prices(cm, cfg, CODECS.rate(cfg["algo"]))
     return cfg
 
 

@@ -155,8 +155,9 @@ def _int_high(graph, name: str) -> int:
 
 def _delta_edges(plan) -> list[str]:
     """The plan's ``delta`` (AQ-SGD) edges as ``producer src->dst``: they need sample ids from the data."""
-    return [f"{e.producer} {e.src}->{e.dst}" for e in plan.compression or ()
-            if (e.codec("fwd") or {}).get("algo") == "delta"]
+    from fusion.kernels.codecs import CODECS
+
+    return [f"{e.producer} {e.src}->{e.dst}" for e in plan.compression or () if CODECS.needs_sample_ids(e.codec("fwd"))]
 
 
 def feed_dtype(name: str) -> np.dtype:

@@ -259,13 +259,15 @@ class Plan:
     stage), on devices no other replica uses. The parts of one stage form its data-parallel group,
     whose parameter gradients are averaged every step before the optimizer steps. A plan without
     replica fields is one pipeline (R = 1).
-    dp_codec:      None (gradients averaged exactly) or a ``quant`` codec cfg (``{"algo": "quant", "bits": 8}``)
-                   for the all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
+    dp_codec:      None (gradients averaged exactly) or the cfg of a codec that serves data-parallel gradients
+                   (the registry says which: ``Role.DP_GRADIENT``; ``{"algo": "quant", "bits": 8}``) for the
+                   all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
     tied_codec:    None (gradients of parameters held by several parts, e.g. a tied embedding, are summed
-                   exactly) or a codec cfg (``{"algo": "quant", "bits": 8}``; quant, hadamard-quant, topk
-                   or a user codec) for the gradients their owners exchange each step: every owner sums the
+                   exactly) or the cfg of a codec that serves tied-parameter gradients (``{"algo": "quant",
+                   "bits": 8}``; quant, hadamard-quant, topk or a user codec) for the gradients their owners
+                   exchange each step: every owner sums the
                    decoded gradients of all owners in part order, so all apply the same bits
-                   (``executors/runtime/compression.py``, ``TiedCodec``). Plans without the field load with None.
+                   (``executors/runtime/tied.py``, ``TiedCodec``). Plans without the field load with None.
     dp_algo:       stage -> ``"ring"`` or ``"tree"``: the all-reduce algorithm of that stage's data-parallel
                    group (``executors/runtime/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
                    without an entry (every stage of an older plan) runs the ring.
@@ -432,9 +434,9 @@ class Plan:
                     raise PlanError(f"{source}: compression of {c.producer}: {field_name} must be a codec cfg "
                                     f"with an 'algo' name, got {cfg!r}")
         tc = self.tied_codec
-        if tc is not None and not (isinstance(tc, dict) and isinstance(tc.get("algo"), str) and tc["algo"] != "delta"):
-            raise PlanError(f"{source}: tied_codec must be null or a codec cfg with an 'algo' name other than delta "
-                            f"(e.g. {{'algo': 'quant', 'bits': 8}}), got {tc!r}")
+        if tc is not None and not (isinstance(tc, dict) and isinstance(tc.get("algo"), str) and _serves(tc, "TIED_GRADIENT")):
+            raise PlanError(f"{source}: tied_codec must be null or a codec cfg with an 'algo' name of a codec that "
+                            f"serves tied-parameter gradients (e.g. {{'algo': 'quant', 'bits': 8}}), got {tc!r}")
         for p in self.parts.values():
             if not isinstance(p.recompute, bool):
                 raise PlanError(f"{source}: parts.{p.name}.recompute must be true or false, got {p.recompute!r}")
@@ -461,6 +463,23 @@ class Plan:
                 if self.boundaries.get(part) != want.get(part):
                     raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
 
+
+    def _check_dp_codec(self, source: str) -> None:
+        """``dp_codec`` names a codec the registry lets carry data-parallel gradients (``Role.DP_GRADIENT``) with
+        a cfg it accepts; a codec this process does not know may come from the plan's plugins (each executor
+        checks it after importing them)."""
+        from fusion.kernels.codecs import CODECS, Role
+
+        c = self.dp_codec
+        if not (isinstance(c, dict) and isinstance(c.get("algo"), str)):
+            raise PlanError(f"{source}: dp_codec must be a codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
+                            f"got {c!r}"[:200])
+        if c["algo"] not in CODECS and self.graph.plugins:
+            return
+        try:
+            CODECS.check_role(c, Role.DP_GRADIENT, f"{source}: dp_codec")
+        except FusionError as e:
+            raise PlanError(str(e)) from None
 
     def _check_replicas(self, source: str) -> None:
         """Replicas run the same cut on disjoint devices; the global batch divides over them."""
@@ -497,9 +516,8 @@ class Plan:
                 if prev != n and self.parts[prev].replica != p.replica:
                     raise PlanError(f"{source}: parts.{n}.device {p.device!r} is also used by part {prev!r} of another "
                                     "replica (replicas run on disjoint devices)")
-        if self.dp_codec is not None and not (isinstance(self.dp_codec, dict) and self.dp_codec.get("algo") == "quant"):
-            raise PlanError(f"{source}: dp_codec must be a quant codec cfg ({{'algo': 'quant', 'bits': 8}}) or null, "
-                            f"got {self.dp_codec!r}")
+        if self.dp_codec is not None:
+            self._check_dp_codec(source)
         if not isinstance(self.dp_algo, dict):
             raise PlanError(f"{source}: dp_algo must map stages to 'ring' or 'tree', got {self.dp_algo!r}"[:200])
         for stage, algo in self.dp_algo.items():
@@ -517,6 +535,14 @@ class Plan:
         if self.global_batch and self.global_batch % (r_count * self.micro_batches):
             raise PlanError(f"{source}: global_batch {self.global_batch} does not divide into {r_count} replica(s) x "
                             f"{self.micro_batches} micro-batch(es)")
+
+
+def _serves(cfg: dict, role: str) -> bool:
+    """Whether the codec ``cfg`` names may serve ``role`` (a ``Role`` member's name); a codec this process does
+    not know passes here (a plan plugin may register it; executors check it after importing plugins)."""
+    from fusion.kernels.codecs import CODECS, Role
+
+    return cfg["algo"] not in CODECS or Role[role] in CODECS.unit(cfg["algo"]).roles
 
 
 def _int_field(d: dict, name: str, default: int, source: str) -> int:

@@ -40,8 +40,8 @@ is registered by name in ``fusion.executors.engines.ENGINES`` and provides:
    without them, so the runtime calls them without probing: ``backward_input``/``backward_weight`` (a
    split backward for zero-bubble schedules; default: all of backward in the first, nothing in the
    second), ``forget`` (drop what forward kept for backward; default: nothing kept),
-   ``compress_on_device`` (encode compressed edges where the tensors are; default: on the host, the
-   runtime's table unchanged) and ``RECORDS_OUTPUTS`` (``forward`` takes ``record=``; default False).
+   ``codec_device`` / ``keep_tensors`` (encode compressed edges where the tensors are; default: on the
+   host, in NumPy) and ``RECORDS_OUTPUTS`` (``forward`` takes ``record=``; default False).
 
 Every engine part subclasses :class:`EnginePart` (``make_engine_part`` checks it). This module
 imports neither torch nor NumPy engines.
@@ -106,10 +106,16 @@ class EnginePart(ABC):
         """Drop what forward kept for backward: of micro-batch ``mb_key``, or of every micro-batch (None; an
         abandoned attempt after a replica was dropped). Default: nothing is kept."""
 
-    def compress_on_device(self, table: Any) -> Any:
-        """Given the part's host ``CompressionTable``, the table the runtime should use (the torch engine
-        encodes on its device). Default: the host table, unchanged."""
-        return table
+    @property
+    def codec_device(self) -> Any:
+        """Where this part's compressed edges are encoded: ``(device, torch codecs on a CPU device too)`` for an
+        engine whose tensors live on a device (torch), else None. Default: None, every output leaves as an array
+        and is encoded by the codecs' host (NumPy) paths."""
+        return None
+
+    def keep_tensors(self, sent: frozenset, grads: frozenset) -> None:
+        """Return the activations ``sent`` and input gradients ``grads`` as device tensors from now on (their
+        edges are encoded on :attr:`codec_device`). Default: nothing to keep (no device)."""
 
 
 #: an engine part that can be trained by the executors (every one: ``trainable`` is part of :class:`EnginePart`)

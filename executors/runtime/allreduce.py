@@ -22,9 +22,10 @@ iteration, with the chunk, dtype and length that step must carry, and not twice;
 raises :class:`~fusion.ir.errors.WireError` (the transport logs and drops it, nothing is applied).
 In particular a message from a CompNode outside the group is rejected by name.
 
-Codec (``Plan.dp_codec``, ``--dp-codec quant:bits=8``): every chunk travels block-quantised
-(:mod:`fusion.kernels.quant`, NumPy, so NumPy CompNodes take part); the receiver adds the decoded
-chunk. The averaged chunks are quantised once, by their owner, which keeps the *decoded* values
+Codec (``Plan.dp_codec``, ``--dp-codec quant:bits=8``): every chunk travels encoded by a codec of the
+registry that may serve data-parallel gradients (``Role.DP_GRADIENT``: block quantisation,
+:mod:`fusion.kernels.codecs.quant`, or a user codec; host paths, NumPy, so NumPy CompNodes take part);
+the receiver adds the decoded chunk. The averaged chunks are quantised once, by their owner, which keeps the *decoded* values
 itself, and forwarded unchanged round the ring, so the replicas still hold the same bits; the
 gradient is then the average to within the codec's step (lossy: not equal to single-process
 training). Two replicas each send ``quant(own)`` and both average the two decoded buffers.
@@ -144,12 +145,17 @@ def make_buckets(params: Mapping[str, tuple[Sequence[int], str]]) -> list[Bucket
 
 
 def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any) -> list[Any]:
-    """Frames of one ring message; ``data`` a 1-D array or a :class:`~fusion.kernels.quant.QuantPayload` of one."""
+    """Frames of one ring message; ``data`` a 1-D array, a :class:`~fusion.kernels.quant.QuantPayload` of one, or
+    a user codec's :class:`~fusion.kernels.codecs.CodecPayload`."""
+    from fusion.kernels.codecs.plain import WIRE_CODEC, CodecPayload
     from fusion.kernels.quant import QuantPayload
 
     h = {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst}
     if isinstance(data, QuantPayload):
         return encode(KIND, {**h, "payload": {"type": "quant", **data.header()}}, data.arrays())
+    if isinstance(data, CodecPayload):
+        meta, arrays = WIRE_CODEC.encode(data)
+        return encode(KIND, {**h, "payload": {"type": "codec", "p": meta}}, arrays)
     return encode(KIND, {**h, "payload": {"type": "dense"}}, [data])
 
 
@@ -158,8 +164,14 @@ def _payload(msg: Message) -> Any:
     from fusion.kernels.quant import QuantPayload, as_bytes
 
     meta = msg.header.get("payload", {"type": "dense"})
-    if not isinstance(meta, dict) or meta.get("type") not in ("dense", "quant"):
-        raise WireError(f"all-reduce message: payload must be dense or quant, got {repr(meta)[:80]}")
+    if not isinstance(meta, dict) or meta.get("type") not in ("dense", "quant", "codec"):
+        raise WireError(f"all-reduce message: payload must be dense, quant or codec, got {repr(meta)[:80]}")
+    if meta["type"] == "codec":
+        from fusion.kernels.codecs.plain import WIRE_CODEC
+
+        if not isinstance(meta.get("p"), dict):
+            raise WireError("all-reduce message: a codec payload needs its fields")
+        return WIRE_CODEC.decode(meta["p"], list(msg.arrays))
     if meta["type"] == "dense":
         if len(msg.arrays) != 1:
             raise WireError(f"all-reduce message carries {len(msg.arrays)} tensors, not 1")
@@ -181,7 +193,8 @@ class RingInbox:
 
     me: this part; group: its data-parallel group in rank order (replica order), ``me`` included;
     buckets: as :func:`make_buckets` of this part's parameters (the same on every replica);
-    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``) or None (dense chunks);
+    codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``, any codec serving ``Role.DP_GRADIENT``)
+           or None (dense chunks);
     algo: ``"ring"`` (two replicas: one exchange) or ``"tree"`` (binomial reduce + broadcast).
     """
 
@@ -254,7 +267,9 @@ class RingInbox:
             raise WireError(f"all-reduce chunk is {'dense' if isinstance(a, np.ndarray) else 'quantised'}; this group "
                             f"sends {'quantised' if self.codec else 'dense'} chunks")
         lo, hi = self.bounds[b][chunk]
-        shape, dtype = (tuple(a.shape), a.dtype if isinstance(a.dtype, str) else a.dtype.name)
+        # a user codec's payload says its shape by decoding (a refused one: WireError); it is kept as it came
+        seen = a if hasattr(a, "shape") else decode_chunk(self.codec, a, f"all-reduce chunk {chunk} of bucket {b}")
+        shape, dtype = (tuple(seen.shape), seen.dtype if isinstance(seen.dtype, str) else seen.dtype.name)
         if len(shape) != 1 or shape[0] != hi - lo or dtype != self.buckets[b].dtype:
             raise WireError(f"all-reduce chunk {chunk} of bucket {b} is {dtype}{list(shape)}, expected "
                             f"{self.buckets[b].dtype}[{hi - lo}]")
@@ -298,9 +313,24 @@ def _chunk_codec(codec) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np
     array itself)."""
     if not codec:
         return (lambda a: a.copy()), (lambda p: p)
-    from fusion.kernels.quant import dequantize, quantize
+    from fusion.kernels.codecs import CODECS, CodecContext, Role
 
-    return (lambda a: quantize(a, codec)), dequantize
+    unit, ctx = CODECS.unit(codec["algo"]), CodecContext(Role.DP_GRADIENT)
+    return (lambda a: unit.encode_host(a, a.dtype.name, codec, ctx)), unit.decode_host
+
+
+def decode_chunk(codec: Mapping[str, Any] | None, payload: Any, what: str) -> np.ndarray:
+    """A received chunk decoded by the group's codec; WireError naming ``what`` when that codec did not make it
+    or refuses it."""
+    from fusion.kernels.codecs import CODECS
+
+    unit = CODECS.unit(codec["algo"]) if codec else None
+    if unit is None or not unit.owns(payload):
+        raise WireError(f"{what}: a {type(payload).__name__} the group's codec did not make")
+    try:
+        return np.asarray(unit.decode_host(payload))
+    except WireError as e:
+        raise WireError(f"{what}: {e}") from None
 
 
 def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],

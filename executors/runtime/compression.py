@@ -1,8 +1,8 @@
 """Per-edge compression of OP-Data payloads (FusionLLM §5, AdaTopK; quant; AQ-SGD deltas).
 
-Codecs per direction: ``topk``, ``quant``, ``hadamard-quant`` (stateless) and
-``delta`` (AQ-SGD, activations only, stateful: per-sample buffers at both ends
-of the edge, :mod:`fusion.executors.runtime.delta_edges`).
+Codecs per direction: any codec of the registry that may serve the role (activations, gradients);
+a stateful one (``delta``, AQ-SGD) keeps per-sample buffers at both ends of the edge
+(:mod:`fusion.executors.runtime.delta_edges`).
 
 A plan lists :class:`~fusion.plan.EdgeCompression` entries: one cut tensor
 ``(producer, index)`` on one link ``src -> dst`` with a ratio, the directions
@@ -24,91 +24,86 @@ with the forward selection would starve every element not sent in forward
 of gradient (99 % of them at r = 100) and would need the forward mask kept
 per micro-batch. See ``docs/compression.md``.
 
-User codecs (registered with :func:`fusion.kernels.codec.register_codec` by a
-plugin file the plan lists) go through the :class:`~fusion.kernels.codec.Codec`
-protocol: the sender encodes a message with the codec's NumPy path when it has
-one, else its torch path; the plain payload travels as a
-:class:`~fusion.kernels.codec.CodecPayload` (msgpack fields and raw byte frames,
-never pickle); the receiver decodes it with the same path and checks the
-tensor against the graph, rejecting a malformed one (:meth:`CompressionTable.check_incoming`).
-A NumPy part refuses, at load, an edge whose codec has only a torch path.
-The built-in codecs keep their NumPy fast paths below (byte-identical payloads).
+The table holds, per tensor and peer, a choice of codec (an object of the
+registry, :mod:`fusion.kernels.codecs`), its cfg and whether error feedback is
+on; it never branches on a codec's name. Each message is encoded by that codec
+with one :class:`~fusion.kernels.codecs.CodecContext`: on the tensor's device
+(the codec's device path) when the part's engine hands the table tensors
+(``device``: the torch engine, ``encode="device"``/``"torch"``), else on a
+NumPy array (the host path, torch-free, as on NumPy parts); a received payload
+is decoded by the codec that made it. The payload bytes are the same either
+way. User codecs (registered with :func:`fusion.kernels.codec.register_codec`
+by a plugin file the plan lists) are decoded on arrival and checked against
+the graph, rejecting a malformed one (:meth:`CompressionTable.check_incoming`);
+a NumPy part refuses, at load, an edge whose codec has only a torch path.
 
 Tied parameters (:class:`TiedCodec`): with ``Plan.tied_codec`` set, each owner of
 a parameter held by several parts encodes its gradient once; every owner sums
 the *decoded* gradients of all owners (its own included) in plan part order, so
 all owners apply the same bits.
 
-Everything here is NumPy: selection is ``kernels.topk_host`` (the same code
-the torch codec runs for CPU tensors, so payloads are byte-identical to
-``kernels.codec.compress``) and decoding is a NumPy scatter, so NumPy-engine
-processes stay torch-free. Only error feedback uses torch
+Everything here is NumPy unless the engine hands the table tensors, so
+NumPy-engine processes stay torch-free. Only error feedback uses torch
 (``kernels.error_feedback.ErrorFeedback``), imported when an edge asks for it.
 """
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.graph import OpGraph
-from fusion.kernels.codec import BUILTIN, CODECS, CodecPayload, check_plain, numpy_path
-from fusion.kernels.delta import DeltaConfig, DeltaPayload
+from fusion.kernels.codecs import CODECS, FLOAT_DTYPES, Codec, CodecContext, CodecPayload, Counter, Role
+from fusion.kernels.codecs.base import dtype_of, is_torch, to_numpy, to_tensor
+from fusion.kernels.codecs.registry import decode_checked, numpy_path
+from fusion.kernels.codecs.topk import densify, topk_numpy
 from fusion.executors.runtime.delta_edges import DeltaEdges
-from fusion.kernels.dtypes import VALUE_DTYPES, index_dtype_for
-from fusion.kernels.quant import QuantConfig, QuantPayload, dequantize, quantize
-from fusion.kernels.sparse import SparsePayload, ratio_to_k
-from fusion.kernels.topk_host import Wide
-from fusion.kernels.topk_host import select as host_select
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, "int | None"]
 
-#: tensor dtypes a payload may be compressed in; bfloat16 travels as uint16 bits, so
-#: the table tells it from a real uint16 by the graph's dtype of the edge
-COMPRESSIBLE = frozenset({"float16", "float32", "float64", "bfloat16"})
+#: tensor dtypes a payload may be compressed in (the codecs' ``FLOAT_DTYPES``)
+COMPRESSIBLE = FLOAT_DTYPES
 
-
-#: built-in codecs the runtime encodes and decodes with its own NumPy code (so NumPy CompNodes stay
-#: torch-free); any other codec of the registry (``kernels.codec.CODECS``) runs through the Codec protocol
-RUNTIME_CODECS = tuple(sorted(BUILTIN))
+__all__ = ["EdgeRule", "CompressionTable", "table_for", "check_edges", "check_plan_codecs", "dense_payload", "densify",
+           "topk_numpy", "COMPRESSIBLE"]
 
 
 @dataclass(frozen=True)
 class EdgeRule:
-    """How one direction of one cut edge is compressed.
+    """How one direction of one cut edge is compressed: a codec of the registry and its cfg.
 
     codec:          the codec cfg (``{"algo": "topk", "ratio": r}``, ``{"algo": "quant", "bits": 4, ...}``).
-    error_feedback: add the stream's unsent residual to the next message (Top-K only).
+    error_feedback: add the stream's unsent residual to the next message (codecs that allow it: Top-K).
+    unit:           the codec itself (``CODECS.unit(codec["algo"])``).
     """
 
     codec: dict
     error_feedback: bool = False
+    unit: Codec = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.unit is None:
+            object.__setattr__(self, "unit", CODECS.unit(self.codec["algo"]))
 
     @property
     def algo(self) -> str:
         return self.codec["algo"]
 
-    @property
-    def ratio(self) -> float:
-        """The Top-K ratio r (k = ceil(numel / r), ``kernels.sparse.ratio_to_k``)."""
-        return float(self.codec["ratio"])
 
-    def cfg(self, k: int | None = None) -> dict:
-        """The ``OpData.compress_cfg`` of a message encoded under this rule."""
-        if self.algo == "topk":
-            return {"algo": "topk", "ratio": self.ratio, "k": int(k)}
-        return dict(self.codec)
+def _role(direction: str) -> Role:
+    return Role.ACTIVATION if direction == "fwd" else Role.GRADIENT
 
 
 def _rule(e: Any, direction: str, part: str | None = None, engine: str = "torch") -> EdgeRule | None:
     """The rule of one direction of a plan's ``EdgeCompression``; FusionError (one line naming the edge and
-    codec) for a codec the registry lacks, a bad cfg, or a torch-only codec on a NumPy end (``part``)."""
+    codec) for a codec the registry lacks, one that cannot serve the direction, a bad cfg, or a torch-only
+    codec on a NumPy end (``part``)."""
     cfg = e.codec(direction)
     if cfg is None:
         return None
@@ -117,127 +112,33 @@ def _rule(e: Any, direction: str, part: str | None = None, engine: str = "torch"
         raise FusionError(f"{where}: unknown codec {cfg['algo']!r} (known: {', '.join(CODECS.names())}); a user codec "
                           "is registered by a plugin file the plan lists (fusion.kernels.codec.register_codec), "
                           "imported with --trust-plugins")
-    if cfg["algo"] not in BUILTIN:
-        codec = CODECS.get(cfg["algo"])
-        if e.error_feedback:
-            raise FusionError(f"{where}: error feedback is for Top-K only")
-        if engine == "numpy" and part in (e.src, e.dst) and not numpy_path(codec):
-            raise FusionError(f"{where}: codec {cfg['algo']!r} has only a torch path, and part {part} runs the numpy "
-                              "engine (give the codec encode_numpy/decode_numpy, or run the part on torch)")
-        return EdgeRule(cfg, False)
-    if cfg["algo"] == "delta":
-        if direction != "fwd":
-            raise FusionError(f"{where}: delta (AQ-SGD) compresses activations only; give the gradients "
-                              "another codec (--compress-bwd)")
-        if e.error_feedback:
-            raise FusionError(f"{where}: error feedback is for Top-K only")
-        DeltaConfig.from_cfg(cfg)  # raises naming the bad key
-        return EdgeRule(cfg, False)
-    if cfg["algo"] == "topk":
-        if not float(cfg.get("ratio", 0)) >= 1:
-            raise FusionError(f"{where}: ratio {cfg.get('ratio')!r} < 1")
-        if float(cfg["ratio"]) == 1:
-            return None
-    else:
-        from fusion.kernels.quant import QuantConfig
-
-        QuantConfig.from_cfg(cfg, cfg["algo"] == "hadamard-quant")  # raises naming the bad key
-        if e.error_feedback:
-            raise FusionError(f"{where}: error feedback is for Top-K only")
-    return EdgeRule(cfg, bool(e.error_feedback))
-
-
-# -- user codecs through the Codec protocol ---------------------------------------------------
-
-def _np_dtype(dtype: str):
-    return np.uint16 if dtype == "bfloat16" else VALUE_DTYPES[dtype].numpy
-
-
-def user_encode(cfg: Mapping[str, Any], arr: np.ndarray, dtype: str) -> CodecPayload:
-    """A user codec's payload of a NumPy message (``dtype`` its graph dtype; bfloat16 as uint16 bits):
-    its NumPy path when it has one, else its torch path. FusionError when it returns no plain payload."""
-    algo = cfg["algo"]
-    codec = CODECS.get(algo)
-    if numpy_path(codec):
-        out = codec.encode_numpy(np.ascontiguousarray(arr), cfg)
-    else:
-        out = codec.encode(_as_torch(arr, dtype), cfg)
-    return CodecPayload(algo, dict(check_plain(out, algo)))
-
-
-def user_decode(p: CodecPayload, shape: tuple[int, ...] | None, dtype: str | None, what: str) -> np.ndarray:
-    """The NumPy array of a user codec's payload, checked against the tensor's graph ``shape``/``dtype``
-    (None: unchecked); WireError naming ``what`` for a payload the codec refuses or a tensor that does not fit."""
-    if p.algo not in CODECS or p.algo in BUILTIN:
-        raise WireError(f"{what}: codec payload names {p.algo!r}, not a user codec registered here")
-    codec = CODECS.get(p.algo)
+    unit = CODECS.unit(cfg["algo"])
     try:
-        if numpy_path(codec):
-            out = np.asarray(codec.decode_numpy(dict(p.fields)))
-        else:
-            out = _to_numpy(codec.decode(dict(p.fields), None))
-    except Exception as e:  # the codec's own checks (lengths, counts) or its bugs: a rejected message
-        raise WireError(f"{what}: {p.algo} payload refused by its codec: {type(e).__name__}: {str(e)[:200]}") from None
-    if shape is not None and (tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(_np_dtype(dtype))):
-        raise WireError(f"{what}: {p.algo} payload decodes to {out.dtype}{list(out.shape)}, the graph says "
-                        f"{dtype}{list(shape)}")
-    return out
+        unit.check(cfg, _role(direction), bool(e.error_feedback))
+    except FusionError as err:
+        raise FusionError(f"{where}: {err}") from None
+    if engine == "numpy" and part in (e.src, e.dst) and not numpy_path(unit):
+        raise FusionError(f"{where}: codec {cfg['algo']!r} has only a torch path, and part {part} runs the numpy "
+                          "engine (give the codec encode_numpy/decode_numpy, or run the part on torch)")
+    if getattr(unit, "is_dense", None) is not None and unit.is_dense(cfg):
+        return None
+    return EdgeRule(cfg, bool(e.error_feedback), unit)
 
 
-def _to_numpy(t: Any) -> np.ndarray:
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        return np.asarray(t)
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
-def topk_numpy(arr: np.ndarray, k: int, dtype: str | None = None) -> SparsePayload:
-    """Top-k of a float NumPy array as a :class:`SparsePayload` (same bytes as ``kernels.codec.compress``).
-
-    ``dtype="bfloat16"``: ``arr`` holds bfloat16 bits (uint16); magnitudes are ranked on their
-    exact float32 widening and the kept values stay bfloat16 bits.
-    """
-    a = np.ascontiguousarray(arr)
-    flat = a.reshape(-1)
-    name = dtype or a.dtype.name
-    wide = (flat.astype(np.uint32) << 16).view(np.float32) if name == "bfloat16" else flat
-    idx = host_select(Wide(wide), k)
-    it = np.int32 if index_dtype_for(flat.size) == "int32" else np.int64
-    return SparsePayload(flat[idx], idx.astype(it), tuple(a.shape), name, name)
-
-
-def densify(p: SparsePayload) -> np.ndarray:
-    """The dense NumPy array of a sparse payload (zeros where nothing was sent); validates first.
-
-    bfloat16 values/tensors are handled as their uint16 bits, as everywhere in fusion.
-    """
-    p.validate()
-    vals = p.values
-    if p.value_dtype != p.dtype:
-        if p.value_dtype == "bfloat16":
-            vals = (vals.astype(np.uint32) << 16).view(np.float32)
-        if p.dtype == "bfloat16":
-            raise FusionError("sparse payload: a bfloat16 tensor must carry bfloat16 values")
-        vals = vals.astype(VALUE_DTYPES[p.dtype].numpy)
-    out = np.zeros(p.numel, dtype=VALUE_DTYPES[p.dtype].numpy)
-    out[p.indices] = vals
-    return out.reshape(p.shape)
+def _plain(unit: Codec) -> bool:
+    """Whether a codec's payloads are plain payloads (user codecs): decoded on arrival, checked against the graph."""
+    return CodecPayload in unit.payload_types
 
 
 def dense_payload(payload: Any) -> Any:
-    """What an engine gets for a received payload: sparse and quantised ones decoded, others unchanged.
+    """What an engine gets for a received payload: a stateless codec's payload decoded (NumPy), others unchanged.
     (A user codec's payload needs its edge's table: :meth:`CompressionTable.decode`.)"""
     if isinstance(payload, CodecPayload):
         raise WireError(f"a {payload.algo} codec payload on an edge this part does not decode with that codec")
-    if isinstance(payload, SparsePayload):
-        return densify(payload)
-    if isinstance(payload, QuantPayload):
-        return dequantize(payload)
-    return payload
+    unit = CODECS.for_payload(payload)
+    if unit is None or unit.stateful:
+        return payload
+    return unit.decode_host(payload)
 
 
 @dataclass
@@ -246,11 +147,14 @@ class CompressionTable:
 
     fwd:  (tensor key, dst part) -> rule for activations this part sends.
     bwd:  (tensor key, src part) -> rule for gradients this part sends back.
-    recv: (tensor key, src part) -> ``delta`` rule of activations this part receives (the receiving
-          end of an AQ-SGD edge keeps buffers too; other codecs decode statelessly).
-    user_in: (tensor key, peer part, is_grad) -> rule of a *user* codec this part decodes: activations
+    recv: (tensor key, src part) -> rule of a *stateful* codec (``delta``) of activations this part receives
+          (the receiving end keeps its state too; other codecs decode statelessly).
+    user_in: (tensor key, peer part, is_grad) -> rule of a codec with plain payloads (a *user* codec) this part
+          decodes on arrival: activations
           from ``peer`` (is_grad False) or gradients back from ``peer`` (True).
-    delta: the AQ-SGD buffers of this part's delta edges (:mod:`.delta_edges`).
+    delta: the per-edge state of this part's stateful edges (:mod:`.delta_edges`).
+    device: where tensors handed to the table are encoded (the torch engine's device; None: the table only ever
+          sees NumPy arrays). torch_on_cpu: the codecs' device paths run on a CPU device too (``encode="torch"``).
     """
 
     part: str
@@ -261,19 +165,27 @@ class CompressionTable:
     delta: DeltaEdges = None  # type: ignore[assignment]  # set in __post_init__
     bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
     graph: OpGraph | None = field(default=None, repr=False)  # to check decoded user payloads against
+    device: Any = None
+    torch_on_cpu: bool = False
     _ef: Any = field(default=None, repr=False)
-    _sent: int = field(default=0, repr=False)  # quantised messages sent (seeds stochastic rounding)
+    _counter: Counter = field(default_factory=Counter, repr=False)  # messages sent (seeds stochastic rounding)
+    _dense_warned: set = field(default_factory=set, repr=False)
 
     def __post_init__(self):
-        if self.delta is None:
-            self.delta = DeltaEdges(self.part)
+        if self.delta is None:  # a stateful codec's state lives where its device path runs
+            self.delta = DeltaEdges(self.part, device=self.device if self.torch_codecs else None)
+
+    @property
+    def torch_codecs(self) -> bool:
+        """Whether the codecs' device paths run for every codec (a non-CPU device, or ``torch_on_cpu``)."""
+        return self.device is not None and (getattr(self.device, "type", self.device) != "cpu" or self.torch_on_cpu)
 
     @classmethod
-    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None,
-              engine: str = "torch") -> "CompressionTable":
-        """Rules of ``part`` (whose engine is ``engine``); ratio-1 entries, and tensors of loss/label/input
-        nodes, are dropped."""
-        t = cls(part, graph=graph)
+    def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None, engine: str = "torch",
+              device: Any = None, torch_on_cpu: bool = False) -> "CompressionTable":
+        """Rules of ``part`` (whose engine is ``engine``, encoding tensors on ``device``); ratio-1 entries, and
+        tensors of loss/label/input nodes, are dropped."""
+        t = cls(part, graph=graph, device=device, torch_on_cpu=torch_on_cpu)
         for e in edges:
             bad = set(e.directions) - {"fwd", "bwd"}
             if bad:
@@ -297,47 +209,79 @@ class CompressionTable:
                 t.fwd[(key, e.dst)] = fwd
             if e.dst == part and bwd is not None:
                 t.bwd[(key, e.src)] = bwd
-            if e.dst == part and fwd is not None and fwd.algo == "delta":
+            if e.dst == part and fwd is not None and fwd.unit.stateful:
                 t.recv[(key, e.src)] = fwd
-            if e.dst == part and fwd is not None and fwd.algo not in BUILTIN:
+            if e.dst == part and fwd is not None and _plain(fwd.unit):
                 t.user_in[(key, e.src, False)] = fwd
-            if e.src == part and bwd is not None and bwd.algo not in BUILTIN:
+            if e.src == part and bwd is not None and _plain(bwd.unit):
                 t.user_in[(key, e.dst, True)] = bwd
         return t
 
     def __bool__(self) -> bool:
         return bool(self.fwd or self.bwd or self.recv or self.user_in)
 
+    # -- which tensors an engine keeps on its device -------------------------------------------
+    def sent_keys(self) -> frozenset:
+        """Activations this part sends compressed to at least one part (an engine hands them as tensors)."""
+        return frozenset(k for k, _ in self.fwd)
+
+    def grad_keys(self) -> frozenset:
+        """Received activations whose gradient this part sends back compressed."""
+        return frozenset(k for k, _ in self.bwd)
+
     def delta_cfgs(self) -> dict[tuple[str, Key, str], dict]:
-        """(role, tensor key, peer) -> codec cfg of every delta edge of this part, both ends."""
-        out = {("send", k, p): r.codec for (k, p), r in self.fwd.items() if r.algo == "delta"}
+        """(role, tensor key, peer) -> codec cfg of every stateful edge of this part, both ends."""
+        out = {("send", k, p): r.codec for (k, p), r in self.fwd.items() if r.unit.stateful}
         out.update({("recv", k, p): r.codec for (k, p), r in self.recv.items()})
         return out
 
+    # -- receiving -------------------------------------------------------------------------------
     def check_incoming(self, od: Any) -> None:
-        """WireError for a delta payload this part cannot decode: on a gradient or an edge without a delta
-        rule here, or a delta row whose sample has no buffer (cache miss). A user codec's payload is decoded
-        here (the codec checks it, then its tensor is checked against the graph) and ``od.payload`` becomes
-        the dense array. Other payloads pass."""
+        """WireError for a stateful codec's payload this part cannot decode: on a gradient or an edge without
+        such a rule here, or a row whose sample has no state here (cache miss). A user codec's payload is
+        decoded here (the codec checks it, then its tensor is checked against the graph) and ``od.payload``
+        becomes the dense array. Other payloads pass."""
         if isinstance(od.payload, CodecPayload):
             od.payload = self._user_decode(od)
             return
-        if not isinstance(od.payload, DeltaPayload):
+        unit = CODECS.for_payload(od.payload)
+        if unit is None or not unit.stateful:
             return
         if od.is_grad or (od.key, od.src) not in self.recv:
-            raise WireError(f"delta payload of {od.key[0]}[{od.key[1]}] from {od.src}: the plan does not compress "
-                            f"that {'gradient' if od.is_grad else 'activation'} with delta towards {self.part}")
+            raise WireError(f"{unit.name} payload of {od.key[0]}[{od.key[1]}] from {od.src}: the plan does not "
+                            f"compress that {'gradient' if od.is_grad else 'activation'} with {unit.name} towards "
+                            f"{self.part}")
         self.delta.check(od.payload, od.key, od.src, od.micro_batch)
 
     def decode(self, od: Any, shape: tuple[int, ...] | None = None) -> Any:
-        """What the engine gets for a received message: :func:`dense_payload`, and for a delta payload the
-        activation rebuilt from this end's buffers (which it updates), reshaped to ``shape``."""
-        if isinstance(od.payload, DeltaPayload):
-            self.check_incoming(od)
-            return self.delta.decode(od.payload, od.key, od.src, self.recv[(od.key, od.src)].codec, shape)
-        if isinstance(od.payload, CodecPayload):
+        """What the engine gets for a received message: the payload decoded by the codec that made it (a tensor on
+        the device when the table runs the device paths), a stateful codec's through this end's state (which it
+        updates), reshaped to ``shape``; dense payloads unchanged."""
+        p = od.payload
+        if isinstance(p, CodecPayload):
             return self._user_decode(od)
-        return dense_payload(od.payload)
+        unit = CODECS.for_payload(p)
+        if unit is None:
+            return p
+        if unit.stateful:
+            self.check_incoming(od)
+            rule = self.recv[(od.key, od.src)]
+            ctx = CodecContext(Role.ACTIVATION, self.part, od.key, od.src, od.micro_batch,
+                               state=partial(self.delta.buffer, "recv", od.key, od.src, rule.codec))
+            out = unit.decode_host(p, ctx)
+            return out.reshape(shape) if shape is not None else out
+        if self.torch_codecs and unit.has_device:
+            return unit.decode_device(p, self.device)
+        return unit.decode_host(p)
+
+    def decode_grad(self, od: Any) -> Any:
+        """A received gradient: a tensor on the device when the table has one (dense ones too, so the sum over
+        consumer parts is one torch sum in the host path's order), else a NumPy array."""
+        g = self.decode(od)
+        if self.device is None:
+            return np.asarray(g)
+        dtype = getattr(self.graph.output_meta(*od.key), "dtype", None) if self.graph is not None else None
+        return to_tensor(g, dtype, self.device)
 
     def _user_decode(self, od: Any) -> np.ndarray:
         what = f"{'gradient' if od.is_grad else 'activation'} {od.key[0]}[{od.key[1]}] from {od.src}"
@@ -351,39 +295,39 @@ class CompressionTable:
             shape, dtype = tuple(getattr(meta, "shape", ())), getattr(meta, "dtype", None)
             if dtype not in COMPRESSIBLE:
                 raise WireError(f"{what}: {od.payload.algo} payload for a {dtype} tensor (floating tensors only)")
-        return user_decode(od.payload, shape, dtype, what)
+        return decode_checked(rule.unit, od.payload, shape, dtype, what)
 
+    # -- sending ---------------------------------------------------------------------------------
     def encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int, ids: Any = None,
                it: int | None = None) -> tuple[Any, dict | None]:
         """(payload to send, compress_cfg) for one outgoing message; dense and None when not compressed.
 
-        ids: the micro-batch's sample ids (``delta`` edges need them); it: the iteration (seeds a
-        delta edge's stochastic rounding)."""
+        ``payload``: a NumPy array, or a tensor (encoded on its device by the codec's device path where the
+        table runs it, else on a NumPy view/copy; a tensor sent dense leaves as a NumPy array).
+        ids: the micro-batch's sample ids (per-sample codecs need them); it: the iteration."""
         rule = (self.bwd if is_grad else self.fwd).get((key, peer))
-        dtype = None
-        if isinstance(payload, np.ndarray):
-            dtype = "bfloat16" if payload.dtype == np.uint16 and key in self.bfloat16 else payload.dtype.name
+        tensor = is_torch(payload)
+        dtype = dtype_of(payload, key in self.bfloat16)
         if rule is None or dtype not in COMPRESSIBLE:
             if rule is not None:
-                log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, type(payload).__name__)
-            return payload, None
-        if rule.algo == "delta":
-            p = self.delta.encode(payload, dtype, key, peer, rule.codec, ids, it, mb)
-            return (payload, None) if p is None else (p, rule.cfg())
-        if rule.algo not in BUILTIN:
-            return user_encode(rule.codec, payload, dtype), rule.cfg()
-        if rule.algo != "topk":
-            cfg = QuantConfig.from_cfg(rule.codec, rule.algo == "hadamard-quant")
-            if cfg.rounding == "stochastic":  # fresh noise per message, the same on every run of the plan
-                self._sent += 1
-                cfg = cfg.with_seed(zlib.crc32(repr((self.part, key, peer, is_grad, mb, self._sent)).encode()))
-            return quantize(payload, cfg, dtype=dtype), rule.cfg()
-        k = ratio_to_k(payload.size, rule.ratio)
-        if rule.error_feedback:
-            sp = self._feedback().compress((key, peer, "bwd" if is_grad else "fwd", mb), _as_torch(payload, dtype), k)
+                log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, dtype or type(payload).__name__)
+            return (to_numpy(payload) if tensor else payload), None
+        unit = rule.unit
+        ctx = CodecContext(Role.GRADIENT if is_grad else Role.ACTIVATION, self.part, key, peer, mb, ids, it,
+                           self._counter, self._feedback() if rule.error_feedback else None,
+                           partial(self.delta.buffer, "send", key, peer, rule.codec) if unit.stateful else None)
+        if tensor and unit.runs_on_device(payload.device.type, self.torch_on_cpu):
+            p = unit.encode_device(payload.detach(), dtype, rule.codec, ctx)
         else:
-            sp = topk_numpy(payload, k, dtype)
-        return sp, rule.cfg(k)
+            p = unit.encode_host(to_numpy(payload) if tensor else payload, dtype, rule.codec, ctx)
+        if p is None:
+            if (key, peer) not in self._dense_warned:
+                self._dense_warned.add((key, peer))
+                log.warning("%s: %s[%s] -> %s has shape %s, which %s cannot encode (for delta: its leading dimension "
+                            "is not a multiple of the samples of a micro-batch): sent dense", self.part, key[0], key[1],
+                            peer, list(payload.shape), unit.name)
+            return (to_numpy(payload) if tensor else payload), None
+        return p, unit.message_cfg(rule.codec, p)
 
     def _feedback(self):
         if self._ef is None:
@@ -397,17 +341,10 @@ class CompressionTable:
         return None if self._ef is None else self._ef.residual((key, peer, direction, mb))
 
 
-def _as_torch(a: np.ndarray, dtype: str):
-    import torch
-
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.view(torch.int16).view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
-def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None,
-              engine: str = "torch") -> CompressionTable | None:
+def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None, engine: str = "torch",
+              device: Any = None, torch_on_cpu: bool = False) -> CompressionTable | None:
     """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
-    t = CompressionTable.build(part, edges or (), graph, engine)
+    t = CompressionTable.build(part, edges or (), graph, engine, device, torch_on_cpu)
     return t if t else None
 
 
@@ -423,111 +360,32 @@ def check_edges(edges: Iterable[Any], assignment: Mapping[str, str]) -> None:
             raise FusionError(f"compression of {e.producer!r}: unknown dst part {e.dst!r}")
 
 
-# -- tied-parameter gradients --------------------------------------------------------------------
-
-#: codecs the tied-parameter exchange takes (stateless; ``delta`` is per-sample activations only)
-TIED_BUILTIN = ("quant", "hadamard-quant", "topk")
-
-
-@dataclass(frozen=True)
-class TiedCodec:
-    """How the owners of a tied parameter exchange its gradient (``Plan.tied_codec``).
-
-    cfg: the codec cfg (``{"algo": "quant", "bits": 8}``; ``quant``, ``hadamard-quant``, ``topk`` or a user
-         codec of the registry).
-
-    Semantics (deterministic, the same on every owner): each owner encodes its own accumulated gradient
-    once (:meth:`encode`), sends that payload to the other owners, and every owner sums the *decoded*
-    gradients of all owners, its own included (:meth:`decode`, same NumPy code on every end), in plan
-    part order (:func:`sum_in_order`). So every owner applies the same bits and the weights stay identical;
-    the reference executor does the same in one process. A gradient whose dtype is not a float travels
-    dense (and counts dense on every owner).
-    """
-
-    cfg: dict
-
-    @classmethod
-    def from_cfg(cls, cfg: Any, where: str = "plan.tied_codec") -> "TiedCodec | None":
-        """None for no codec; FusionError (one line) for one the registry lacks or the exchange cannot use."""
-        if cfg is None:
-            return None
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("algo"), str):
-            raise FusionError(f"{where}: expected a codec cfg with an 'algo' name, got {cfg!r}")
-        algo = cfg["algo"]
-        if algo not in CODECS:
-            raise FusionError(f"{where}: unknown codec {algo!r} (known: {', '.join(CODECS.names())}); a user codec is "
-                              "registered by a plugin file the plan lists, imported with --trust-plugins")
-        if algo in BUILTIN and algo not in TIED_BUILTIN:
-            raise FusionError(f"{where}: {algo} cannot compress tied-parameter gradients (use one of "
-                              f"{', '.join(TIED_BUILTIN)} or a user codec)")
-        if algo in ("quant", "hadamard-quant"):
-            QuantConfig.from_cfg(cfg, algo == "hadamard-quant")
-        elif algo == "topk" and not float(cfg.get("ratio", 0)) >= 1:
-            raise FusionError(f"{where}: topk needs ratio >= 1, got {cfg.get('ratio')!r}")
-        return cls(dict(cfg))
-
-    @property
-    def algo(self) -> str:
-        return self.cfg["algo"]
-
-    def check_engine(self, part: str, engine: str) -> None:
-        """FusionError when a NumPy part would have to run a torch-only user codec."""
-        if engine == "numpy" and self.algo not in BUILTIN and not numpy_path(CODECS.get(self.algo)):
-            raise FusionError(f"plan.tied_codec: codec {self.algo!r} has only a torch path, and part {part} (an owner "
-                              "of a tied parameter) runs the numpy engine")
-
-    def encode(self, grad: np.ndarray, dtype: str, name: str, owner: str, it: int) -> Any:
-        """The payload of ``owner``'s gradient of parameter ``name`` at iteration ``it`` (``dtype``: the graph's;
-        bfloat16 as uint16 bits). Stochastic rounding is seeded by (name, owner, it): the same on every run."""
-        if dtype not in COMPRESSIBLE:
-            return grad
-        if self.algo == "topk":
-            return topk_numpy(grad, ratio_to_k(grad.size, float(self.cfg["ratio"])), dtype)
-        if self.algo in ("quant", "hadamard-quant"):
-            qc = QuantConfig.from_cfg(self.cfg, self.algo == "hadamard-quant")
-            if qc.rounding == "stochastic":
-                qc = qc.with_seed(zlib.crc32(repr(("tied", name, owner, it)).encode()))
-            return quantize(grad, qc, dtype=dtype)
-        return user_encode(self.cfg, grad, dtype)
-
-    def decode(self, payload: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
-        """The dense gradient of a payload :meth:`encode` made; WireError naming ``what`` when it is not one
-        (another codec, or a tensor of another shape or dtype)."""
-        if isinstance(payload, np.ndarray) and dtype not in COMPRESSIBLE:
-            return payload
-        want = {"topk": SparsePayload, "quant": QuantPayload, "hadamard-quant": QuantPayload}.get(self.algo, CodecPayload)
-        if not isinstance(payload, want) or (want is CodecPayload and payload.algo != self.algo) or \
-                (want is QuantPayload and payload.hadamard != (self.algo == "hadamard-quant")):
-            raise WireError(f"{what}: expected a {self.algo} payload (plan.tied_codec), got {type(payload).__name__}")
-        if want is CodecPayload:
-            return user_decode(payload, shape, dtype, what)
-        if tuple(payload.shape) != tuple(shape) or payload.dtype != dtype:
-            raise WireError(f"{what}: {self.algo} payload of {payload.dtype}{list(payload.shape)}, the parameter is "
-                            f"{dtype}{list(shape)}")
-        return np.asarray(densify(payload) if want is SparsePayload else dequantize(payload))
-
-
-def sum_in_order(grads: list[np.ndarray]) -> np.ndarray:
-    """The sum of ``grads`` left to right (the one order every owner and the reference executor use)."""
-    total = np.array(grads[0], copy=True)
-    for g in grads[1:]:
-        total = total + g
-    return total
-
-
 def check_plan_codecs(plan: Any) -> None:
     """Refuse (FusionError, one line naming the edge and codec) a plan whose codecs this process can judge
     before any executor starts: every part's rules (unknown codec, bad cfg, a torch-only codec on a NumPy
-    part) and ``tied_codec``. When the plan names codecs this process does not know and lists plugins, a
-    plugin may register them: each executor checks after importing its plugins instead."""
+    part), ``tied_codec`` and ``dp_codec``. When the plan names codecs this process does not know and lists
+    plugins, a plugin may register them: each executor checks after importing its plugins instead."""
     names = {cfg["algo"] for e in plan.compression for cfg in (e.codec("fwd"), e.codec("bwd")) if cfg is not None}
-    if plan.tied_codec is not None:
-        names.add(plan.tied_codec.get("algo"))
+    for extra in (plan.tied_codec, plan.dp_codec):
+        if extra is not None:
+            names.add(extra.get("algo"))
     if any(n not in CODECS for n in names) and plan.graph.plugins:
         return
     for name, part in plan.parts.items():
         table_for(name, plan.replica_compression(part.replica), plan.graph, part.engine)
+    from fusion.executors.runtime.tied import TiedCodec
+
     tied = TiedCodec.from_cfg(plan.tied_codec)
     if tied is not None:
         for name, part in plan.parts.items():
             tied.check_engine(name, part.engine)
+    if plan.dp_codec is not None:
+        CODECS.check_role(plan.dp_codec, Role.DP_GRADIENT, "plan.dp_codec")
+
+
+def __getattr__(name: str):  # the tied-gradient codec's old home (its module is .tied)
+    if name in ("TiedCodec", "sum_in_order"):
+        from fusion.executors.runtime import tied
+
+        return getattr(tied, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,6 +39,7 @@ from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Commit, Con
                                               Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
+from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
 from fusion.executors.runtime.transport import Transport
 from fusion.plan import Plan
 
@@ -159,6 +160,7 @@ class Coordinator:
         self.n_micro = plan.micro_batches  # micro-batches per live replica (grows when a replica is dropped)
         self.iter_offset = 0  # executor iteration = step + abandoned attempts
         self.dropped: list[dict] = []
+        self.id_edges = per_sample_edges(plan.compression)  # edges whose codec keys state by sample (delta)
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -383,11 +385,10 @@ class Coordinator:
         return rec
 
     def _send_step(self, batch: Mapping[str, Any], want_grads: bool, ckpt: bool) -> int:
-        from fusion.executors.runtime.delta_edges import batch_sample_ids
         from fusion.ir.opdata import SAMPLE_IDS
 
         n, reps = self.n_micro, self.live_replicas()
-        ids = batch_sample_ids(self.plan, batch)  # None unless the plan has delta (AQ-SGD) edges
+        ids = batch_ids(batch, self.id_edges)  # None unless the plan has per-sample (delta) edges
         batch = {k: v for k, v in batch.items() if k != SAMPLE_IDS}
         rows = next(iter(batch.values())).shape[0] if batch else 0
         if self.plan.global_batch and rows != self.plan.global_batch:

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.kernels.delta import DeltaBuffer, DeltaConfig, DeltaPayload
+from fusion.kernels.codecs import CODECS
+from fusion.kernels.delta import DeltaBuffer, DeltaPayload
+from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
 
 log = logging.getLogger(__name__)
 
@@ -50,56 +51,27 @@ Key = tuple[str, "int | None"]
 EdgeId = tuple[str, Key, str]  # (role "send"/"recv", tensor key, peer part)
 
 
-def _rows_view(x: np.ndarray, n: int) -> np.ndarray | None:
-    """``x`` with ``n`` sample rows leading (``[B, ...]`` -> ``[n, B // n, ...]``), or None when it cannot be."""
-    if x.ndim == 0 or n == 0 or x.shape[0] % n:
-        return None
-    return x if x.shape[0] == n else x.reshape(n, x.shape[0] // n, *x.shape[1:])
-
-
 @dataclass
 class DeltaEdges:
     """The AQ-SGD buffers of one part.
 
-    part:    this part's name (messages in log lines and stochastic-rounding seeds).
-    buffers: (role, tensor key, peer) -> that edge's :class:`DeltaBuffer`, made on first use.
+    part:    this part's name (messages in log lines).
+    buffers: (role, tensor key, peer) -> that edge's buffers, made on first use by the edge's codec
+             (``Codec.new_state``: ``DeltaBuffer`` in NumPy, ``TorchDeltaBuffer`` on ``device``).
+    device:  where the buffers live (None: NumPy; a torch device when the part encodes there).
     """
 
     part: str
     buffers: dict[EdgeId, DeltaBuffer] = field(default_factory=dict)
-    _dense_warned: set = field(default_factory=set, repr=False)
+    device: Any = None
 
     def buffer(self, role: str, key: Key, peer: str, cfg: dict) -> DeltaBuffer:
+        """This end's buffers of one edge (``role`` ``"send"``/``"recv"``), made on first use."""
         eid = (role, key, peer)
         b = self.buffers.get(eid)
         if b is None:
-            b = self.buffers[eid] = DeltaBuffer(DeltaConfig.from_cfg(cfg))
+            b = self.buffers[eid] = CODECS.unit(cfg["algo"]).new_state(cfg, self.device)
         return b
-
-    # -- sending ------------------------------------------------------------------------
-    def encode(self, x: np.ndarray, dtype: str, key: Key, peer: str, cfg: dict, ids: Any, it: int | None,
-               mb: int) -> DeltaPayload | None:
-        """The delta payload of activation ``x`` (micro-batch ``mb`` of samples ``ids``) to ``peer``,
-        or None when ``x`` has no sample rows (sent dense). FusionError when the data carries no ids."""
-        if ids is None:
-            raise FusionError(f"{self.part}: edge {key[0]}[{key[1]}] -> {peer} is compressed with delta (AQ-SGD), "
-                              "which needs each micro-batch's sample ids; the batches carry none (the built-in "
-                              "text corpus gives them; a --data function returns them under '#sample_ids')")
-        ids = np.asarray(ids).reshape(-1)
-        rows = _rows_view(x, ids.size)
-        if rows is None:
-            if (key, peer) not in self._dense_warned:
-                self._dense_warned.add((key, peer))
-                log.warning("%s: %s[%s] -> %s has shape %s, whose leading dimension is not a multiple of the "
-                            "%d samples of a micro-batch: sent dense, not as deltas", self.part, key[0], key[1], peer,
-                            list(x.shape), ids.size)
-            return None
-        dc = DeltaConfig.from_cfg(cfg)
-        seed = None
-        if dc.rounding == "stochastic":  # fresh noise per message, a function of (edge, step, micro-batch) only:
-            # a resumed run draws what the uninterrupted one drew
-            seed = zlib.crc32(repr((self.part, key, peer, it, mb)).encode())
-        return self.buffer("send", key, peer, cfg).encode(rows, ids, dtype=dtype, seed=seed)
 
     # -- receiving ----------------------------------------------------------------------
     def check(self, p: DeltaPayload, key: Key, src: str, mb: int) -> None:
@@ -110,12 +82,6 @@ class DeltaEdges:
                 raise WireError(f"delta payload of {key[0]}[{key[1]}] from {src}, micro-batch {mb}: sample id {i} is "
                                 f"sent as a delta but {self.part} has no buffer for it (cache miss: the two ends "
                                 "are out of step)")
-
-    def decode(self, p: DeltaPayload, key: Key, src: str, cfg: dict, shape: tuple[int, ...] | None) -> np.ndarray:
-        """The activation ``p`` carries (reshaped to the graph's ``shape``); updates this end's buffers."""
-        self.check(p, key, src, -1)
-        out = self.buffer("recv", key, src, cfg).decode(p)
-        return out.reshape(shape) if shape is not None else out
 
     # -- checkpoints --------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -191,33 +157,10 @@ def checkpoint_arrays(runtime: Any) -> dict[str, np.ndarray] | None:
 
 
 def uses_delta(plan: Any) -> list[str]:
-    """The plan's delta edges as ``producer[index] src->dst`` (empty: none)."""
-    out = []
-    for e in plan.compression or ():
-        cfg = e.codec("fwd")
-        if cfg is not None and cfg.get("algo") == "delta":
-            out.append(f"{e.producer}[{e.index}] {e.src}->{e.dst}")
-    return out
+    """The plan's edges whose codec keeps per-sample state (delta) as ``producer[index] src->dst`` (empty: none)."""
+    return per_sample_edges(plan.compression)
 
 
 def batch_sample_ids(plan: Any, batch: Any) -> np.ndarray | None:
-    """The batch's sample ids (int64, unique) when the plan has delta edges, else None.
-
-    FusionError when a delta plan's batch has none, or ids that are not unique integers: each row of an
-    iteration must be a different sample, or two micro-batches would update one buffer in an order the
-    receiver could not check."""
-    edges = uses_delta(plan)
-    if not edges:
-        return None
-    from fusion.ir.opdata import SAMPLE_IDS
-
-    if SAMPLE_IDS not in batch:
-        raise FusionError(f"the plan compresses {edges[0]} with delta (AQ-SGD), which needs each row's sample id; "
-                          f"the batch has no field {SAMPLE_IDS!r} (the built-in text corpus gives it; synthetic data "
-                          "has no samples to revisit; a --data function returns it beside the placeholders)")
-    ids = np.asarray(batch[SAMPLE_IDS])
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise FusionError(f"batch field {SAMPLE_IDS!r}: expected a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
-    if np.unique(ids).size != ids.size:
-        raise FusionError(f"batch field {SAMPLE_IDS!r}: a sample appears twice in one batch")
-    return ids.astype(np.int64)
+    """:func:`~.sample_ids.batch_ids` of ``batch`` for ``plan``'s per-sample edges (None: the plan has none)."""
+    return batch_ids(batch, per_sample_edges(plan.compression))

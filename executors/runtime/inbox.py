@@ -18,10 +18,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fusion.ir.errors import WireError
-from fusion.kernels.codec import CodecPayload
-from fusion.kernels.delta import DeltaPayload
-from fusion.kernels.quant import QuantPayload
-from fusion.kernels.sparse import SparsePayload
+from fusion.kernels.codecs import CODECS, CodecPayload
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import TensorMeta
 from fusion.ir.opdata import OpData
@@ -86,29 +83,21 @@ class Inbox:
 
     def _check_payload(self, od: OpData) -> None:
         m = self._meta(od)
-        if isinstance(od.payload, DeltaPayload):
-            if self.check is None:  # only a part with delta edges has buffers to decode one with
-                raise WireError(f"{od.key}: delta payload, but {self.me} has no delta (AQ-SGD) edge")
-            if not isinstance(m, TensorMeta):
-                raise WireError(f"{od.key}: delta payload for a value that is not a tensor")
-            p = od.payload  # rows are samples: the tensor, its leading dimension split per sample if need be
-            ms = tuple(m.shape)
-            ok = bool(ms) and p.rows > 0 and ms[0] % p.rows == 0 and p.dtype == m.dtype and \
-                p.shape == (ms if ms[0] == p.rows else (p.rows, ms[0] // p.rows, *ms[1:]))
-            if not ok:
-                raise WireError(f"{od.key}: delta payload of {p.dtype}{list(p.shape)} does not match "
-                                f"the graph's {m.dtype}{list(m.shape)}")
-            return
         if isinstance(od.payload, CodecPayload):
             if self.check is None:  # only a part with user-codec edges decodes one (check_incoming, then checked)
                 raise WireError(f"{od.key}: {od.payload.algo} codec payload, but {self.me} decodes no edge with it")
             return
-        if isinstance(od.payload, (SparsePayload, QuantPayload)) and isinstance(m, TensorMeta):
+        codec = CODECS.for_payload(od.payload)  # the codec that made it (None: a dense array or value)
+        if codec is not None and codec.stateful:
+            if self.check is None:  # only a part with such edges has the state to decode one with
+                raise WireError(f"{od.key}: {codec.name} payload, but {self.me} has no {codec.title or codec.name} edge")
+            if not isinstance(m, TensorMeta):
+                raise WireError(f"{od.key}: {codec.name} payload for a value that is not a tensor")
+        if codec is not None and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
-            if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype != m.dtype:
-                kind = "sparse" if isinstance(od.payload, SparsePayload) else "quantised"
-                raise WireError(f"{od.key}: {kind} payload of {od.payload.dtype}{list(od.payload.shape)} does not match "
-                                f"the graph's {m.dtype}{list(m.shape)}")
+            why = codec.check_payload(od.payload, tuple(m.shape), m.dtype)
+            if why is not None:
+                raise WireError(f"{od.key}: {why}")
             return
         if not isinstance(m, TensorMeta):
             return  # values have no static shape

@@ -65,9 +65,11 @@ class PartRuntime:
                  compression: "Iterable[Any] | None" = None):
         """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
-        self.compression = table_for(name, compression, graph, engine.engine)
-        if self.compression is not None:  # the torch engine encodes and decodes on its device
-            self.compression = engine.compress_on_device(self.compression)
+        # an engine that encodes on its device (torch) says which device and hands those edges' tensors over
+        placement = engine.codec_device
+        self.compression = table_for(name, compression, graph, engine.engine, *(placement or ()))
+        if self.compression is not None and placement is not None:
+            engine.keep_tensors(self.compression.sent_keys(), self.compression.grad_keys())
         self.routes = make_routes(sub, assignment)
         self._users = {n: tuple(u) for n, u in graph.users().items()}
         self.placeholders = [n for n in sub.nodes if graph[n].kind.value in ("input", "label")]
@@ -118,11 +120,8 @@ class PartRuntime:
             # on every run (a resumed run equals an uninterrupted one), and the reference executor's order
             if not msg.is_grad or msg.key not in self.routes.grads_from:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
-            decode_grad = getattr(self.compression, "decode_grad", None)  # a device table: a device tensor
-            if decode_grad is not None:
-                g = decode_grad(msg)
-            else:
-                g = np.asarray(dense_payload(msg.payload) if self.compression is None else self.compression.decode(msg))
+            # a table on a device gives a device tensor, else a NumPy array
+            g = np.asarray(dense_payload(msg.payload)) if self.compression is None else self.compression.decode_grad(msg)
             summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
         if split:
             grads_in = self.engine.backward_input((it, mb), summed, loss_scale)

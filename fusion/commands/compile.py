@@ -241,17 +241,18 @@ def _tied_codec(args: argparse.Namespace):
 
 
 def record_codec_plugins(plan) -> list[str]:
-    """List, as plan plugins, the files that register the user codecs the plan names (its edges' codecs and
-    ``tied_codec``), so that executors started with ``--trust-plugins`` import them and know the codecs.
-    Returns the files added."""
+    """List, as plan plugins, the files that register the user codecs the plan names (its edges' codecs,
+    ``tied_codec`` and ``dp_codec``), so that executors started with ``--trust-plugins`` import them and know the
+    codecs. Returns the files added."""
     import sys
 
     from fusion.ir.errors import FusionError
     from fusion.kernels.codec import CODECS
 
     algos = {cfg["algo"] for e in plan.compression for cfg in (e.codec("fwd"), e.codec("bwd")) if cfg is not None}
-    if plan.tied_codec is not None:
-        algos.add(plan.tied_codec["algo"])
+    for extra in (plan.tied_codec, plan.dp_codec):
+        if extra is not None:
+            algos.add(extra["algo"])
     added = []
     for algo in sorted(algos):
         module = CODECS.user_module(algo)
@@ -276,8 +277,12 @@ def _dp_codec(args: argparse.Namespace):
     if args.dp_codec is None:
         return None
     cfg = parse_spec(args.dp_codec, "--dp-codec")
-    if cfg is not None and (not isinstance(cfg, dict) or cfg["algo"] != "quant"):
-        raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes quant:bits=B[,block=N] or none")
+    from fusion.kernels.codecs import CODECS, Role
+
+    if cfg is not None and (not isinstance(cfg, dict) or Role.DP_GRADIENT not in CODECS.unit(cfg["algo"]).roles):
+        raise FusionError(f"--dp-codec {args.dp_codec}: the all-reduce takes "
+                          f"{', '.join(CODECS.serving(Role.DP_GRADIENT))} (the codecs that serve data-parallel "
+                          "gradients; e.g. quant:bits=B[,block=N]) or none")
     return cfg
 
 

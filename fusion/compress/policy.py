@@ -37,42 +37,16 @@ from typing import Any
 from fusion.cost.estimate import CostModel
 from fusion.ir.errors import FusionError
 from fusion.ir.node import TensorMeta
+from fusion.kernels.codecs import CODECS, Role
 from fusion.plan import EdgeCompression
 
 log = logging.getLogger(__name__)
 
-#: dense bytes per second through one encode + decode, per algorithm (one rate for every bit width).
-#: quant: benchmarks/bench_codecs.py, 1M float32 on one CPU thread, NumPy encode + decode 10-14 ms
-#: (rounded down to 300e6). hadamard-quant and delta: what they cost in the convergence study's real
-#: runs (GPT, local-4-two-sites, 4 CompNodes on 2 shared cores), over 1.84 MB of activations per step
-#: through their edges: hadamard-quant 4-bit took 0.107 s/step more than quant 4-bit (66.4 vs 44.9 s per
-#: 200 steps) -> 16e6; delta 4-bit 0.10 s/step more than quant 4-bit, delta 2-bit 0.07 s/step more than
-#: quant 2-bit (bytes on the wire about equal; NumPy buffer work at both ends) -> 17e6 to 24e6, taken as
-#: 20e6. Their kernels alone run faster (bench_codecs: hadamard-quant 48e6-76e6, delta 52e6-75e6); the
-#: study's figure is what a step pays. topk: bench_codecs, torch encode + decode 1.6 ms (rounded down).
-CODEC_RATE = {"quant": 300e6, "hadamard-quant": 16e6, "topk": 400e6, "delta": 20e6}
-
-_Q8 = {"algo": "quant", "bits": 8, "block": 64}
-_Q4 = {"algo": "quant", "bits": 4, "block": 64}
-_H4 = {"algo": "hadamard-quant", "bits": 4, "block": 64}
-
-#: ``auto``'s candidates for activations: the codecs the convergence study shows to converge (GPT,
-#: local-4-two-sites, 200 steps, final EMA loss vs dense at the same step; docs/compression.md):
-#: quant 8-bit +1.2 % and quant 4-bit +0.85 % (fresh random windows), quant 4-bit -3.6 % (512 samples in
-#: epochs; the study's best_codec, 0.26 of dense's time to dense's final loss); hadamard-quant 4-bit +0.42 %
-#: (fresh windows); delta 4-bit -4.2 % and delta 2-bit -0.9 % (512 samples in epochs; delta 2-bit reaches
-#: dense's final loss in 0.45 of dense's time). Left out: quant 2-bit (+11 % with 4-bit gradients, not
-#: reaching dense's late target), Top-K (r = 100: +35 %; r = 3 and 10 lose on the GPT too), and bit
-#: widths the study did not run (hadamard-quant 2 and 8). ``delta`` rows count only where the data gives
-#: sample ids and the data set's size is declared (:attr:`CompressRequest.auto_delta`).
-AUTO_FWD = (_Q8, _Q4, _H4, {"algo": "delta", "bits": 4, "block": 64}, {"algo": "delta", "bits": 2, "block": 64})
-
-#: ``auto``'s candidates for gradients: milder than for activations (Rudakov et al. 2024), and only what
-#: the study ran on gradients: quant 8-bit (+1.2 %), quant 4-bit (-3.6 %; every delta run's gradients),
-#: hadamard-quant 4-bit (+0.42 %). Left out: quant 2-bit (2-bit gradients on top of 2-bit activations:
-#: +25 % and rising, against +11 % with 4-bit gradients), Top-K (the ablation blames Top-K on the gradient
-#: for the stall), delta (activations only).
-AUTO_BWD = (_Q8, _Q4, _H4)
+#: ``auto``'s candidates for activations and for gradients, best first: each codec declares its own (its
+#: ``auto``, with the convergence study's numbers beside it, ``fusion/kernels/codecs/``); ``delta`` rows count
+#: only where the data gives sample ids and the data set's size is declared (:attr:`CompressRequest.auto_delta`).
+AUTO_FWD = CODECS.auto(Role.ACTIVATION)
+AUTO_BWD = CODECS.auto(Role.GRADIENT)
 
 #: the gradients' codec when ``--compress delta:...`` is given without ``--compress-bwd`` (AQ-SGD sends
 #: gradients directly quantised; 8 bits as SWARM)
@@ -110,14 +84,12 @@ class CompressRequest:
         if want != "auto":
             return [dict(want)]
         table = AUTO_FWD if direction == "fwd" else AUTO_BWD
-        return [dict(c) for c in table if c["algo"] != "delta" or (self.auto_delta and self.samples)]
+        return [dict(c) for c in table if not _per_sample(c) or (self.auto_delta and self.samples)]
 
 
 def parse_spec(spec: str, flag: str = "--compress") -> dict | None | str:
     """``"quant:bits=4,block=64"`` -> ``{"algo": "quant", "bits": 4, "block": 64}``; ``none`` -> None;
     ``auto`` -> ``"auto"``. Values are ints, floats or strings; the codec checks its own keys."""
-    from fusion.kernels.codec import CODECS
-
     text = spec.strip()
     if text == "none":
         return None
@@ -126,8 +98,8 @@ def parse_spec(spec: str, flag: str = "--compress") -> dict | None | str:
     algo, _, rest = text.partition(":")
     if algo not in CODECS:
         raise CompressSpecError(f"{flag} {spec!r}: unknown codec {algo!r}; known: none, auto, {', '.join(CODECS.names())}")
-    if algo == "delta" and flag == "--compress-bwd":
-        raise CompressSpecError(f"{flag} {spec!r}: delta (AQ-SGD) compresses activations only; give the gradients "
+    if flag == "--compress-bwd" and Role.GRADIENT not in CODECS.unit(algo).roles:
+        raise CompressSpecError(f"{flag} {spec!r}: {algo} compresses activations only; give the gradients "
                                 "another codec (e.g. quant:bits=8) or none")
     cfg: dict[str, Any] = {"algo": algo}
     for item in filter(None, rest.split(",")):
@@ -162,13 +134,13 @@ def request(fwd_spec: str | None, bwd_spec: str | None = None, samples: int | No
     fwd = parse_spec(fwd_spec) if fwd_spec is not None else None
     if bwd_spec is not None:
         bwd = parse_spec(bwd_spec, "--compress-bwd")
-    elif isinstance(fwd, dict) and fwd["algo"] == "delta":
+    elif isinstance(fwd, dict) and Role.GRADIENT not in CODECS.unit(fwd["algo"]).roles:
         bwd = dict(DELTA_BWD)  # per-sample deltas of gradients make no sense: AQ-SGD quantises them directly
     else:
         bwd = fwd
     if fwd is None and bwd is None:
         return None
-    if isinstance(fwd, dict) and fwd["algo"] == "delta" and not samples:
+    if isinstance(fwd, dict) and _per_sample(fwd) and not samples:
         raise CompressSpecError(f"--compress {fwd_spec}: delta (AQ-SGD) keeps one activation per training sample "
                                 "at both ends of every delta edge, and the compiler sizes those buffers by the data "
                                 "set: give --samples N (the number of distinct sample ids your data gives)")
@@ -188,10 +160,15 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
     return o
 
 
+def _per_sample(cfg: dict) -> bool:
+    """Whether the codec keeps per-sample state at both ends (``delta``): it needs sample ids and buffers."""
+    return CODECS.unit(cfg["algo"]).stateful
+
+
 def _rate(algo: str) -> float:
-    """Dense bytes per second through encode + decode (:data:`CODEC_RATE`); a codec whose CPU cost was
+    """Dense bytes per second through encode + decode (the codec's ``rate``); a codec whose CPU cost was
     never measured (a user-registered one) is priced at no time, and said so."""
-    rate = CODEC_RATE.get(algo)
+    rate = CODECS.unit(algo).rate
     if rate is None:
         log.warning("codec %r: its encode/decode time was never measured here; pricing its wire bytes only", algo)
         return float("inf")
@@ -211,7 +188,6 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
     import numpy as np
 
     from fusion.cost.estimate import CodecPrices
-    from fusion.kernels.codec import CODECS
 
     n = len(cm.t_key)
     spmb = max(1, int(cm.samples_per_micro_batch))
@@ -224,11 +200,11 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
         for k, cfg in enumerate(cands):
             if cfg is None:
                 continue
-            codec, rate = CODECS.get(cfg["algo"]), _rate(cfg["algo"])
+            codec, rate = CODECS.unit(cfg["algo"]), _rate(cfg["algo"])
             for t, meta in enumerate(metas):
                 if meta is None:
                     continue
-                if cfg["algo"] == "delta":
+                if codec.stateful:
                     if not meta.shape or meta.shape[0] % spmb or not req.samples:
                         continue  # no sample rows: the runtime sends it dense
                     mem[k, t] = float(req.samples * (meta.nbytes // spmb))

@@ -600,7 +600,7 @@ def tied_prices(cm: CostModel, cfg: dict | None, rate_bytes_s: float) -> tuple[n
 
     Each parameter's gradient costs ``Codec.wire_nbytes(numel, dtype, cfg)`` bytes on the wire (float
     parameters; others stay dense) and ``P / rate_bytes_s`` seconds to encode and decode (``rate_bytes_s``:
-    dense bytes per second through the codec, e.g. ``fusion.compress.policy.CODEC_RATE``)."""
+    dense bytes per second through the codec, its ``rate``: ``fusion.kernels.codecs.CODECS.rate``)."""
     if cfg is None:
         return None, None
     from fusion.kernels.codec import CODECS

@@ -102,8 +102,8 @@ class TorchPart(EnginePart):
     recompute: activation recomputation: forward without autograd keeping only the
             part's inputs, and run the forward again in backward.
     encode: where the part's compressed edges are encoded (the payload bytes are the same either way):
-            ``"device"`` (default): on the part's device (:meth:`compress_on_device`, :mod:`.device_codec`),
-            only payloads leave it; on a CPU device each codec's faster CPU implementation.
+            ``"device"`` (default): on the part's device (:attr:`codec_device`; each codec's device path,
+            ``fusion.kernels.codecs``), only payloads leave it; on a CPU device each codec's faster CPU path.
             ``"torch"``: the torch codecs even on a CPU device (the CUDA code path, run without a GPU).
             ``"host"``: the engine hands every output to the runtime as a NumPy array, which encodes it
             in NumPy (a GPU part copies every dense tensor off the device first).
@@ -184,22 +184,22 @@ class TorchPart(EnginePart):
         """Whether forwards run as one generated function."""
         return self._fn is not None
 
-    def compress_on_device(self, table: Any) -> Any:
-        """The runtime's hook (``PartRuntime``): given the part's host ``CompressionTable``, return the
-        table the runtime should use. With ``device_encode`` it is a :class:`.device_codec.DeviceCompression`
-        and from now on the tensors of compressed edges are returned as device tensors, not arrays.
-        With ``encode="host"`` the host table, unchanged."""
+    @property
+    def codec_device(self) -> tuple[torch.device, bool] | None:
+        """Where this part's compressed edges are encoded: ``(device, torch codecs on a CPU device too)``, or
+        None with ``encode="host"`` (every output leaves as a NumPy array, encoded in NumPy)."""
         if self.encode == "host" or self.device.type == "meta":
-            return table
-        from fusion.executors.engines.torch.device_codec import DeviceCompression
+            return None
+        return self.device, self.encode == "torch"
 
-        dtypes = {k: getattr(self.graph.output_meta(*k), "dtype", None) for k in self.send_keys}
-        dev = DeviceCompression(table, self.device, dtypes, torch_on_cpu=self.encode == "torch")
-        self.tensor_out, self.tensor_grads = dev.sent_keys(), dev.grad_keys()
+    def keep_tensors(self, sent: frozenset, grads: frozenset) -> None:
+        """From now on return the activations ``sent`` and the input gradients ``grads`` as device tensors
+        (their edges are encoded on the device: only payloads leave it), every other output as an array."""
+        self.tensor_out, self.tensor_grads = frozenset(sent), frozenset(grads)
         log.info("torch engine: compressed edges encoded on %s with the %s codecs (%d activations, %d gradients); "
-                 "only payloads leave the device", self.device, "torch" if dev.torch_codecs else "CPU",
+                 "only payloads leave the device", self.device,
+                 "torch" if self.device.type != "cpu" or self.encode == "torch" else "CPU",
                  len(self.tensor_out), len(self.tensor_grads))
-        return dev
 
     def _out(self, key: Key, v: Any, keep: frozenset) -> Any:
         """What leaves the engine for tensor ``key``: the detached tensor when its edge is encoded on the

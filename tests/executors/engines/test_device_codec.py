@@ -1,4 +1,4 @@
-"""Compression on the torch engine's device (executors/engines/torch/device_codec.py).
+"""Compression on the torch engine's device (a table with a ``device``: each codec's device path, fusion/kernels/codecs).
 
 The device path must give the host NumPy path's payload bytes for every codec, decode to the same
 values, keep dense edges as NumPy arrays, and leave training bit for bit unchanged (in one process
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch
-from fusion.executors.engines.torch.device_codec import DeviceCompression
 from fusion.executors.engines.torch.engine import to_array
 from fusion.executors.reference import ReferenceExecutor
 from fusion.executors.runtime.compression import CompressionTable, dense_payload
@@ -58,7 +57,7 @@ def _tables(codec: str, dtype: str, ef: bool = False, device="cpu", torch_on_cpu
     e = EdgeCompression("x", None, "a", "b", error_feedback=ef, fwd_codec=cfg,
                         bwd_codec=None if codec == "delta" else cfg)
     host = CompressionTable.build("a", [e], _Graph(dtype))
-    dev = DeviceCompression(CompressionTable.build("a", [e], _Graph(dtype)), device, torch_on_cpu=torch_on_cpu)
+    dev = CompressionTable.build("a", [e], _Graph(dtype), device=torch.device(device), torch_on_cpu=torch_on_cpu)
     return host, dev
 
 
@@ -97,7 +96,7 @@ def test_device_encode_gives_the_host_paths_bytes(codec, dtype, torch_on_cpu):
     else:  # gradients back over the edge: the bwd rule, on the receiving part's table
         e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec], bwd_codec=CODECS[codec])
         hb = CompressionTable.build("b", [e], _Graph(dtype))
-        db = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu", torch_on_cpu=torch_on_cpu)
+        db = CompressionTable.build("b", [e], _Graph(dtype), device=torch.device("cpu"), torch_on_cpu=torch_on_cpu)
         g = _tensor(7, dtype)
         assert _frames(db.encode(g, KEY, "a", True, 0)[0]) == _frames(hb.encode(to_array(g), KEY, "a", True, 0)[0])
 
@@ -120,7 +119,7 @@ def test_decode_fills_a_device_tensor_with_the_host_decodes_values(codec, dtype)
     host_a, dev_a = _tables(codec, dtype)
     e = EdgeCompression("x", None, "a", "b", fwd_codec=CODECS[codec])
     host_b = CompressionTable.build("b", [e], _Graph(dtype))
-    dev_b = DeviceCompression(CompressionTable.build("b", [e], _Graph(dtype)), "cpu", torch_on_cpu=True)
+    dev_b = CompressionTable.build("b", [e], _Graph(dtype), device=torch.device("cpu"), torch_on_cpu=True)
     ids = np.arange(4, dtype=np.int64)
     for step in range(2):
         x = _tensor(step, dtype)
@@ -175,7 +174,7 @@ def test_a_registered_codec_without_a_device_path_goes_to_the_host_table():
         cfg = {"algo": "test-half"}
         e = EdgeCompression("x", None, "a", "b", fwd_codec=cfg, bwd_codec=cfg)
         host = CompressionTable.build("a", [e], _Graph("float32"))
-        dev = DeviceCompression(CompressionTable.build("a", [e], _Graph("float32")), "cpu", torch_on_cpu=True)
+        dev = CompressionTable.build("a", [e], _Graph("float32"), device=torch.device("cpu"), torch_on_cpu=True)
         x = _tensor(0, "float32")
         got, got_cfg = dev.encode(x, KEY, "b", False, 0)
         want, want_cfg = host.encode(x.numpy(), KEY, "b", False, 0)
@@ -216,8 +215,8 @@ MIXED = [EdgeCompression("relu_a", None, "p1", "p3", fwd_codec=CODECS["quant4"],
 def test_training_on_the_device_path_equals_the_host_path_bit_for_bit(encode):
     dev, on_device = _reference(MIXED, encode, ids=True)
     host, on_host = _reference(MIXED, "host", ids=True)
-    assert all(isinstance(p.compression, DeviceCompression) for p in dev.parts.values() if p.compression)
-    assert not any(isinstance(p.compression, DeviceCompression) for p in host.parts.values())
+    assert all(p.compression.device is not None for p in dev.parts.values() if p.compression)
+    assert not any(p.compression.device is not None for p in host.parts.values() if p.compression)
     assert dev.parts["p0"].engine.tensor_out == {("conv1", None)}
     assert on_device == on_host
     _, dense = _reference([], encode)
@@ -315,7 +314,7 @@ def test_cuda_encode_gives_the_cpu_bytes_and_decodes_on_the_gpu(codec, dtype):
         got, _ = dev.encode(x.cuda(), KEY, "b", False, 0, ids=ids, it=step)
         assert _frames(got) == _frames(want), f"{codec} {dtype} message {step}"
     if codec != "delta":
-        y = dev.decode_payload(got)
+        y = dev.decode(OpData("x", None, ("y",), ("y",), False, 0, 0, src="b", dst="a", payload=got))
         assert y.is_cuda
         np.testing.assert_array_equal(to_array(y), np.asarray(dense_payload(want)))
 

@@ -47,8 +47,8 @@ def test_an_engine_without_the_optional_abilities_gets_their_defaults():
     assert e.backward_weight((0, 1)) is None and e.calls == [("backward", (0, 1), 0.5)]  # W: nothing left
     e.forget()
     e.forget((0, 1))
-    table = object()
-    assert e.compress_on_device(table) is table  # encoded on the host
+    assert e.codec_device is None  # encoded on the host
+    assert e.keep_tensors(frozenset({("x", 0)}), frozenset()) is None
 
 
 def test_an_engine_part_must_implement_the_required_methods():
