@@ -244,6 +244,11 @@ def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overla
         else:
             est = price(np.asarray(node_part), devs)
         out.append(Candidate(np.asarray(node_part), devs, est, cm, f"{how}/{tag}"))
+        # DiLoCo: each replica pipeline on its own run (member r of every group), as the shapes cut the devices:
+        # the matchings may mix runs, which puts a replica's pipeline and tied sync on the links between them
+        runs = [[groups[g][r] for g in seq] for r in range(len(groups[seq[0]]))]
+        if price is not None and runs != devs:
+            out.append(Candidate(np.asarray(node_part), runs, price(np.asarray(node_part), runs), cm, f"{how}/{tag}/runs"))
 
     try:
         part = op_fence(vcm, seed=seed, max_sweeps=20)
