@@ -72,3 +72,33 @@ def test_bad_knobs_and_a_single_device_fail_with_one_line(small):
         choose_dp_sync(one, global_batch=32)
     with pytest.raises(DPPlanError, match="DiLoCo needs 2 or more replicas"):
         diloco_splits(1, 1, 8, None, True)
+
+
+def test_fusionllm_48_diloco_uses_both_sites_and_prices_the_slow_links_honestly():
+    """A small GPT on the shipped 48-GPU testbed (two sites joined by 9-91 Mbit/s): six replicas reach into
+    both sites when every GPU is a replica, the fast 4090s get bigger shares than the slow GPUs, and every stage
+    group's sync is priced over its slowest link, the cross-site one."""
+    from fusion.cluster.scenarios import load_scenario
+    from fusion.cost.dp import allgather_time, group_links, ring_allreduce_time
+
+    m = gpt_model(4, 256, 4, 5000, 256, 1, device="meta")
+    cl = load_scenario("fusionllm-48")
+    cm = build_cost_model(m.graph, cl)
+    pl, cand = plan_diloco_model(cm, global_batch=192, replicas=[48])
+    est = cand.estimate
+    sites = {cl.devices[d].name[0] for row in cand.devices for d in row}
+    assert len(pl.devices) == 48 and sites == {"A", "B"}
+    assert sum(est.micro_batches) == 192
+    share = {cl.devices[row[0]].name[0]: n for row, n in zip(cand.devices, est.micro_batches)}
+    assert share["A"] > share["B"]
+    slowest = min(1 / cl.beta[i, j] for i in range(48) for j in range(48) if i != j)
+    for s in range(len(cand.devices[0])):
+        group = [row[s] for row in cand.devices]
+        a, b = group_links(cl, group)
+        assert b >= 1 / (100e6 / 8)  # the group spans the sites: its price is a link under 100 Mbit/s
+        X = ring_allreduce_time if est.codec is None else allgather_time
+        assert est.sync_s[s] == pytest.approx(est.fragments * X(cl, group, est.sync_bytes[s] / est.fragments))
+    assert slowest < 10e6 / 8
+    H, T = est.inner_steps, est.compute_s
+    e = max(t if est.delay == 0 else max(0.0, t - H * T) for t in est.sync_s)
+    assert est.iteration_s == pytest.approx(T + e / H)
