@@ -366,7 +366,10 @@ def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio:
         from fusion.compress.policy import parse_spec
 
         cfg = parse_spec(codec, "--pseudo-codec") if isinstance(codec, str) else codec
-        search.codecs = (None if cfg in (None, "none") else cfg,)
+        if cfg != "auto":  # auto: the planner's list
+            if cfg is not None and cfg.get("algo") not in ("quant", "topk"):
+                raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take quant or topk (or none)")
+            search.codecs = (cfg,)
     for flag, name, field in (("--sync-fragments", "sync_fragments", "fragments"), ("--outer-delay", "outer_delay", "delays")):
         v = getattr(args, name, None)
         if v is not None:
