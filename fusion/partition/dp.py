@@ -390,8 +390,8 @@ def plan_dp(graph: OpGraph, cluster: Cluster, *, global_batch: int, micro_batche
 #: dynamics: stale local steps, a lossy pseudo-gradient), as a ratio of samples/s
 DILOCO_MARGIN = 1.10
 #: inside one layout, configs within this fraction of the best samples/s count as ties, which go to the most
-#: faithful one: fewest inner steps H, then the most faithful codec (the order of the codec list), then no
-#: delay, then fewest fragments
+#: faithful one: the most faithful codec (the order of the codec list; DiLoCo matched synchronous training with
+#: dense pseudo-gradients up to H = 500), then the fewest inner steps H, then no delay, then fewest fragments
 TIE = 0.01
 
 
@@ -427,7 +427,7 @@ class SyncSearch:
 
 
 def best_sync(layout, search: SyncSearch, allreduce: str = "ring"):
-    """The best :class:`fusion.cost.dp.DiLoCoEstimate` over the search's (H, codec, delay, F) on one layout
+    """The best :class:`fusion.cost.dp.DiLoCoEstimate` over the search's (codec, H, delay, F) on one layout
     (ties within :data:`TIE` to the most faithful; F > H skipped)."""
     ests = []
     for h in sorted(search.inner_steps):
@@ -435,7 +435,7 @@ def best_sync(layout, search: SyncSearch, allreduce: str = "ring"):
             for d in sorted(search.delays):
                 for f in sorted(search.fragments):
                     if f <= h:
-                        ests.append(((h, ci, d, f), diloco_estimate(layout, h, codec, d, f, allreduce)))
+                        ests.append(((ci, h, d, f), diloco_estimate(layout, h, codec, d, f, allreduce)))
     if not ests:
         raise DPPlanError(f"sync fragments {search.fragments}: every F exceeds every H {search.inner_steps}")
     top = max(e.samples_per_s for _, e in ests)
