@@ -306,6 +306,7 @@ class DiLoCoEstimate:
     dense_bytes:   P_s, the dense float32 bytes of stage s (what synchronous DP averages every step).
     samples_per_s: global_batch / iteration_s.
     violations:    memory overflows, one line each.
+    recompute:     per replica and stage, whether that part recomputes its activations to fit.
     """
 
     iteration_s: float
@@ -323,6 +324,7 @@ class DiLoCoEstimate:
     samples_per_s: float
     global_batch: int
     violations: list[str] = field(default_factory=list)
+    recompute: list[list[bool]] = field(default_factory=list)  # replica r's stage s recomputes its activations
 
     @property
     def feasible(self) -> bool:
@@ -375,17 +377,26 @@ def fragment_sync_time(cluster: Cluster, group: list[int], nbytes: float, codec:
 
 
 def replica_fits(cm: CostModel, node_part: np.ndarray, devices: list[list[int]],
-                 probe: tuple[int, int] = (1, 2)) -> list[tuple[float, float]]:
-    """(a_r, b_r) with ``T_r(n) = a_r + b_r n`` for every replica, from two exact estimates at ``probe``."""
+                 recompute: list[np.ndarray] | None = None, probe: tuple[int, int] = (1, 2)) -> list[tuple[float, float]]:
+    """(a_r, b_r) with ``T_r(n) = a_r + b_r n`` for every replica, from two exact estimates at ``probe``
+    (``recompute[r]``: replica r's parts that recompute their activations)."""
     n1, n2 = probe
     e1, e2 = (replica_cost_model(cm, n1), replica_cost_model(cm, n2))
     out = []
-    for row in devices:
-        t1 = e1.evaluate(node_part, row, detail=False)[0]
-        t2 = e2.evaluate(node_part, row, detail=False)[0]
+    for r, row in enumerate(devices):
+        rc = None if recompute is None else recompute[r]
+        t1 = e1.evaluate(node_part, row, detail=False, recompute=rc)[0]
+        t2 = e2.evaluate(node_part, row, detail=False, recompute=rc)[0]
         b = max((t2 - t1) / (n2 - n1), 1e-12)
         out.append((t1 - b * n1, b))
     return out
+
+
+def replica_recompute(cm: CostModel, node_part: np.ndarray, row: list[int]) -> np.ndarray:
+    """The parts of one replica that recompute their activations, as the compiler's ``--recompute auto``
+    chooses them: those over their device's memory without it."""
+    est = cm.evaluate(node_part, row, recompute=np.zeros(len(row), dtype=bool))
+    return np.array([pe.memory_bytes > pe.memory_limit for pe in est.parts], dtype=bool)
 
 
 @dataclass
@@ -406,6 +417,7 @@ class DiLoCoLayout:
     specs: list[list[tuple[int, str]]]
     groups: list[list[int]]
     global_batch: int
+    recompute: list[list[bool]] = field(default_factory=list)  # per replica and stage: activation recomputation
 
     @property
     def iteration_s(self) -> float:
@@ -417,17 +429,23 @@ class DiLoCoLayout:
 
 
 def diloco_layout(cm: CostModel, node_part: np.ndarray, devices: list[list[int]], total_micro_batches: int,
-                  shares: bool = True) -> DiLoCoLayout:
+                  shares: bool = True, recompute: bool = False) -> DiLoCoLayout:
     """Price the inner step of a layout: ``shares`` True hands the ``total_micro_batches`` out by speed
     (:func:`balance_shares`), False splits them equally (then R must divide them); each replica is then
-    priced exactly with its n_r. ``cm`` is the traced micro-batch's cost model (its micro_batches ignored)."""
+    priced exactly with its n_r. ``cm`` is the traced micro-batch's cost model (its micro_batches ignored).
+    recompute: parts over their memory recompute their activations (:func:`replica_recompute`, chosen per
+    replica with the equal share's micro-batches); False: none does."""
     R = len(devices)
     S = len(devices[0]) if R else 0
     if R == 0 or any(len(row) != S for row in devices):
         raise ValueError("devices must be a non-empty R x S table")
     node_part = np.asarray(node_part, dtype=np.int64)
+    rc = [np.zeros(S, dtype=bool) for _ in devices]
+    if recompute:
+        probe = replica_cost_model(cm, max(1, total_micro_batches // R))
+        rc = [replica_recompute(probe, node_part, row) for row in devices]
     if shares and R > 1:
-        n = balance_shares(replica_fits(cm, node_part, devices), total_micro_batches)
+        n = balance_shares(replica_fits(cm, node_part, devices, rc), total_micro_batches)
     else:
         if total_micro_batches % R:
             raise ValueError(f"{total_micro_batches} micro-batches do not split equally over {R} replicas")
@@ -435,13 +453,13 @@ def diloco_layout(cm: CostModel, node_part: np.ndarray, devices: list[list[int]]
     replica_s, violations, models = [], [], {}
     for r, (row, nr) in enumerate(zip(devices, n)):
         m = models.setdefault(nr, replica_cost_model(cm, nr))
-        est = m.evaluate(node_part, row)
+        est = m.evaluate(node_part, row, recompute=rc[r])
         replica_s.append(float(est.iteration_s))
         violations += [f"replica {r}: {v}" for v in est.violations]
     groups = [[devices[r][s] for r in range(R)] for s in range(S)]
     return DiLoCoLayout(cm, node_part, [list(r) for r in devices], max(replica_s), replica_s, n, violations,
                         stage_param_specs(cm, node_part, S), groups,
-                        total_micro_batches * cm.samples_per_micro_batch)
+                        total_micro_batches * cm.samples_per_micro_batch, [[bool(x) for x in r] for r in rc])
 
 
 def diloco_estimate(layout: DiLoCoLayout, inner_steps: int, codec: dict | None = None, delay: int = 0,
@@ -466,7 +484,7 @@ def diloco_estimate(layout: DiLoCoLayout, inner_steps: int, codec: dict | None =
     return DiLoCoEstimate(step, layout.compute_s, list(layout.replica_s), list(layout.micro_batches), H,
                           None if codec is None else dict(codec), int(delay), F, wire, sync, exposed, dense,
                           layout.global_batch / step if step > 0 else float("inf"), layout.global_batch,
-                          list(layout.violations))
+                          list(layout.violations), [list(r) for r in layout.recompute])
 
 
 __all__ = ["DPEstimate", "dp_estimate", "ring_allreduce_time", "tree_allreduce_time", "choose_allreduce",
@@ -474,4 +492,4 @@ __all__ = ["DPEstimate", "dp_estimate", "ring_allreduce_time", "tree_allreduce_t
            "replica_cost_model", "BACKWARD_SHARE", "PSEUDO_CODECS", "INNER_STEPS", "codec_label",
            "stage_param_specs", "pseudo_wire_bytes", "allgather_time", "pseudo_sync_time", "balance_shares",
            "DiLoCoEstimate", "DiLoCoLayout", "diloco_layout", "diloco_estimate", "diloco_step",
-           "outer_step_exposed", "fragment_sync_time", "replica_fits"]
+           "outer_step_exposed", "fragment_sync_time", "replica_fits", "replica_recompute"]

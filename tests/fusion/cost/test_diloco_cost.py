@@ -129,3 +129,21 @@ def test_a_slow_replica_gets_a_small_share_and_does_not_set_the_pace(tiny):
     assert equal.micro_batches == [8, 8]
     assert by_speed.compute_s < 0.8 * equal.compute_s
     assert max(by_speed.replica_s) / min(by_speed.replica_s) < 1.3
+
+
+def test_a_replica_over_its_memory_recomputes_the_parts_that_need_it(tiny):
+    m, costs = tiny
+    cm = _cm(tiny, two_regions())
+    ch = build_chain(cm)
+    node_part = ch.node_part([ch.n_atoms // 2])
+    two = replica_cost_model(cm, 4)
+    plain = [p.memory_bytes for p in two.evaluate(node_part, [0, 1], recompute=np.zeros(2, dtype=bool)).parts]
+    redo = [p.memory_bytes for p in two.evaluate(node_part, [0, 1], recompute=np.ones(2, dtype=bool)).parts]
+    assert redo[0] < plain[0]  # stage 0 holds two micro-batches' activations under 1F1B, recomputing only one
+    cap = (plain[0] + redo[0]) / 2
+    assert max(plain[1], redo[0]) < cap  # so stage 0 fits only by recomputing, stage 1 as it is
+    small = _cm(tiny, two_regions(memory=cap))
+    lay = diloco_layout(small, node_part, [[0, 1], [4, 5]], 8, recompute=True)
+    assert lay.recompute == [[True, False], [True, False]] and not lay.violations
+    assert diloco_layout(small, node_part, [[0, 1], [4, 5]], 8).violations  # without it stage 0 overflows
+    assert diloco_estimate(lay, 10).recompute == lay.recompute
