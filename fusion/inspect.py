@@ -80,6 +80,33 @@ def tied_params(plan: Plan) -> dict[str, list[str]]:
     return {p: sorted(ps, key=order.index) for p, ps in sorted(owners.items()) if len(ps) > 1}
 
 
+def dp_sync_lines(plan: Plan) -> list[str]:
+    """How the replicas synchronise (``Plan.dp_sync``) and, when the planner priced it
+    (``predicted["dp_sync"]``, :func:`fusion.cost.dp.diloco_estimate`), the sync per outer step against the
+    compute it overlaps."""
+    ds = plan.dp_sync
+    if ds.mode == "every":
+        return ["sync: every step (synchronous data parallelism, gradients averaged each step)"]
+    shares = (", shares " + ", ".join(f"r{r} {v:g}" for r, v in sorted(ds.shares.items()))) if ds.shares else \
+        ", equal shares"
+    out = [f"sync: DiLoCo, H = {ds.inner_steps} inner steps per outer step, outer Nesterov SGD lr {ds.outer_lr:g} "
+           f"momentum {ds.outer_momentum:g}{'' if ds.nesterov else ' (heavy-ball)'}, pseudo-gradient codec "
+           f"{codec_label(ds.codec)}{' + error feedback' if ds.error_feedback else ''}, {ds.fragments} fragment"
+           f"{'s' if ds.fragments > 1 else ''}, delay {ds.delay}{shares}"]
+    pr = plan.predicted.get("dp_sync")
+    if isinstance(pr, dict) and "sync_s_per_outer_step" in pr:
+        sync, comp = pr["sync_s_per_outer_step"], pr["compute_s_per_outer_step"]
+        out.append(f"  priced per outer step: sync {sync:.4g} s ({_fmt_bytes(pr['sync_bytes_per_outer_step'])} "
+                   f"per replica, slowest stage group's links) vs compute {comp:.4g} s ({ds.inner_steps} inner "
+                   f"steps); {'overlapped' if ds.delay else 'blocking'}: {pr['exposed_sync_s_per_outer_step']:.4g} s "
+                   f"exposed ({100 * pr['sync_hidden']:.0f}% hidden), {_fmt_bytes(pr['sync_bytes_per_step'])} "
+                   f"per inner step against {_fmt_bytes(pr['dense_bytes_per_step'])} for synchronous DP")
+        if "diloco_over_sync_dp" in pr:
+            out.append(f"  predicted {pr['samples_per_s']:.4g} samples/s, {pr['diloco_over_sync_dp']:.3g}x "
+                       f"synchronous DP's best layout ({pr['sync_dp_samples_per_s']:.4g} samples/s)")
+    return out
+
+
 def plan_report(plan: Plan) -> str:
     pr = plan.predicted
     order = part_order(plan.graph, plan.assignment)
@@ -132,8 +159,11 @@ def plan_report(plan: Plan) -> str:
                             if (buf := ppred.get(p, {}).get("delta_buffer_bytes")) else ""))
     if R > 1:
         lines.append("")
+        lines += dp_sync_lines(plan)
         lines.append("data-parallel groups (each stage's replicas average their gradients every step; ring or tree "
-                     "all-reduce):")
+                     "all-reduce):" if plan.dp_sync.mode == "every" else
+                     f"data-parallel groups (each stage's replicas average their pseudo-gradients every "
+                     f"{plan.dp_sync.inner_steps} inner steps):")
         for stage in order:
             group = plan.dp_group(stage)
             priced = pr.get("dp_allreduce", {}).get(stage, {})

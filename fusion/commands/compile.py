@@ -51,6 +51,14 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="all-reduce of each stage's replicas: ring (bandwidth-optimal), tree (binomial reduce + "
                             "broadcast: 2 ceil(log2 R) latencies instead of 2 (R-1)), or auto: per group the one "
                             "the estimator prices cheaper on its links (default: ring)"),
+        g.add_argument("--dp-sync", default="every", choices=["every", "diloco", "auto"],
+                       help="how data-parallel replicas synchronise: every step (default), diloco (pseudo-gradients "
+                            "every H inner steps; with --strategy dp the planner chooses what is not given), or auto "
+                            "(--strategy dp: the planner prices both and keeps DiLoCo where it is predicted >= 1.1x "
+                            "faster, choosing replicas, H, codec, shares and placement)"),
+        g.add_argument("--inner-steps", default=None, metavar="H[,H...]",
+                       help="DiLoCo's inner steps per outer step, or a comma list the planner chooses from "
+                            "(default for the planner: 10,20,50,100,200,500)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -308,24 +316,97 @@ def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_code
     _ensure_shapes(model)
     bits = dp_codec.get("bits", 8) if dp_codec else 32
     planner = plan_dp if s == "dp" else plan_dtfm
-    pl = planner(model.graph, cluster, global_batch=args.global_batch, micro_batches=None, schedule=args.schedule,
-                 optimizer_slots=optimizer_slots(opt.name, opt.momentum), seed=args.seed, grad_wire_ratio=bits / 32,
-                 allreduce=args.dp_allreduce)
+    pl = plan_dp_sync(args, model, cluster, opt, bits / 32)  # --dp-sync auto|diloco: the planner's choice
+    if pl is None:
+        pl = planner(model.graph, cluster, global_batch=args.global_batch, micro_batches=None, schedule=args.schedule,
+                     optimizer_slots=optimizer_slots(opt.name, opt.momentum), seed=args.seed,
+                     grad_wire_ratio=bits / 32, allreduce=args.dp_allreduce)
     micro = int(pl.predicted["micro_batches"])
     if args.micro_batches != MICRO_BATCHES and args.micro_batches != micro:
         raise FusionError(f"--micro-batches {args.micro_batches}: the {s} plan runs {micro} micro-batches per replica "
                           f"({pl.replicas} replicas of {args.global_batch} rows); leave it out")
     if dp_codec is not None and pl.replicas < 2:
         dp_codec = None  # one replica: nothing to average
-    plan = compile_replicated(model, cluster, pl.cut, pl.devices, micro_batches=micro, global_batch=args.global_batch,
+    diloco = pl.info.get("dp_sync", {}).get("mode") == "diloco"
+    # unequal DiLoCo shares: rows per replica are dp_sync.shares, and the plan's micro-batch count their mean
+    batch = args.global_batch if args.global_batch % (pl.replicas * micro) == 0 or not diloco else 0
+    plan = compile_replicated(model, cluster, pl.cut, pl.devices, micro_batches=micro, global_batch=batch,
                               schedule=args.schedule, optimizer=opt, seed=args.seed, strategy=pl.strategy,
-                              dp_codec=dp_codec)
+                              dp_codec=None if diloco else dp_codec)
     plan.predicted["dp_planner"] = dict(pl.predicted)
+    apply_dp_sync(plan, pl)
     # the planner priced the gradient all-reduce too (fusion.cost.dp): its iteration time is the plan's
     plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
                           throughput_samples_s=pl.predicted["samples_per_s"])
     assign_engines(plan, args.engine)
     return plan
+
+
+def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio: float = 1.0):
+    """``--strategy dp --dp-sync auto`` (or ``diloco`` with knobs left open): the placement of
+    :func:`fusion.partition.dp.choose_dp_sync`, which chooses the replicas, H, codec, shares and placement; None
+    for every other ``--dp-sync`` (the planners as before). Knobs the user gave (``--inner-steps`` one value or
+    a comma list, ``--pseudo-codec``, ``--sync-fragments``, ``--outer-delay``) narrow the search."""
+    from fusion.cost.estimate import optimizer_slots
+    from fusion.ir.errors import FusionError
+    from fusion.partition.dp import SyncSearch, build_cost_model, choose_dp_sync
+
+    mode = getattr(args, "dp_sync", None) or "every"
+    if mode not in ("auto", "diloco"):
+        return None
+    if args.strategy != "dp":
+        raise FusionError(f"--dp-sync {mode} with --strategy {args.strategy}: the DiLoCo planner is --strategy dp's")
+    search = SyncSearch()
+    H = getattr(args, "inner_steps", None)
+    if H is not None:
+        try:
+            hs = tuple(int(h) for h in str(H).split(",")) if not isinstance(H, int) else (H,)
+        except ValueError:
+            raise FusionError(f"--inner-steps {H}: expected an integer H or a comma list of them") from None
+        if any(h < 1 for h in hs):
+            raise FusionError(f"--inner-steps {H}: every H must be an integer >= 1")
+        search.inner_steps = hs
+    codec = getattr(args, "pseudo_codec", None)
+    if codec is not None:
+        from fusion.compress.policy import parse_spec
+
+        cfg = parse_spec(codec, "--pseudo-codec") if isinstance(codec, str) else codec
+        if cfg != "auto":  # auto: the planner's list
+            if cfg is not None and cfg.get("algo") not in ("quant", "topk"):
+                raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take quant or topk (or none)")
+            search.codecs = (cfg,)
+    for flag, name, field in (("--sync-fragments", "sync_fragments", "fragments"), ("--outer-delay", "outer_delay", "delays")):
+        v = getattr(args, name, None)
+        if v is not None:
+            setattr(search, field, (int(v),))
+    cm = build_cost_model(model.graph, cluster, schedule=args.schedule,
+                          optimizer_slots=optimizer_slots(opt.name, opt.momentum))
+    pl, _ = choose_dp_sync(cm, global_batch=args.global_batch, mode=mode, search=search, seed=args.seed,
+                           allreduce=args.dp_allreduce, grad_wire_ratio=grad_wire_ratio)
+    return pl
+
+
+def apply_dp_sync(plan, pl) -> None:
+    """Write the planner's sync choice into the plan: ``Plan.dp_sync`` and, for DiLoCo, its priced figures
+    as ``predicted["dp_sync"]`` and the iteration (per inner step, the outer sync amortised)."""
+    from fusion.plan import DPSync
+
+    sync = pl.info.get("dp_sync")
+    if not sync:
+        return
+    plan.dp_sync = DPSync.from_dict(sync, "planner: dp_sync")
+    if plan.dp_sync.mode != "diloco":
+        return
+    plan.predicted["dp_sync"] = {**pl.predicted, "micro_batches_per_replica": list(pl.info["micro_batches"]),
+                                 "codec": pl.info["codec"]}
+    from fusion.ir.boundary import part_order
+
+    stages = part_order(plan.graph, plan.assignment)
+    for r, flags in enumerate(pl.info.get("recompute", [])):  # the parts priced with recomputation to fit
+        for stage, on in zip(stages, flags):
+            plan.parts[plan.replica_parts(r)[stage]].recompute = bool(on)
+    plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
+                          throughput_samples_s=pl.predicted["samples_per_s"])
 
 
 def add_engine_arg(p):

@@ -45,7 +45,8 @@ import numpy as np
 
 from fusion.cluster.model import Cluster, Device
 from fusion.cluster.topology import cluster_bandwidth, cluster_path, device_clusters, device_order, start_candidates
-from fusion.cost.dp import DPEstimate, dp_estimate, replica_cost_model
+from fusion.cost.dp import (INNER_STEPS, PSEUDO_CODECS, DPEstimate, codec_label, diloco_estimate, diloco_layout,
+                             dp_estimate, replica_cost_model)
 from fusion.cost.estimate import CostModel, samples_per_micro_batch
 from fusion.cost.flops import NodeCost, measure_costs
 from fusion.ir.errors import FusionError
@@ -225,8 +226,11 @@ def search_micro_batches(cm: CostModel, n_groups: int, cap: int = 8) -> int:
 
 
 def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overlap: bool,
-             grad_wire_ratio: float, allreduce: str = "ring") -> list[Candidate]:
-    """OP-Fence on the virtual cluster of ``groups`` plus chain-DP solutions for every stage count."""
+             grad_wire_ratio: float, allreduce: str = "ring", price=None) -> list[Candidate]:
+    """OP-Fence on the virtual cluster of ``groups`` plus chain-DP solutions for every stage count.
+
+    price: ``(node_part, devices) -> estimate`` (None: :func:`fusion.cost.dp.dp_estimate` with the options),
+    any estimate with ``iteration_s``, ``global_batch``, ``feasible`` and ``replica_s``."""
     vc, perms = virtual_cluster(cm.cluster, groups)
     vcm = replica_cost_model(cm, search_micro_batches(cm, len(groups))).with_cluster(vc)
     out: list[Candidate] = []
@@ -235,8 +239,16 @@ def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overla
         if len(set(seq)) != len(seq):
             return
         devs = replica_paths(groups, seq, perms)
-        est = dp_estimate(cm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
+        if price is None:
+            est = dp_estimate(cm, node_part, devs, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
+        else:
+            est = price(np.asarray(node_part), devs)
         out.append(Candidate(np.asarray(node_part), devs, est, cm, f"{how}/{tag}"))
+        # DiLoCo: each replica pipeline on its own run (member r of every group), as the shapes cut the devices:
+        # the matchings may mix runs, which puts a replica's pipeline and tied sync on the links between them
+        runs = [[groups[g][r] for g in seq] for r in range(len(groups[seq[0]]))]
+        if price is not None and runs != devs:
+            out.append(Candidate(np.asarray(node_part), runs, price(np.asarray(node_part), runs), cm, f"{how}/{tag}/runs"))
 
     try:
         part = op_fence(vcm, seed=seed, max_sweeps=20)
@@ -277,23 +289,7 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
     tried = 0
     for R, n_b, scale in splits:
         rcm = replica_cost_model(cm, n_b, scale)
-        shapes: dict[tuple, tuple[list[list[int]], str]] = {}
-        for k, order in enumerate(orders):
-            shaped = [(groups_inside_clusters(cluster, clusters, order, R), f"R{R}:groups-in-clusters{k}"),
-                      (replicas_inside_clusters(order, R), f"R{R}:replicas-in-clusters{k}")]
-            if R > 1:
-                for L in sorted({len(c) for c in clusters} | {len(c) // 2 for c in clusters}):
-                    if 1 < L <= N // R:
-                        shaped.append((replicas_in_runs(cluster, clusters, order, R, L), f"R{R}:replicas-in-runs{L}-{k}"))
-            for groups, how in shaped:
-                if groups:
-                    shapes.setdefault(tuple(tuple(g) for g in groups), (groups, how))
-            if R == 1:
-                break
-        for groups, how in shapes.values():
-            cap = sum(min(cluster.devices[i].memory_bytes for i in g) for g in groups)
-            if cap < need:
-                continue
+        for groups, how in group_shapes(cluster, clusters, orders, R, need):
             for cand in _layouts(rcm, groups, seed, how, overlap, grad_wire_ratio, allreduce):
                 tried += 1
                 if best is None or cand.per_sample < best.per_sample:
@@ -308,16 +304,44 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
     return placement(best, "dp", info), best
 
 
-def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0, allreduce: str = "ring") -> Candidate:
+def group_shapes(cluster: Cluster, clusters: list[list[int]], orders: list[list[int]], R: int,
+                 need: float = 0.0) -> list[tuple[list[list[int]], str]]:
+    """The distinct stage-group tables of R replicas (module docstring, step 2) for every device order,
+    each with how it was cut; those whose groups cannot hold ``need`` bytes of state (memory of each group's
+    smallest member, summed) are left out."""
+    N = len(cluster)
+    shapes: dict[tuple, tuple[list[list[int]], str]] = {}
+    for k, order in enumerate(orders):
+        shaped = [(groups_inside_clusters(cluster, clusters, order, R), f"R{R}:groups-in-clusters{k}"),
+                  (replicas_inside_clusters(order, R), f"R{R}:replicas-in-clusters{k}")]
+        if R > 1:
+            for L in sorted({len(c) for c in clusters} | {len(c) // 2 for c in clusters}):
+                if 1 < L <= N // R:
+                    shaped.append((replicas_in_runs(cluster, clusters, order, R, L), f"R{R}:replicas-in-runs{L}-{k}"))
+        for groups, how in shaped:
+            if groups:
+                shapes.setdefault(tuple(tuple(g) for g in groups), (groups, how))
+        if R == 1:
+            break
+    return [(g, how) for g, how in shapes.values()
+            if sum(min(cluster.devices[i].memory_bytes for i in grp) for grp in g) >= need]
+
+
+def connected(c: Candidate, overlap: bool = True, grad_wire_ratio: float = 1.0, allreduce: str = "ring",
+              price=None) -> Candidate:
     """OP-Fence's connectivity repair (:func:`fusion.partition.fence._connect`) on the slowest replica's devices:
-    a stage holding two disconnected pieces gives one to a neighbour it touches; kept when it still fits."""
+    a stage holding two disconnected pieces gives one to a neighbour it touches; kept when it still fits.
+    price: as :func:`_layouts`'s."""
     from fusion.partition.fence import _connect
 
     slow = int(np.argmax(c.estimate.replica_s))
     node_part, fixed = _connect(c.cm, c.node_part, c.devices[slow])
     if not fixed:
         return c
-    est = dp_estimate(c.cm, node_part, c.devices, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
+    if price is None:
+        est = dp_estimate(c.cm, node_part, c.devices, overlap=overlap, grad_wire_ratio=grad_wire_ratio, algo=allreduce)
+    else:
+        est = price(node_part, c.devices)
     return Candidate(node_part, c.devices, est, c.cm, c.how + "+connected") if est.feasible else c
 
 
@@ -359,5 +383,193 @@ def plan_dp(graph: OpGraph, cluster: Cluster, *, global_batch: int, micro_batche
                          overlap=overlap, grad_wire_ratio=grad_wire_ratio, allreduce=allreduce)[0]
 
 
+
+# -- DiLoCo: the sync mode, H, codec, shares and placement (--dp-sync auto|diloco) --------------------------------
+
+#: ``--dp-sync auto`` keeps synchronous DP unless DiLoCo is predicted this much faster (it changes the training
+#: dynamics: stale local steps, a lossy pseudo-gradient), as a ratio of samples/s
+DILOCO_MARGIN = 1.10
+#: inside one layout, configs within this fraction of the best samples/s count as ties, which go to the most
+#: faithful one: the most faithful codec (the order of the codec list; DiLoCo matched synchronous training with
+#: dense pseudo-gradients up to H = 500), then the fewest inner steps H, then no delay, then fewest fragments
+TIE = 0.01
+
+
+@dataclass
+class SyncSearch:
+    """The DiLoCo knobs the planner may choose among (one value each where the user fixed it).
+
+    inner_steps: H values (each >= 1). codecs: pseudo-gradient codec cfgs, most faithful first (None: dense).
+    delays: 0 (the outer sync blocks) and/or 1 (it overlaps the next H inner steps). fragments: F values.
+    shares: hand the global batch out by replica speed (False: equal shares).
+    recompute: let parts over their memory recompute their activations (``--recompute auto``; False: off).
+    """
+
+    inner_steps: tuple[int, ...] = INNER_STEPS
+    codecs: tuple[dict | None, ...] = PSEUDO_CODECS
+    delays: tuple[int, ...] = (0, 1)
+    fragments: tuple[int, ...] = (1,)
+    shares: bool = True
+    recompute: bool = True
+
+    def check(self) -> None:
+        """DPPlanError (one line) for an empty list or a value out of range."""
+        for name in ("inner_steps", "codecs", "delays", "fragments"):
+            if not getattr(self, name):
+                raise DPPlanError(f"dp sync search: {name} is empty")
+        bad = [h for h in self.inner_steps if not isinstance(h, int) or isinstance(h, bool) or h < 1]
+        if bad:
+            raise DPPlanError(f"inner steps {bad[0]!r}: every H must be an integer >= 1")
+        if any(d not in (0, 1) for d in self.delays):
+            raise DPPlanError(f"outer delay {self.delays}: expected 0 or 1")
+        if any(not isinstance(f, int) or f < 1 for f in self.fragments):
+            raise DPPlanError(f"sync fragments {self.fragments}: every F must be an integer >= 1")
+
+
+def best_sync(layout, search: SyncSearch, allreduce: str = "ring"):
+    """The best :class:`fusion.cost.dp.DiLoCoEstimate` over the search's (codec, H, delay, F) on one layout
+    (ties within :data:`TIE` to the most faithful; F > H skipped)."""
+    ests = []
+    for h in sorted(search.inner_steps):
+        for ci, codec in enumerate(search.codecs):
+            for d in sorted(search.delays):
+                for f in sorted(search.fragments):
+                    if f <= h:
+                        ests.append(((ci, h, d, f), diloco_estimate(layout, h, codec, d, f, allreduce)))
+    if not ests:
+        raise DPPlanError(f"sync fragments {search.fragments}: every F exceeds every H {search.inner_steps}")
+    top = max(e.samples_per_s for _, e in ests)
+    return min((k, e) for k, e in ests if e.samples_per_s >= top * (1 - TIE))[1] if top > 0 else ests[0][1]
+
+
+def diloco_splits(global_batch: int, traced: int, n_devices: int, replicas: list[int] | None,
+                  shares: bool) -> list[int]:
+    """Replica counts DiLoCo may use: 2 .. devices with at least one micro-batch each (equal shares: those that
+    divide the micro-batches)."""
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise DPPlanError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    if global_batch % traced:
+        raise DPPlanError(f"global_batch {global_batch} is not a multiple of the traced micro-batch ({traced} samples)")
+    M = global_batch // traced
+    out = [R for R in range(2, min(n_devices, M) + 1) if shares or M % R == 0]
+    if replicas is not None:
+        out = [R for R in out if R in replicas]
+    if not out:
+        raise DPPlanError(f"DiLoCo needs 2 or more replicas with a micro-batch each: {n_devices} device(s), global "
+                          f"batch {global_batch}" + (f", replicas {list(replicas)}" if replicas is not None else ""))
+    return out
+
+
+def plan_diloco_model(cm: CostModel, *, global_batch: int, search: SyncSearch = SyncSearch(), seed: int = 0,
+                      replicas: list[int] | None = None, clusters: list[list[int]] | None = None,
+                      allreduce: str = "ring") -> tuple[DPPlacement, Candidate]:
+    """Choose R, groups, cut and placement (as :func:`plan_dp_model`, step 2-4) and, per layout, shares, H,
+    codec, delay and fragments (:func:`best_sync`), maximising the predicted samples/s of
+    :func:`fusion.cost.dp.diloco_estimate`. The placement's ``predicted`` holds the DiLoCo figures and its
+    ``info["dp_sync"]`` the chosen :class:`fusion.plan.DPSync` as a dict."""
+    search.check()
+    t0 = time.perf_counter()
+    cluster = cm.cluster
+    N = len(cluster)
+    clusters = clusters if clusters is not None else device_clusters(cluster, seed)
+    cbw = cluster_bandwidth(cluster, clusters)
+    orders = [device_order(cluster, clusters, cluster_path(cbw, s)) for s in start_candidates(cluster, clusters, cbw)[:2]]
+    traced = cm.samples_per_micro_batch
+    M = global_batch // traced if isinstance(global_batch, int) and global_batch > 0 else 0
+    counts = diloco_splits(global_batch, traced, N, replicas, search.shares)
+    if replicas is None:  # one count per replica size N // R, the one that uses the most devices
+        counts = sorted({N // R: R for R in counts}.values())
+    base = replica_cost_model(cm, 1)
+
+    def price(node_part: np.ndarray, devs: list[list[int]]):
+        return best_sync(diloco_layout(base, node_part, devs, M, search.shares, search.recompute), search, allreduce)
+
+    need = float(cm.p_state.sum())
+    best: Candidate | None = None
+    tried = 0
+    for R in counts:
+        rcm = replica_cost_model(cm, max(1, M // R))
+        for groups, how in group_shapes(cluster, clusters, orders, R, need):
+            found = _layouts(rcm, groups, seed, f"diloco/{how}", True, 1.0, allreduce, price)
+            if search.recompute and not any(c.estimate.feasible for c in found):
+                # cut again as if every stage recomputed: the cut search then sees the memory recomputation frees
+                rcm.recompute_all = True
+                found = _layouts(rcm, groups, seed, f"diloco/{how}+recompute", True, 1.0, allreduce, price)
+                rcm.recompute_all = False
+            for cand in found:
+                tried += 1
+                if best is None or cand.per_sample < best.per_sample:
+                    best = cand
+    if best is None or not best.estimate.feasible:
+        raise DPPlanError(f"{cluster.source}: devices[].memory_bytes: no DiLoCo layout of {counts[0]} or more replicas "
+                          "fits the devices' memory")
+    best = connected(best, price=price)
+    info = {"candidates": tried, "how": best.how, "seconds": round(time.perf_counter() - t0, 3),
+            "clusters": len(clusters), "dp_sync": diloco_sync(best.estimate),
+            "micro_batches": list(best.estimate.micro_batches), "codec": codec_label(best.estimate.codec),
+            "recompute": [list(r) for r in best.estimate.recompute]}
+    log.info("diloco planner: %d replicas x %d stages, H %d, %s, predicted %.4g samples/s (%s) in %.2f s",
+             len(best.devices), len(best.devices[0]), best.estimate.inner_steps, codec_label(best.estimate.codec),
+             best.estimate.samples_per_s, best.how, info["seconds"])
+    pl = placement(best, "dp", info)
+    # per replica n_r (info["micro_batches"]); the plan's one count is the equal split, or the mean
+    pl.predicted["micro_batches"] = float(max(1, round(M / len(best.devices))))
+    return pl, best
+
+
+def diloco_sync(est) -> dict:
+    """The :class:`fusion.plan.DPSync` (as a dict) of a priced DiLoCo estimate: DiLoCo's outer optimizer
+    (Nesterov SGD, lr 0.7, momentum 0.9), error feedback with Top-K (SparseLoCo / DeMo), and the shares as
+    rows per inner step when they are unequal."""
+    from fusion.plan import DPSync
+
+    rows = [n * (est.global_batch // sum(est.micro_batches)) for n in est.micro_batches]
+    sync = DPSync("diloco", est.inner_steps, codec=None if est.codec is None else dict(est.codec),
+                  error_feedback=est.codec is not None and est.codec["algo"] == "topk", fragments=est.fragments,
+                  delay=est.delay, shares={} if len(set(rows)) == 1 else {r: float(v) for r, v in enumerate(rows)})
+    sync.check()
+    return sync.to_dict()
+
+
+def choose_dp_sync(cm: CostModel, *, global_batch: int, mode: str = "auto", search: SyncSearch = SyncSearch(),
+                   seed: int = 0, replicas: list[int] | None = None, allreduce: str = "ring",
+                   grad_wire_ratio: float = 1.0) -> tuple[DPPlacement, Candidate]:
+    """``--dp-sync auto|diloco`` with ``--strategy dp``: the layout and sync the plan gets.
+
+    mode ``diloco``: :func:`plan_diloco_model`. mode ``auto``: also plans synchronous DP (:func:`plan_dp_model`)
+    and keeps it unless DiLoCo is predicted :data:`DILOCO_MARGIN` times faster. Either way the placement's
+    ``predicted`` gains ``sync_dp_samples_per_s`` and ``diloco_over_sync_dp`` (when both were priced) and its
+    ``info["dp_sync"]`` the chosen DPSync as a dict.
+    Raises DPPlanError (one line) when no layout fits, the cluster has one device, or a knob is out of range.
+    """
+    if mode not in ("auto", "diloco"):
+        raise DPPlanError(f"dp sync mode {mode!r}: the planner chooses for auto or diloco")
+    if len(cm.cluster) < 2:
+        raise DPPlanError(f"--dp-sync {mode}: {cm.cluster.source} has one device; data parallelism needs 2 or more")
+    search.check()
+    try:
+        dl, dc = plan_diloco_model(cm, global_batch=global_batch, search=search, seed=seed, replicas=replicas,
+                                   allreduce=allreduce)
+    except DPPlanError:
+        if mode == "diloco":
+            raise
+        dl = dc = None
+    if mode == "diloco":
+        return dl, dc
+    sp, sc = plan_dp_model(cm, global_batch=global_batch, seed=seed, replicas=replicas, allreduce=allreduce,
+                           grad_wire_ratio=grad_wire_ratio)
+    sync_rate = sp.predicted["samples_per_s"]
+    if dl is None or dl.predicted["samples_per_s"] < DILOCO_MARGIN * sync_rate:
+        sp.info["dp_sync"] = {"mode": "every"}
+        if dl is not None:
+            sp.predicted["diloco_samples_per_s"] = dl.predicted["samples_per_s"]
+        return sp, sc
+    dl.predicted["sync_dp_samples_per_s"] = sync_rate
+    dl.predicted["diloco_over_sync_dp"] = dl.predicted["samples_per_s"] / sync_rate
+    return dl, dc
+
+
 __all__ = ["DPPlacement", "DPPlanError", "Candidate", "plan_dp", "plan_dp_model", "placement", "build_cost_model",
-           "batch_splits", "groups_inside_clusters", "replicas_inside_clusters", "virtual_cluster", "replica_paths"]
+           "batch_splits", "groups_inside_clusters", "replicas_inside_clusters", "virtual_cluster", "replica_paths",
+           "group_shapes", "SyncSearch", "best_sync", "diloco_splits", "plan_diloco_model", "diloco_sync",
+           "choose_dp_sync", "DILOCO_MARGIN"]
