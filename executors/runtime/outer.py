@@ -1,0 +1,273 @@
+"""DiLoCo's outer loop over a stage's data-parallel replicas (Douillard et al. 2023, Algorithm 1; ``Plan.dp_sync``).
+
+With ``dp_sync.mode == "diloco"`` the replicas of a stage do not average gradients every step. Each takes
+its inner steps with the plan's optimizer (its own state, kept across outer steps, as in DiLoCo), and after
+every H-th step (H = ``dp_sync.inner_steps``, counted in completed global steps, so a resumed run meets the
+same boundaries) each replica r forms its *pseudo-gradient*
+
+    Delta_r = theta_global - theta_r                  (parameter dtype, float32 for float32 parameters,
+                                                       as the reference implementations compute it)
+
+the group averages it, weighted by the samples each replica saw since the last outer step (equal shares:
+the plain mean), and every replica applies the *outer* optimizer, SGD with (Nesterov) momentum in
+``torch.optim.SGD``'s formulas, to its copy of the global weights, in NumPy (so torch and NumPy CompNodes
+take part alike)::
+
+    v = mu * v + Delta
+    step = Delta + mu * v   if nesterov   else   v
+    theta_global -= outer_lr * step
+
+and continues its inner steps from the new global weights. Every replica holds the same bits of
+theta_global and v (the averaged Delta is the same bits everywhere, and the update is the same arithmetic).
+
+Exact averaging runs the stage's ring or tree all-reduce (:mod:`.allreduce`) on the flat pseudo-gradient
+buckets, on the same wire. With a lossy pseudo-gradient codec (``dp_sync.codec``: ``quant`` of 8 or 4 bits,
+or ``topk``), each replica encodes its own pseudo-gradient (plus, with ``error_feedback``, the residual it
+did not send last time) once and sends the same payload to every other member of its group; every replica
+decodes all payloads and sums them in replica order, so all apply the same bits (as ``TiedCodec`` does for
+tied gradients). These messages are wire messages of kind ``"allreduce"`` whose header carries
+``"gather": true`` (:class:`PseudoInbox` accepts them: from a member of the group, for the current
+iteration, of the bucket's dtype and length, once each).
+
+:func:`encode_pseudo` / :func:`decode_pseudo` are the one place pseudo-gradients are encoded and decoded.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from fusion.ir.errors import FusionError, WireError
+from fusion.ir.wire import Message, encode
+from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, average, flatten, unflatten
+
+log = logging.getLogger(__name__)
+
+#: codecs a pseudo-gradient may travel under (``dp_sync.codec``): block quantisation of 8 or 4 bits, Top-K
+PSEUDO_CODECS = {"quant": "quant:bits=8|4[,block=N]", "topk": "topk:ratio=R|k=K"}
+
+
+def check_pseudo_codec(cfg: Mapping[str, Any] | None, source: str = "dp_sync.codec") -> None:
+    """FusionError (one line naming ``source``) for a codec cfg a pseudo-gradient may not travel under."""
+    if cfg is None:
+        return
+    algo = cfg.get("algo") if isinstance(cfg, Mapping) else None
+    if algo not in PSEUDO_CODECS:
+        raise FusionError(f"{source}: codec {algo!r} is not allowed for pseudo-gradients; use one of "
+                          f"{', '.join(PSEUDO_CODECS.values())}")
+    if algo == "quant":
+        from fusion.kernels.quant import QuantConfig
+
+        q = QuantConfig.from_cfg({k: v for k, v in cfg.items() if k != "algo"})
+        if q.bits not in (4, 8):
+            raise FusionError(f"{source}: quant pseudo-gradients take bits=8 or bits=4, got bits={q.bits}")
+    else:
+        from fusion.kernels.sparse import ratio_to_k
+
+        if ("ratio" in cfg) == ("k" in cfg) or set(cfg) - {"algo", "ratio", "k"}:
+            raise FusionError(f"{source}: topk takes exactly one of ratio=R or k=K, got {dict(cfg)}")
+        if "ratio" in cfg:
+            ratio_to_k(1000, float(cfg["ratio"]))  # raises for a ratio < 1
+        elif not (isinstance(cfg["k"], int) and cfg["k"] >= 1):
+            raise FusionError(f"{source}: topk k must be an integer >= 1, got {cfg['k']!r}")
+
+
+def encode_pseudo(flat: np.ndarray, codec: Mapping[str, Any]) -> tuple[dict, list]:
+    """One flat pseudo-gradient bucket under ``codec``: ``(payload header, frames)``."""
+    if codec["algo"] == "quant":
+        from fusion.kernels.quant import quantize
+
+        p = quantize(flat, {k: v for k, v in codec.items() if k != "algo"})
+        return {"type": "quant", **p.header()}, p.arrays()
+    from fusion.executors.runtime.compression import topk_numpy
+    from fusion.kernels.sparse import ratio_to_k
+
+    k = min(int(codec["k"]), flat.size) if "k" in codec else ratio_to_k(flat.size, float(codec["ratio"]))
+    header, frames = topk_numpy(flat, k).to_msg()
+    return {"type": "topk", **header}, [np.frombuffer(f, dtype=np.uint8) for f in frames]  # raw bytes as uint8 tensors
+
+
+def decode_pseudo(meta: Any, frames: Sequence[Any]) -> np.ndarray:
+    """The dense flat array of a payload of :func:`encode_pseudo` (WireError for a malformed one)."""
+    from fusion.kernels.quant import QuantPayload, as_bytes, dequantize
+
+    if not isinstance(meta, dict) or meta.get("type") not in ("quant", "topk"):
+        raise WireError(f"pseudo-gradient payload must be quant or topk, got {repr(meta)[:80]}")
+    body = {k: v for k, v in meta.items() if k != "type"}
+    try:
+        if meta["type"] == "quant":
+            if len(frames) != 3:
+                raise WireError(f"quantised pseudo-gradient needs 3 frames, got {len(frames)}")
+            return dequantize(QuantPayload.from_msg(body, [as_bytes(a) for a in frames])).reshape(-1)
+        from fusion.executors.runtime.compression import densify
+        from fusion.kernels.sparse import SparsePayload
+
+        if len(frames) != 2:
+            raise WireError(f"Top-K pseudo-gradient needs 2 frames, got {len(frames)}")
+        return densify(SparsePayload.from_msg(body, [bytes(as_bytes(a)) for a in frames])).reshape(-1)
+    except FusionError as e:
+        raise WireError(f"pseudo-gradient payload: {e}") from None
+
+
+def payload_nbytes(frames: Sequence[Any]) -> int:
+    """Bytes of a payload's tensor frames (what :func:`encode_pseudo` puts on the wire besides its header)."""
+    return int(sum(np.asarray(f).nbytes if isinstance(f, np.ndarray) else len(f) for f in frames))
+
+
+def outer_update(theta: np.ndarray, v: np.ndarray, delta: np.ndarray, lr: float, mu: float, nesterov: bool) -> None:
+    """torch.optim.SGD's step on ``theta`` with gradient ``delta`` and momentum buffer ``v`` (both changed in place).
+
+    The first step sets ``v = delta`` (torch's buffer starts as a copy of the gradient); ``mu == 0`` skips it."""
+    if mu:
+        v *= mu
+        v += delta
+        step = delta + mu * v if nesterov else v
+    else:
+        step = delta
+    theta -= lr * step
+
+
+class PseudoInbox:
+    """The encoded pseudo-gradients one CompNode accepts from its group (codec runs; not thread-safe: the
+    CompNode locks it). ``ring`` gives the group and the current iteration (``ring.expected_iter``)."""
+
+    def __init__(self, ring: RingInbox):
+        self.ring = ring
+        self._got: dict[tuple[int, int, str], np.ndarray] = {}
+
+    def accept(self, sender: str, msg: Message) -> None:
+        r = self.ring
+        if sender not in r.group or sender == r.me:
+            raise WireError(f"pseudo-gradient from {sender!r}, which is not in {r.me}'s data-parallel group {r.group}")
+        h = msg.header
+        if h.get("src") != sender or h.get("dst") != r.me:
+            raise WireError(f"pseudo-gradient says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{r.me!r}")
+        it, b = h.get("it"), h.get("bucket")
+        if it != r.expected_iter:
+            raise WireError(f"pseudo-gradient for iteration {it!r}, this part is at iteration {r.expected_iter}")
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < len(r.buckets):
+            raise WireError(f"pseudo-gradient for bucket {b!r}; this part has {len(r.buckets)}")
+        key = (it, b, sender)
+        if key in self._got:
+            raise WireError(f"duplicate pseudo-gradient (iteration {it}, bucket {b}) from {sender}")
+        a = decode_pseudo(h.get("payload"), msg.arrays)
+        want = r.buckets[b]
+        if a.shape != (want.total,) or a.dtype.name != want.dtype:
+            raise WireError(f"pseudo-gradient of bucket {b} is {a.dtype.name}{list(a.shape)}, expected "
+                            f"{want.dtype}[{want.total}]")
+        for k in [k for k in self._got if k[0] < it]:
+            del self._got[k]
+        self._got[key] = a
+
+    def take(self, it: int, bucket: int, sender: str) -> np.ndarray | None:
+        return self._got.pop((it, bucket, sender), None)
+
+
+class OuterLoop:
+    """One CompNode's DiLoCo state: the global weights theta (one flat buffer per bucket of
+    :func:`~.allreduce.make_buckets`), the outer momentum v, and, with error feedback, the residual e of its
+    own pseudo-gradient that the codec did not deliver. ``sync``: the plan's :class:`~fusion.plan.DPSync`."""
+
+    def __init__(self, sync, buckets: Sequence[Bucket], params: Mapping[str, np.ndarray]):
+        self.sync, self.buckets = sync, list(buckets)
+        self.theta = [flatten(b, params) for b in self.buckets]
+        self.v = [np.zeros_like(t) for t in self.theta]
+        self.residual = [np.zeros_like(t) for t in self.theta] if sync.error_feedback else None
+
+    def is_boundary(self, steps_done: int) -> bool:
+        """Whether the step that makes ``steps_done`` completed steps ends with an outer step."""
+        return steps_done % self.sync.inner_steps == 0
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for b, t, v in zip(self.buckets, self.theta, self.v):
+            out[f"theta::{b.dtype}"], out[f"momentum::{b.dtype}"] = t, v
+        for b, e in zip(self.buckets, self.residual or []):
+            out[f"residual::{b.dtype}"] = e
+        return out
+
+    def load_arrays(self, arrays: Mapping[str, np.ndarray], source: str) -> None:
+        """The state of :meth:`state_arrays` (CheckpointError-like FusionError naming ``source`` when it does not fit)."""
+        keys = [("theta", self.theta), ("momentum", self.v)] + ([("residual", self.residual)] if self.residual else [])
+        for name, bufs in keys:
+            for b, buf in zip(self.buckets, bufs):
+                a = arrays.get(f"{name}::{b.dtype}")
+                if a is None or a.shape != buf.shape or a.dtype != buf.dtype:
+                    raise FusionError(f"{source}: outer state {name}::{b.dtype} is missing or not {b.dtype}[{b.total}]")
+                buf[:] = a
+
+    # -- one outer step ------------------------------------------------------------------
+    def step(self, me: str, ring: RingInbox | None, pseudo: PseudoInbox | None, it: int,
+             params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
+             wait: Callable[[Callable[[], Any], str], Any]) -> tuple[dict, dict]:
+        """Average the pseudo-gradients over ``ring``'s group (None: this replica is the last of its stage) and
+        apply the outer optimizer.
+
+        params: this replica's trainable parameters after its H-th inner step. Returns the new global
+        weights (name -> array, to be written into the engine) and stats: ``payload_bytes`` (bytes of this
+        replica's pseudo-gradient frames, once; dense: the float buffers), ``sent_bytes`` (the tensor bytes it
+        sent in all), ``replicas``. State changes only once the average is complete, so a call abandoned
+        by a regroup can be repeated over the survivors."""
+        deltas = [t - flatten(b, params) for b, t in zip(self.buckets, self.theta)]
+        codec = self.sync.codec
+        group = ring.group if ring is not None else [me]
+        sent = [0]
+
+        def counted(peer: str, frames: list, label: str) -> None:
+            sent[0] += payload_nbytes(frames[1:])  # frames[0] is the message header
+            send(peer, frames, label)
+
+        payload_bytes = 0
+        residual = self.residual
+        if codec is None:
+            payload_bytes = sum(d.nbytes for d in deltas)
+            if ring is not None:
+                average(ring, it, deltas, counted, wait)
+        else:
+            own: list[np.ndarray] = []
+            residual = []
+            for b, d in enumerate(deltas):
+                if self.residual is not None:
+                    d = d + self.residual[b]
+                meta, frames = encode_pseudo(d, codec)
+                got = decode_pseudo(meta, frames)
+                residual.append(d - got)  # what the codec did not deliver goes with the next pseudo-gradient
+                own.append(got)
+                payload_bytes += payload_nbytes(frames)
+                for p in group:
+                    if p != me:
+                        counted(p, encode(KIND, {"it": it, "bucket": b, "step": 0, "chunk": 0, "src": me, "dst": p,
+                                                 "gather": True, "payload": meta}, frames), f"pseudo-gradient b{b}")
+            for b in range(len(deltas)):
+                parts = [own[b] if p == me else
+                         wait(lambda p=p: pseudo.take(it, b, p), f"pseudo-gradient of bucket {b} from {p}")
+                         for p in group]
+                total = np.zeros_like(deltas[b])
+                for x in parts:  # replica order: the same sum, the same bits, on every replica
+                    total += x
+                deltas[b] = total / np.asarray(len(parts), dtype=total.dtype)
+        if self.residual is not None:
+            self.residual = residual
+        s = self.sync
+        out: dict[str, np.ndarray] = {}
+        for b, t, v, d in zip(self.buckets, self.theta, self.v, deltas):
+            outer_update(t, v, d, s.outer_lr, s.outer_momentum, s.nesterov)
+            out.update(unflatten(b, t.copy()))
+        return out, {"payload_bytes": payload_bytes, "sent_bytes": sent[0], "replicas": len(group)}
+
+
+def write_params(engine: Any, values: Mapping[str, np.ndarray]) -> None:
+    """Set the engine's trainable parameters to ``values`` in place (the inner optimizer keeps its state and
+    its references to them)."""
+    tr = engine.trainable()
+    for name, v in values.items():
+        p = tr[name]
+        if isinstance(p, np.ndarray):
+            p[...] = v
+        else:  # a torch parameter (a NumPy CompNode never gets here, so never imports torch)
+            import torch
+
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(np.ascontiguousarray(v)).to(p.device))
