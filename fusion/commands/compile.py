@@ -51,6 +51,27 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="all-reduce of each stage's replicas: ring (bandwidth-optimal), tree (binomial reduce + "
                             "broadcast: 2 ceil(log2 R) latencies instead of 2 (R-1)), or auto: per group the one "
                             "the estimator prices cheaper on its links (default: ring)"),
+        g.add_argument("--dp-sync", default="every", choices=["every", "diloco"],
+                       help="how the replicas synchronise: every (gradients averaged every step, exact synchronous "
+                            "DP; the default) or diloco (DiLoCo: --inner-steps H local steps with the plan's "
+                            "optimizer, then the replicas average their pseudo-gradients and an outer Nesterov SGD "
+                            "step updates the global weights; H times fewer exchanges)"),
+        g.add_argument("--inner-steps", type=int, default=None, metavar="H",
+                       help="diloco: inner steps per outer step (default 20)"),
+        g.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="diloco: outer learning rate (0.7)"),
+        g.add_argument("--outer-momentum", type=float, default=0.9, metavar="M",
+                       help="diloco: outer (Nesterov) momentum (0.9; 0: plain SGD)"),
+        g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
+        g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
+                       help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; "
+                            "default: exact averaging)"),
+        g.add_argument("--pseudo-error-feedback", action="store_true",
+                       help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it "
+                            "to the next one (needs --pseudo-codec)"),
+        g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
+                       help="diloco: streaming fragments per stage (1; more is not built in the runtime yet)"),
+        g.add_argument("--outer-delay", type=int, default=0, metavar="D",
+                       help="diloco: outer steps an update is applied late (0; more is not built in the runtime yet)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -117,6 +138,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
+    dp_sync = dp_sync_from_args(args)
     tied = _tied_codec(args)
     if args.dp_allreduce not in ("ring", "tree", "auto"):
         raise FusionError(f"--dp-allreduce {args.dp_allreduce!r}: expected ring, tree or auto")
@@ -137,6 +159,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                               "a tied codec yet; leave it out")
         plan = _compile_dp(args, model, cluster, opt, compress, dp_codec)
         set_dp_allreduce(plan, cluster, args.dp_allreduce)
+        _set_dp_sync(plan, dp_sync)
         return plan
     micro = args.micro_batches
     if args.global_batch is not None:
@@ -158,9 +181,18 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
                          dp_codec=dp_codec)
     set_dp_allreduce(plan, cluster, args.dp_allreduce)
+    _set_dp_sync(plan, dp_sync)
     assign_engines(plan, args.engine)
     record_codec_plugins(plan)
     return plan
+
+
+def _set_dp_sync(plan, sync) -> None:
+    """``Plan.dp_sync``; a DP planner that chose one replica leaves nothing to synchronise (synchronous DP)."""
+    from fusion.plan import DPSync
+
+    plan.dp_sync = sync if plan.replicas > 1 else DPSync()
+    plan.check()
 
 
 def _node_times(args: argparse.Namespace):
@@ -281,6 +313,64 @@ def _dp_codec(args: argparse.Namespace):
     return cfg
 
 
+#: ``--inner-steps`` of ``--dp-sync diloco`` when left out
+DILOCO_INNER_STEPS = 20
+
+
+def dp_sync_from_args(args: argparse.Namespace):
+    """The :class:`~fusion.plan.DPSync` of ``--dp-sync`` and its options, checked before the model is traced:
+    FusionError (one line naming the flag) for H < 1, a codec that is unknown or not allowed for
+    pseudo-gradients, DiLoCo with one replica, or a DiLoCo option without ``--dp-sync diloco``.
+    (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
+    here, after :func:`_compile_dp`'s planner ran.)"""
+    from fusion.compress.policy import parse_spec
+    from fusion.executors.runtime.outer import check_pseudo_codec
+    from fusion.ir.errors import FusionError
+    from fusion.plan import DPSync, PlanError
+
+    if args.dp_sync == "every":
+        given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
+                                   ("--outer-momentum", args.outer_momentum, 0.9), ("--no-nesterov", args.no_nesterov, False),
+                                   ("--pseudo-codec", args.pseudo_codec, None),
+                                   ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
+                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, 0))
+                 if v != d]
+        if given:
+            raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
+                              "step)")
+        return DPSync()
+    h = DILOCO_INNER_STEPS if args.inner_steps is None else args.inner_steps
+    if h < 1:
+        raise FusionError(f"--inner-steps {h}: DiLoCo takes at least one inner step per outer step")
+    if args.strategy not in DP_STRATEGIES and args.replicas < 2:
+        raise FusionError("--dp-sync diloco needs --replicas 2 or more (one replica has nobody to average with)")
+    if args.dp_codec is not None:
+        raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco does not run; "
+                          "use --pseudo-codec")
+    if args.sync_fragments != 1 or args.outer_delay != 0:
+        flag = "--sync-fragments" if args.sync_fragments != 1 else "--outer-delay"
+        raise FusionError(f"{flag}: streaming fragments and delayed outer steps are not built in the runtime yet; "
+                          "leave it out")
+    codec = None
+    if args.pseudo_codec is not None:
+        codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
+        if codec == "auto":
+            raise FusionError("--pseudo-codec auto: name the codec (quant:bits=8, quant:bits=4, topk:ratio=R) or none")
+        check_pseudo_codec(codec, f"--pseudo-codec {args.pseudo_codec}")
+    if args.pseudo_error_feedback and codec is None:
+        raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
+    sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
+                  args.pseudo_error_feedback)
+    try:
+        sync.check("--dp-sync diloco")
+    except PlanError as e:
+        msg = str(e)
+        for name in ("outer_lr", "outer_momentum"):
+            msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
+        raise FusionError(msg) from None
+    return sync
+
+
 def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_codec):
     """``--strategy dp|dtfm``: the planner chooses replicas, cut and placement (issue 14), then the plan is built."""
     from fusion.compile import _ensure_shapes
@@ -393,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     check_output(Path(args.output))
+    dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     plan = compile_from_args(args, model, cluster)
