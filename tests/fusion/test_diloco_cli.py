@@ -54,3 +54,77 @@ def test_bad_dp_sync_options_exit_2_with_one_line_before_the_model_is_traced(tmp
                  str(tmp_path / "run")]) == 2
     assert says in _one_line(capsys)
     assert not (tmp_path / "x").exists() and not (tmp_path / "run").exists()
+
+
+DATA_SRC = '''
+import json, os, signal
+from pathlib import Path
+import numpy as np
+
+def batches(step):
+    if step == int(os.environ["DILOCO_AT"]):  # before this step: kill or stop replica 1's CompNode
+        pids = json.loads((Path(os.environ["DILOCO_RUN"]) / "pids.json").read_text())
+        os.killpg(pids["r1.part0"], getattr(signal, os.environ["DILOCO_SIG"]))
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
+'''
+
+
+def _batch(step):
+    import numpy as np
+
+    g = np.random.default_rng([3, step])
+    return {"x": g.standard_normal((8, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 8).astype(np.int64)}
+
+
+def _cnn_loss(P, batch):
+    import torch
+    import torch.nn.functional as F
+
+    h = torch.flatten(F.conv2d(batch["x"], P["conv.weight"], P["conv.bias"], padding=1), 1)
+    return F.cross_entropy(F.linear(h, P["fc.weight"], P["fc.bias"]), batch["y"])
+
+
+@pytest.mark.parametrize("sig,at", [("SIGKILL", 2), ("SIGSTOP", 3)], ids=["killed-mid-window", "stopped-at-outer-step"])
+def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(tmp_path, sig, at):
+    """`fusion run --dp-sync diloco --drop-failed-replicas`: replica 1 is killed (or stopped) before step ``at``;
+    it leaves there (its inner steps since the last outer step are lost), the survivor takes the whole global
+    batch and goes on; metrics.jsonl and loss.png record it, every loss and the final weights equal the
+    plain-PyTorch DiLoCo reference with the same drop, and no step is lost or applied twice."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+
+    from fusion.loader import load_model
+    from fusion.plan import DPSync, load_weights
+    from tests.executors.runtime.test_diloco import diloco_reference
+
+    (tmp_path / "data.py").write_text(DATA_SRC)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                        "--dp-sync", "diloco", "--inner-steps", "2", "--steps", "6", "--no-progress",
+                        "--drop-failed-replicas", "--peer-timeout", "4", "--data", f"{tmp_path / 'data.py'}:batches"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DILOCO_RUN": str(out), "DILOCO_AT": str(at), "DILOCO_SIG": sig})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"dropped replica 1 at step {at}" in r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+    (drop,) = lines[at]["dropped"]
+    assert drop["replica"] == 1 and drop["part"] == "r1.part0" and drop["redone"]
+    assert [x["step"] for x in lines if "outer" in x] == [1, 3, 5]
+    assert [x["outer"]["replicas"] for x in lines if "outer" in x] == [2] + [1, 1]
+    assert (out / "loss.png").exists()
+    model = load_model(_model(tmp_path))
+    sgd = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))  # the plan's inner optimizer
+    want = diloco_reference(model, _cnn_loss, [_batch(s) for s in range(6)], 2, 2, sgd,
+                            DPSync("diloco", inner_steps=2), drop=(at, 1))
+    np.testing.assert_allclose([x["loss"] for x in lines], [w[0] for w in want], rtol=1e-5)
+    final = load_weights(out / "final.safetensors")
+    for k, v in want[-1][1].items():
+        np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)

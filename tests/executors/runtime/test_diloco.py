@@ -91,15 +91,16 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
         if drop is not None and step == drop[0]:
             live.remove(drop[1])
         shares = {k: torch.as_tensor(v).chunk(len(live)) for k, v in batch.items()}
+        n = micro * replicas // len(live)  # survivors take the global batch's micro-batches
         losses = []
         for i, r in enumerate(live):
             opts[r].zero_grad()
             rows = {k: v[i] for k, v in shares.items()}
-            for m in range(micro):
-                c = {k: v.chunk(micro)[m] for k, v in rows.items()}
-                lc = plain_loss({**fixed, **local[r]}, c) / micro
-                lc.backward()
-                losses.append(lc.item() * micro)
+            for m in range(n):
+                c = {k: v.chunk(n)[m] for k, v in rows.items()}
+                lc = plain_loss({**fixed, **local[r]}, c)
+                (lc / n).backward()
+                losses.append(lc.item())
             opts[r].step()
         if (step + 1) % sync.inner_steps == 0:
             outer.zero_grad()
@@ -251,3 +252,34 @@ def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path):
     assert [r.loss for r in first[:3] + rest] == [r.loss for r in full]
     for k, v in state.items():
         np.testing.assert_array_equal(resumed[k], v, err_msg=k)
+
+
+def test_pseudo_inbox_rejects_what_the_group_did_not_send():
+    """An encoded pseudo-gradient is taken only from a member of the group, addressed to this part, for the
+    current iteration, of the bucket's dtype and length, and once; anything else is a WireError (logged and
+    dropped by the transport, never applied)."""
+    from fusion.executors.runtime.allreduce import KIND, RingInbox, make_buckets
+    from fusion.executors.runtime.outer import PseudoInbox, encode_pseudo
+    from fusion.ir.errors import WireError
+    from fusion.ir.wire import decode, encode
+
+    ring = RingInbox("p0", ["p0", "r1.p0", "r2.p0"], make_buckets({"w": ((10,), "float32")}))
+    box = PseudoInbox(ring)
+    codec = {"algo": "quant", "bits": 8}
+
+    def msg(n=10, **over):
+        meta, frames = encode_pseudo(np.arange(n, dtype=np.float32), codec)
+        h = {"it": 0, "bucket": 0, "step": 0, "chunk": 0, "src": "r1.p0", "dst": "p0", "gather": True, "payload": meta}
+        return decode(encode(KIND, {**h, **over}, frames))
+
+    for sender, m, says in [("r9.p0", msg(src="r9.p0"), "not in p0's data-parallel group"),
+                            ("r1.p0", msg(src="r2.p0"), "but came"),
+                            ("r1.p0", msg(it=1), "iteration 1, this part is at iteration 0"),
+                            ("r1.p0", msg(bucket=1), "bucket 1"),
+                            ("r1.p0", msg(n=9), r"expected float32\[10\]")]:
+        with pytest.raises(WireError, match=says):
+            box.accept(sender, m)
+    box.accept("r1.p0", msg())
+    with pytest.raises(WireError, match="duplicate"):
+        box.accept("r1.p0", msg())
+    np.testing.assert_allclose(box.take(0, 0, "r1.p0"), np.arange(10, dtype=np.float32), atol=0.05)
