@@ -469,6 +469,11 @@ def describe_plan(plan, cluster) -> str:
     pr = plan.predicted
     stages = len(plan.parts) // plan.replicas
     reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
+    ds = plan.dp_sync
+    if plan.replicas > 1 and ds.mode == "diloco":
+        codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
+        reps += (f", DiLoCo H={ds.inner_steps} outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
+                 + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "

@@ -16,6 +16,7 @@ def test_compile_writes_the_diloco_sync_into_the_plan(tmp_path, capsys):
     assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
                  "--dp-sync", "diloco", "--inner-steps", "5", "--outer-lr", "0.5", "--outer-momentum", "0.8",
                  "--no-nesterov", "--pseudo-codec", "quant:bits=4", "--pseudo-error-feedback", "-o", str(out)]) == 0
+    assert "DiLoCo H=5 outer lr 0.5 momentum 0.8 pseudo-gradients quant:bits=4" in capsys.readouterr().out
     s = load_plan(out).dp_sync
     assert (s.mode, s.inner_steps, s.outer_lr, s.outer_momentum, s.nesterov, s.codec, s.error_feedback) == (
         "diloco", 5, 0.5, 0.8, False, {"algo": "quant", "bits": 4}, True)
