@@ -143,36 +143,39 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_synchronous_dp(tmp_path):
     assert all(r.parts["p0"]["outer"]["replicas"] == 2 for r in dil_r)
 
 
-CASES = [  # (model, stages, schedule, inner optimizer, engines, H)
-    ("cnn", 1, "gpipe", ADAMW, None, 3),
-    ("mlp", 1, "gpipe", SGD, {"r1.p0": "numpy"}, 2),
-    ("gpt", 2, "1f1b", SGD_M, None, 3),  # (not AdamW: it blows up the key bias's zero gradient, mere rounding noise)
-    ("gpt", 2, "1f1b", SGD, {"r1.p1": "numpy"}, 2),
+CASES = [  # (model, stages, schedule, inner optimizer, engines, H, replicas)
+    ("cnn", 1, "gpipe", ADAMW, None, 3, 3),  # a ring of three: reduce-scatter and all-gather of pseudo-gradients
+    ("mlp", 1, "gpipe", SGD, {"r1.p0": "numpy"}, 2, 2),
+    ("gpt", 2, "1f1b", SGD_M, None, 3, 2),  # (not AdamW: it blows up the key bias's zero gradient, mere rounding noise)
+    ("gpt", 2, "1f1b", SGD, {"r1.p1": "numpy"}, 2, 2),
 ]
 
 
-@pytest.mark.parametrize("name,stages,schedule,opt,engines,H", CASES,
-                         ids=[f"{c[0]}-2x{c[1]}-{c[3][0].name}-H{c[5]}{'-numpy' if c[4] else ''}" for c in CASES])
-def test_diloco_matches_a_plain_pytorch_reference(tmp_path, name, stages, schedule, opt, engines, H):
+@pytest.mark.parametrize("name,stages,schedule,opt,engines,H,R", CASES,
+                         ids=[f"{c[0]}-{c[6]}x{c[1]}-{c[3][0].name}-H{c[5]}{'-numpy' if c[4] else ''}" for c in CASES])
+def test_diloco_matches_a_plain_pytorch_reference(tmp_path, name, stages, schedule, opt, engines, H, R):
     build, splits, plain_loss, batch_fn = ALL[name]
     model = build(mb=MB)
     micro = 2
     assignment = splits[2] if stages == 2 else one_stage(model)
-    plan_dir = save_dp_plan(tmp_path, model, assignment, 2, schedule=schedule, micro_batches=micro, optimizer=opt[0],
+    plan_dir = save_dp_plan(tmp_path, model, assignment, R, schedule=schedule, micro_batches=micro, optimizer=opt[0],
                             engines=engines)
     sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9)
     with_sync(plan_dir, model, sync)
-    batches = [batch_fn(s, 2 * micro * MB) for s in range(3 * H)]
+    batches = [batch_fn(s, R * micro * MB) for s in range(3 * H)]
     reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
-    assert_matches(reports, state, diloco_reference(model, plain_loss, batches, 2, micro, opt[1], sync))
+    assert_matches(reports, state, diloco_reference(model, plain_loss, batches, R, micro, opt[1], sync))
     tol = {"rtol": 1e-6, "atol": 1e-7} if engines else {"rtol": 0, "atol": 0}  # a NumPy replica rounds its own way
-    for k, v in states[0].items():  # after the last outer step every replica holds the global weights
-        np.testing.assert_allclose(states[1][k], v, err_msg=f"replicas differ in {k}", **tol)
+    for other in states[1:]:  # after the last outer step every replica holds the global weights
+        for k, v in states[0].items():
+            np.testing.assert_allclose(other[k], v, err_msg=f"replicas differ in {k}", **tol)
     outer = [r.parts["p0"].get("outer") for r in reports]
     assert [o["step"] for o in outer if o] == [H, 2 * H, 3 * H]
     nbytes = 4 * sum(int(np.prod(model.graph.params[k].shape)) for k in model.graph.params
                      if model.graph.params[k].trainable and (stages == 1 or k in _params_of(plan_dir, "p0")))
-    assert all(o["payload_bytes"] == nbytes and o["sent_bytes"] == nbytes for o in outer if o)  # two replicas: one swap
+    assert all(o["payload_bytes"] == nbytes for o in outer if o)
+    if R == 2:  # two replicas: one swap of the whole buffer
+        assert all(o["sent_bytes"] == nbytes for o in outer if o)
 
 
 def _params_of(plan_dir, part):
