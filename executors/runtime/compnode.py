@@ -40,7 +40,7 @@ from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, 
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
-from fusion.executors.runtime.outer import OuterLoop, PseudoInbox, write_params
+from fusion.executors.runtime.outer import OuterLoop, PseudoInbox, replica_micro_batches, write_params
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
@@ -139,7 +139,9 @@ class CompNode:
         self.replica = plan.parts[self.me].replica
         self.assignment = plan.replica_assignment(self.replica)
         self.order = part_order(g, self.assignment)
-        self.n_micro = plan.micro_batches
+        # micro-batches of this replica per step: plan.micro_batches, or its part under unequal shares (DiLoCo)
+        self.shares = replica_micro_batches(plan) if plan.dp_sync.shares else None
+        self.n_micro = self.shares[self.replica] if self.shares else plan.micro_batches
         self.devices = {p: plan.parts[p].device for p in self.order}
         self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro,
                                      self.devices)[self.me]
@@ -176,8 +178,9 @@ class CompNode:
                      if len(self.dp_group) > 1 else None)
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
-        if self.diloco and plan.dp_sync.shares:
-            raise FusionError(f"plan.dp_sync.shares: unequal replica shares are not built in the runtime yet")
+        if self.shares and not self.diloco:
+            raise FusionError("plan.dp_sync.shares: unequal replica shares need DiLoCo (dp_sync.mode 'diloco'); "
+                              "synchronous DP splits the global batch equally")
         self.outer: OuterLoop | None = None  # built in _setup, from the weights the part starts with
         self._pseudo: PseudoInbox | None = None
         self._aborted: str | None = None
@@ -625,8 +628,11 @@ class CompNode:
                     with self._cv:
                         pseudo = self._pseudo_inbox() if self.ring is not None else None
                     n_it = self.ring.expected_iter if self.ring is not None else it
+                    weights = ({p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
+                               if self.shares and self.ring is not None else None)
                     new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send,
-                                              lambda ready, what: self._wait(ready, what, self.cfg.data_timeout_s)[0])
+                                              lambda ready, what: self._wait(ready, what, self.cfg.data_timeout_s)[0],
+                                              weights)
                 break
             except Regroup:
                 self._apply_regroup()

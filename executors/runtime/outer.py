@@ -73,6 +73,29 @@ def check_pseudo_codec(cfg: Mapping[str, Any] | None, source: str = "dp_sync.cod
             raise FusionError(f"{source}: topk k must be an integer >= 1, got {cfg['k']!r}")
 
 
+def share_micro_batches(total: int, replicas: int, shares: Mapping[int, float]) -> list[int]:
+    """Micro-batches of each replica per step when ``dp_sync.shares`` (replica -> relative share, 1 where
+    absent) splits a global batch of ``total`` micro-batches unequally: proportional, the remainder to the
+    largest fractional parts (ties: lower replica). FusionError when a replica would get none."""
+    w = [float(shares.get(r, 1.0)) for r in range(replicas)]
+    exact = [total * x / sum(w) for x in w]
+    n = [int(e) for e in exact]
+    for r in sorted(range(replicas), key=lambda r: (-(exact[r] - n[r]), r))[:total - sum(n)]:
+        n[r] += 1
+    if min(n) < 1:
+        r = n.index(min(n))
+        raise FusionError(f"plan.dp_sync.shares: replica {r}'s share {w[r]:g} of {total} micro-batches per step "
+                          "gives it none; raise its share or the global batch")
+    return n
+
+
+def replica_micro_batches(plan) -> list[int]:
+    """Each replica's micro-batches per step under ``plan.dp_sync`` (equal: ``plan.micro_batches`` each)."""
+    if not plan.dp_sync.shares:
+        return [plan.micro_batches] * plan.replicas
+    return share_micro_batches(plan.micro_batches * plan.replicas, plan.replicas, plan.dp_sync.shares)
+
+
 def encode_pseudo(flat: np.ndarray, codec: Mapping[str, Any]) -> tuple[dict, list]:
     """One flat pseudo-gradient bucket under ``codec``: ``(payload header, frames)``."""
     if codec["algo"] == "quant":
@@ -201,7 +224,8 @@ class OuterLoop:
     # -- one outer step ------------------------------------------------------------------
     def step(self, me: str, ring: RingInbox | None, pseudo: PseudoInbox | None, it: int,
              params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
-             wait: Callable[[Callable[[], Any], str], Any]) -> tuple[dict, dict]:
+             wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None
+             ) -> tuple[dict, dict]:
         """Average the pseudo-gradients over ``ring``'s group (None: this replica is the last of its stage) and
         apply the outer optimizer.
 
@@ -209,7 +233,8 @@ class OuterLoop:
         weights (name -> array, to be written into the engine) and stats: ``payload_bytes`` (bytes of this
         replica's pseudo-gradient frames, once; dense: the float buffers), ``sent_bytes`` (the tensor bytes it
         sent in all), ``replicas``. State changes only once the average is complete, so a call abandoned
-        by a regroup can be repeated over the survivors."""
+        by a regroup can be repeated over the survivors. weights: part -> the samples its replica saw since
+        the last outer step (unequal shares; None: equal, the plain mean)."""
         deltas = [t - flatten(b, params) for b, t in zip(self.buckets, self.theta)]
         codec = self.sync.codec
         group = ring.group if ring is not None else [me]
@@ -219,10 +244,16 @@ class OuterLoop:
             sent[0] += payload_nbytes(frames[1:])  # frames[0] is the message header
             send(peer, frames, label)
 
+        frac = None
+        if weights is not None:  # each replica's pseudo-gradient weighs the samples it saw
+            total_w = float(sum(weights[p] for p in group))
+            frac = {p: weights[p] / total_w for p in group}
         payload_bytes = 0
         residual = self.residual
         if codec is None:
             payload_bytes = sum(d.nbytes for d in deltas)
+            if frac is not None:  # the average divides by G: G w_r Delta_r averages to sum_r w_r Delta_r
+                deltas = [d * np.asarray(frac[me] * len(group), dtype=d.dtype) for d in deltas]
             if ring is not None:
                 average(ring, it, deltas, counted, wait)
         else:
@@ -245,9 +276,9 @@ class OuterLoop:
                          wait(lambda p=p: pseudo.take(it, b, p), f"pseudo-gradient of bucket {b} from {p}")
                          for p in group]
                 total = np.zeros_like(deltas[b])
-                for x in parts:  # replica order: the same sum, the same bits, on every replica
-                    total += x
-                deltas[b] = total / np.asarray(len(parts), dtype=total.dtype)
+                for p, x in zip(group, parts):  # replica order: the same sum, the same bits, on every replica
+                    total += x if frac is None else x * np.asarray(frac[p], dtype=x.dtype)
+                deltas[b] = total / np.asarray(len(parts), dtype=total.dtype) if frac is None else total
         if self.residual is not None:
             self.residual = residual
         s = self.sync

@@ -68,6 +68,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--pseudo-error-feedback", action="store_true",
                        help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it "
                             "to the next one (needs --pseudo-codec)"),
+        g.add_argument("--replica-shares", default=None, metavar="R=S[,R=S...]",
+                       help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches "
+                            "(1 where not given), and its pseudo-gradient weighs the samples it saw"),
         g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
                        help="diloco: streaming fragments per stage (1; more is not built in the runtime yet)"),
         g.add_argument("--outer-delay", type=int, default=0, metavar="D",
@@ -189,10 +192,17 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
 
 def _set_dp_sync(plan, sync) -> None:
     """``Plan.dp_sync``; a DP planner that chose one replica leaves nothing to synchronise (synchronous DP)."""
+    from fusion.ir.errors import FusionError
     from fusion.plan import DPSync
+
+    from fusion.executors.runtime.outer import replica_micro_batches
 
     plan.dp_sync = sync if plan.replicas > 1 else DPSync()
     plan.check()
+    try:
+        replica_micro_batches(plan)  # every replica must get a micro-batch of each step
+    except FusionError as e:
+        raise FusionError(str(e).replace("plan.dp_sync.shares", "--replica-shares")) from None
 
 
 def _node_times(args: argparse.Namespace):
@@ -333,6 +343,7 @@ def dp_sync_from_args(args: argparse.Namespace):
                                    ("--outer-momentum", args.outer_momentum, 0.9), ("--no-nesterov", args.no_nesterov, False),
                                    ("--pseudo-codec", args.pseudo_codec, None),
                                    ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
+                                   ("--replica-shares", args.replica_shares, None),
                                    ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, 0))
                  if v != d]
         if given:
@@ -359,12 +370,24 @@ def dp_sync_from_args(args: argparse.Namespace):
         check_pseudo_codec(codec, f"--pseudo-codec {args.pseudo_codec}")
     if args.pseudo_error_feedback and codec is None:
         raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
+    shares = {}
+    for item in filter(None, (args.replica_shares or "").split(",")):
+        r, eq, v = item.partition("=")
+        try:
+            shares[int(r)] = float(v)
+        except ValueError:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}") from None
+        if not eq:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}")
+    if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
+        raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
-                  args.pseudo_error_feedback)
+                  args.pseudo_error_feedback, shares=shares)
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
         msg = str(e)
+        msg = msg.replace("--dp-sync diloco.shares", "--replica-shares")
         for name in ("outer_lr", "outer_momentum"):
             msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
         raise FusionError(msg) from None

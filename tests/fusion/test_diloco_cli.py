@@ -25,6 +25,12 @@ def test_compile_writes_the_diloco_sync_into_the_plan(tmp_path, capsys):
     s = load_plan(tmp_path / "e.plan").dp_sync
     assert (s.mode, s.inner_steps, s.outer_lr, s.outer_momentum, s.nesterov, s.codec) == ("diloco", 20, 0.7, 0.9, True, None)
     assert load_plan(out.parent / "e.plan").dp_codec is None
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "--dp-sync", "diloco", "--replica-shares", "0=3", "-o", str(tmp_path / "f.plan")]) == 0
+    assert load_plan(tmp_path / "f.plan").dp_sync.shares == {0: 3.0}
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "--dp-sync", "diloco", "--replica-shares", "0=9", "-o", str(tmp_path / "g.plan")]) == 2
+    assert "--replica-shares: replica 1's share 1 of 4 micro-batches per step gives it none" in _one_line(capsys)
     capsys.readouterr()
 
 
@@ -42,6 +48,10 @@ BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-lr", "-1"], "--outer-lr must be a finite number >= 0"),
     (["--replicas", "2", "--inner-steps", "4"], "--inner-steps is an option of --dp-sync diloco"),
     (["--replicas", "2", "--dp-sync", "diloco", "--sync-fragments", "2"], "not built in the runtime yet"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--replica-shares", "2=1"], "names replica 2; there are 2"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--replica-shares", "1=x"], "expected REPLICA=SHARE items"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--replica-shares", "1=0"], "--replica-shares: every share must be"),
+    (["--replicas", "2", "--replica-shares", "1=2"], "--replica-shares is an option of --dp-sync diloco"),
 ]
 
 

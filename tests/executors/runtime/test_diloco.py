@@ -70,12 +70,14 @@ def _through_codec(deltas: dict, names: list, codec, residual):
     return out, (flat - got if residual is not None else None)
 
 
-def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make_opt, sync: DPSync, drop=None):
+def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make_opt, sync: DPSync, drop=None,
+                     counts=None):
     """Plain-PyTorch DiLoCo (Douillard et al. 2023, Algorithm 1): per step (mean loss, global-or-local weights).
 
     Replica r takes the r-th contiguous share of each global batch, ``micro`` micro-batches with gradient
     accumulation. drop: ``(step, replica)``: from that step on the replica is gone (its inner steps since
-    the last outer step are lost) and the survivors share the global batch."""
+    the last outer step are lost) and the survivors share the global batch. counts: each replica's
+    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts)."""
     names = [k for k in model.params if model.graph.params[k].trainable]
     glob = {k: torch.tensor(np.asarray(model.params[k])) for k in names}
     fixed = {k: torch.tensor(np.asarray(v)) for k, v in model.params.items() if k not in glob}
@@ -90,10 +92,12 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
             live.remove(drop[1])
-        shares = {k: torch.as_tensor(v).chunk(len(live)) for k, v in batch.items()}
-        n = micro * replicas // len(live)  # survivors take the global batch's micro-batches
+        sizes = [c * len(next(iter(batch.values()))) // sum(counts) for c in counts] if counts else None
+        shares = {k: (torch.as_tensor(v).split(sizes) if sizes else torch.as_tensor(v).chunk(len(live)))
+                  for k, v in batch.items()}
         losses = []
         for i, r in enumerate(live):
+            n = counts[r] if counts else micro * replicas // len(live)  # survivors take the global batch's micro-batches
             opts[r].zero_grad()
             rows = {k: v[i] for k, v in shares.items()}
             for m in range(n):
@@ -109,7 +113,10 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 for i, r in enumerate(live):
                     deltas[i], residual[r] = _through_codec(deltas[i], sorted(glob), sync.codec, residual[r])
             for k, g in glob.items():
-                g.grad = torch.stack([d[k] for d in deltas]).sum(0) / len(live)
+                if counts:
+                    g.grad = sum(d[k] * (counts[r] / sum(counts)) for d, r in zip(deltas, live))
+                else:
+                    g.grad = torch.stack([d[k] for d in deltas]).sum(0) / len(live)
             outer.step()
             with torch.no_grad():
                 for r in live:
@@ -286,3 +293,28 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
     with pytest.raises(WireError, match="duplicate"):
         box.accept("r1.p0", msg())
     np.testing.assert_allclose(box.take(0, 0, "r1.p0"), np.arange(10, dtype=np.float32), atol=0.05)
+
+
+@pytest.mark.parametrize("codec", [None, {"algo": "quant", "bits": 8}], ids=["exact", "quant8"])
+def test_unequal_shares_split_the_batch_and_weight_the_pseudo_gradients_by_samples(tmp_path, codec):
+    """dp_sync.shares {0: 3, 1: 1}: of 4 micro-batches per step replica 0 takes 3 and replica 1 one, and the
+    outer average weighs their pseudo-gradients 3/4 and 1/4, as the reference does."""
+    build, _, plain_loss, batch_fn = ALL["mlp"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 2, micro_batches=2, optimizer=SGD_M[0],
+                            engines={"r1.p0": "numpy"})
+    sync = DPSync("diloco", inner_steps=2, codec=codec, shares={0: 3.0, 1: 1.0})
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 4 * MB) for s in range(4)]
+    reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
+    ref = diloco_reference(model, plain_loss, batches, 2, 2, SGD_M[1], sync, counts=[3, 1])
+    assert_matches(reports, state, ref)
+    for k, v in states[0].items():
+        np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    plan = load_plan(plan_dir)
+    from fusion.executors.runtime.outer import replica_micro_batches, share_micro_batches
+
+    assert replica_micro_batches(plan) == [3, 1]
+    assert share_micro_batches(7, 3, {1: 2.0}) == [2, 3, 2]
+    with pytest.raises(Exception, match="replica 1's share 0.01 of 4 micro-batches per step gives it none"):
+        share_micro_batches(4, 2, {1: 0.01})
