@@ -47,9 +47,11 @@ def mlp_batch(step: int, rows: int) -> dict[str, np.ndarray]:
 ALL = {**MODELS, "mlp": (tiny_mlp, {}, mlp_loss, mlp_batch)}
 
 
-def with_sync(plan_dir, model, sync: DPSync):
+def with_sync(plan_dir, model, sync: DPSync, algo: str | None = None):
     plan = load_plan(plan_dir)
     plan.dp_sync = sync
+    if algo:
+        plan.dp_algo = {p: algo for p in plan.parts if plan.parts[p].replica == 0}
     return save_plan(plan, plan_dir, params=model.params)
 
 
@@ -150,17 +152,17 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_synchronous_dp(tmp_path):
     assert all(r.parts["p0"]["outer"]["replicas"] == 2 for r in dil_r)
 
 
-CASES = [  # (model, stages, schedule, inner optimizer, engines, H, replicas)
-    ("cnn", 1, "gpipe", ADAMW, None, 3, 3),  # a ring of three: reduce-scatter and all-gather of pseudo-gradients
-    ("mlp", 1, "gpipe", SGD, {"r1.p0": "numpy"}, 2, 2),
-    ("gpt", 2, "1f1b", SGD_M, None, 3, 2),  # (not AdamW: it blows up the key bias's zero gradient, mere rounding noise)
-    ("gpt", 2, "1f1b", SGD, {"r1.p1": "numpy"}, 2, 2),
+CASES = [  # (model, stages, schedule, inner optimizer, engines, H, replicas, all-reduce)
+    ("cnn", 1, "gpipe", ADAMW, None, 3, 3, "ring"),  # a ring of three: reduce-scatter and all-gather of pseudo-gradients
+    ("mlp", 1, "gpipe", SGD, {"r1.p0": "numpy"}, 2, 2, "tree"),
+    ("gpt", 2, "1f1b", SGD_M, None, 3, 2, "ring"),  # (not AdamW: it blows up the key bias's zero gradient, rounding noise)
+    ("gpt", 2, "1f1b", SGD, {"r1.p1": "numpy"}, 2, 2, "ring"),
 ]
 
 
-@pytest.mark.parametrize("name,stages,schedule,opt,engines,H,R", CASES,
-                         ids=[f"{c[0]}-{c[6]}x{c[1]}-{c[3][0].name}-H{c[5]}{'-numpy' if c[4] else ''}" for c in CASES])
-def test_diloco_matches_a_plain_pytorch_reference(tmp_path, name, stages, schedule, opt, engines, H, R):
+@pytest.mark.parametrize("name,stages,schedule,opt,engines,H,R,algo", CASES,
+                         ids=[f"{c[0]}-{c[6]}x{c[1]}-{c[3][0].name}-H{c[5]}{'-numpy' if c[4] else ''}-{c[7]}" for c in CASES])
+def test_diloco_matches_a_plain_pytorch_reference(tmp_path, name, stages, schedule, opt, engines, H, R, algo):
     build, splits, plain_loss, batch_fn = ALL[name]
     model = build(mb=MB)
     micro = 2
@@ -168,7 +170,8 @@ def test_diloco_matches_a_plain_pytorch_reference(tmp_path, name, stages, schedu
     plan_dir = save_dp_plan(tmp_path, model, assignment, R, schedule=schedule, micro_batches=micro, optimizer=opt[0],
                             engines=engines)
     sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9)
-    with_sync(plan_dir, model, sync)
+    with_sync(plan_dir, model, sync, algo)
+    assert load_plan(plan_dir).dp_algo_of("p0") == algo
     batches = [batch_fn(s, R * micro * MB) for s in range(3 * H)]
     reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
     assert_matches(reports, state, diloco_reference(model, plain_loss, batches, R, micro, opt[1], sync))
