@@ -40,7 +40,8 @@ from fusion.executors.runtime.control import TO_EXECUTOR, Control, decode_ctrl, 
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
-from fusion.executors.runtime.outer import OuterLoop, PseudoInbox, replica_micro_batches, write_params
+from fusion.executors.runtime.outer import (OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
+                                            write_params)
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig
@@ -174,7 +175,10 @@ class CompNode:
         # data parallelism: this stage's replicas average their gradients over a ring or a tree (allreduce.py)
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
-        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec, plan.dp_algo_of(self.me))
+        # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
+        buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments) if plan.dp_sync.mode == "diloco"
+                                    else (make_buckets(trainable), None))
+        self.ring = (RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
                      if len(self.dp_group) > 1 else None)
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
@@ -359,7 +363,7 @@ class CompNode:
         if self.diloco:  # DiLoCo's global weights and outer momentum: the start, or the checkpoint's
             names = {n for b in self.ring.buckets for n in b.names}
             trainable = {n: a for n, a in engine.state().items() if n in names}
-            self.outer = OuterLoop(self.plan.dp_sync, self.ring.buckets, trainable)
+            self.outer = OuterLoop(self.plan.dp_sync, self.ring.buckets, trainable, self._fragments)
             if resume is not None:
                 arrays = checkpoint.load_outer(f["checkpoint_dir"], int(resume), source)
                 self.outer.load_arrays(arrays, f"checkpoint step {resume} of {source}")
@@ -506,8 +510,9 @@ class CompNode:
             self.opt.step()
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
-        if self.outer is not None and self.outer.is_boundary(c.fields.get("save_step", it + 1)):
-            stats["outer"] = self._outer_step(it, c.fields.get("save_step", it + 1))
+        frag = self.outer.due(c.fields.get("save_step", it + 1)) if self.outer is not None else None
+        if frag is not None:
+            stats["outer"] = self._outer_step(it, c.fields.get("save_step", it + 1), frag)
         if c.fields["checkpoint"]:
             # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
             save = c.fields.get("save_step", it + 1)
@@ -610,7 +615,7 @@ class CompNode:
             self._pseudo = PseudoInbox(self.ring)
         return self._pseudo
 
-    def _outer_step(self, it: int, steps_done: int) -> dict:
+    def _outer_step(self, it: int, steps_done: int, fragment: int = 0) -> dict:
         """DiLoCo's outer step after this part's inner step of iteration ``it`` (:mod:`.outer`): average the
         pseudo-gradients over the group, update the global weights, continue from them. The step was committed
         (failover runs): a replica lost meanwhile makes the survivors regroup and average among themselves."""
@@ -632,7 +637,7 @@ class CompNode:
                                if self.shares and self.ring is not None else None)
                     new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send,
                                               lambda ready, what: self._wait(ready, what, self.cfg.data_timeout_s)[0],
-                                              weights)
+                                              weights, fragment)
                 break
             except Regroup:
                 self._apply_regroup()

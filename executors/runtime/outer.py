@@ -29,6 +29,11 @@ tied gradients). These messages are wire messages of kind ``"allreduce"`` whose 
 ``"gather": true`` (:class:`PseudoInbox` accepts them: from a member of the group, for the current
 iteration, of the bucket's dtype and length, once each).
 
+Streaming fragments (``dp_sync.fragments`` F, :func:`fragment_buckets`): the parameters in F runs, fragment
+f's outer step after the steps t with ``t % H == (f H) // F``; unequal shares (``dp_sync.shares``,
+:func:`share_micro_batches`): each replica takes its share of every global batch's micro-batches and the
+average weighs its pseudo-gradient by the samples it saw.
+
 :func:`encode_pseudo` / :func:`decode_pseudo` are the one place pseudo-gradients are encoded and decoded.
 """
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, encode
-from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, average, flatten, unflatten
+from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, average, flatten, make_buckets, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,30 @@ def check_pseudo_codec(cfg: Mapping[str, Any] | None, source: str = "dp_sync.cod
             ratio_to_k(1000, float(cfg["ratio"]))  # raises for a ratio < 1
         elif not (isinstance(cfg["k"], int) and cfg["k"] >= 1):
             raise FusionError(f"{source}: topk k must be an integer >= 1, got {cfg['k']!r}")
+
+
+def fragment_buckets(params: Mapping[str, tuple[Sequence[int], str]], fragments: int
+                     ) -> tuple[list[Bucket], list[list[int]]]:
+    """Streaming DiLoCo's fragments of a part's trainable parameters ``name -> (shape, dtype)``: the names in
+    sorted order cut into ``fragments`` contiguous runs of about equal size (a name goes to fragment
+    ``floor(F * elements before it / all elements)``), each run bucketed by dtype (:func:`make_buckets`).
+    Returns (every fragment's buckets, fragment 0's first; fragment -> its bucket indices). One fragment is
+    ``make_buckets(params)`` itself."""
+    names = sorted(params)
+    sizes = [int(np.prod(params[n][0], dtype=np.int64)) for n in names]
+    total = max(1, sum(sizes))
+    groups: list[list[str]] = [[] for _ in range(fragments)]
+    before = 0
+    for n, size in zip(names, sizes):
+        groups[min(fragments - 1, before * fragments // total)].append(n)
+        before += size
+    buckets: list[Bucket] = []
+    index: list[list[int]] = []
+    for g in groups:
+        bs = make_buckets({n: params[n] for n in g})
+        index.append(list(range(len(buckets), len(buckets) + len(bs))))
+        buckets += bs
+    return buckets, index
 
 
 def share_micro_batches(total: int, replicas: int, shares: Mapping[int, float]) -> list[int]:
@@ -192,40 +221,46 @@ class OuterLoop:
     :func:`~.allreduce.make_buckets`), the outer momentum v, and, with error feedback, the residual e of its
     own pseudo-gradient that the codec did not deliver. ``sync``: the plan's :class:`~fusion.plan.DPSync`."""
 
-    def __init__(self, sync, buckets: Sequence[Bucket], params: Mapping[str, np.ndarray]):
+    def __init__(self, sync, buckets: Sequence[Bucket], params: Mapping[str, np.ndarray],
+                 fragments: Sequence[Sequence[int]] | None = None):
         self.sync, self.buckets = sync, list(buckets)
+        #: fragment -> its bucket indices (:func:`fragment_buckets`; one fragment: every bucket)
+        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(range(len(self.buckets)))]
         self.theta = [flatten(b, params) for b in self.buckets]
         self.v = [np.zeros_like(t) for t in self.theta]
         self.residual = [np.zeros_like(t) for t in self.theta] if sync.error_feedback else None
 
-    def is_boundary(self, steps_done: int) -> bool:
-        """Whether the step that makes ``steps_done`` completed steps ends with an outer step."""
-        return steps_done % self.sync.inner_steps == 0
+    def due(self, steps_done: int) -> int | None:
+        """The fragment whose outer step ends the step that makes ``steps_done`` completed steps, or None:
+        fragment f at ``steps_done % H == (f H) // F`` (staggered; one fragment: every H-th step)."""
+        h, f = self.sync.inner_steps, len(self.fragments)
+        return next((i for i in range(f) if steps_done % h == (i * h) // f), None)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
         out = {}
-        for b, t, v in zip(self.buckets, self.theta, self.v):
-            out[f"theta::{b.dtype}"], out[f"momentum::{b.dtype}"] = t, v
-        for b, e in zip(self.buckets, self.residual or []):
-            out[f"residual::{b.dtype}"] = e
+        for i, (b, t, v) in enumerate(zip(self.buckets, self.theta, self.v)):
+            out[f"theta::{i}:{b.dtype}"], out[f"momentum::{i}:{b.dtype}"] = t, v
+        for i, (b, e) in enumerate(zip(self.buckets, self.residual or [])):
+            out[f"residual::{i}:{b.dtype}"] = e
         return out
 
     def load_arrays(self, arrays: Mapping[str, np.ndarray], source: str) -> None:
         """The state of :meth:`state_arrays` (CheckpointError-like FusionError naming ``source`` when it does not fit)."""
         keys = [("theta", self.theta), ("momentum", self.v)] + ([("residual", self.residual)] if self.residual else [])
         for name, bufs in keys:
-            for b, buf in zip(self.buckets, bufs):
-                a = arrays.get(f"{name}::{b.dtype}")
+            for i, (b, buf) in enumerate(zip(self.buckets, bufs)):
+                a = arrays.get(f"{name}::{i}:{b.dtype}")
                 if a is None or a.shape != buf.shape or a.dtype != buf.dtype:
-                    raise FusionError(f"{source}: outer state {name}::{b.dtype} is missing or not {b.dtype}[{b.total}]")
+                    raise FusionError(f"{source}: outer state {name}::{i}:{b.dtype} is missing or not "
+                                      f"{b.dtype}[{b.total}]")
                 buf[:] = a
 
     # -- one outer step ------------------------------------------------------------------
     def step(self, me: str, ring: RingInbox | None, pseudo: PseudoInbox | None, it: int,
              params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
-             wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None
-             ) -> tuple[dict, dict]:
+             wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None,
+             fragment: int = 0) -> tuple[dict, dict]:
         """Average the pseudo-gradients over ``ring``'s group (None: this replica is the last of its stage) and
         apply the outer optimizer.
 
@@ -234,8 +269,10 @@ class OuterLoop:
         replica's pseudo-gradient frames, once; dense: the float buffers), ``sent_bytes`` (the tensor bytes it
         sent in all), ``replicas``. State changes only once the average is complete, so a call abandoned
         by a regroup can be repeated over the survivors. weights: part -> the samples its replica saw since
-        the last outer step (unequal shares; None: equal, the plain mean)."""
-        deltas = [t - flatten(b, params) for b, t in zip(self.buckets, self.theta)]
+        the last outer step (unequal shares; None: equal, the plain mean). fragment: the streaming fragment
+        whose buckets this outer step averages and updates (the others keep their global weights)."""
+        only = self.fragments[fragment]
+        deltas = [self.theta[i] - flatten(self.buckets[i], params) for i in only]
         codec = self.sync.codec
         group = ring.group if ring is not None else [me]
         sent = [0]
@@ -255,11 +292,11 @@ class OuterLoop:
             if frac is not None:  # the average divides by G: G w_r Delta_r averages to sum_r w_r Delta_r
                 deltas = [d * np.asarray(frac[me] * len(group), dtype=d.dtype) for d in deltas]
             if ring is not None:
-                average(ring, it, deltas, counted, wait)
+                average(ring, it, deltas, counted, wait, only)
         else:
             own: list[np.ndarray] = []
             residual = []
-            for b, d in enumerate(deltas):
+            for b, d in zip(only, deltas):
                 if self.residual is not None:
                     d = d + self.residual[b]
                 meta, frames = encode_pseudo(d, codec)
@@ -271,22 +308,24 @@ class OuterLoop:
                     if p != me:
                         counted(p, encode(KIND, {"it": it, "bucket": b, "step": 0, "chunk": 0, "src": me, "dst": p,
                                                  "gather": True, "payload": meta}, frames), f"pseudo-gradient b{b}")
-            for b in range(len(deltas)):
-                parts = [own[b] if p == me else
+            for j, b in enumerate(only):
+                parts = [own[j] if p == me else
                          wait(lambda p=p: pseudo.take(it, b, p), f"pseudo-gradient of bucket {b} from {p}")
                          for p in group]
-                total = np.zeros_like(deltas[b])
+                total = np.zeros_like(deltas[j])
                 for p, x in zip(group, parts):  # replica order: the same sum, the same bits, on every replica
                     total += x if frac is None else x * np.asarray(frac[p], dtype=x.dtype)
-                deltas[b] = total / np.asarray(len(parts), dtype=total.dtype) if frac is None else total
-        if self.residual is not None:
-            self.residual = residual
+                deltas[j] = total / np.asarray(len(parts), dtype=total.dtype) if frac is None else total
+        if self.residual is not None and codec is not None:
+            for b, e in zip(only, residual):
+                self.residual[b] = e
         s = self.sync
         out: dict[str, np.ndarray] = {}
-        for b, t, v, d in zip(self.buckets, self.theta, self.v, deltas):
-            outer_update(t, v, d, s.outer_lr, s.outer_momentum, s.nesterov)
-            out.update(unflatten(b, t.copy()))
-        return out, {"payload_bytes": payload_bytes, "sent_bytes": sent[0], "replicas": len(group)}
+        for b, d in zip(only, deltas):
+            outer_update(self.theta[b], self.v[b], d, s.outer_lr, s.outer_momentum, s.nesterov)
+            out.update(unflatten(self.buckets[b], self.theta[b].copy()))
+        return out, {"payload_bytes": payload_bytes, "sent_bytes": sent[0], "replicas": len(group),
+                     "fragment": fragment}
 
 
 def write_params(engine: Any, values: Mapping[str, np.ndarray]) -> None:

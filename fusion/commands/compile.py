@@ -72,7 +72,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches "
                             "(1 where not given), and its pseudo-gradient weighs the samples it saw"),
         g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
-                       help="diloco: streaming fragments per stage (1; more is not built in the runtime yet)"),
+                       help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced "
+                            "after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)"),
         g.add_argument("--outer-delay", type=int, default=0, metavar="D",
                        help="diloco: outer steps an update is applied late (0; more is not built in the runtime yet)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
@@ -358,10 +359,12 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.dp_codec is not None:
         raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco does not run; "
                           "use --pseudo-codec")
-    if args.sync_fragments != 1 or args.outer_delay != 0:
-        flag = "--sync-fragments" if args.sync_fragments != 1 else "--outer-delay"
-        raise FusionError(f"{flag}: streaming fragments and delayed outer steps are not built in the runtime yet; "
-                          "leave it out")
+    if args.outer_delay != 0:
+        raise FusionError(f"--outer-delay {args.outer_delay}: delayed (overlapped) outer steps are not built in the "
+                          "runtime yet; leave it out")
+    if args.sync_fragments < 1 or args.sync_fragments > h:
+        raise FusionError(f"--sync-fragments {args.sync_fragments}: streaming fragments must number 1 .. --inner-steps "
+                          f"({h}), one outer step of a fragment per inner step at most")
     codec = None
     if args.pseudo_codec is not None:
         codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
@@ -382,7 +385,7 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
         raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
-                  args.pseudo_error_feedback, shares=shares)
+                  args.pseudo_error_feedback, fragments=args.sync_fragments, shares=shares)
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:

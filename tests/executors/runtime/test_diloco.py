@@ -88,8 +88,13 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     local = [{k: v.clone().requires_grad_(True) for k, v in glob.items()} for _ in range(replicas)]
     opts = [make_opt(list(p.values())) for p in local]
     live = list(range(replicas))
-    size = sum(v.numel() for v in glob.values())
-    residual = [np.zeros(size, np.float32) if sync.error_feedback else None for _ in range(replicas)]
+    from fusion.executors.runtime.outer import fragment_buckets
+
+    buckets, index = fragment_buckets({k: (tuple(v.shape), "float32") for k, v in glob.items()}, sync.fragments)
+    frags = [sorted(n for b in i for n in buckets[b].names) for i in index]  # streaming fragments' parameters
+    residual = [[np.zeros(sum(glob[k].numel() for k in f), np.float32) if sync.error_feedback else None
+                 for f in frags] for _ in range(replicas)]
+    h, nf = sync.inner_steps, len(frags)
     out = []
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
@@ -108,13 +113,15 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 (lc / n).backward()
                 losses.append(lc.item())
             opts[r].step()
-        if (step + 1) % sync.inner_steps == 0:
-            outer.zero_grad()
-            deltas = [{k: g - local[r][k].detach() for k, g in glob.items()} for r in live]
+        due = [f for f in range(nf) if (step + 1) % h == (f * h) // nf]
+        if due:
+            (f,) = due
+            outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
+            deltas = [{k: glob[k] - local[r][k].detach() for k in frags[f]} for r in live]
             if sync.codec is not None:
                 for i, r in enumerate(live):
-                    deltas[i], residual[r] = _through_codec(deltas[i], sorted(glob), sync.codec, residual[r])
-            for k, g in glob.items():
+                    deltas[i], residual[r][f] = _through_codec(deltas[i], frags[f], sync.codec, residual[r][f])
+            for k, g in ((k, glob[k]) for k in frags[f]):
                 if counts:
                     g.grad = sum(d[k] * (counts[r] / sum(counts)) for d, r in zip(deltas, live))
                 else:
@@ -122,8 +129,8 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
             outer.step()
             with torch.no_grad():
                 for r in live:
-                    for k, g in glob.items():
-                        local[r][k].copy_(g)
+                    for k in frags[f]:
+                        local[r][k].copy_(glob[k])
         out.append((float(np.mean(losses)), {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
     return out
 
@@ -321,3 +328,27 @@ def test_unequal_shares_split_the_batch_and_weight_the_pseudo_gradients_by_sampl
     assert share_micro_batches(7, 3, {1: 2.0}) == [2, 3, 2]
     with pytest.raises(Exception, match="replica 1's share 0.01 of 4 micro-batches per step gives it none"):
         share_micro_batches(4, 2, {1: 0.01})
+
+
+@pytest.mark.parametrize("codec", [None, {"algo": "quant", "bits": 4}], ids=["exact", "quant4-ef"])
+def test_streaming_fragments_sync_staggered_and_match_the_reference(tmp_path, codec):
+    """dp_sync.fragments 2 with H = 4: the parameters in two fragments of about equal size, fragment 0 synced
+    after steps 4 and 8 and fragment 1 after steps 2 and 6, each exchange a fragment's bytes only."""
+    from fusion.executors.runtime.outer import fragment_buckets
+
+    build, _, plain_loss, batch_fn = ALL["mlp"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 2, micro_batches=1, optimizer=SGD_M[0],
+                            engines={"r1.p0": "numpy"})
+    sync = DPSync("diloco", inner_steps=4, fragments=2, codec=codec, error_feedback=codec is not None)
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 2 * MB) for s in range(8)]
+    reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
+    assert_matches(reports, state, diloco_reference(model, plain_loss, batches, 2, 1, SGD_M[1], sync))
+    outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
+    assert {s: o["fragment"] for s, o in outer.items()} == {1: 1, 3: 0, 5: 1, 7: 0}
+    buckets, index = fragment_buckets({k: (tuple(p.shape), p.dtype) for k, p in model.graph.params.items()}, 2)
+    sizes = [4 * sum(buckets[b].total for b in i) for i in index]
+    assert min(sizes) > 0 and sum(sizes) == 4 * sum(int(np.prod(p.shape)) for p in model.graph.params.values())
+    if codec is None:
+        assert all(o["payload_bytes"] == sizes[o["fragment"]] for o in outer.values())
