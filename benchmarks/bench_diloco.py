@@ -11,7 +11,9 @@ run is real CompNode processes on loopback with ``--emulate-links`` (20 Mbit/s a
 * ``2x1_every``: a second replica on cpu-2 (site b), the same micro-batches per replica, gradients averaged
   every step across the slow link (synchronous DP);
 * ``2x1_diloco``: the same grid with ``--dp-sync diloco --inner-steps H`` (exact pseudo-gradient average);
-* ``2x1_diloco_q8``: the same with 8-bit pseudo-gradients and error feedback.
+* ``2x1_diloco_q8``: the same with 8-bit pseudo-gradients and error feedback;
+* ``2x1_diloco_f5``: exact, in 5 streaming fragments (``--sync-fragments 5``): the same bytes per H steps,
+  a fifth of them at a time (``dp_peak_bytes``: the most one replica sent to the other in one step).
 
 Two processes at most, so the 2 cores of the test host are not oversubscribed. samples/s = rows of all
 measured steps / their summed iteration seconds (not a median: an outer step every H steps must count);
@@ -63,10 +65,11 @@ def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
         reports = [lc.coordinator.step(batch(s)) for s in range(warmup + steps)][warmup:]
     secs = sum(r.iteration_s for r in reports)
     rows = sum(r.samples for r in reports)
-    dp = sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
-             for r in reports for p, s in r.parts.items() if p in ("p0", "part0"))
+    per_step = [sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
+                    for p, s in r.parts.items() if p in ("p0", "part0")) for r in reports]
     return {"parts": len(reports[0].parts), "rows_per_step": reports[0].samples, "samples_per_s": round(rows / secs, 3),
-            "dp_bytes_per_step": round(dp / len(reports), 1), "losses": [round(r.loss, 4) for r in reports]}
+            "dp_bytes_per_step": round(sum(per_step) / len(reports), 1), "dp_peak_bytes": max(per_step),
+            "losses": [round(r.loss, 4) for r in reports]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
              "2x1_diloco": (two, DPSync("diloco", inner_steps=h)),
              "2x1_diloco_q8": (two, DPSync("diloco", inner_steps=h, codec={"algo": "quant", "bits": 8},
                                            error_feedback=True)),
+             "2x1_diloco_f5": (two, DPSync("diloco", inner_steps=h, fragments=min(5, h))),
              "1x1_end": ([["cpu-0"]], None)}
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                       "model": "examples/models/gpt.py:tiny", "steps": args.steps, "inner_steps": h,
                       "samples_per_s": {k: v["samples_per_s"] for k, v in res.items()},
                       "dp_bytes_per_step": {k: v["dp_bytes_per_step"] for k, v in res.items()},
+                      "dp_peak_bytes": {k: v["dp_peak_bytes"] for k, v in res.items()},
                       "measured_2x1_over_1x1": round(res["2x1_diloco"]["samples_per_s"] / anchor, 3),
                       "measured_2x1_q8_over_1x1": round(res["2x1_diloco_q8"]["samples_per_s"] / anchor, 3),
                       "sync_2x1_over_1x1": round(res["2x1_every"]["samples_per_s"] / anchor, 3),
