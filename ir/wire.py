@@ -223,6 +223,17 @@ def register_payload_codec(codec: PayloadCodec) -> PayloadCodec:
     return codec
 
 
+def encode_payload(p: Any) -> tuple[dict, list[np.ndarray]]:
+    """A payload as its header map (with its ``type`` tag) and tensor frames: registered payload types, dense
+    arrays and small values (what OP-Data carries; other messages may carry one the same way)."""
+    return _encode_payload(p)
+
+
+def decode_payload(meta: Any, arrays: list[np.ndarray]) -> Any:
+    """The payload of :func:`encode_payload`'s header and frames; WireError for a malformed one."""
+    return _decode_payload(meta, list(arrays))
+
+
 def _encode_payload(p: Any) -> tuple[dict, list[np.ndarray]]:
     for c in _CODECS.values():
         if c.matches(p):

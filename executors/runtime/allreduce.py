@@ -334,30 +334,32 @@ def decode_chunk(codec: Mapping[str, Any] | None, payload: Any, what: str) -> np
 
 
 def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
-                 wait: Callable[[Callable[[], Any], str], Any]) -> None:
+                 wait: Callable[[Callable[[], Any], str], Any], only: Sequence[int] | None = None) -> None:
     """Average ``buffers`` (one per bucket, changed in place) over the ring of ``inbox``.
 
     send(peer, frames, label) hands a message to the transport; wait(ready, what) receives until
-    ``ready()`` is not None and returns it (raising on abort, silence or timeout).
+    ``ready()`` is not None and returns it (raising on abort, silence or timeout). only: the bucket
+    indices ``buffers`` are (default: every bucket, in order; DiLoCo's streaming fragments average a few).
     """
     g = inbox.g
     if g == 1:
         return
     codec = inbox.codec
     enc, dec = _chunk_codec(codec)
+    index = list(range(len(buffers)) if only is None else only)
 
     if inbox.exchange:
         mine = [enc(buf) for buf in buffers]
-        for b, q in enumerate(mine):
+        for b, q in zip(index, mine):
             send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, q), f"allreduce b{b}")
-        for b, buf in enumerate(buffers):
+        for i, (b, buf) in enumerate(zip(index, buffers)):
             got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
             if codec:  # both sides average the two decoded buffers: the same bits on both
-                buf[:] = dec(mine[b])
+                buf[:] = dec(mine[i])
             buf += dec(got)
             buf /= 2
         return
-    for b, buf in enumerate(buffers):
+    for b, buf in zip(index, buffers):
         bounds = inbox.bounds[b]
         forward = None  # in the all-gather, what arrived is passed on as it came (no re-encoding)
         for step, (send_c, recv_c, reduce) in enumerate(inbox.steps):
@@ -381,16 +383,17 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
 
 
 def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
-                 wait: Callable[[Callable[[], Any], str], Any]) -> None:
+                 wait: Callable[[Callable[[], Any], str], Any], only: Sequence[int] | None = None) -> None:
     """Average ``buffers`` (one per bucket, changed in place) by the binomial tree of ``inbox`` (module docstring).
 
-    send and wait as :func:`ring_average`. At each step this rank sends (or receives) every bucket whole.
+    send, wait and only as :func:`ring_average`. At each step this rank sends (or receives) every bucket whole.
     """
     g = inbox.g
     if g == 1:
         return
     codec = inbox.codec
     enc, dec = _chunk_codec(codec)
+    index = list(range(len(buffers)) if only is None else only)
 
     depth = tree_depth(g)
     forward: list[Any] | None = None  # in the broadcast, what this rank passes on (the bytes it got, unchanged)
@@ -408,12 +411,12 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
         kind, peer, reduce = act
         name = inbox.group[peer]
         if kind == "send":
-            for b, buf in enumerate(buffers):
-                payload = enc(buf) if reduce else forward[b]
+            for i, (b, buf) in enumerate(zip(index, buffers)):
+                payload = enc(buf) if reduce else forward[i]
                 send(name, encode_chunk(it, b, step, 0, inbox.me, name, payload), f"allreduce b{b} t{step}")
             continue
         got_all = []
-        for b, buf in enumerate(buffers):
+        for b, buf in zip(index, buffers):
             got = wait(lambda: inbox.take(it, b, step), f"all-reduce tree step {step} of bucket {b} from {name}")
             if reduce:
                 buf += dec(got)
@@ -425,6 +428,6 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
 
 
 def average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
-            wait: Callable[[Callable[[], Any], str], Any]) -> None:
-    """Average ``buffers`` over the group of ``inbox`` by its algorithm (ring or tree)."""
-    (tree_average if inbox.algo == "tree" else ring_average)(inbox, it, buffers, send, wait)
+            wait: Callable[[Callable[[], Any], str], Any], only: Sequence[int] | None = None) -> None:
+    """Average ``buffers`` (the buckets ``only``, default all) over the group of ``inbox`` by its algorithm."""
+    (tree_average if inbox.algo == "tree" else ring_average)(inbox, it, buffers, send, wait, only)

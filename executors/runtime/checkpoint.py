@@ -5,6 +5,8 @@ Layout under a checkpoint directory::
     step-00000010/<part>.params.safetensors   parameters of the part (after 10 steps)
     step-00000010/<part>.optim.safetensors    optimizer tensors (``param::key``)
     step-00000010/<part>.delta.safetensors    AQ-SGD buffers of the part's delta edges (only when it has some)
+    step-00000010/<part>.outer.safetensors    DiLoCo's outer state (global weights, outer momentum, error-feedback
+                                              residual; ``executors.runtime.outer``), only in diloco runs
     step-00000010/<part>.json                 optimizer meta, step, part name
     step-00000010/COMPLETE.json               written by the coordinator once every part has saved
     latest.json                               {"step": 10}: the newest complete checkpoint
@@ -72,15 +74,17 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 DELTA = "delta.safetensors"
+OUTER = "outer.safetensors"
 
 
 def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.ndarray],
               opt_arrays: Mapping[str, np.ndarray], opt_meta: Mapping[str, Any],
-              delta: Mapping[str, np.ndarray] | None = None) -> Path:
+              delta: Mapping[str, np.ndarray] | None = None, outer: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write one part's state after ``step`` completed steps.
 
     delta: the part's AQ-SGD buffers (``DeltaEdges.state_arrays``); written, and listed in the SHA-256
-    manifest, when given (even empty: a part whose delta edges saw no sample yet)."""
+    manifest, when given (even empty: a part whose delta edges saw no sample yet). outer: the part's DiLoCo
+    outer state (``OuterLoop.state_arrays``), written and listed the same way."""
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(d, f"{part}.")
@@ -88,6 +92,8 @@ def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.nd
             f"{part}.optim.safetensors": _save_arrays(d / f"{part}.optim.safetensors", opt_arrays)}
     if delta is not None:
         sums[f"{part}.{DELTA}"] = _save_arrays(d / f"{part}.{DELTA}", delta)
+    if outer is not None:
+        sums[f"{part}.{OUTER}"] = _save_arrays(d / f"{part}.{OUTER}", outer)
     _atomic_json(d / f"{part}.json", {"part": part, "step": step, "optimizer": dict(opt_meta), "sha256": sums})
     fsync_dir(d.parent)  # the step folder itself
     return d
@@ -99,7 +105,7 @@ def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
         remove_stale_tmp(d, f"{part}.")
     mine = sorted(p for p in Path(root).glob("step-*") if (p / f"{part}.json").exists())
     for d in mine[:-keep] if keep > 0 else []:
-        for suffix in (".params.safetensors", ".optim.safetensors", f".{DELTA}", ".json"):
+        for suffix in (".params.safetensors", ".optim.safetensors", f".{DELTA}", f".{OUTER}", ".json"):
             (d / f"{part}{suffix}").unlink(missing_ok=True)
         if not any(d.iterdir()):
             d.rmdir()
@@ -117,6 +123,15 @@ def load_delta(root: str | Path, step: int, part: str) -> dict[str, np.ndarray] 
     if f"{part}.{DELTA}" not in meta["sha256"]:
         return None
     return _load_arrays(d / f"{part}.{DELTA}")
+
+
+def load_outer(root: str | Path, step: int, part: str) -> dict[str, np.ndarray]:
+    """The DiLoCo outer state ``part`` saved at ``step`` (verified); CheckpointError when it saved none."""
+    d, meta = _part_meta(root, step, part)
+    if f"{part}.{OUTER}" not in meta["sha256"]:
+        raise CheckpointError(f"{d / (part + '.' + OUTER)}: missing (step {step} was saved without DiLoCo's outer "
+                              "state; resume it with the plan that wrote it)")
+    return _load_arrays(d / f"{part}.{OUTER}")
 
 
 def _part_meta(root: str | Path, step: int, part: str) -> tuple[Path, dict]:
@@ -137,7 +152,7 @@ def _verify(d: Path, part: str, meta: dict) -> None:
     sums = meta.get("sha256")
     if not isinstance(sums, dict):
         raise CheckpointError(f"{d / (part + '.json')}: no SHA-256 manifest (written by an older fusion?); cannot verify")
-    extra = [n for n in sums if n == f"{part}.{DELTA}"]
+    extra = [n for n in sums if n in (f"{part}.{DELTA}", f"{part}.{OUTER}")]
     for name in (f"{part}.params.safetensors", f"{part}.optim.safetensors", *extra):
         want = sums.get(name)
         try:

@@ -41,6 +41,8 @@ from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Commit, Contro
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
+from fusion.executors.runtime.outer import (OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
+                                            write_params)
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan
@@ -139,7 +141,9 @@ class CompNode:
         self.replica = plan.parts[self.me].replica
         self.assignment = plan.replica_assignment(self.replica)
         self.order = part_order(g, self.assignment)
-        self.n_micro = plan.micro_batches
+        # micro-batches of this replica per step: plan.micro_batches, or its part under unequal shares (DiLoCo)
+        self.shares = replica_micro_batches(plan) if plan.dp_sync.shares else None
+        self.n_micro = self.shares[self.replica] if self.shares else plan.micro_batches
         self.devices = {p: plan.parts[p].device for p in self.order}
         self.actions = make_schedule(plan.schedule, self.order, part_links(g, self.assignment), self.n_micro,
                                      self.devices)[self.me]
@@ -172,8 +176,18 @@ class CompNode:
         # data parallelism: this stage's replicas average their gradients over a ring or a tree (allreduce.py)
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
-        self.ring = (RingInbox(self.me, self.dp_group, make_buckets(trainable), plan.dp_codec, plan.dp_algo_of(self.me))
+        # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
+        buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments) if plan.dp_sync.mode == "diloco"
+                                    else (make_buckets(trainable), None))
+        self.ring = (RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
                      if len(self.dp_group) > 1 else None)
+        # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
+        self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
+        if self.shares and not self.diloco:
+            raise FusionError("plan.dp_sync.shares: unequal replica shares need DiLoCo (dp_sync.mode 'diloco'); "
+                              "synchronous DP splits the global batch equally")
+        self.outer: OuterLoop | None = None  # built in _setup, from the weights the part starts with
+        self._pseudo: PseudoInbox | None = None
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -183,7 +197,7 @@ class CompNode:
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
         limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
         if self.ring is not None and not cfg.max_message_bytes:
-            limit = max(limit, allreduce_message_limit(self.ring.buckets, self.ring.chunks))
+            limit = max(limit, allreduce_message_limit(self.ring.buckets, 1 if self.diloco else self.ring.chunks))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
@@ -236,7 +250,12 @@ class CompNode:
             with self._cv:
                 if self.ring is None:
                     raise WireError(f"all-reduce message from {sender!r}, but {self.me} has no data-parallel group")
-                self.ring.accept(sender, msg)
+                if msg.header.get("gather") is True:  # an encoded DiLoCo pseudo-gradient (outer.py)
+                    if self.outer is None or self.plan.dp_sync.codec is None:
+                        raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
+                    self._pseudo_inbox().accept(sender, msg)
+                else:
+                    self.ring.accept(sender, msg)
                 self._cv.notify_all()
             return
         od = opdata_from_message(msg)
@@ -337,6 +356,13 @@ class CompNode:
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
+        if self.diloco:  # DiLoCo's global weights and outer momentum: the start, or the checkpoint's
+            names = {n for b in self.ring.buckets for n in b.names}
+            trainable = {n: a for n, a in engine.state().items() if n in names}
+            self.outer = OuterLoop(self.plan.dp_sync, self.ring.buckets, trainable, self._fragments)
+            if resume is not None:
+                arrays = checkpoint.load_outer(c.checkpoint_dir, int(resume), source)
+                self.outer.load_arrays(arrays, f"checkpoint step {resume} of {source}")
         # a copied replica starts its delta buffers afresh, at both ends of each edge (both are copies)
         delta_edges.attach(self.runtime, self.inbox, c.checkpoint_dir, resume if source == self.me else None)
         with self._cv:
@@ -454,7 +480,7 @@ class CompNode:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_wait(it, st.own)
         stats["sync_s"] = time.perf_counter() - st.t_sync
-        if self.ring is not None:
+        if self.ring is not None and self.outer is None:
             t_ar = time.perf_counter()
             with self.tracer.span("allreduce", "sync"):
                 self._allreduce(it)
@@ -480,12 +506,17 @@ class CompNode:
             self.opt.step()
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
+        done = it + 1 if c.save_step is None else c.save_step  # completed steps (the coordinator's count)
+        frag = self.outer.due(done) if self.outer is not None else None
+        if frag is not None:
+            stats["outer"] = self._outer_step(it, done, frag)
         if c.checkpoint:
             # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
             save = it + 1 if c.save_step is None else c.save_step
             with self.tracer.span("checkpoint", "checkpoint"):
                 checkpoint.save_part(self.checkpoint_dir, save, self.me, engine.state(), *self.opt.state(),
-                                     delta=delta_edges.checkpoint_arrays(rt))
+                                     delta=delta_edges.checkpoint_arrays(rt),
+                                     outer=self.outer.state_arrays() if self.outer is not None else None)
                 checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
             stats["checkpoint_step"] = save
         with self._cv:
@@ -573,6 +604,41 @@ class CompNode:
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
                     ", ".join(sorted(drop)), it, self.dp_group, n)
         self.transport.send(COORDINATOR, Regrouped(it=self.inbox.expected_iter).frames())
+
+    def _pseudo_inbox(self) -> PseudoInbox:
+        """The inbox of encoded pseudo-gradients for the current group (rebuilt when a regroup changed the ring)."""
+        if self._pseudo is None or self._pseudo.ring is not self.ring:
+            self._pseudo = PseudoInbox(self.ring, self.plan.dp_sync.codec)
+        return self._pseudo
+
+    def _outer_step(self, it: int, steps_done: int, fragment: int = 0) -> dict:
+        """DiLoCo's outer step after this part's inner step of iteration ``it`` (:mod:`.outer`): average the
+        pseudo-gradients over the group, update the global weights, continue from them. The step was committed
+        (failover runs): a replica lost meanwhile makes the survivors regroup and average among themselves."""
+        engine = self.runtime.engine
+        names = {n for b in self.outer.buckets for n in b.names}
+        params = {n: a for n, a in engine.state().items() if n in names}
+
+        def send(peer: str, frames: list, label: str) -> None:
+            self.transport.send(peer, frames, label=label)
+
+        t0 = time.perf_counter()
+        while True:
+            try:
+                with self.tracer.span("outer", "sync"):
+                    with self._cv:
+                        pseudo = self._pseudo_inbox() if self.ring is not None else None
+                    n_it = self.ring.expected_iter if self.ring is not None else it
+                    weights = ({p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
+                               if self.shares and self.ring is not None else None)
+                    new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send,
+                                              lambda ready, what: self._wait(ready, what, self.cfg.data_timeout_s)[0],
+                                              weights, fragment)
+                break
+            except Regroup:
+                self._apply_regroup()
+        write_params(engine, new)
+        return {"step": steps_done, "s": round(time.perf_counter() - t0, 6), **st}
 
     def _allreduce(self, it: int) -> None:
         """Average the parameter gradients over this stage's replicas (ring or tree all-reduce, NumPy)."""

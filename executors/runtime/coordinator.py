@@ -35,6 +35,7 @@ from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
+from fusion.executors.runtime.outer import replica_micro_batches
 from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Commit, Control, Done, Error, Fetch, Hb, Hello,
                                               Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
@@ -158,6 +159,8 @@ class Coordinator:
         self._hb_stop = threading.Event()
         self.live = list(self.parts)  # parts of the replicas still training
         self.n_micro = plan.micro_batches  # micro-batches per live replica (grows when a replica is dropped)
+        #: micro-batches of each replica per step: equal, or unequal DiLoCo shares (``plan.dp_sync.shares``)
+        self.shares = replica_micro_batches(plan) if plan.dp_sync.shares else None
         self.iter_offset = 0  # executor iteration = step + abandoned attempts
         self.dropped: list[dict] = []
         self.id_edges = per_sample_edges(plan.compression)  # edges whose codec keys state by sample (delta)
@@ -352,6 +355,8 @@ class Coordinator:
         total = self.n_micro * len(reps)
         if part not in self.live:
             return f"{part} is not in a live replica"
+        if self.shares:
+            return "the replicas have unequal shares (plan.dp_sync.shares), which a drop cannot re-split yet"
         if len(reps) == 1:
             return (f"replica {self.replica_of[part]} was the last one with a copy of stage "
                     f"{self.plan.stage_of(part)!r}: no replica is left to train on")
@@ -393,19 +398,22 @@ class Coordinator:
         rows = next(iter(batch.values())).shape[0] if batch else 0
         if self.plan.global_batch and rows != self.plan.global_batch:
             raise FusionError(f"batch has {rows} rows; the plan's global_batch is {self.plan.global_batch}")
-        # the global batch: one equal contiguous share per live replica, each n micro-batches
-        mbs = split_micro_batches(batch, n * len(reps))
-        mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, n * len(reps))
+        # the global batch: one contiguous share per live replica, each n micro-batches (or its unequal share)
+        counts = self.shares if self.shares else [n] * len(reps)
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        mbs = split_micro_batches(batch, sum(counts))
+        mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, sum(counts))
         exec_it = self.step_index + self.iter_offset
         for p in self.live:
             missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
             if missing:
                 raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
             k = reps.index(self.replica_of[p])
-            share = mbs[k * n:(k + 1) * n]
-            arrays = {f"{m}/{ph}": share[m][ph] for m in range(n) for ph in self.feeds_of[p]}
+            lo, nk = starts[k], counts[k]
+            share = mbs[lo:lo + nk]
+            arrays = {f"{m}/{ph}": share[m][ph] for m in range(nk) for ph in self.feeds_of[p]}
             if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
-                arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[k * n + m][SAMPLE_IDS] for m in range(n)})
+                arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[lo + m][SAMPLE_IDS] for m in range(nk)})
             # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
             self.transport.send(p, Step(arrays=arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt,
                                         save_step=self.step_index + 1).frames())

@@ -52,13 +52,33 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "broadcast: 2 ceil(log2 R) latencies instead of 2 (R-1)), or auto: per group the one "
                             "the estimator prices cheaper on its links (default: ring)"),
         g.add_argument("--dp-sync", default="every", choices=["every", "diloco", "auto"],
-                       help="how data-parallel replicas synchronise: every step (default), diloco (pseudo-gradients "
-                            "every H inner steps; with --strategy dp the planner chooses what is not given), or auto "
-                            "(--strategy dp: the planner prices both and keeps DiLoCo where it is predicted >= 1.1x "
-                            "faster, choosing replicas, H, codec, shares and placement)"),
+                       help="how the replicas synchronise: every (gradients averaged every step, exact synchronous "
+                            "DP; the default), diloco (DiLoCo: --inner-steps H local steps with the plan's "
+                            "optimizer, then the replicas average their pseudo-gradients and an outer Nesterov SGD "
+                            "step updates the global weights; H times fewer exchanges; with --strategy dp the planner "
+                            "chooses what is not given) or auto (--strategy dp: the planner prices both and keeps "
+                            "DiLoCo where it is predicted >= 1.1x faster, choosing replicas, H, codec and shares)"),
         g.add_argument("--inner-steps", default=None, metavar="H[,H...]",
-                       help="DiLoCo's inner steps per outer step, or a comma list the planner chooses from "
-                            "(default for the planner: 10,20,50,100,200,500)"),
+                       help="diloco: inner steps per outer step (default 20), or with --strategy dp a comma list "
+                            "the planner chooses from (default 10,20,50,100,200,500)"),
+        g.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="diloco: outer learning rate (0.7)"),
+        g.add_argument("--outer-momentum", type=float, default=0.9, metavar="M",
+                       help="diloco: outer (Nesterov) momentum (0.9; 0: plain SGD)"),
+        g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
+        g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
+                       help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; "
+                            "default: exact averaging)"),
+        g.add_argument("--pseudo-error-feedback", action="store_true",
+                       help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it "
+                            "to the next one (needs --pseudo-codec)"),
+        g.add_argument("--replica-shares", default=None, metavar="R=S[,R=S...]",
+                       help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches "
+                            "(1 where not given), and its pseudo-gradient weighs the samples it saw"),
+        g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
+                       help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced "
+                            "after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)"),
+        g.add_argument("--outer-delay", type=int, default=0, metavar="D",
+                       help="diloco: outer steps an update is applied late (0; more is not built in the runtime yet)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -125,6 +145,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
+    dp_sync = dp_sync_from_args(args)
     tied = _tied_codec(args)
     if args.dp_allreduce not in ("ring", "tree", "auto"):
         raise FusionError(f"--dp-allreduce {args.dp_allreduce!r}: expected ring, tree or auto")
@@ -145,6 +166,10 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                               "a tied codec yet; leave it out")
         plan = _compile_dp(args, model, cluster, opt, compress, dp_codec)
         set_dp_allreduce(plan, cluster, args.dp_allreduce)
+        if args.dp_sync == "every":
+            _set_dp_sync(plan, dp_sync)
+        else:  # the planner chose H, codec, shares (apply_dp_sync); the outer optimizer is the user's
+            _keep_outer_options(plan, dp_sync)
         return plan
     micro = args.micro_batches
     if args.global_batch is not None:
@@ -166,9 +191,38 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         plan = replicate(plan, cluster, next_free_devices(plan, cluster, args.replicas), args.global_batch or 0,
                          dp_codec=dp_codec)
     set_dp_allreduce(plan, cluster, args.dp_allreduce)
+    _set_dp_sync(plan, dp_sync)
     assign_engines(plan, args.engine)
     record_codec_plugins(plan)
     return plan
+
+
+def _set_dp_sync(plan, sync) -> None:
+    """``Plan.dp_sync``; a DP planner that chose one replica leaves nothing to synchronise (synchronous DP)."""
+    from fusion.ir.errors import FusionError
+    from fusion.plan import DPSync
+
+    from fusion.executors.runtime.outer import replica_micro_batches
+
+    plan.dp_sync = sync if plan.replicas > 1 else DPSync()
+    plan.check()
+    try:
+        replica_micro_batches(plan)  # every replica must get a micro-batch of each step
+    except FusionError as e:
+        raise FusionError(str(e).replace("plan.dp_sync.shares", "--replica-shares")) from None
+
+
+def _keep_outer_options(plan, asked) -> None:
+    """After the DiLoCo planner wrote ``plan.dp_sync``: the outer optimizer (lr, momentum, Nesterov) and error
+    feedback are the user's options (``asked``), which the planner does not price."""
+    import dataclasses
+
+    if plan.dp_sync.mode != "diloco":
+        return
+    plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr, outer_momentum=asked.outer_momentum,
+                                       nesterov=asked.nesterov,
+                                       error_feedback=asked.error_feedback and plan.dp_sync.codec is not None)
+    _set_dp_sync(plan, plan.dp_sync)
 
 
 def _node_times(args: argparse.Namespace):
@@ -294,6 +348,100 @@ def _dp_codec(args: argparse.Namespace):
     return cfg
 
 
+#: ``--inner-steps`` of ``--dp-sync diloco`` when left out
+DILOCO_INNER_STEPS = 20
+
+
+def inner_steps_of(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--inner-steps H[,H...]`` as integers (None when not given); FusionError for a bad one or an H < 1."""
+    from fusion.ir.errors import FusionError
+
+    if args.inner_steps is None:
+        return None
+    try:
+        hs = tuple(int(h) for h in str(args.inner_steps).split(","))
+    except ValueError:
+        raise FusionError(f"--inner-steps {args.inner_steps}: expected an integer H or a comma list of them") from None
+    bad = [h for h in hs if h < 1]
+    if bad:
+        raise FusionError(f"--inner-steps {bad[0]}: DiLoCo takes at least one inner step per outer step")
+    return hs
+
+
+def dp_sync_from_args(args: argparse.Namespace):
+    """The :class:`~fusion.plan.DPSync` of ``--dp-sync`` and its options, checked before the model is traced:
+    FusionError (one line naming the flag) for H < 1, a codec that is unknown or not allowed for
+    pseudo-gradients, DiLoCo with one replica, or a DiLoCo option without ``--dp-sync diloco``.
+    (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
+    here, after :func:`_compile_dp`'s planner ran.)"""
+    from fusion.compress.policy import parse_spec
+    from fusion.executors.runtime.outer import check_pseudo_codec
+    from fusion.ir.errors import FusionError
+    from fusion.plan import DPSync, PlanError
+
+    if args.dp_sync == "every":
+        given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
+                                   ("--outer-momentum", args.outer_momentum, 0.9), ("--no-nesterov", args.no_nesterov, False),
+                                   ("--pseudo-codec", args.pseudo_codec, None),
+                                   ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
+                                   ("--replica-shares", args.replica_shares, None),
+                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, 0))
+                 if v != d]
+        if given:
+            raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
+                              "step)")
+        return DPSync()
+    if args.dp_sync == "auto" and args.strategy != "dp":
+        raise FusionError(f"--dp-sync auto is the --strategy dp planner's choice (not {args.strategy}); give "
+                          "--strategy dp, or --dp-sync diloco with its options")
+    hs = inner_steps_of(args)
+    if hs is not None and len(hs) > 1 and args.strategy != "dp":
+        raise FusionError(f"--inner-steps {args.inner_steps}: a list of H is for the --strategy dp planner to choose "
+                          "from; give one H")
+    h = DILOCO_INNER_STEPS if hs is None else hs[0]
+    if args.strategy not in DP_STRATEGIES and args.replicas < 2:
+        raise FusionError("--dp-sync diloco needs --replicas 2 or more (one replica has nobody to average with)")
+    if args.dp_codec is not None and args.dp_sync == "diloco":
+        raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco does not run; "
+                          "use --pseudo-codec")
+    if args.outer_delay != 0:
+        raise FusionError(f"--outer-delay {args.outer_delay}: delayed (overlapped) outer steps are not built in the "
+                          "runtime yet; leave it out")
+    if args.sync_fragments < 1 or args.sync_fragments > h:
+        raise FusionError(f"--sync-fragments {args.sync_fragments}: streaming fragments must number 1 .. --inner-steps "
+                          f"({h}), one outer step of a fragment per inner step at most")
+    codec = None
+    if args.pseudo_codec is not None:
+        codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
+        if codec == "auto":
+            raise FusionError("--pseudo-codec auto: name the codec (quant:bits=8, quant:bits=4, topk:ratio=R) or none")
+        check_pseudo_codec(codec, f"--pseudo-codec {args.pseudo_codec}")
+    if args.pseudo_error_feedback and codec is None:
+        raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
+    shares = {}
+    for item in filter(None, (args.replica_shares or "").split(",")):
+        r, eq, v = item.partition("=")
+        try:
+            shares[int(r)] = float(v)
+        except ValueError:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}") from None
+        if not eq:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}")
+    if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
+        raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
+    sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
+                  args.pseudo_error_feedback, fragments=args.sync_fragments, shares=shares)
+    try:
+        sync.check("--dp-sync diloco")
+    except PlanError as e:
+        msg = str(e)
+        msg = msg.replace("--dp-sync diloco.shares", "--replica-shares")
+        for name in ("outer_lr", "outer_momentum"):
+            msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
+        raise FusionError(msg) from None
+    return sync
+
+
 def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_codec):
     """``--strategy dp|dtfm``: the planner chooses replicas, cut and placement (issue 14), then the plan is built."""
     from fusion.compile import _ensure_shapes
@@ -357,14 +505,8 @@ def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio:
     if args.strategy != "dp":
         raise FusionError(f"--dp-sync {mode} with --strategy {args.strategy}: the DiLoCo planner is --strategy dp's")
     search = SyncSearch()
-    H = getattr(args, "inner_steps", None)
-    if H is not None:
-        try:
-            hs = tuple(int(h) for h in str(H).split(",")) if not isinstance(H, int) else (H,)
-        except ValueError:
-            raise FusionError(f"--inner-steps {H}: expected an integer H or a comma list of them") from None
-        if any(h < 1 for h in hs):
-            raise FusionError(f"--inner-steps {H}: every H must be an integer >= 1")
+    hs = inner_steps_of(args)
+    if hs is not None:
         search.inner_steps = hs
     codec = getattr(args, "pseudo_codec", None)
     if codec is not None:
@@ -375,7 +517,9 @@ def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio:
             if cfg is not None and cfg.get("algo") not in ("quant", "topk"):
                 raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take quant or topk (or none)")
             search.codecs = (cfg,)
-    for flag, name, field in (("--sync-fragments", "sync_fragments", "fragments"), ("--outer-delay", "outer_delay", "delays")):
+    # the flags' defaults (1 fragment, no delay) narrow the search too: the runtime runs no delayed outer step yet,
+    # so the planner prices only what a run will do
+    for name, field in (("sync_fragments", "fragments"), ("outer_delay", "delays")):
         v = getattr(args, name, None)
         if v is not None:
             setattr(search, field, (int(v),))
@@ -465,6 +609,11 @@ def describe_plan(plan, cluster) -> str:
     pr = plan.predicted
     stages = len(plan.parts) // plan.replicas
     reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
+    ds = plan.dp_sync
+    if plan.replicas > 1 and ds.mode == "diloco":
+        codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
+        reps += (f", DiLoCo H={ds.inner_steps} outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
+                 + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
@@ -479,6 +628,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     check_output(Path(args.output))
+    dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     plan = compile_from_args(args, model, cluster)

@@ -122,6 +122,11 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                         "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}
                 if getattr(r, "dropped", None):
                     line["dropped"] = r.dropped  # replicas lost during this step: which one, why, redone or not
+                outer = {p: s["outer"] for p, s in r.parts.items() if "outer" in s}
+                if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
+                    line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
+                                     "sync_s": max(o["s"] for o in outer.values()),
+                                     "replicas": max(o["replicas"] for o in outer.values()), "parts": outer}
                 mf.write(json.dumps(line) + "\n")
                 mf.flush()
                 if bar is not None:

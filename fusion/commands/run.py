@@ -164,8 +164,10 @@ def run(args: argparse.Namespace) -> int:
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
         from fusion.cluster.model import load_cluster
-        from fusion.commands.compile import compile_from_args, describe_plan
+        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args
         from fusion.loader import load_model
+
+        dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")

@@ -53,8 +53,8 @@ def test_bad_dp_sync_input_exits_2_with_one_line(tmp_path, capsys):
     assert "has one device; data parallelism needs 2 or more" in _one_line(capsys)
     assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dp", "--dp-sync", "auto", "--inner-steps", "10,0",
                  "--global-batch", "8", "-o", str(tmp_path / "b")]) == 2
-    assert "--inner-steps 10,0: every H must be an integer >= 1" in _one_line(capsys)
+    assert "--inner-steps 0: DiLoCo takes at least one inner step" in _one_line(capsys)
     assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dtfm", "--dp-sync", "auto", "--global-batch", "8",
                  "-o", str(tmp_path / "c")]) == 2
-    assert "--dp-sync auto with --strategy dtfm" in _one_line(capsys)
+    assert "--dp-sync auto is the --strategy dp planner's choice (not dtfm)" in _one_line(capsys)
     assert not any((tmp_path / x).exists() for x in "abc")

@@ -1,0 +1,119 @@
+"""DiLoCo measured: samples/s and DP bytes of two one-stage replicas, one per site of ``local-4-two-sites``.
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 20] [--warmup 2] [--inner-steps 10] [--micro 4]
+      (from a checkout other than the installed one: PYTHONPATH=. in front)
+
+The model is the tiny GPT of ``examples/models/gpt.py:tiny`` (micro-batches of 2 rows) as one stage. Every
+run is real CompNode processes on loopback with ``--emulate-links`` (20 Mbit/s and 30 ms between the sites):
+
+* ``1x1``: one replica on cpu-0 (site a), ``--micro`` micro-batches per step, measured first and again last
+  (``1x1_end``); the ratios divide by the faster of the two (on a shared host the load changes);
+* ``2x1_every``: a second replica on cpu-2 (site b), the same micro-batches per replica, gradients averaged
+  every step across the slow link (synchronous DP);
+* ``2x1_diloco``: the same grid with ``--dp-sync diloco --inner-steps H`` (exact pseudo-gradient average);
+* ``2x1_diloco_q8``: the same with 8-bit pseudo-gradients and error feedback;
+* ``2x1_diloco_f5``: exact, in 5 streaming fragments (``--sync-fragments 5``): the same bytes per H steps,
+  a fifth of them at a time (``dp_peak_bytes``: the most one replica sent to the other in one step).
+
+Two processes at most, so the 2 cores of the test host are not oversubscribed. samples/s = rows of all
+measured steps / their summed iteration seconds (not a median: an outer step every H steps must count);
+``--steps`` should be a multiple of H. DP bytes per step: bytes one replica sent to the other, per step.
+Final JSON line: samples/s of each case, ``measured_2x1_over_1x1`` (DiLoCo, exact), the same for the other
+two cases, and ``dp_bytes_ratio`` (synchronous DP's DP bytes per step over DiLoCo's, exact and 8-bit).
+Not measured here (issue 25's other figures): steps to the synchronous validation loss on the CPython
+corpus, and the planner's prediction on ``fusionllm-48``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
+MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
+
+
+def make_plan(grid: list[list[str]], micro: int, out: Path, sync=None) -> Path:
+    from fusion.cluster.model import load_cluster
+    from fusion.loader import load_model
+    from fusion.plan import OptimizerConfig, save_plan
+    from fusion.replicas import compile_replicated
+
+    model = load_model(MODEL)
+    cut = {n: 0 for n in model.graph.nodes}
+    plan = compile_replicated(model, load_cluster(CLUSTER), cut, grid, micro_batches=micro,
+                              global_batch=len(grid) * micro * 2, optimizer=OptimizerConfig("adamw", lr=1e-3))
+    if sync is not None:
+        plan.dp_sync = sync
+        plan.check()
+    return save_plan(plan, out, params=model.params)
+
+
+def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
+    from fusion.data import make_batches
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=True, peer_timeout_s=60), threads=1,
+                      trace=False, verbose=0) as lc:
+        lc.start()
+        batch = make_batches(lc.plan, "auto", 0)
+        reports = [lc.coordinator.step(batch(s)) for s in range(warmup + steps)][warmup:]
+    secs = sum(r.iteration_s for r in reports)
+    rows = sum(r.samples for r in reports)
+    per_step = [sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
+                    for p, s in r.parts.items() if p in ("p0", "part0")) for r in reports]
+    return {"parts": len(reports[0].parts), "rows_per_step": reports[0].samples, "samples_per_s": round(rows / secs, 3),
+            "dp_bytes_per_step": round(sum(per_step) / len(reports), 1), "dp_peak_bytes": max(per_step),
+            "losses": [round(r.loss, 4) for r in reports]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fusion.plan import DPSync
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per replica")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    h = args.inner_steps
+    two = [["cpu-0"], ["cpu-2"]]
+    cases = {"1x1": ([["cpu-0"]], None), "2x1_every": (two, None),
+             "2x1_diloco": (two, DPSync("diloco", inner_steps=h)),
+             "2x1_diloco_q8": (two, DPSync("diloco", inner_steps=h, codec={"algo": "quant", "bits": 8},
+                                           error_feedback=True)),
+             "2x1_diloco_f5": (two, DPSync("diloco", inner_steps=h, fragments=min(5, h))),
+             "1x1_end": ([["cpu-0"]], None)}
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, (grid, sync) in cases.items():
+            plan = make_plan(grid, args.micro, tmp / f"{name}.plan", sync)
+            res[name] = measure(plan, tmp / f"{name}.run", args.steps, args.warmup)
+            print(f"{name}: {res[name]['parts']} CompNodes, {res[name]['rows_per_step']} rows/step, "
+                  f"{res[name]['samples_per_s']:.1f} samples/s, {res[name]['dp_bytes_per_step']:.0f} DP bytes/step",
+                  file=sys.stderr, flush=True)
+    anchor = max(res["1x1"]["samples_per_s"], res["1x1_end"]["samples_per_s"])  # the faster anchor: conservative
+    every = res["2x1_every"]["dp_bytes_per_step"]
+    print(json.dumps({"bench": "diloco", "cluster": "local-4-two-sites", "emulate_links": True,
+                      "model": "examples/models/gpt.py:tiny", "steps": args.steps, "inner_steps": h,
+                      "samples_per_s": {k: v["samples_per_s"] for k, v in res.items()},
+                      "dp_bytes_per_step": {k: v["dp_bytes_per_step"] for k, v in res.items()},
+                      "dp_peak_bytes": {k: v["dp_peak_bytes"] for k, v in res.items()},
+                      "measured_2x1_over_1x1": round(res["2x1_diloco"]["samples_per_s"] / anchor, 3),
+                      "measured_2x1_q8_over_1x1": round(res["2x1_diloco_q8"]["samples_per_s"] / anchor, 3),
+                      "sync_2x1_over_1x1": round(res["2x1_every"]["samples_per_s"] / anchor, 3),
+                      "dp_bytes_ratio": round(every / res["2x1_diloco"]["dp_bytes_per_step"], 2),
+                      "dp_bytes_ratio_q8": round(every / res["2x1_diloco_q8"]["dp_bytes_per_step"], 2),
+                      "wall_s": round(time.time() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
