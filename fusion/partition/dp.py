@@ -267,6 +267,15 @@ def _layouts(cm: CostModel, groups: list[list[int]], seed: int, how: str, overla
     return out
 
 
+def device_orders(cluster, clusters: list[list[int]] | None, seed: int) -> tuple[list[list[int]], list]:
+    """The Louvain device clusters (``clusters`` when given) and the two device orders the DP planners try: paths
+    through the clusters by bandwidth from the two best start clusters (step 2 of :func:`plan_dp_model`)."""
+    clusters = clusters if clusters is not None else device_clusters(cluster, seed)
+    cbw = cluster_bandwidth(cluster, clusters)
+    orders = [device_order(cluster, clusters, cluster_path(cbw, s)) for s in start_candidates(cluster, clusters, cbw)[:2]]
+    return clusters, orders
+
+
 def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None = None, seed: int = 0,
                   replicas: list[int] | None = None, overlap: bool = True, grad_wire_ratio: float = 1.0,
                   clusters: list[list[int]] | None = None, allreduce: str = "ring") -> tuple[DPPlacement, Candidate]:
@@ -274,9 +283,7 @@ def plan_dp_model(cm: CostModel, *, global_batch: int, micro_batches: int | None
     t0 = time.perf_counter()
     cluster = cm.cluster
     N = len(cluster)
-    clusters = clusters if clusters is not None else device_clusters(cluster, seed)
-    cbw = cluster_bandwidth(cluster, clusters)
-    orders = [device_order(cluster, clusters, cluster_path(cbw, s)) for s in start_candidates(cluster, clusters, cbw)[:2]]
+    clusters, orders = device_orders(cluster, clusters, seed)
     splits = batch_splits(global_batch, cm.samples_per_micro_batch, N, micro_batches)
     if replicas is not None:
         allowed = [s[0] for s in splits]
@@ -471,9 +478,7 @@ def plan_diloco_model(cm: CostModel, *, global_batch: int, search: SyncSearch = 
     t0 = time.perf_counter()
     cluster = cm.cluster
     N = len(cluster)
-    clusters = clusters if clusters is not None else device_clusters(cluster, seed)
-    cbw = cluster_bandwidth(cluster, clusters)
-    orders = [device_order(cluster, clusters, cluster_path(cbw, s)) for s in start_candidates(cluster, clusters, cbw)[:2]]
+    clusters, orders = device_orders(cluster, clusters, seed)
     traced = cm.samples_per_micro_batch
     M = global_batch // traced if isinstance(global_batch, int) and global_batch > 0 else 0
     counts = diloco_splits(global_batch, traced, N, replicas, search.shares)
