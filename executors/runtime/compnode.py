@@ -177,10 +177,12 @@ class CompNode:
         self.dp_group = plan.dp_group(self.me)
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
         # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
-        buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments) if plan.dp_sync.mode == "diloco"
-                                    else (make_buckets(trainable), None))
-        self.ring = (RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
-                     if len(self.dp_group) > 1 else None)
+        # (only a group of 2 or more has buckets: a single pipeline keeps any dtype, bfloat16 included)
+        self.ring, self._fragments = None, None
+        if len(self.dp_group) > 1:
+            buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
+                                        if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
+            self.ring = RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
         if self.shares and not self.diloco:

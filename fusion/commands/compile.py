@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="file.py:function")
     p.add_argument("--cluster", required=True, help="cluster file (.yaml or scenario .json)")
     add_compile_options(p)
-    p.add_argument("-o", "--output", required=True, metavar="PLAN",
+    p.add_argument("-o", "--output", "--out", required=True, metavar="PLAN",
                    help="plan folder to write (a new or empty folder, or a plan to replace)")
     p.set_defaults(run=run)
 

@@ -70,7 +70,11 @@ def test_every_op_node_is_timed_and_the_table_round_trips(measured, tmp_path):
     ops = [n for n, node in model.graph.nodes.items() if node.kind.value not in ("input", "label", "output")]
     assert sorted(table.nodes) == sorted(ops)
     assert all(t.fwd_s > 0 for t in table.nodes.values())
-    assert all(table.nodes[n].bwd_s > 0 for n in ops)  # a gradient flows through every node of this MLP
+    # a gradient flows through every node of this MLP; a tiny node's backward may fall under the fitted fixed
+    # cost of a backward call on a busy host (then 0 after it is taken off: failed once in a full .ci/run),
+    # the Linears' never do
+    assert all(table.nodes[n].bwd_s >= 0 for n in ops)
+    assert all(table.nodes[n].bwd_s > 0 for n in ops if n.startswith("fc")), table.nodes
     # the same signature is timed once: both blocks' Linears have the same time
     assert table.nodes["fc1_0"] == table.nodes["fc1_1"] == table.nodes["fc2_0"]
     assert table.digest == graph_digest(model.graph) and table.threads == 1 and table.device == "cpu"
