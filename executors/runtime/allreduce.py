@@ -17,7 +17,8 @@ Two replicas skip the ring: each sends its whole buffer to the other and both co
 that moves the same bytes as the two-step ring in one step: one latency instead of two.
 
 Messages are wire messages of kind ``"allreduce"`` (header ``it, bucket, step, chunk, src, dst``,
-one 1-D tensor). A receiver accepts one only from its ring predecessor, for the current
+``payload``: the chunk as the wire carries any payload, :func:`fusion.ir.wire.encode_payload`; dense, one
+1-D tensor). A receiver accepts one only from its ring predecessor, for the current
 iteration, with the chunk, dtype and length that step must carry, and not twice; anything else
 raises :class:`~fusion.ir.errors.WireError` (the transport logs and drops it, nothing is applied).
 In particular a message from a CompNode outside the group is rejected by name.
@@ -57,7 +58,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.wire import Message, encode
+from fusion.ir.wire import Message, decode_payload, encode, encode_payload
+from fusion.kernels.codecs.base import Role
+from fusion.kernels.codecs.registry import FlatCodec
 
 log = logging.getLogger(__name__)
 
@@ -145,40 +148,19 @@ def make_buckets(params: Mapping[str, tuple[Sequence[int], str]]) -> list[Bucket
 
 
 def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any) -> list[Any]:
-    """Frames of one ring message; ``data`` a 1-D array, a :class:`~fusion.kernels.quant.QuantPayload` of one, or
-    a user codec's :class:`~fusion.kernels.codecs.CodecPayload`."""
-    from fusion.kernels.codecs.plain import WIRE_CODEC, CodecPayload
-    from fusion.kernels.quant import QuantPayload
-
-    h = {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst}
-    if isinstance(data, QuantPayload):
-        return encode(KIND, {**h, "payload": {"type": "quant", **data.header()}}, data.arrays())
-    if isinstance(data, CodecPayload):
-        meta, arrays = WIRE_CODEC.encode(data)
-        return encode(KIND, {**h, "payload": {"type": "codec", "p": meta}}, arrays)
-    return encode(KIND, {**h, "payload": {"type": "dense"}}, [data])
+    """Frames of one ring message; ``data`` a 1-D array or any payload the wire carries (a codec's, as
+    :class:`~fusion.kernels.codecs.registry.FlatCodec` made it)."""
+    meta, arrays = encode_payload(data)
+    return encode(KIND, {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst,
+                         "payload": meta}, arrays)
 
 
 def _payload(msg: Message) -> Any:
-    """The chunk a ring message carries: a dense 1-D array or a QuantPayload (checked; WireError otherwise)."""
-    from fusion.kernels.quant import QuantPayload, as_bytes
-
-    meta = msg.header.get("payload", {"type": "dense"})
-    if not isinstance(meta, dict) or meta.get("type") not in ("dense", "quant", "codec"):
-        raise WireError(f"all-reduce message: payload must be dense, quant or codec, got {repr(meta)[:80]}")
-    if meta["type"] == "codec":
-        from fusion.kernels.codecs.plain import WIRE_CODEC
-
-        if not isinstance(meta.get("p"), dict):
-            raise WireError("all-reduce message: a codec payload needs its fields")
-        return WIRE_CODEC.decode(meta["p"], list(msg.arrays))
-    if meta["type"] == "dense":
-        if len(msg.arrays) != 1:
-            raise WireError(f"all-reduce message carries {len(msg.arrays)} tensors, not 1")
-        return msg.arrays[0]
-    if len(msg.arrays) != 3:
-        raise WireError(f"quantised all-reduce chunk needs 3 frames (scales, offsets, codes), got {len(msg.arrays)}")
-    return QuantPayload.from_msg({k: v for k, v in meta.items() if k != "type"}, [as_bytes(a) for a in msg.arrays])
+    """The chunk a ring message carries, as the wire decodes it (WireError for a malformed one)."""
+    try:
+        return decode_payload(msg.header.get("payload", {"type": "dense"}), list(msg.arrays))
+    except WireError as e:
+        raise WireError(f"all-reduce message: {e}") from None
 
 
 def _nat(h: dict, key: str) -> int:
@@ -204,6 +186,7 @@ class RingInbox:
             raise FusionError(f"all-reduce algorithm {algo!r}: expected one of {list(ALGOS)}")
         self.me, self.group, self.buckets = me, list(group), list(buckets)
         self.codec = dict(codec) if codec else None
+        self.flat = FlatCodec(self.codec, Role.DP_GRADIENT)  # the chunks' codec (dense: a copy)
         self.algo = algo
         self.g = len(self.group)
         self.rank = self.group.index(me)
@@ -263,12 +246,14 @@ class RingInbox:
         if chunk != want:
             raise WireError(f"all-reduce step {step} carries chunk {want}, not {chunk}")
         a = _payload(msg)
+        what = f"all-reduce chunk {chunk} of bucket {b}"
         if isinstance(a, np.ndarray) == bool(self.codec):
-            raise WireError(f"all-reduce chunk is {'dense' if isinstance(a, np.ndarray) else 'quantised'}; this group "
-                            f"sends {'quantised' if self.codec else 'dense'} chunks")
+            raise WireError(f"{what} is {'dense' if isinstance(a, np.ndarray) else 'encoded'}; this group "
+                            f"sends {'encoded' if self.codec else 'dense'} chunks")
         lo, hi = self.bounds[b][chunk]
-        # a user codec's payload says its shape by decoding (a refused one: WireError); it is kept as it came
-        seen = a if hasattr(a, "shape") else decode_chunk(self.codec, a, f"all-reduce chunk {chunk} of bucket {b}")
+        # a payload that says its shape is checked as it came; a user codec's says it by decoding (a refused or
+        # foreign one: WireError); either is kept as it came
+        seen = a if hasattr(a, "shape") and self.flat.owns(a) else self.flat.decode(a, what)
         shape, dtype = (tuple(seen.shape), seen.dtype if isinstance(seen.dtype, str) else seen.dtype.name)
         if len(shape) != 1 or shape[0] != hi - lo or dtype != self.buckets[b].dtype:
             raise WireError(f"all-reduce chunk {chunk} of bucket {b} is {dtype}{list(shape)}, expected "
@@ -308,31 +293,6 @@ def unflatten(bucket: Bucket, flat: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def _chunk_codec(codec) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
-    """(encode, decode) of one all-reduce payload under ``Plan.dp_codec`` (None: a copy of the array and the
-    array itself)."""
-    if not codec:
-        return (lambda a: a.copy()), (lambda p: p)
-    from fusion.kernels.codecs import CODECS, CodecContext, Role
-
-    unit, ctx = CODECS.unit(codec["algo"]), CodecContext(Role.DP_GRADIENT)
-    return (lambda a: unit.encode_host(a, a.dtype.name, codec, ctx)), unit.decode_host
-
-
-def decode_chunk(codec: Mapping[str, Any] | None, payload: Any, what: str) -> np.ndarray:
-    """A received chunk decoded by the group's codec; WireError naming ``what`` when that codec did not make it
-    or refuses it."""
-    from fusion.kernels.codecs import CODECS
-
-    unit = CODECS.unit(codec["algo"]) if codec else None
-    if unit is None or not unit.owns(payload):
-        raise WireError(f"{what}: a {type(payload).__name__} the group's codec did not make")
-    try:
-        return np.asarray(unit.decode_host(payload))
-    except WireError as e:
-        raise WireError(f"{what}: {e}") from None
-
-
 def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Callable[[str, list, str], None],
                  wait: Callable[[Callable[[], Any], str], Any], only: Sequence[int] | None = None) -> None:
     """Average ``buffers`` (one per bucket, changed in place) over the ring of ``inbox``.
@@ -345,7 +305,7 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     if g == 1:
         return
     codec = inbox.codec
-    enc, dec = _chunk_codec(codec)
+    enc, dec = inbox.flat.encode, inbox.flat.decode
     index = list(range(len(buffers)) if only is None else only)
 
     if inbox.exchange:
@@ -355,8 +315,8 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
         for i, (b, buf) in enumerate(zip(index, buffers)):
             got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
             if codec:  # both sides average the two decoded buffers: the same bits on both
-                buf[:] = dec(mine[i])
-            buf += dec(got)
+                buf[:] = dec(mine[i], "own chunk")
+            buf += dec(got, f"all-reduce of bucket {b}")
             buf /= 2
         return
     for b, buf in zip(index, buffers):
@@ -369,16 +329,16 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
             else:
                 payload = enc(buf[lo:hi])
                 if codec and not reduce:  # the owner's averaged chunk: keep what the others will decode
-                    buf[lo:hi] = dec(payload)
+                    buf[lo:hi] = dec(payload, "own chunk")
             send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, payload), f"allreduce b{b} s{step}")
             got = wait(lambda: inbox.take(it, b, step), f"all-reduce step {step} of bucket {b} from {inbox.prev}")
             lo, hi = bounds[recv_c]
             if reduce:
-                buf[lo:hi] += dec(got)
+                buf[lo:hi] += dec(got, f"all-reduce step {step} of bucket {b}")
                 if step == g - 2:  # the last reduce-scatter step: this rank now holds the full sum of recv_c
                     buf[lo:hi] /= g
             else:
-                buf[lo:hi] = dec(got)
+                buf[lo:hi] = dec(got, f"all-reduce step {step} of bucket {b}")
                 forward = got
 
 
@@ -392,7 +352,7 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     if g == 1:
         return
     codec = inbox.codec
-    enc, dec = _chunk_codec(codec)
+    enc, dec = inbox.flat.encode, inbox.flat.decode
     index = list(range(len(buffers)) if only is None else only)
 
     depth = tree_depth(g)
@@ -404,7 +364,7 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
                 buf /= g
                 payload = enc(buf)
                 if codec:  # keep what the others will decode
-                    buf[:] = dec(payload)
+                    buf[:] = dec(payload, "own chunk")
                 forward.append(payload)
         if act is None:
             continue
@@ -419,9 +379,9 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
         for b, buf in zip(index, buffers):
             got = wait(lambda: inbox.take(it, b, step), f"all-reduce tree step {step} of bucket {b} from {name}")
             if reduce:
-                buf += dec(got)
+                buf += dec(got, f"all-reduce tree step {step} of bucket {b}")
             else:
-                buf[:] = dec(got)
+                buf[:] = dec(got, f"all-reduce tree step {step} of bucket {b}")
                 got_all.append(got)
         if not reduce:
             forward = got_all

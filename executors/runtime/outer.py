@@ -48,6 +48,8 @@ import numpy as np
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode, encode_payload
 from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, average, flatten, make_buckets, unflatten
+from fusion.kernels.codecs.base import Role
+from fusion.kernels.codecs.registry import FlatCodec
 
 log = logging.getLogger(__name__)
 
@@ -111,25 +113,14 @@ def replica_micro_batches(plan) -> list[int]:
 def encode_pseudo(flat: np.ndarray, codec: Mapping[str, Any]) -> tuple[dict, list]:
     """One flat pseudo-gradient bucket under ``codec`` (through the codec registry, role pseudo-gradient):
     ``(payload header, frames)`` as the wire carries payloads."""
-    from fusion.kernels.codecs import CODECS, CodecContext, Role
-
-    unit = CODECS.unit(codec["algo"])
-    return encode_payload(unit.encode_host(flat, flat.dtype.name, codec, CodecContext(Role.PSEUDO_GRADIENT)))
+    return encode_payload(FlatCodec(codec, Role.PSEUDO_GRADIENT).encode(flat))
 
 
 def decode_pseudo(meta: Any, frames: Sequence[Any], codec: Mapping[str, Any]) -> np.ndarray:
     """The dense flat array of a payload of :func:`encode_pseudo` under ``codec`` (WireError for a malformed one
     or one another codec made)."""
-    from fusion.kernels.codecs import CODECS
-
     payload = decode_payload(meta, list(frames))
-    unit = CODECS.unit(codec["algo"])
-    if not unit.owns(payload):
-        raise WireError(f"pseudo-gradient payload: a {type(payload).__name__}, not what {codec['algo']} makes")
-    try:
-        return np.asarray(unit.decode_host(payload)).reshape(-1)
-    except FusionError as e:
-        raise WireError(f"pseudo-gradient payload: {e}") from None
+    return FlatCodec(codec, Role.PSEUDO_GRADIENT).decode(payload, "pseudo-gradient payload").reshape(-1)
 
 
 def payload_nbytes(frames: Sequence[Any]) -> int:

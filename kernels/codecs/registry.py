@@ -258,6 +258,46 @@ def register_codec(codec: Any) -> Any:
     return CODECS.register(codec)
 
 
+class FlatCodec:
+    """One codec cfg bound to a role, for flat host arrays that are summed after decoding: all-reduce chunks
+    (``Role.DP_GRADIENT``) and DiLoCo pseudo-gradients (``Role.PSEUDO_GRADIENT``).
+
+    cfg: the plan's codec cfg (``{"algo": "quant", "bits": 8}``), or None for dense arrays (sent as a copy);
+    role: what the arrays are, which sets the codec's context (its stochastic-rounding stream).
+    """
+
+    def __init__(self, cfg: Mapping[str, Any] | None, role: Role, registry: "CodecRegistry | None" = None):
+        self.cfg, self.role = (dict(cfg) if cfg else None), role
+        self.unit = (registry or CODECS).unit(cfg["algo"]) if cfg else None
+        self.ctx = CodecContext(role)
+
+    def encode(self, flat: np.ndarray) -> Any:
+        """The payload of ``flat`` (a copy of it when dense)."""
+        if self.unit is None:
+            return flat.copy()
+        return self.unit.encode_host(flat, flat.dtype.name, self.cfg, self.ctx)
+
+    def owns(self, payload: Any) -> bool:
+        """Whether ``payload`` is what this codec makes (a dense array when the cfg is None)."""
+        return isinstance(payload, np.ndarray) if self.unit is None else self.unit.owns(payload)
+
+    def decode(self, payload: Any, what: str) -> np.ndarray:
+        """``payload`` as a dense array; WireError naming ``what`` for a payload another codec made (a dense array
+        where the cfg names a codec, or the reverse) or one the codec refuses."""
+        dense = isinstance(payload, np.ndarray)
+        if self.unit is None or dense:
+            if self.unit is None and dense:
+                return payload
+            made = "dense array" if dense else type(payload).__name__
+            raise WireError(f"{what}: a {made}, not what {self.cfg['algo'] if self.cfg else 'a dense group'} makes")
+        if not self.unit.owns(payload):
+            raise WireError(f"{what}: a {type(payload).__name__}, not what {self.cfg['algo']} makes")
+        try:
+            return np.asarray(self.unit.decode_host(payload))
+        except (WireError, FusionError) as e:
+            raise WireError(f"{what}: {e}") from None
+
+
 def decode_checked(unit: Codec, payload: Any, shape: tuple[int, ...] | None, dtype: str | None, what: str) -> Any:
     """A user codec's payload decoded and checked against the tensor's graph ``shape``/``dtype`` (None:
     unchecked); WireError naming ``what`` for a payload the codec refuses or a tensor that does not fit."""

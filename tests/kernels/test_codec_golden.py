@@ -268,15 +268,16 @@ DP_CASES = {"quant8": {"algo": "quant", "bits": 8}, "quant4-stochastic": Q4S, "q
 
 
 def dp_digests() -> dict[str, str]:
-    from fusion.executors.runtime.allreduce import _chunk_codec
+    from fusion.kernels.codecs import Role
+    from fusion.kernels.codecs.registry import FlatCodec
 
     out = {}
     for name, cfg in DP_CASES.items():
-        enc, dec = _chunk_codec(cfg)
+        flat = FlatCodec(cfg, Role.DP_GRADIENT)  # what the all-reduce encodes its chunks with
         a = _tensor(5, torch.float32, (1000,)).numpy()
-        p = enc(a)
+        p = flat.encode(a)
         out[name] = _digest(p)
-        out[f"{name}/decoded"] = hashlib.sha256(np.asarray(dec(p)).tobytes()).hexdigest()
+        out[f"{name}/decoded"] = hashlib.sha256(np.asarray(flat.decode(p, name)).tobytes()).hexdigest()
     return out
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.executors.runtime.allreduce import RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
+from fusion.executors.runtime.allreduce import KIND, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
 from fusion.ir.errors import WireError
-from fusion.ir.wire import decode
+from fusion.ir.wire import decode, encode, encode_payload
 from fusion.plan import OptimizerConfig, PlanError, load_plan, save_plan
 from tests.executors.dist_models import MODELS, assert_matches_plain, plain_training
 
@@ -199,6 +199,36 @@ def test_ring_inbox_rejects_what_the_ring_does_not_expect():
     with pytest.raises(WireError, match=r"expected float32\[5\]"):
         pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(2, np.float32)))
     pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(5, np.float32)))
+
+
+def test_ring_inbox_takes_only_the_payloads_its_codec_makes():
+    """Chunks travel as the wire's payloads: a group under quant:bits=8 refuses a dense chunk, a Top-K payload and a
+    quant payload of the wrong length; a dense group refuses a quant payload; a malformed one is named."""
+    from fusion.kernels.codecs import Role
+    from fusion.kernels.codecs.registry import FlatCodec
+
+    q8 = {"algo": "quant", "bits": 8}
+    buckets = make_buckets({"w": ((6,), "float32")})
+    quant = RingInbox("p0", ["p0", "r1.p0"], buckets, codec=q8)
+    dense = RingInbox("p0", ["p0", "r1.p0"], buckets)
+    good = FlatCodec(q8, Role.DP_GRADIENT).encode(np.arange(6, dtype=np.float32))
+    topk = FlatCodec({"algo": "topk", "ratio": 3}, Role.ACTIVATION)
+    with pytest.raises(WireError, match="is dense; this group sends encoded chunks"):
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(6, np.float32)))
+    with pytest.raises(WireError, match="not what quant makes"):
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=topk.encode(np.arange(6, dtype=np.float32))))
+    with pytest.raises(WireError, match=r"expected float32\[6\]"):
+        short = FlatCodec(q8, Role.DP_GRADIENT).encode(np.arange(4, dtype=np.float32))
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=short))
+    with pytest.raises(WireError, match="is encoded; this group sends dense chunks"):
+        dense.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=good))
+    meta, arrays = encode_payload(good)
+    h = dict(it=0, bucket=0, step=0, chunk=0, src="r1.p0", dst="p0", payload=meta)
+    with pytest.raises(WireError, match="all-reduce message: quant payload needs 3 tensor frames"):
+        quant.accept("r1.p0", decode(encode(KIND, h, arrays[:2])))
+    quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=good))
+    np.testing.assert_allclose(FlatCodec(q8, Role.DP_GRADIENT).decode(quant.take(0, 0, 0), "chunk"),
+                               np.arange(6, dtype=np.float32), atol=0.05)
 
 
 def test_compnode_logs_and_drops_an_allreduce_message_from_outside_its_group(tmp_path, caplog):
