@@ -16,8 +16,11 @@ the folder fsynced, so a crash leaves either the old file or the new one;
 temporary files a crashed writer left behind are removed by the next save.
 ``<part>.json`` holds the SHA-256 of the part's two tensor files; they are
 verified on resume (by the coordinator when the files are on its disk, and by
-each executor), and a mismatch refuses to resume with the file's name. A step
-directory without ``COMPLETE.json`` is ignored on resume. No pickle: tensors
+each executor). A checkpoint that does not verify is passed over, in one log
+line naming its bad file, for the previous complete one
+(:func:`newest_verified`); when none verifies, resuming is refused with the
+newest one's bad file. A step directory without ``COMPLETE.json`` is ignored
+on resume. No pickle: tensors
 are safetensors, the rest is JSON.
 
 ``COMPLETE.json`` lists the parts that saved the step. In a replicated plan
@@ -33,7 +36,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -234,6 +237,53 @@ def resume_sources(root: str | Path, step: int, stage_of: Mapping[str, str]) -> 
                                   f"(saved: {', '.join(saved) or 'none'}); part {part!r} cannot resume from it")
         out[part] = copy
     return out
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """The steps under ``root`` that have a ``COMPLETE.json``, newest first (``latest.json`` names the first of
+    them unless a crash fell between a step's ``COMPLETE.json`` and ``latest.json``)."""
+    steps = []
+    for d in Path(root).glob("step-*"):
+        if (d / COMPLETE).exists() and d.name[5:].isdigit():
+            steps.append(int(d.name[5:]))
+    return sorted(steps, reverse=True)
+
+
+def newest_verified(root: str | Path, stage_of: Mapping[str, str],
+                    skipped: Callable[[int | None, str], None] | None = None) -> tuple[int | None, dict[str, str]]:
+    """The newest complete checkpoint whose files on this disk verify, and its :func:`resume_sources`.
+
+    Steps are tried newest first; one that does not verify (a flipped byte, a missing or unreadable file) is
+    passed over with ``skipped(step, reason)`` and the previous complete one is tried. ``(None, {})`` when
+    there is no complete checkpoint at all; when there are some but none verifies, the newest one's
+    CheckpointError (naming its bad file) is raised: a run never silently starts over from step 0.
+    """
+    if not Path(root).is_dir():
+        return None, {}
+    steps = complete_steps(root)
+    try:
+        pointed = latest(root)
+    except CheckpointError as e:
+        if not steps:
+            raise
+        if skipped is not None:
+            skipped(None, str(e))
+        pointed = None
+    if pointed is not None and pointed not in steps:
+        steps.insert(0, pointed)
+    first_error: CheckpointError | None = None
+    for step in steps:
+        try:
+            sources = resume_sources(root, step, stage_of)
+            verify(root, step, sorted(set(sources.values())))
+            return step, sources
+        except CheckpointError as e:
+            first_error = first_error or e
+            if skipped is not None:
+                skipped(step, str(e))
+    if first_error is not None:
+        raise first_error
+    return None, {}
 
 
 def latest(root: str | Path) -> int | None:

@@ -34,7 +34,7 @@ from fusion.ir.boundary import part_links, part_order, partition
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
-from fusion.executors.runtime import checkpoint, delta_edges
+from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Commit, Control, Done, Error, Hb, Hello, Ready, Reduced,
                                               Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
@@ -430,6 +430,7 @@ class CompNode:
 
     def _begin(self, c: Step) -> "_Step":
         it = c.it
+        faults.maybe_fail(self.me, it)  # FUSION_TEST_FAULT (tests, benchmarks/chaos.py); nothing when unset
         if it != self.inbox.expected_iter:
             raise ExecutorAbort(f"coordinator asked for iteration {it}, this part is at {self.inbox.expected_iter}")
         feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]

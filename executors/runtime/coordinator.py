@@ -32,7 +32,7 @@ import numpy as np
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.node import NodeKind
 from fusion.ir.wire import Message
-from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.outer import replica_micro_batches
@@ -109,6 +109,23 @@ class StepReport:
     def samples_per_s(self) -> float:
         return self.samples / self.iteration_s if self.iteration_s > 0 else float("nan")
 
+    def metrics_line(self) -> dict:
+        """The step's line of ``metrics.jsonl`` (also kept in the ``COMPLETE.json`` of a checkpoint it ends, so
+        that a crash between the commit and the line loses nothing: ``rundir.restore_committed_line``)."""
+        parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
+                     "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
+                     "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in self.parts.items()}
+        line = {"step": self.step, "loss": self.loss, "iteration_s": round(self.iteration_s, 6),
+                "samples_per_s": round(self.samples_per_s, 3), "time": time.time(), "parts": parts}
+        if self.dropped:
+            line["dropped"] = self.dropped  # replicas lost during this step: which one, why, redone or not
+        outer = {p: s["outer"] for p, s in self.parts.items() if "outer" in s}
+        if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
+            line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
+                             "sync_s": max(o["s"] for o in outer.values()),
+                             "replicas": max(o["replicas"] for o in outer.values()), "parts": outer}
+        return line
+
 
 def _names(parts: list[str], first: int = 5) -> str:
     """``part0, part1`` or ``7 parts (part0, part1, part2, ...)``: one short line however many."""
@@ -164,6 +181,7 @@ class Coordinator:
         self.iter_offset = 0  # executor iteration = step + abandoned attempts
         self.dropped: list[dict] = []
         self.id_edges = per_sample_edges(plan.compression)  # edges whose codec keys state by sample (delta)
+        self._drops: list[dict] = []  # replicas dropped during the step in progress
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -274,11 +292,13 @@ class Coordinator:
         if resume:
             if not self.cfg.checkpoint_dir:
                 raise FusionError("resume needs a checkpoint directory")
-            resume_step = checkpoint.latest(self.cfg.checkpoint_dir)
-            if resume_step is not None:  # files on this disk are verified here, before any executor loads them
-                sources = checkpoint.resume_sources(self.cfg.checkpoint_dir, resume_step,
-                                                    {p: self.plan.stage_of(p) for p in self.parts})
-                checkpoint.verify(self.cfg.checkpoint_dir, resume_step, sorted(set(sources.values())))
+            # files on this disk are verified here, before any executor loads them; a newest checkpoint that
+            # does not verify is skipped (one line) for the previous complete one
+            resume_step, found = checkpoint.newest_verified(self.cfg.checkpoint_dir,
+                                                            {p: self.plan.stage_of(p) for p in self.parts},
+                                                            self._skipped_checkpoint)
+            if resume_step is not None:
+                sources = found
                 copied = {p: q for p, q in sources.items() if p != q}
                 if copied:
                     self.report(f"step {resume_step} was saved without replica(s) "
@@ -306,6 +326,10 @@ class Coordinator:
         log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
         return self.step_index
 
+    def _skipped_checkpoint(self, step: int | None, reason: str) -> None:
+        what = f"checkpoint step {step}" if step is not None else "the latest-checkpoint pointer"
+        self.report(f"skipping {what}: {reason}")  # one line, on the run's own output
+
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
             for p in list(self.transport.senders):
@@ -325,6 +349,7 @@ class Coordinator:
         step goes on with the surviving replicas; the report lists the drops in ``dropped``.
         """
         drops: list[dict] = []
+        self._drops = drops  # (the same list: a checkpoint's metrics line lists the drops of its step)
         while True:
             committed: list[bool] = [False, False]  # [go-ahead sent, checkpoint asked for]
             done: dict[str, Done] = {}
@@ -461,19 +486,23 @@ class Coordinator:
             covered |= {(self.replica_of[p], int(mb)) for mb, _ in c.losses}
             for name, g in c.arrays.items():
                 grads.setdefault(name, np.array(g))
+        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
+        # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
+        r = StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
+                       grads, list(self._drops))
         if ckpt:
             unsaved = [p for p in self.live if done[p].stats.get("checkpoint_step") != it + 1]
             if unsaved:
                 raise CompNodeFailure(unsaved[0], f"did not confirm its checkpoint of step {it + 1}")
             # each executor wrote its own files (on its own host); their confirmations make the step complete.
             # After a drop the live parts hold every stage: a resume gives the dropped parts their copies
-            extra = {"time": time.time(), **({"dropped": self.dropped} if self.dropped else {})}
+            # The step's metrics line goes into COMPLETE.json: a crash before train() writes it loses nothing
+            extra = {"time": time.time(), **({"dropped": self.dropped} if self.dropped else {}),
+                     "metrics": r.metrics_line()}
             checkpoint.commit(self.cfg.checkpoint_dir, it + 1, list(self.live), extra, check_files=False)
+            faults.maybe_fail(COORDINATOR, it + 1)  # FUSION_TEST_FAULT: a crash before the metrics line
         self.step_index = it + 1
-        # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
-        # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
-        return StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
-                          grads)
+        return r
 
     def fetch_state(self, timeout_s: float = 60.0, replica: int | None = None) -> dict[str, np.ndarray]:
         """Every parameter's current value, gathered from the parts of ``replica`` (default: the first

@@ -143,6 +143,29 @@ class LocalCluster:
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
         return self.coordinator.start(resume=resume)
 
+    def restart(self) -> int:
+        """Kill every executor and start them all again from the latest complete checkpoint (``--max-restarts``).
+
+        Every process is killed with SIGKILL, which also ends a stopped (SIGSTOP) one without continuing
+        it first, so a frozen executor can never wake up beside its replacement; the coordinator's sockets
+        are released and a new coordinator waits for the new processes. All parts restart, not only the
+        failed one: each must reload the same checkpoint (as torchelastic restarts every worker). Returns
+        the step the run resumes at (0 when no checkpoint was complete yet)."""
+        for proc in {id(pr): pr for pr in self.processes.values()}.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        left = [p for p, rc in _wait_all(self.processes, 10.0).items() if rc is None]
+        if left:
+            raise FusionError(f"could not kill the executor of {', '.join(left)} to restart it")
+        if self.coordinator is not None:
+            self.coordinator.close(linger_s=0.0)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        return self.start(resume=True)
+
     def _keys(self) -> dict[str, list[str]]:
         """Each executor's security arguments; with CURVE, fresh keys for this run (the coordinator's set in cfg)."""
         if not self.curve:

@@ -88,20 +88,26 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, default_verbosity=1)
 
 
-def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True) -> dict:
+def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
+          resumed: bool = False) -> dict:
     """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
-    replays). On Ctrl-C the latest weights are still saved, then KeyboardInterrupt propagates.
+    replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
+    line of step ``first - 1`` is restored from its checkpoint when a crash lost it. On Ctrl-C the latest
+    weights are still saved, then KeyboardInterrupt propagates.
     Returns ``{"steps": steps done, "loss": last loss, "interrupted": bool}``.
     """
-    from fusion.commands.rundir import trim_metrics
+    from fusion.commands.rundir import restore_committed_line, trim_metrics
     from fusion.plan import save_arrays
 
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
-    if first:
+    resumed = resumed or bool(first)
+    if resumed:
         trim_metrics(metrics, first)
+        if restore_committed_line(metrics, coord.cfg.checkpoint_dir, first):
+            log.warning("restored the metrics line of step %d from its checkpoint (a crash had lost it)", first - 1)
     bar = None
     if progress and first < steps:
         from tqdm import tqdm
@@ -111,22 +117,11 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     done = first
     interrupted = False
     try:
-        with open(metrics, "a" if first else "w") as mf:
+        with open(metrics, "a" if resumed else "w") as mf:
             for step in range(first, steps):
                 r = coord.step(batch_fn(step))
                 last, done = r, step + 1
-                parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
-                             "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
-                             "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in r.parts.items()}
-                line = {"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
-                        "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}
-                if getattr(r, "dropped", None):
-                    line["dropped"] = r.dropped  # replicas lost during this step: which one, why, redone or not
-                outer = {p: s["outer"] for p, s in r.parts.items() if "outer" in s}
-                if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
-                    line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
-                                     "sync_s": max(o["s"] for o in outer.values()),
-                                     "replicas": max(o["replicas"] for o in outer.values()), "parts": outer}
+                line = r.metrics_line()
                 mf.write(json.dumps(line) + "\n")
                 mf.flush()
                 if bar is not None:

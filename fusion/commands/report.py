@@ -33,6 +33,8 @@ def read_metrics(path: Path) -> list[dict]:
 def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
     """Loss and samples/s per step as a PNG; None when there are no steps."""
     rows = read_metrics(metrics)
+    events = [r for r in rows if "event" in r]  # restarts (--max-restarts): drawn, not plotted as steps
+    rows = [r for r in rows if "event" not in r and "step" in r]
     if not rows:
         return None
     import matplotlib
@@ -50,6 +52,12 @@ def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
             a1.axvline(r["step"], color="tab:red", ls="--", lw=1)
             a1.annotate(f"replica {d.get('replica')} left", (r["step"], 1), xycoords=("data", "axes fraction"),
                         rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+    for ev in events:  # the run restarted its CompNodes and went back to a checkpoint's step
+        if ev.get("event") == "restart" and isinstance(ev.get("resumed_step"), int):
+            a1.axvline(ev["resumed_step"], color="tab:orange", ls=":", lw=1.2)
+            a1.annotate(f"restart {ev.get('restart')} ({ev.get('part')})", (ev["resumed_step"], 1),
+                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
+                        color="tab:orange")
     a1.set_xlabel("step")
     a1.set_ylabel("loss")
     a1.set_title("training loss")

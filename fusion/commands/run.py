@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import add_common, positive_int, run_name, train
+from fusion.commands.coordinator import add_common, non_negative_int, positive_int, run_name, train
 
 
 def add_parser(sub) -> None:
@@ -63,6 +63,11 @@ def add_parser(sub) -> None:
                    help="run each CompNode as a Ray actor on the node of an existing Ray cluster (HOST:PORT of its "
                         "head, or auto) that has the resource fusion-dev:<device> of its device; needs "
                         "pip install 'fusion[ray]' (see docs/runtime.md)")
+    # --- recovery without a human (issue 28): restarts
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                   help="when a CompNode dies or stops answering, kill every executor, start them again from the "
+                        "latest complete checkpoint and train on, at most N times (needs --checkpoint-every; each "
+                        "restart is an event line in metrics.jsonl; default 0: the run ends at the first failure)")
     add_common(p)
     p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
@@ -116,6 +121,18 @@ def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
         raise FusionError(f"{plan_dir}: the plan lists plugins {plan.graph.plugins}: {TRUST_HINT}")
 
 
+def _check_restarts(args: argparse.Namespace) -> None:
+    """--max-restarts resumes from checkpoints, on this host: one line when that cannot be."""
+    from fusion.ir.errors import FusionError
+
+    if args.max_restarts and not args.checkpoint_every:
+        raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
+                          "from its latest complete checkpoint")
+    if args.max_restarts and args.ray:
+        raise FusionError("--max-restarts is not built for --ray yet (executors are restarted on this host only); "
+                          "leave it out and --resume after a failure")
+
+
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
@@ -128,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.plan import save_plan
 
     t_start = time.monotonic()
+    _check_restarts(args)
     if not args.ray:  # a Ray node checks its own devices
         from fusion.executors.engines.torch.device import check_device
 
@@ -220,7 +238,13 @@ def run(args: argparse.Namespace) -> int:
              f"({time.monotonic() - t_start:.1f} s since the command started)"
              + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
         try:
-            summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
+            if args.max_restarts:
+                from fusion.commands.restarts import train_with_restarts
+
+                summary = train_with_restarts(cluster, batch_fn, first, args.steps, out, not args.no_progress,
+                                              args.max_restarts, _say)
+            else:
+                summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
         except KeyboardInterrupt as e:
             interrupted = True
             summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None
@@ -236,5 +260,7 @@ def run(args: argparse.Namespace) -> int:
         steps = summary["steps"] if summary else "?"
         _say(f"interrupted after {steps} steps; {what}")
         return 130
-    _say(f"done: {args.steps} steps in {time.monotonic() - t_start:.1f} s; {what}")
+    restarts = (summary or {}).get("restarts")
+    _say(f"done: {args.steps} steps in {time.monotonic() - t_start:.1f} s"
+         + (f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else "") + f"; {what}")
     return 0

@@ -113,14 +113,16 @@ def check_resume_plan(out: Path, digest: str, plan_dir: Path) -> None:
 def trim_metrics(path: Path, first: int) -> int:
     """Keep the lines of ``metrics.jsonl`` for steps before ``first`` (a resumed run rewrites the rest).
 
-    Returns how many lines were kept.
+    Lines of events (``{"event": "restart", ...}``) are kept whatever their step. Returns how many lines
+    were kept.
     """
     if not path.exists():
         return 0
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if int(json.loads(line)["step"]) < first:
+            row = json.loads(line)
+            if "event" in row or int(row["step"]) < first:  # events (restarts) are history: always kept
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a killed run
@@ -128,3 +130,33 @@ def trim_metrics(path: Path, first: int) -> int:
     tmp.write_text("".join(x + "\n" for x in kept))
     tmp.replace(path)
     return len(kept)
+
+
+def restore_committed_line(path: Path, checkpoint_dir: str | Path | None, first: int) -> bool:
+    """Append step ``first - 1``'s metrics line to ``path`` when it is missing and the checkpoint of step
+    ``first`` recorded it (``COMPLETE.json``'s ``metrics``).
+
+    The coordinator commits a checkpoint before ``train`` writes the step's line; a crash in between used to
+    lose that line for good. Lines of earlier steps were flushed before this step began. Returns whether a
+    line was restored."""
+    from fusion.executors.runtime.checkpoint import COMPLETE, step_dir
+
+    if first <= 0 or checkpoint_dir is None:
+        return False
+    try:
+        line = json.loads((step_dir(checkpoint_dir, first) / COMPLETE).read_text()).get("metrics")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(line, dict) or line.get("step") != first - 1:
+        return False
+    if path.exists():
+        for text in path.read_text().splitlines():
+            try:
+                row = json.loads(text)
+            except ValueError:
+                continue
+            if "event" not in row and row.get("step") == first - 1:
+                return False
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return True

@@ -1,0 +1,70 @@
+"""``fusion run --max-restarts N``: a run that restarts its CompNodes itself instead of ending at a failure.
+
+When a CompNode dies, crashes or stops answering (the coordinator's
+:class:`~fusion.executors.runtime.coordinator.CompNodeFailure`), :func:`train_with_restarts`
+kills every executor (a stopped one included), starts them all again, lets every part reload
+the newest complete checkpoint that verifies (the ``--resume`` machinery), and trains on from
+there. Steps after that checkpoint are recomputed; the runs are deterministic, so the losses
+and weights are the same bits as a run without the failure. Each restart is one event line in
+``metrics.jsonl`` (:func:`restart_event`), drawn in ``loss.png``. After ``N`` restarts the
+next failure ends the run as without the option (named, exit status 2).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+#: the ``event`` of a restart's line in metrics.jsonl
+RESTART = "restart"
+
+
+def restart_event(number: int, limit: int, failed_step: int, part: str, reason: str, resumed_step: int,
+                  recovery_s: float) -> dict:
+    """One restart's line in ``metrics.jsonl``.
+
+    number/limit: this is restart ``number`` of at most ``limit``; failed_step: the step that was running
+    when ``part`` failed for ``reason``; resumed_step: the first step run again (the checkpoint's step);
+    recovery_s: from the failure being detected to every CompNode ready again."""
+    return {"event": RESTART, "restart": number, "max_restarts": limit, "failed_step": failed_step, "part": part,
+            "reason": reason, "resumed_step": resumed_step, "recovery_s": round(recovery_s, 3), "time": time.time()}
+
+
+def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path,
+                        progress: bool, max_restarts: int, report: Callable[[str], None]) -> dict:
+    """``train`` on ``cluster`` (a LocalCluster, started), restarting it up to ``max_restarts`` times.
+
+    Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is raised with the
+    count of restarts in its reason."""
+    from fusion.commands.coordinator import train
+    from fusion.executors.runtime.coordinator import CompNodeFailure
+
+    restarts = 0
+    failure: CompNodeFailure | None = None
+    failed_step = first
+    t_fail = 0.0
+    while True:
+        try:
+            if failure is not None:
+                first = cluster.restart()
+                event = restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, first,
+                                      time.monotonic() - t_fail)
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(event) + "\n")
+                report(f"restart {restarts} of {max_restarts}: every CompNode up again after "
+                       f"{event['recovery_s']:.1f} s; resuming at step {first}")
+                failure = None
+            summary = train(cluster.coordinator, batch_fn, first, steps, out, progress, resumed=restarts > 0)
+            return {**summary, "restarts": restarts}
+        except CompNodeFailure as e:
+            if restarts >= max_restarts:
+                if not restarts:
+                    raise
+                raise CompNodeFailure(e.part, f"{e.reason} (after {restarts} restart{'s' if restarts > 1 else ''}, "
+                                              f"--max-restarts {max_restarts})") from None
+            restarts += 1
+            if failure is None:  # (a failure while restarting keeps the step the run had reached)
+                failed_step = cluster.coordinator.step_index
+            failure, t_fail = e, time.monotonic()
+            report(f"{e}; restarting every CompNode from the latest checkpoint (restart {restarts} of {max_restarts})")

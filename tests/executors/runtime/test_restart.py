@@ -1,0 +1,171 @@
+"""Recovery without a human (issue 28): ``fusion run --max-restarts``, checkpoint fallback, no lost metrics line."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.executors.dist_models import CNN_SPLITS, branching_cnn, save_hand_plan
+from fusion.executors.runtime import checkpoint
+from fusion.executors.runtime.faults import ENV, parse_faults
+from fusion.ir.errors import FusionError
+
+STEPS = 8
+
+
+def _fusion(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _finish(proc, timeout):
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"fusion run did not finish within {timeout} s:\n{err[-3000:]}")
+    return proc.returncode, err
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final(run: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run / "final.safetensors"))
+
+
+def _kill_pids(run: Path) -> None:
+    try:
+        pids = json.loads((run / "pids.json").read_text()).values()
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_killed_and_stopped_compnodes_are_restarted_and_a_lost_metrics_line_is_restored(tmp_path):
+    """p1 SIGKILLs itself at step 3, p0 SIGSTOPs itself at step 5: --max-restarts 2 brings both back from the
+    latest checkpoint. Then the coordinator (fusion run) is SIGKILLed right after committing step 6, before
+    its metrics line: the --resume restores that line from the checkpoint. Losses and weights equal an
+    unfaulted run bit for bit, and metrics.jsonl has every step exactly once plus the two restarts."""
+    plan_dir = save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2)
+    common = ["--steps", str(STEPS), "--checkpoint-every", "2", "--data", "synthetic", "--no-progress", "--trace",
+              "off", "--threads", "1", "--peer-timeout", "3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    faults = ",".join(f"{p}:{s}:{sig}:{tmp_path / f'fired-{p}'}"
+                      for p, s, sig in (("p1", 3, "KILL"), ("p0", 5, "STOP"), ("coordinator", 6, "KILL")))
+    procs = [_fusion(str(plan_dir), "--out", str(a), *common),
+             _fusion(str(plan_dir), "--out", str(b), "--max-restarts", "2", *common, env={ENV: faults})]
+    try:
+        rc_a, err_a = _finish(procs[0], 240)
+        rc_b, err_b = _finish(procs[1], 240)
+        assert rc_a == 0, err_a[-3000:]
+        assert rc_b == -signal.SIGKILL, err_b[-3000:]  # the coordinator's own fault ended the first attempt
+        assert err_b.count("restarting every CompNode from the latest checkpoint") == 2, err_b[-3000:]
+        assert "CompNode 'p1' failed: its process" in err_b and "exited with status -9" in err_b
+        assert "CompNode 'p0' failed: stopped answering" in err_b
+        rows = _rows(b)
+        # today's loss, reproduced: step 6 is committed, the line of its last step (5) is not there
+        assert checkpoint.latest(b / "checkpoints") == 6
+        assert [r["step"] for r in rows if "event" not in r] == [0, 1, 2, 3, 4]
+        _kill_pids(b)  # the executors of the killed run (they would exit once they miss the coordinator)
+        rc_b, err_b = _finish(_fusion(str(plan_dir), "--out", str(b), "--resume", "--max-restarts", "2", *common,
+                                      env={ENV: faults}), 240)
+        assert rc_b == 0, err_b[-3000:]
+        assert "resuming at step 6" in err_b
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _kill_pids(b)
+    rows = _rows(b)
+    events = [r for r in rows if "event" in r]
+    assert [(e["event"], e["part"], e["failed_step"], e["resumed_step"]) for e in events] == \
+        [("restart", "p1", 3, 2), ("restart", "p0", 5, 4)]
+    assert all(e["recovery_s"] > 0 for e in events)
+    steps = [r["step"] for r in rows if "event" not in r]
+    assert sorted(steps) == list(range(STEPS)) and len(steps) == STEPS  # each step exactly once
+    la = {r["step"]: r["loss"] for r in _rows(a)}
+    for r in rows:
+        if "event" not in r:
+            assert r["loss"] == la[r["step"]], f"step {r['step']}"
+    fa, fb = _final(a), _final(b)
+    assert set(fa) == set(fb)
+    for k in fa:  # the restarted run recomputed from checkpoints: the same bits
+        np.testing.assert_array_equal(fb[k], fa[k], err_msg=k)
+    assert (b / "loss.png").stat().st_size > 0
+
+
+def _save_step(root: Path, step: int, parts: list[str]) -> None:
+    for p in parts:
+        checkpoint.save_part(root, step, p, {"w": np.full(3, step, np.float32)}, {}, {})
+    checkpoint.commit(root, step, parts, keep=3)
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
+    root, parts = tmp_path / "ck", ["p0", "p1"]
+    stages = {p: p for p in parts}
+    for s in (2, 4, 6):
+        _save_step(root, s, parts)
+    assert checkpoint.newest_verified(root, stages) == (6, {"p0": "p0", "p1": "p1"})
+    bad6 = checkpoint.step_dir(root, 6) / "p1.params.safetensors"
+    data = bytearray(bad6.read_bytes())
+    data[-2] ^= 0x40
+    bad6.write_bytes(bytes(data))
+    (checkpoint.step_dir(root, 4) / "p0.optim.safetensors").unlink()
+    skipped = []
+    assert checkpoint.newest_verified(root, stages, lambda s, why: skipped.append((s, why)))[0] == 2
+    assert [s for s, _ in skipped] == [6, 4]
+    assert str(bad6) in skipped[0][1] and "checksum mismatch" in skipped[0][1]
+    assert "p0.optim.safetensors: missing" in skipped[1][1]
+    # a latest.json pointing at a step whose folder is gone: the complete ones are still found
+    (root / checkpoint.LATEST).write_text(json.dumps({"step": 8}))
+    assert checkpoint.newest_verified(root, stages)[0] == 2
+    # none verifies: refused with the newest one's bad file, never a silent start from step 0
+    (checkpoint.step_dir(root, 2) / "p1.json").write_text("{")
+    with pytest.raises(checkpoint.CheckpointError, match="step-00000006/p1.params.safetensors: checksum mismatch"):
+        checkpoint.newest_verified(root, stages)
+    assert checkpoint.newest_verified(tmp_path / "none", stages) == (None, {})
+
+
+def test_restore_committed_line_appends_only_a_missing_line(tmp_path):
+    from fusion.commands.rundir import restore_committed_line, trim_metrics
+
+    root, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    checkpoint.save_part(root, 2, "p0", {"w": np.ones(2, np.float32)}, {}, {})
+    checkpoint.commit(root, 2, ["p0"], {"metrics": {"step": 1, "loss": 0.5}})
+    metrics.write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n" + json.dumps({"event": "restart", "step": 9}) + "\n"
+                       + json.dumps({"step": 2, "loss": 9.0}) + "\n")
+    assert trim_metrics(metrics, 2) == 2  # the event line is history: kept
+    assert restore_committed_line(metrics, root, 2)
+    assert not restore_committed_line(metrics, root, 2)  # present now: not twice
+    assert [json.loads(x).get("step") for x in metrics.read_text().splitlines()] == [0, 9, 1]
+    assert not restore_committed_line(metrics, root, 4)  # no such checkpoint
+
+
+def test_fault_variable_and_max_restarts_options_are_checked(tmp_path, capsys):
+    from fusion.cli import main
+
+    assert [f.part for f in parse_faults("p1:3:KILL,coordinator:6:STOP:/m")] == ["p1", "coordinator"]
+    for bad in ("p1:3", "p1:x:KILL", "p1:3:TERM", ":3:KILL"):
+        with pytest.raises(FusionError, match=ENV):
+            parse_faults(bad)
+    plan_dir = tmp_path / "plan"  # refused before anything is read
+    for extra, says in ((["--max-restarts", "1"], "needs --checkpoint-every"),
+                        (["--max-restarts", "1", "--checkpoint-every", "2", "--ray", "auto"], "not built for --ray")):
+        capsys.readouterr()
+        assert main(["run", str(plan_dir), "--out", str(tmp_path / "r"), *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], lines
+        assert not (tmp_path / "r").exists()
