@@ -119,5 +119,7 @@ def test_sigterm_to_fusion_run_stops_the_executors_promptly(tmp_path):
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     assert not left, "executors outlived fusion run"
-    assert took < 5, f"executors took {took:.1f} s to stop"
+    # well under the 30 s peer timeout (so they stopped because of the signal, not by noticing silence), with a
+    # margin for a busy host: 7-8 s were measured at load 15-20 on 2 cores, under 2 s on a quiet one
+    assert took < 15, f"executors took {took:.1f} s to stop"
     assert proc.returncode == 130
