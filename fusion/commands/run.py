@@ -129,8 +129,8 @@ def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.checks import check_compile_options
 
-    if ":" in args.target and not Path(args.target).is_dir():  # a MODEL: its option values before any import of torch
-        check_compile_options(args)
+    if not (Path(args.target).is_dir() or Path(args.target).name == "plan.json"):  # a MODEL (file.py:fn, .onnx):
+        check_compile_options(args)  # its option values, before torch is imported or the model traced
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
                                         record_plan_digest)
