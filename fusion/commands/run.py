@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
              f"({time.monotonic() - t_start:.1f} s since the command started)"
              + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
         try:
-            summary = train(cluster.coordinator, batch_fn, first, args.steps, out,
-                            not args.no_progress and sys.stderr.isatty(), log_every_s=args.log_every)
+            summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress,
+                            log_every_s=args.log_every)
         except KeyboardInterrupt as e:
             interrupted = True
             summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None
