@@ -21,6 +21,7 @@ COMMANDS = [
     "fusion.commands.inspect",
     "fusion.commands.profile",
     "fusion.commands.run",
+    "fusion.commands.export",
     "fusion.commands.executor",
     "fusion.commands.coordinator",
     "fusion.commands.keys",
@@ -47,6 +48,8 @@ class Parser(argparse.ArgumentParser):
 
 
 VERBOSE_HELP = "more logging (-v info, -vv debug); before or after the command"
+TRACEBACK_HELP = ("on an error, also print the traceback of its cause (your model's or data function's own, when "
+                  "they raised it); -vv does too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fusion import __version__
 
     p.add_argument("--version", action="version", version=f"fusion {__version__}")
+    p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for modname in COMMANDS:
         importlib.import_module(modname).add_parser(sub)
@@ -63,11 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
         sp.formatter_class = HelpFormatter
         # -v after the command too; its own dest, summed with the one before the command
         sp.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after", help=VERBOSE_HELP)
+        sp.add_argument("--traceback", action="store_true", dest="traceback_after", help=TRACEBACK_HELP)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from fusion.commands.runconfig import expand
+
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        argv = expand(argv, parser, sub.choices["run"])  # fusion run --config run.yaml: its options, then the typed ones
+    except FusionError as e:
+        print(f"fusion run: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     # long-running commands (executor, coordinator) log at info by default: they say what they wait for
     level = args.verbose + getattr(args, "verbose_after", 0) + getattr(args, "default_verbosity", 0)
@@ -79,11 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except FusionError as e:
+        if args.traceback or getattr(args, "traceback_after", False) or level >= 2:
+            print_cause(e)
         print(f"fusion {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def print_cause(e: BaseException) -> None:
+    """The traceback of what caused ``e`` (its innermost explicit cause: the user's exception when their code
+    raised it, e.g. the model's forward run on its example), or of ``e`` itself, on stderr."""
+    import traceback
+
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    sys.stderr.write("".join(traceback.format_exception(type(inner), inner, inner.__traceback__, chain=False)))
 
 
 def one_line(text: str, limit: int = 600) -> str:

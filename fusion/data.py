@@ -126,8 +126,9 @@ def _is_int(dtype: str) -> bool:
     return dtype.startswith(("int", "uint"))
 
 
-def _int_high(graph, name: str) -> int:
-    """Exclusive upper bound for an integer placeholder: classes of the loss or rows of the embedding it feeds."""
+def _int_high(graph, name: str, default: int | None = 2) -> int | None:
+    """Exclusive upper bound for an integer placeholder: classes of the loss or rows of the embedding it feeds
+    (``default`` when it feeds neither)."""
     users = graph.users()
     seen, frontier = set(), [name]
     while frontier:  # follow shape-only ops (view, reshape, flatten) to the real consumer
@@ -150,7 +151,7 @@ def _int_high(graph, name: str) -> int:
                     return int(graph.params[pnames[0]].shape[0])
             if any(k in t for k in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze")):
                 frontier.append(u)
-    return 2
+    return default
 
 
 def _delta_edges(plan) -> list[str]:
@@ -195,6 +196,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
     declared = (plan.predicted or {}).get("delta_samples") if delta else None  # what the buffers were sized for
     seen: set[int] = set()
+    vocab = {n: h for n in inputs if _is_int(specs[n]["dtype"]) for h in [_int_high(plan.graph, n, default=None)] if h}
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
@@ -223,6 +225,10 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
                 raise FusionError(f"data {spec!r}: step {step}: field {n!r} has shape {list(a.shape)}, the plan expects "
                                   f"{list(shape)} ({nm} micro-batch(es) of {list(_shape(specs[n]))})")
             out[n] = np.ascontiguousarray(a, dtype=dt)
+            if n in vocab and a.size and not 0 <= int(a.min()) <= int(a.max()) < vocab[n]:
+                bad = int(a.max()) if int(a.max()) >= vocab[n] else int(a.min())
+                raise FusionError(f"data {spec!r}: step {step}: field {n!r} holds id {bad}, outside the model's "
+                                  f"vocabulary of {vocab[n]} (ids 0..{vocab[n] - 1})")
         if SAMPLE_IDS in got:
             ids = np.asarray(got[SAMPLE_IDS])
             if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size != rows or np.unique(ids).size != ids.size:
@@ -275,12 +281,63 @@ def corpus_samples(graph, kind: str = "auto") -> int | None:
     return max(0, len(corpus_text(seed=0)) - _shape(specs[x])[1] - 1)  # TextBatches._starts' range
 
 
-def make_batches(plan, kind: str = "auto", seed: int = 0) -> Callable[[int], dict[str, np.ndarray]]:
+def text_batches(plan, spec: str, seed: int = 0, val_fraction: float = 0.0) -> Callable[[int], dict[str, np.ndarray]]:
+    """``step -> batch`` from the user's text (``text:PATH[?tokenizer=NAME&labels=next|same]``,
+    :mod:`fusion.textdata`). The function has ``.validation``: ``k -> batch`` of the held-out last
+    ``val_fraction`` of the text in order (None when nothing is held out), and ``.tokenizer``: its description."""
+    from fusion.textdata import TextSpec, WindowBatches, split, tokenize
+
+    ts = TextSpec.parse(spec)
+    g, nm = plan.graph, plan.micro_batches * plan.replicas
+    specs = _placeholder_specs(plan)
+    ins, labs, lm = _language_model(g, specs)
+    if not lm:
+        raise FusionError(f"--data {spec} needs a language model: one integer input [micro_batch, T] and one integer "
+                          f"label of the same size (the plan's placeholders: {list(specs)})")
+    x, y = ins[0], labs[0]
+    mb, T = _shape(specs[x])
+    same = ts.labels == "same" or (ts.labels == "auto" and (x, y) == ("input_ids", "labels"))
+    tokens, vocab, how = tokenize(ts)
+    high = _int_high(g, x, default=None)
+    if high is not None and len(tokens) and int(tokens.max()) >= high:
+        raise FusionError(f"--data {spec}: field {x!r} gets token ids up to {int(tokens.max())} ({how}, vocabulary "
+                          f"{vocab}), beyond the model's vocabulary of {high}; use a model with at least {vocab} "
+                          "tokens or a tokenizer that fits (text:PATH?tokenizer=NAME)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise FusionError(f"--val-split must be a percentage in [0, 100), got {val_fraction * 100:g}")
+    train_tokens, val_tokens = split(tokens, val_fraction)
+    rows = mb * nm
+    src = WindowBatches(train_tokens, rows, T, seed, what=f"--data {spec} (training part)")
+    val = (WindowBatches(val_tokens, rows, T, seed, shuffle=False, what=f"--data {spec} (validation part)")
+           if val_fraction > 0 else None)
+    lshape = (rows, *_shape(specs[y])[1:]) if len(_shape(specs[y])) > 1 else (rows * T,)
+    delta = _delta_edges(plan)
+
+    def fit(a, b, ids) -> dict[str, np.ndarray]:
+        out = {x: a.astype(specs[x]["dtype"]), y: (a if same else b).reshape(lshape).astype(specs[y]["dtype"])}
+        if delta:
+            out[SAMPLE_IDS] = ids
+        return out
+
+    def batch(step: int) -> dict[str, np.ndarray]:
+        return fit(*src.batch(step))
+
+    batch.validation = (lambda k: fit(*val.batch(k))) if val else None  # type: ignore[attr-defined]
+    batch.tokenizer = how  # type: ignore[attr-defined]
+    log.info("--data %s: %d tokens (%s), %d training windows of %d%s; labels %s", spec, len(tokens), how,
+             src.windows, T + 1, f", {val.windows} held out" if val else "", "= inputs" if same else "= next tokens")
+    return batch
+
+
+def make_batches(plan, kind: str = "auto", seed: int = 0, val_fraction: float = 0.0) -> Callable[[int], dict[str, np.ndarray]]:
     """``step -> batch`` (placeholder -> array of all micro-batches) for ``plan``.
 
-    ``kind``: ``auto``, ``text``, ``synthetic``, or the user's ``file.py:function``
+    ``kind``: ``auto``, ``text``, ``synthetic``, ``text:PATH[?tokenizer=NAME]`` (the user's text,
+    :func:`text_batches`, with ``val_fraction`` of it held out), or the user's ``file.py:function``
     (:func:`user_batches`).
     """
+    if kind.startswith("text:"):
+        return text_batches(plan, kind, seed, val_fraction)
     if kind not in ("auto", "text", "synthetic"):
         if ":" in kind:
             return user_batches(plan, kind)

@@ -54,7 +54,7 @@ def load_function(spec: str, what: str = "model") -> Callable[..., Any]:
     try:
         modspec.loader.exec_module(mod)
     except Exception as e:
-        raise FusionError(f"{what} {spec!r}: importing {file} failed: {user_error(e, file)}") from None
+        raise FusionError(f"{what} {spec!r}: importing {file} failed: {user_error(e, file)}") from e
     fn = getattr(mod, func, None)
     if not callable(fn):
         raise FusionError(f"{what} {spec!r}: {file} has no function {func!r}")
@@ -77,6 +77,19 @@ def user_error(e: BaseException, file: str | Path) -> str:
     return f"{type(e).__name__}: {msg}" + (f" ({where})" if where else "")
 
 
+def _eager_failure(module, example) -> BaseException | None:
+    """What running ``module`` on ``example`` in plain PyTorch raises (None if it runs): after a failed trace,
+    an exception here is the user's own bug, with their file and line in its traceback."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            module(**example)
+    except Exception as e:  # noqa: BLE001 - reported to the user with their line
+        return e
+    return None
+
+
 def _load_python(spec: str) -> Model:
     path, _, func = spec.rpartition(":")
     fn = load_function(spec)
@@ -85,7 +98,7 @@ def _load_python(spec: str) -> Model:
     except FusionError:
         raise
     except Exception as e:
-        raise FusionError(f"model {spec!r}: {func}() raised {user_error(e, path)}") from None
+        raise FusionError(f"model {spec!r}: {func}() raised {user_error(e, path)}") from e
     if isinstance(obj, Model):
         return obj
     if isinstance(obj, OpGraph):
@@ -103,11 +116,19 @@ def _load_python(spec: str) -> Model:
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise FusionError(f"model {spec!r}: unknown trace option(s) {unknown}; known: {known}")
+        from fusion.hf import is_pretrained, trace_options
+
+        if is_pretrained(module):  # a transformers model as it comes: its cache off, its own .loss trained
+            options = trace_options(module, example, options, spec)
         try:
             return trace(module, example, **options)
-        except FusionError:
-            raise
         except Exception as e:
-            raise FusionError(f"model {spec!r}: tracing the module {func}() returned failed: {user_error(e, path)}") from None
+            eager = _eager_failure(module, example)
+            if eager is not None:  # the user's forward itself fails: name their line, not the tracer's
+                raise FusionError(f"model {spec!r}: the module {func}() returned fails on its example: "
+                                  f"{user_error(eager, path)}") from eager
+            if isinstance(e, FusionError):
+                raise
+            raise FusionError(f"model {spec!r}: tracing the module {func}() returned failed: {user_error(e, path)}") from e
     raise FusionError(f"model {spec!r}: {func}() returned {type(obj).__name__}; expected Model, OpGraph, "
                       "(module, example_inputs) or (module, example_inputs, trace options)")

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster file (.yaml or scenario .json)")
     add_compile_options(p)
     p.add_argument("-o", "--output", "--out", required=True, metavar="PLAN",
-                   help="plan folder to write (a new or empty folder, or a plan to replace)")
+                   help="plan folder to write (a new or empty folder, or with --force a plan to replace)")
+    p.add_argument("--force", action="store_true", help="replace the plan already in -o PLAN")
     p.set_defaults(run=run)
 
 
@@ -126,6 +127,11 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--seed", type=int, default=0, help="seed of the data and of anything random in compiling"),
         add_engine_arg(g),
     ]
+    # the loss to minimise (issue 26; fusion.loss): a model without one is refused unless --loss names one
+    actions.append(g.add_argument("--loss", default=None, metavar="NAME",
+                                  help="an output of the model to minimise (a floating-point scalar), for a model "
+                                       "whose forward returns no single scalar loss (default: the model's loss; a "
+                                       "model without one is refused)"))
     return {a.dest: a.default for a in actions}
 
 
@@ -591,8 +597,8 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
     return engines
 
 
-def check_output(out: Path) -> None:
-    """``-o`` must be new, empty, or a plan folder (which is replaced); anything else is refused."""
+def check_output(out: Path, force: bool = False) -> None:
+    """``-o`` must be new, empty, or with ``force`` a plan folder (which is replaced); anything else is refused."""
     from fusion.ir.errors import FusionError
 
     if out.exists() and not out.is_dir():
@@ -601,6 +607,8 @@ def check_output(out: Path) -> None:
         entries = sorted(p.name for p in out.iterdir())
         raise FusionError(f"-o {out}: a folder that is not a plan and not empty ({', '.join(entries[:4])}"
                           f"{', ...' if len(entries) > 4 else ''}); choose a new folder")
+    if (out / "plan.json").exists() and not force:
+        raise FusionError(f"-o {out}: holds a plan already; give --force to replace it, or choose a new folder")
 
 
 def describe_plan(plan, cluster) -> str:
@@ -623,14 +631,18 @@ def describe_plan(plan, cluster) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusion.commands.checks import check_compile_options
+
+    check_compile_options(args)  # bad --lr, --compress-ratio or --engine: one line before anything is imported or traced
     from fusion.cluster.model import load_cluster
     from fusion.loader import load_model
+    from fusion.loss import choose_loss
     from fusion.plan import save_plan
 
-    check_output(Path(args.output))
+    check_output(Path(args.output), args.force)
     dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
     cluster = load_cluster(args.cluster)
-    model = load_model(args.model)
+    model = choose_loss(load_model(args.model), args.loss, args.model)
     plan = compile_from_args(args, model, cluster)
     out = save_plan(plan, args.output, model.params or None)
     print(f"wrote {out}: {describe_plan(plan, cluster)}")

@@ -59,9 +59,15 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace the previous run in --out")
-    p.add_argument("--data", default="auto", metavar="auto|text|synthetic|FILE.py:FUNCTION",
+    p.add_argument("--data", default="auto", metavar="auto|text|synthetic|text:PATH|FILE.py:FUNCTION",
                    help="training data: auto (generated text corpus for language models, synthetic otherwise), "
+                        "text:PATH[?tokenizer=NAME] (your text file or folder of .txt/.md/.py files; byte-level "
+                        "tokens, or an installed tokenizer available offline; see docs/training.md), "
                         "or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
+    # data options (issue 26): the held-out part of --data text:PATH
+    p.add_argument("--val-split", type=_number(float, "a percentage", lambda v: 0 <= v < 100, "must be in [0, 100)"),
+                   default=0.0, metavar="PCT",
+                   help="with --data text:PATH: hold out the last PCT %% of the text for validation, never trained on")
     p.add_argument("--peer-timeout", type=positive_float, default=10.0, help="a CompNode silent this long has failed (s)")
     p.add_argument("--drop-failed-replicas", action="store_true",
                    help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on "
@@ -89,8 +95,11 @@ def add_parser(sub) -> None:
 
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
-          resumed: bool = False) -> dict:
+          resumed: bool = False, log_every_s: float | None = None) -> dict:
     """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
+
+    ``log_every_s``: when stderr is not a terminal (a log file, a CI job), a one-line step log there at most
+    this often (and after the last step), whatever ``progress`` says; None: never.
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
     replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
@@ -116,6 +125,8 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     last = None
     done = first
     interrupted = False
+    step_log = log_every_s is not None and not sys.stderr.isatty()
+    t0 = t_logged = time.monotonic()
     try:
         with open(metrics, "a" if resumed else "w") as mf:
             for step in range(first, steps):
@@ -127,6 +138,10 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 if bar is not None:
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
                     bar.update(1)
+                if step_log and (time.monotonic() - t_logged >= log_every_s or step + 1 == steps):
+                    t_logged = time.monotonic()
+                    print(f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
+                          f"({t_logged - t0:.0f} s)", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -163,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.out:
         raise FusionError("--resume continues the run in --out RUN: name it")
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
-    batch_fn = make_batches(plan, args.data, plan.seed)  # fail before anything waits
+    batch_fn = make_batches(plan, args.data, plan.seed, args.val_split / 100)  # fail before anything waits
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     from fusion.commands.keys import COORDINATOR, security_from_args
     from fusion.executors.runtime.plandigest import plan_digest

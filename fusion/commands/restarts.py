@@ -32,7 +32,8 @@ def restart_event(number: int, limit: int, failed_step: int, part: str, reason: 
 
 
 def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path,
-                        progress: bool, max_restarts: int, report: Callable[[str], None]) -> dict:
+                        progress: bool, max_restarts: int, report: Callable[[str], None],
+                        log_every_s: float | None = None) -> dict:
     """``train`` on ``cluster`` (a LocalCluster, started), restarting it up to ``max_restarts`` times.
 
     Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is raised with the
@@ -55,7 +56,8 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                 report(f"restart {restarts} of {max_restarts}: every CompNode up again after "
                        f"{event['recovery_s']:.1f} s; resuming at step {first}")
                 failure = None
-            summary = train(cluster.coordinator, batch_fn, first, steps, out, progress, resumed=restarts > 0)
+            summary = train(cluster.coordinator, batch_fn, first, steps, out, progress, resumed=restarts > 0,
+                            log_every_s=log_every_s)
             return {**summary, "restarts": restarts}
         except CompNodeFailure as e:
             if restarts >= max_restarts:

@@ -27,7 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import add_common, non_negative_int, positive_int, run_name, train
+from fusion.commands.coordinator import _number, add_common, non_negative_int, positive_int, run_name, train
+
+#: an argparse type: a number of seconds >= 0
+non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
 
 
 def add_parser(sub) -> None:
@@ -69,6 +72,13 @@ def add_parser(sub) -> None:
                         "latest complete checkpoint and train on, at most N times (needs --checkpoint-every; each "
                         "restart is an event line in metrics.jsonl; default 0: the run ends at the first failure)")
     add_common(p)
+    # output options (issue 26): the step log when stderr is not a terminal
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="options from a YAML file (option: value, MODEL|PLAN as target:); the command line overrides "
+                        "them (fusion.commands.runconfig; see docs/training.md)")
+    p.add_argument("--log-every", type=non_negative_float, default=30.0, metavar="SECONDS",
+                   help="when stderr is not a terminal (a log file, CI), a one-line step log at most this often, "
+                        "even with --no-progress (0: every step)")
     p.set_defaults(run=run, compile_defaults={**defaults, "cluster": None})
 
 
@@ -134,6 +144,10 @@ def _check_restarts(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusion.commands.checks import check_compile_options
+
+    if not (Path(args.target).is_dir() or Path(args.target).name == "plan.json"):  # a MODEL (file.py:fn, .onnx):
+        check_compile_options(args)  # its option values, before torch is imported or the model traced
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
                                         record_plan_digest)
@@ -173,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
     if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
         from fusion.plan import load_plan
 
-        _refuse_untrusted(load_plan(plan_dir), plan_dir, trust)
+        loaded = load_plan(plan_dir)
+        _refuse_untrusted(loaded, plan_dir, trust)
+        if not loaded.graph.loss_nodes():
+            raise FusionError(f"{plan_dir}: the plan's model has no loss, so training would minimise nothing; "
+                              "recompile it with --loss NAME (a scalar output of the model)")
     if not is_plan and not (args.resume and (out / "plan" / "plan.json").exists()):
         # compile in memory first: a model or cluster error leaves no run folder behind
         if not args.cluster:
@@ -184,13 +202,14 @@ def run(args: argparse.Namespace) -> int:
         from fusion.cluster.model import load_cluster
         from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args
         from fusion.loader import load_model
+        from fusion.loss import choose_loss
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
         cluster_ = load_cluster(args.cluster)
-        model = load_model(args.target)
+        model = choose_loss(load_model(args.target), args.loss, args.target)  # a run that trains nothing: refused
         plan = compile_from_args(args, model, cluster_)
         _say(f"compiled: {describe_plan(plan, cluster_)} ({time.monotonic() - t_start:.1f} s)")
     digest = None
@@ -218,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
                                executor_args=executor_args, curve=not args.insecure)
     if args.insecure:
         _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
-    batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
+    batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed, args.val_split / 100)  # fail before starting processes
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)
     if args.ray:
@@ -242,9 +261,10 @@ def run(args: argparse.Namespace) -> int:
                 from fusion.commands.restarts import train_with_restarts
 
                 summary = train_with_restarts(cluster, batch_fn, first, args.steps, out, not args.no_progress,
-                                              args.max_restarts, _say)
+                                              args.max_restarts, _say, log_every_s=args.log_every)
             else:
-                summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
+                summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress,
+                                log_every_s=args.log_every)
         except KeyboardInterrupt as e:
             interrupted = True
             summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None
@@ -254,13 +274,20 @@ def run(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         written = finish_run(out, f"{name}: {n} CompNodes")
+        from fusion.commands.metrics_log import write_logs
+
+        written.update(write_logs(out))  # metrics.csv, and TensorBoard events when tensorboard is installed
     what = ", ".join(f"{k} {v}" for k, v in (("metrics", out / "metrics.jsonl"), *written.items(),
                                              ("weights", out / "final.safetensors")))
+    loss = summary.get("loss") if summary else None
+    result = f"final loss {loss:.6g}" if loss is not None else "no step done"
     if interrupted:
         steps = summary["steps"] if summary else "?"
         _say(f"interrupted after {steps} steps; {what}")
+        print(f"interrupted: {steps} steps, {result}, run folder {out}", flush=True)  # the result: on stdout
         return 130
     restarts = (summary or {}).get("restarts")
     _say(f"done: {args.steps} steps in {time.monotonic() - t_start:.1f} s"
          + (f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else "") + f"; {what}")
+    print(f"done: {summary['steps'] if summary else args.steps} steps, {result}, run folder {out}", flush=True)
     return 0

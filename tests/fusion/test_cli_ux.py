@@ -128,11 +128,17 @@ def test_compile_refuses_to_write_into_an_unrelated_folder(tmp_path):
     r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", other)
     assert "not a plan and not empty" in one_line_error(r, "compile")
     assert sorted(p.name for p in other.iterdir()) == ["cat.jpg"]
-    # a plan folder may be compiled again (replaced)
+    # a plan folder is replaced only with --force (issue 26: it was overwritten silently)
     plan = tmp_path / "p.plan"
-    for _ in range(2):
-        r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan)
-        assert r.returncode == 0, r.stderr
+    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan)
+    assert r.returncode == 0, r.stderr
+    before = (plan / "plan.json").read_bytes()
+    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5")
+    assert "holds a plan already; give --force" in one_line_error(r, "compile")
+    assert (plan / "plan.json").read_bytes() == before
+    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5", "--force")
+    assert r.returncode == 0, r.stderr
+    assert (plan / "plan.json").read_bytes() != before
 
 
 # -- user errors: one line, exit 2 ----------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""Option values checked before a model is traced (issue 26): a wrong number is one line at once, not after a
+trace and compile of many seconds. Each check names the option and says what it must be."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from fusion.ir.errors import FusionError
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def check_compile_options(args: argparse.Namespace) -> None:
+    """The compile options of ``fusion compile`` / ``fusion run MODEL`` whose values cannot be right, refused."""
+    rules = [
+        ("lr", lambda v: _finite(v) and v > 0, "must be a positive number"),
+        ("momentum", lambda v: _finite(v) and 0 <= v < 1, "must be in [0, 1)"),
+        ("weight_decay", lambda v: _finite(v) and v >= 0, "must be 0 or more"),
+        ("compress_ratio", lambda v: v is None or (_finite(v) and v >= 1),
+         "must be at least 1 (AdaTopK keeps 1/R of the values, Eq. 7)"),
+        ("outer_lr", lambda v: _finite(v) and v > 0, "must be a positive number"),
+        ("outer_momentum", lambda v: _finite(v) and 0 <= v < 1, "must be in [0, 1)"),
+    ]
+    for dest, ok, rule in rules:
+        if hasattr(args, dest) and not ok(getattr(args, dest)):
+            raise FusionError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: {rule}")
+    specs = getattr(args, "engine", None) or []
+    if specs:
+        from fusion.executors.engines.select import engine_names
+
+        for spec in specs:
+            engine = spec.rpartition("=")[2]
+            if engine not in engine_names():
+                raise FusionError(f"--engine {spec}: unknown engine {engine!r} (known: {', '.join(engine_names())})")

@@ -1,0 +1,132 @@
+"""``fusion export RUN -o OUT``: the trained weights of a run as a ``state_dict`` of the user's own module.
+
+A run's ``final.safetensors`` holds the graph's parameters: one tensor per tied weight, non-persistent buffers
+(rotary ``inv_freq``) that the graph reads like any weight, and nothing of buffers folded into constants. The user's
+module wants its own ``state_dict`` keys. Export builds the module the run was compiled from (``run.json``'s
+MODEL, or ``--model file.py:function``: the user's own code, run again as ``fusion run`` did) and writes exactly
+its ``state_dict`` keys, so ``module.load_state_dict(load_file(OUT), strict=True)`` takes it:
+
+- a key the run trained: its final value (cast to the module's dtype);
+- a tied key (``lm_head.weight`` sharing ``wte.weight``'s storage): the value of the key the graph kept;
+- a buffer the graph never held (folded as a constant, so training never changed it): the module's own value;
+- a graph tensor that is no ``state_dict`` key (a non-persistent buffer): left out.
+
+A model built node by node (a fusion ``Model`` or ``OpGraph``) has no module: its weights are written as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fusion.ir.errors import FusionError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a run's trained weights as a state_dict of your own module",
+                       description="Write RUN's final weights (safetensors) under your module's own state_dict keys, "
+                                   "so that module.load_state_dict(safetensors.torch.load_file(OUT), strict=True) "
+                                   "loads them.")
+    p.add_argument("run_dir", metavar="RUN", help="a run folder (fusion run --out)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="safetensors file to write")
+    p.add_argument("--model", default=None, metavar="FILE.py:FUNCTION",
+                   help="the model the run trained (default: the MODEL of RUN's run.json; needed for a run of a plan)")
+    p.add_argument("--weights", default=None, metavar="FILE",
+                   help="the weights to export (default: RUN/final.safetensors)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(run=run)
+
+
+def model_spec(run_dir: Path) -> str:
+    """The ``file.py:function`` the run in ``run_dir`` compiled, resolved against the directory it ran in."""
+    marker = run_dir / "run.json"
+    if not marker.is_file():
+        raise FusionError(f"{run_dir}: not a run folder (no run.json)")
+    try:
+        rec = json.loads(marker.read_text())
+        argv, cwd = rec["argv"], rec.get("cwd", ".")
+        target = argv[argv.index("run") + 1]
+    except (ValueError, KeyError, IndexError, json.JSONDecodeError) as e:
+        raise FusionError(f"{marker}: cannot read the run's command line ({e}); name the model with --model") from None
+    path, sep, func = target.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise FusionError(f"{run_dir}: the run trained {target}, not a MODEL file.py:function; name the model the "
+                          "plan was compiled from with --model FILE.py:FUNCTION")
+    return f"{Path(cwd, path)}:{func}"
+
+
+def state_dict_weights(module, trained: dict, spec: str) -> tuple[dict, dict[str, int]]:
+    """``module``'s ``state_dict`` keys -> values from ``trained`` (graph name -> tensor), and counts of what was
+    tied, kept from the module, and left out. Raises naming the first parameter the run does not hold."""
+    import torch
+
+    sd = module.state_dict(keep_vars=True)
+    by_storage: dict[tuple, list[str]] = {}
+    for k, v in sd.items():
+        if v.numel() and v.device.type != "meta":
+            by_storage.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)), []).append(k)
+    params = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+    out, used, counts = {}, set(), {"tied": 0, "module": 0, "left_out": 0}
+    for k, v in sd.items():
+        src = k if k in trained else None
+        if src is None and v.numel() and v.device.type != "meta":
+            twins = by_storage.get((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)), [])
+            src = next((t for t in twins if t in trained), None)
+            counts["tied"] += src is not None
+        if src is None:
+            if k in params:
+                raise FusionError(f"model {spec}: parameter {k!r} is not in the run's weights; is this the model "
+                                  "the run trained?")
+            out[k] = v.detach().clone()  # a buffer the graph folded: training never changed it
+            counts["module"] += 1
+            continue
+        t = torch.as_tensor(trained[src])
+        if tuple(t.shape) != tuple(v.shape):
+            raise FusionError(f"model {spec}: {k!r} has shape {list(v.shape)}, the run's {src!r} "
+                              f"{list(t.shape)}; is this the model the run trained?")
+        out[k] = t.to(v.dtype).clone()
+        used.add(src)
+    counts["left_out"] = len(set(trained) - used)
+    return out, counts
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fusion.ir.graph import OpGraph
+    from fusion.ir.model import Model
+    from fusion.loader import load_function, user_error
+    from fusion.ir.files import atomic_write
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise FusionError(f"-o {out}: exists; give --force to replace it")
+    weights = Path(args.weights) if args.weights else run_dir / "final.safetensors"
+    if not weights.is_file():
+        raise FusionError(f"{weights}: no such weights file (a run writes final.safetensors when it ends)")
+    spec = args.model or model_spec(run_dir)
+    try:
+        trained = load_file(str(weights))
+    except Exception as e:  # safetensors' own error types
+        raise FusionError(f"{weights}: cannot read weights ({e})") from None
+    fn = load_function(spec)
+    try:
+        obj = fn()
+    except Exception as e:
+        raise FusionError(f"model {spec!r}: {spec.rpartition(':')[2]}() raised {user_error(e, spec.rpartition(':')[0])}") from e
+    module = obj[0] if isinstance(obj, tuple) and obj else obj
+    if isinstance(module, (Model, OpGraph)):  # built node by node: the graph's names are the model's names
+        tensors, counts = dict(trained), {"tied": 0, "module": 0, "left_out": 0}
+    elif isinstance(module, torch.nn.Module):
+        tensors, counts = state_dict_weights(module, trained, spec)
+    else:
+        raise FusionError(f"model {spec!r}: returned {type(module).__name__}, not a torch module or fusion Model")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    atomic_write(out, lambda t: save_file(tensors, str(t)))
+    print(f"wrote {out}: {len(tensors)} tensors of {type(module).__name__} ({counts['tied']} tied, "
+          f"{counts['module']} buffers as the module has them, {counts['left_out']} run tensors that are no "
+          f"state_dict key left out)")
+    return 0

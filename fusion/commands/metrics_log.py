@@ -1,0 +1,83 @@
+"""Logs of a run's steps for other tools, written from ``metrics.jsonl`` (issue 26).
+
+- ``metrics.csv``: one row per step (step, loss, iteration_s, samples_per_s, time, and any other scalar field a
+  step line has, e.g. a validation loss), for a spreadsheet or pandas;
+- ``tensorboard/``: TensorBoard event files (scalars ``train/loss``, ``train/samples_per_s``, ...) when the
+  ``tensorboard`` package is importable; skipped, with a log line, otherwise.
+
+Both are rebuilt from ``metrics.jsonl`` at the end of a run (and on Ctrl-C), like ``loss.png``.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+
+from fusion.commands.report import read_metrics
+
+log = logging.getLogger(__name__)
+
+#: the columns every row has, first and in this order
+FIRST = ("step", "loss", "iteration_s", "samples_per_s", "time")
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def write_csv(metrics: Path, out: Path) -> Path | None:
+    """``metrics.csv`` from ``metrics.jsonl``: the scalar fields of each step line; None when there are no steps."""
+    rows = [_scalars(r) for r in read_metrics(metrics)]
+    if not rows:
+        return None
+    cols = [c for c in FIRST if any(c in r for r in rows)]
+    cols += sorted({k for r in rows for k in r} - set(cols))
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(out)
+    return out
+
+
+def write_tensorboard(metrics: Path, out: Path) -> Path | None:
+    """TensorBoard scalars of every step under ``out`` (one fresh event file); None without the tensorboard
+    package or without steps."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed: no TensorBoard log (metrics.csv and metrics.jsonl hold the same)")
+        return None
+    rows = read_metrics(metrics)
+    if not rows:
+        return None
+    import shutil
+
+    if out.exists():
+        shutil.rmtree(out)  # rebuilt whole from metrics.jsonl (a resumed run replays steps)
+    w = SummaryWriter(str(out))
+    try:
+        for r in rows:
+            for k, v in _scalars(r).items():
+                if k not in ("step", "time") and math.isfinite(v):
+                    w.add_scalar(f"train/{k}", v, int(r["step"]), walltime=r.get("time"))
+    finally:
+        w.close()
+    return out
+
+
+def write_logs(out: Path) -> dict[str, Path]:
+    """``metrics.csv`` and (when available) ``tensorboard/`` in the run folder ``out``; what was written."""
+    written = {}
+    for key, make in (("csv", lambda: write_csv(out / "metrics.jsonl", out / "metrics.csv")),
+                      ("tensorboard", lambda: write_tensorboard(out / "metrics.jsonl", out / "tensorboard"))):
+        try:
+            p = make()
+        except Exception as e:  # a log must never hide the run's own result
+            log.warning("could not write the run's %s: %s", key, e)
+            continue
+        if p is not None:
+            written[key] = p
+    return written
