@@ -48,9 +48,18 @@ def commands(md: Path) -> list[list[str]]:
 def test_the_docs_hold_the_commands_we_expect():
     """The extraction itself: if a doc's commands move or change shape, this says so."""
     readme = [c for b in commands(ROOT / "README.md") for c in b]
-    assert any(c.startswith("fusion run examples/models/gpt.py:tiny") for c in readme)
+    assert "fusion run examples/models/gpt.py:tiny --cluster examples/clusters/local-4-two-sites.yaml " \
+           "--strategy equal-flops --steps 30" in readme  # the main job, verbatim as .ci/run runs it
     assert any(c.startswith("fusion compile") and "--compress-ratio 100" in c and "equal-flops" in c for c in readme)
-    assert {c.split()[1] for c in readme} >= {"graph", "compile", "inspect", "run", "profile"}
+    assert {c.split()[1] for c in readme} >= {"compile", "run"}
+    # the depth lives in docs/: every command of the CLI is shown in some page, each where its topic is
+    every = [c for d in DOCS for b in commands(d) for c in b]
+    assert {c.split()[1] for c in every} >= {"graph", "compile", "inspect", "run", "profile", "keys", "executor",
+                                              "coordinator"}
+    security = [c for b in commands(ROOT / "docs" / "security.md") for c in b]
+    assert any(c.startswith("fusion keys runs/tiny.plan") for c in security)
+    dp = [c for b in commands(ROOT / "docs" / "data-parallel.md") for c in b]
+    assert any("--replicas 2" in c for c in dp) and any("--strategy dtfm" in c for c in dp)
     runtime = [c for b in commands(ROOT / "docs" / "runtime.md") for c in b]
     assert any(c.startswith("fusion executor plan/ --node part1") for c in runtime)
     assert not any("--node p0" in c or "--node p1" in c for b in map(commands, DOCS) for cc in b for c in cc)

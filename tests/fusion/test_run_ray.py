@@ -170,13 +170,13 @@ def ray_recipe(md: Path) -> list[str]:
 
 
 def test_the_ray_recipe_is_the_one_tested():
-    """docs/runtime.md's recipe starts one node per device of two-hosts.yaml; the README shows the same commands."""
+    """docs/runtime.md's recipe starts one node per device of two-hosts.yaml; docs/running.md shows the same commands."""
     doc = ray_recipe(ROOT / "docs" / "runtime.md")
     starts = [ln for ln in doc if ln.startswith("ray start")]
     assert len(starts) == 2 and device_resource("host-a") in starts[0] and device_resource("host-b") in starts[1]
     assert [ln.split()[1] for ln in doc if ln.startswith("fusion ")] == ["compile", "run"]
-    readme = ray_recipe(ROOT / "README.md")
-    assert [ln for ln in readme if ln.startswith("fusion ")] == [ln for ln in doc if ln.startswith("fusion ")]
+    running = ray_recipe(ROOT / "docs" / "running.md")
+    assert [ln for ln in running if ln.startswith("fusion ")] == [ln for ln in doc if ln.startswith("fusion ")]
 
 
 def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
