@@ -26,8 +26,11 @@ against DiLoCo at H = 20 and 50, optionally 8-bit pseudo-gradients, on the CPyth
 held-out validation split, every seed reported); its final JSON line holds ``steps_to_sync_loss_ratio``
 per seed and the medians:
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 600] [--seeds 0,1,2]
-        [--h 20,50] [--quant8-h 20] [--jobs 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
+        [--diloco-factor 3] [--seeds 0,1,2] [--h 20,50] [--quant8-h H] [--outer-lr 0.7]
+        [--outer-momentum 0.9] [--jobs 3]
+
+(docs/runtime.md "DiLoCo" gives the run measured there: ``--outer-momentum 0.5``, tuned on seed 0, ``--jobs 3``.)
 
 Not measured here: the planner's prediction on ``fusionllm-48``.
 """
@@ -84,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per replica")
     ap.add_argument("--study", choices=["throughput", "convergence"], default="throughput",
                     help="throughput: the measured runs above (default); convergence: diloco_study.py's figure")
-    ap.add_argument("--sync-steps", type=int, default=600, help="convergence: synchronous DP's steps")
-    ap.add_argument("--diloco-factor", type=float, default=1.5,
+    ap.add_argument("--sync-steps", type=int, default=300, help="convergence: synchronous DP's steps")
+    ap.add_argument("--diloco-factor", type=float, default=3.0,
                     help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
     ap.add_argument("--h", default="20,50", help="convergence: the inner steps H of the DiLoCo runs")
-    ap.add_argument("--quant8-h", type=int, default=20, help="convergence: H of the 8-bit run (0: none)")
+    ap.add_argument("--quant8-h", type=int, default=0,
+                    help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")

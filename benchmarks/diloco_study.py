@@ -77,8 +77,8 @@ class StudyConfig:
     seq: int = 32
     inner: str = "adamw"
     lr: float = 3e-3
-    steps: int = 600
-    diloco_factor: float = 1.5
+    steps: int = 300
+    diloco_factor: float = 3.0
     eval_every: int = 20
     val_windows: int = 256
     outer_lr: float = 0.7
