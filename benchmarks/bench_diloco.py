@@ -20,8 +20,19 @@ measured steps / their summed iteration seconds (not a median: an outer step eve
 ``--steps`` should be a multiple of H. DP bytes per step: bytes one replica sent to the other, per step.
 Final JSON line: samples/s of each case, ``measured_2x1_over_1x1`` (DiLoCo, exact), the same for the other
 two cases, and ``dp_bytes_ratio`` (synchronous DP's DP bytes per step over DiLoCo's, exact and 8-bit).
-Not measured here (issue 25's other figures): steps to the synchronous validation loss on the CPython
-corpus, and the planner's prediction on ``fusionllm-48``.
+
+``--study convergence`` runs the convergence study instead (:mod:`diloco_study`: 4 replicas, synchronous DP
+against DiLoCo at H = 20 and 50, optionally 8-bit pseudo-gradients, on the CPython-source corpus with a
+held-out validation split, every seed reported); its final JSON line holds ``steps_to_sync_loss_ratio``
+per seed and the medians:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
+        [--diloco-factor 3] [--seeds 0,1,2] [--h 20,50] [--quant8-h H] [--outer-lr 0.7]
+        [--outer-momentum 0.9] [--jobs 3]
+
+(docs/runtime.md "DiLoCo" gives the run measured there: ``--outer-momentum 0.5``, tuned on seed 0, ``--jobs 3``.)
+
+Not measured here: the planner's prediction on ``fusionllm-48``.
 """
 from __future__ import annotations
 
@@ -54,15 +65,9 @@ def make_plan(grid: list[list[str]], micro: int, out: Path, sync=None) -> Path:
 
 
 def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
-    from fusion.data import make_batches
-    from fusion.executors.runtime.coordinator import CoordinatorConfig
-    from fusion.executors.runtime.launcher import LocalCluster
+    from local_runs import emulated_steps
 
-    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=True, peer_timeout_s=60), threads=1,
-                      trace=False, verbose=0) as lc:
-        lc.start()
-        batch = make_batches(lc.plan, "auto", 0)
-        reports = [lc.coordinator.step(batch(s)) for s in range(warmup + steps)][warmup:]
+    _, reports = emulated_steps(plan_dir, run_dir, steps, warmup)
     secs = sum(r.iteration_s for r in reports)
     rows = sum(r.samples for r in reports)
     per_step = [sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
@@ -80,8 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per replica")
+    ap.add_argument("--study", choices=["throughput", "convergence"], default="throughput",
+                    help="throughput: the measured runs above (default); convergence: diloco_study.py's figure")
+    ap.add_argument("--sync-steps", type=int, default=300, help="convergence: synchronous DP's steps")
+    ap.add_argument("--diloco-factor", type=float, default=3.0,
+                    help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
+    ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
+    ap.add_argument("--h", default="20,50", help="convergence: the inner steps H of the DiLoCo runs")
+    ap.add_argument("--quant8-h", type=int, default=0,
+                    help="convergence: H of an 8-bit run with error feedback (0: none)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")
+    ap.add_argument("--jobs", type=int, default=1, help="convergence: seeds run at once, one process each")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.study == "convergence":
+        return convergence(args, t0)
     h = args.inner_steps
     two = [["cpu-0"], ["cpu-2"]]
     cases = {"1x1": ([["cpu-0"]], None), "2x1_every": (two, None),
@@ -112,6 +132,31 @@ def main(argv: list[str] | None = None) -> int:
                       "dp_bytes_ratio": round(every / res["2x1_diloco"]["dp_bytes_per_step"], 2),
                       "dp_bytes_ratio_q8": round(every / res["2x1_diloco_q8"]["dp_bytes_per_step"], 2),
                       "wall_s": round(time.time() - t0, 1)}))
+    return 0
+
+
+def convergence(args: argparse.Namespace, t0: float) -> int:
+    """The convergence study (:mod:`diloco_study`); its final JSON line."""
+    import logging
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from diloco_study import StudyConfig, study
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    hs = [int(h) for h in args.h.split(",")]
+    if min(hs) < 1 or args.sync_steps < 1 or len(seeds) < 1:
+        print("bench_diloco.py: --h, --sync-steps and --seeds need values >= 1", file=sys.stderr)
+        return 2
+    res = study(cfg, seeds, hs, args.quant8_h or None, args.jobs)
+    print(json.dumps({"bench": "diloco", "study": "convergence", "corpus": "CPython stdlib source (convergence.py)",
+                      "replicas": cfg.replicas, "global_batch": cfg.global_batch, "seq": cfg.seq,
+                      "inner": {"optimizer": cfg.inner, "lr": cfg.lr},
+                      "outer": {"optimizer": "nesterov-sgd", "lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
+                      "sync_steps": cfg.steps, "diloco_steps_factor": cfg.diloco_factor, "seeds": seeds,
+                      **res, "wall_s": round(time.time() - t0, 1)}))
     return 0
 
 

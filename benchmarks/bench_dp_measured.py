@@ -55,18 +55,12 @@ def make_plan(grid: list[list[str]], micro: int, out: Path, dp_codec: dict | Non
 
 
 def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
-    from fusion.data import make_batches
-    from fusion.executors.runtime.coordinator import CoordinatorConfig
-    from fusion.executors.runtime.launcher import LocalCluster
+    from local_runs import emulated_steps
 
-    with LocalCluster(plan_dir, run_dir, CoordinatorConfig(emulate_links=True, peer_timeout_s=60), threads=1,
-                      trace=False, verbose=0) as lc:
-        lc.start()
-        batch = make_batches(lc.plan, "auto", 0)
-        reports = [lc.coordinator.step(batch(s)) for s in range(warmup + steps)][warmup:]
+    plan, reports = emulated_steps(plan_dir, run_dir, steps, warmup)
     it = statistics.median(r.iteration_s for r in reports)
     rows = reports[0].samples
-    return {"parts": len(lc.plan.parts), "rows_per_step": rows, "iteration_s": round(it, 5),
+    return {"parts": len(plan.parts), "rows_per_step": rows, "iteration_s": round(it, 5),
             "samples_per_s": round(rows / it, 3), "losses": [round(r.loss, 5) for r in reports]}
 
 

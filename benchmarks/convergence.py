@@ -134,13 +134,19 @@ def cnn_batches(steps: int, batch: int, seed: int, classes: int, image: int, sam
 
 # -- models -------------------------------------------------------------------------------
 
+def gpt_config(seq: int):
+    """The study's char-level GPT: the corpus's 96 tokens, 2 layers, 2 heads, width 64, ``seq`` tokens."""
+    from gpt import GPTConfig
+
+    return GPTConfig(vocab=96, n_layer=2, n_head=2, d_model=64, seq_len=seq)
+
+
 def gpt(mb: int, seq: int):
-    from gpt import GPTConfig, gpt_model
+    from gpt import gpt_model
 
     from fusion.ir.trace import trace
 
-    cfg = GPTConfig(vocab=96, n_layer=2, n_head=2, d_model=64, seq_len=seq)
-    module, example = gpt_model(cfg, batch=mb, seed=0)
+    module, example = gpt_model(gpt_config(seq), batch=mb, seed=0)
     return trace(module, example, labels=("targets",))
 
 

@@ -13,36 +13,18 @@ import copy
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
-from fusion.ir.trace import trace
 from tests.executors.dist_models import run_distributed, save_hand_plan
+from tests.executors.shared_setup import half_mlp
 
 MB, N_MB, STEPS = 2, 2, 3
 
 
-class Net(nn.Module):
-    """A residual MLP whose logits are upcast for the loss, as mixed-precision code does."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
-
-    def forward(self, x, y):
-        h = F.gelu(self.a(x))
-        h = torch.tanh(self.b(h)) + h
-        return F.cross_entropy(self.c(h).float(), y)
-
-
 def _setup(dtype):
-    torch.manual_seed(0)
-    net = Net().to(dtype)
-    model = trace(copy.deepcopy(net), {"x": torch.zeros(MB, 8, dtype=dtype), "y": torch.zeros(MB, dtype=torch.long)},
-                  labels=("y",))
-    return net, model
+    return half_mlp(dtype, MB)
 
 
 def _batches():

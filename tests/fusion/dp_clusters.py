@@ -1,6 +1,8 @@
 """Small clusters and a small GPT cost model shared by the DP x PP tests."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fusion.cluster.model import Cluster, Device
@@ -27,3 +29,22 @@ def matrix_cluster(alpha: np.ndarray, bw_bps: np.ndarray, flops: float = 1e12, m
     bw = np.array(bw_bps, dtype=float)
     np.fill_diagonal(bw, 0.0)
     return Cluster.from_bandwidth("matrix", devs, a, bw, "matrix.json")
+
+
+@functools.cache
+def tiny_gpt():
+    """``(model, costs)``: a 4-layer GPT (width 128, 4 heads, vocabulary 1000, 64 tokens) on the meta device and
+    its measured node costs, built once per session (the DP cost and planner tests only read it)."""
+    from fusion.cost.flops import measure_costs
+    from tests.testing_models import gpt_model
+
+    m = gpt_model(4, 128, 4, 1000, 64, 1, device="meta")
+    return m, measure_costs(m.graph)
+
+
+def cost_model(tiny, cluster: Cluster):
+    """The cost model of ``tiny`` (:func:`tiny_gpt`) on ``cluster``: one micro-batch row, 1F1B, 2 micro-batches."""
+    from fusion.cost.estimate import CostModel
+
+    m, costs = tiny
+    return CostModel.build(m.graph, costs, cluster, 1, "1f1b", 2, 1)

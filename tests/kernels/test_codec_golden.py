@@ -15,7 +15,6 @@ Regenerate (only when payload bytes are meant to change, and say so in the commi
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from pathlib import Path
@@ -23,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.executors.dist_models import GPT_SPLITS, gpt_batch, tied_transformer
+from tests.executors.shared_setup import capture_sent, half_mlp
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir import wire
 from fusion.ir.builder import GraphBuilder
@@ -148,23 +146,6 @@ MODES = {
 STEPS = 4  # batches 0, 1, 0, 1: steps 2 and 3 revisit the samples of 0 and 1 (delta's steady state)
 
 
-def _capture(ex: ReferenceExecutor) -> list[OpData]:
-    sent: list[OpData] = []
-    for part in ex.parts.values():
-        def fwd(*a, _f=part.forward, **kw):
-            out, loss = _f(*a, **kw)
-            sent.extend(out)
-            return out, loss
-
-        def bwd(*a, _b=part.backward, **kw):
-            out = _b(*a, **kw)
-            sent.extend(out)
-            return out
-
-        part.forward, part.backward = fwd, bwd
-    return sent
-
-
 def _messages(sent: list[OpData]) -> dict[str, str]:
     out = {}
     for m in sent:
@@ -189,7 +170,7 @@ def table_digests(edge_set: str, mode: str) -> dict[str, str]:
     engines, options = MODES[mode]
     ex = ReferenceExecutor(branching_mlp(), SPLIT, OptimizerConfig("adamw", lr=0.01), micro_batches=2,
                            engines=engines, compression=EDGE_SETS[edge_set], engine_options=options)
-    sent = _capture(ex)
+    sent = capture_sent(ex)
     for s in range(STEPS):
         ex.step(mlp_batch(s % 2))
     out = _messages(sent)
@@ -199,35 +180,19 @@ def table_digests(edge_set: str, mode: str) -> dict[str, str]:
 
 # -- a bfloat16 model ------------------------------------------------------------------------------
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
-
-    def forward(self, x, y):
-        h = F.gelu(self.a(x))
-        h = torch.tanh(self.b(h)) + h
-        return F.cross_entropy(self.c(h).float(), y)
-
-
 BF16_EDGES = {"topk-ef": dict(error_feedback=True, ratio=4.0, directions=("fwd", "bwd")),
               "quant4-stochastic": dict(fwd_codec=Q4S, bwd_codec=Q8),
               "hadamard-delta": dict(fwd_codec=DELTA, bwd_codec=HQ)}
 
 
 def bf16_digests(edge: str, mode: str) -> dict[str, str]:
-    from fusion.ir.trace import trace
-
-    torch.manual_seed(0)
-    net = _Net().to(torch.bfloat16)
-    model = trace(copy.deepcopy(net), {"x": torch.zeros(2, 8, dtype=torch.bfloat16),
-                                       "y": torch.zeros(2, dtype=torch.long)}, labels=("y",))
+    _, model = half_mlp(torch.bfloat16)
     names = list(model.graph.nodes)
     assign = {n: "p0" if i < names.index("tanh") else "p1" for i, n in enumerate(names)}
     edges = [EdgeCompression("gelu", None, "p0", "p1", **BF16_EDGES[edge])]
     ex = ReferenceExecutor(model, assign, OptimizerConfig("sgd", lr=0.1), micro_batches=2, compression=edges,
                            engine_options=MODES[mode][1])
-    sent = _capture(ex)
+    sent = capture_sent(ex)
     for s in range(STEPS):
         g = torch.Generator().manual_seed(s % 2)
         ex.step({"x": torch.randn(4, 8, generator=g).numpy(), "y": torch.randint(0, 4, (4,), generator=g).numpy(),

@@ -6,26 +6,18 @@ import pytest
 from fusion.cost.dp import (PSEUDO_CODECS, allgather_time, balance_shares, diloco_estimate, diloco_layout,
                             pseudo_wire_bytes, replica_cost_model, ring_allreduce_time, stage_param_specs)
 from fusion.cost.estimate import CostModel
-from fusion.cost.flops import measure_costs
 from fusion.kernels.codec import CODECS
 from fusion.partition.chain import build_chain
-from tests.fusion.dp_clusters import matrix_cluster, two_regions
-from tests.testing_models import gpt_model
+from tests.fusion.dp_clusters import cost_model, matrix_cluster, tiny_gpt, two_regions
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    m = gpt_model(4, 128, 4, 1000, 64, 1, device="meta")
-    return m, measure_costs(m.graph)
-
-
-def _cm(tiny, cluster):
-    m, costs = tiny
-    return CostModel.build(m.graph, costs, cluster, 1, "1f1b", 2, 1)
+    return tiny_gpt()
 
 
 def test_pseudo_gradient_bytes_are_the_codecs_wire_bytes(tiny):
-    cm = _cm(tiny, two_regions())
+    cm = cost_model(tiny, two_regions())
     ch = build_chain(cm)
     node_part = ch.node_part([ch.n_atoms // 2])
     specs = stage_param_specs(cm, node_part, 2)
@@ -46,7 +38,7 @@ def test_pseudo_gradient_bytes_are_the_codecs_wire_bytes(tiny):
 
 
 def _two_replicas(tiny, slow_bps=50e6, M=4):
-    cm = _cm(tiny, two_regions(slow_bps=slow_bps))
+    cm = cost_model(tiny, two_regions(slow_bps=slow_bps))
     zero = np.zeros(len(cm.names), dtype=np.int64)
     return cm, diloco_layout(cm, zero, [[0], [4]], M)  # one replica per region: the slow link averages
 
@@ -133,7 +125,7 @@ def test_a_slow_replica_gets_a_small_share_and_does_not_set_the_pace(tiny):
 
 def test_a_replica_over_its_memory_recomputes_the_parts_that_need_it(tiny):
     m, costs = tiny
-    cm = _cm(tiny, two_regions())
+    cm = cost_model(tiny, two_regions())
     ch = build_chain(cm)
     node_part = ch.node_part([ch.n_atoms // 2])
     two = replica_cost_model(cm, 4)
@@ -142,7 +134,7 @@ def test_a_replica_over_its_memory_recomputes_the_parts_that_need_it(tiny):
     assert redo[0] < plain[0]  # stage 0 holds two micro-batches' activations under 1F1B, recomputing only one
     cap = (plain[0] + redo[0]) / 2
     assert max(plain[1], redo[0]) < cap  # so stage 0 fits only by recomputing, stage 1 as it is
-    small = _cm(tiny, two_regions(memory=cap))
+    small = cost_model(tiny, two_regions(memory=cap))
     lay = diloco_layout(small, node_part, [[0, 1], [4, 5]], 8, recompute=True)
     assert lay.recompute == [[True, False], [True, False]] and not lay.violations
     assert diloco_layout(small, node_part, [[0, 1], [4, 5]], 8).violations  # without it stage 0 overflows

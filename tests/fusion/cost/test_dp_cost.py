@@ -4,16 +4,13 @@ import pytest
 
 from fusion.cost.dp import BACKWARD_SHARE, dp_estimate, replica_cost_model, ring_allreduce_time, stage_grad_bytes
 from fusion.cost.estimate import CostModel
-from fusion.cost.flops import measure_costs
 from fusion.partition.chain import build_chain
-from tests.fusion.dp_clusters import matrix_cluster, two_regions
-from tests.testing_models import gpt_model
+from tests.fusion.dp_clusters import matrix_cluster, tiny_gpt, two_regions
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    m = gpt_model(4, 128, 4, 1000, 64, 1, device="meta")
-    return m, measure_costs(m.graph)
+    return tiny_gpt()
 
 
 def test_ring_allreduce_two_devices_by_hand():

@@ -8,27 +8,20 @@ from fusion.cost.flops import measure_costs
 from fusion.partition.dp import DPPlanError, batch_splits, plan_dp, plan_dp_model, replica_paths, virtual_cluster
 from fusion.partition.dtfm import plan_dtfm_model
 from fusion.partition.fence import op_fence
-from tests.fusion.dp_clusters import two_regions
+from tests.fusion.dp_clusters import cost_model, tiny_gpt, two_regions
 from tests.fusion.partition.dp_checks import check_placement
-from tests.testing_models import gpt_model
 
 MB = 1e6
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    m = gpt_model(4, 128, 4, 1000, 64, 1, device="meta")
-    return m, measure_costs(m.graph)
-
-
-def _cm(tiny, cluster):
-    m, costs = tiny
-    return CostModel.build(m.graph, costs, cluster, 1, "1f1b", 2, 1)
+    return tiny_gpt()
 
 
 def test_placement_is_valid_and_memory_forces_stages(tiny):
     cl = two_regions(memory=12 * MB)  # 15 MB of parameter state: at least two stages
-    cm = _cm(tiny, cl)
+    cm = cost_model(tiny, cl)
     pl, best = plan_dp_model(cm, global_batch=16)
     assert pl.strategy == "dp" and pl.stages >= 2
     check_placement(cm, pl, best.cm.micro_batches)
@@ -44,7 +37,7 @@ def test_plan_dp_from_the_graph(tiny):
 
 def test_one_replica_is_opfence(tiny):
     cl = two_regions()
-    cm = _cm(tiny, cl)
+    cm = cost_model(tiny, cl)
     pl, best = plan_dp_model(cm, global_batch=8, replicas=[1])
     assert pl.replicas == 1 and pl.predicted["dp_sync_s"] == 0.0
     single = op_fence(replica_cost_model(cm, 8))
@@ -55,7 +48,7 @@ def test_replicas_pay_on_a_compute_bound_cluster(tiny):
     """Slow devices, fast links everywhere: replicas beat one pipeline over the same 8 devices
     (a 4-layer model cuts into few balanced stages)."""
     cl = two_regions(flops=1e9, slow_bps=10e9, slow_lat=1e-4)
-    cm = _cm(tiny, cl)
+    cm = cost_model(tiny, cl)
     pl, _ = plan_dp_model(cm, global_batch=32)
     one, _ = plan_dp_model(cm, global_batch=32, replicas=[1])
     assert pl.replicas >= 2
@@ -65,7 +58,7 @@ def test_replicas_pay_on_a_compute_bound_cluster(tiny):
 def test_groups_stay_inside_regions_when_gradients_are_heavy(tiny):
     """Averaging 15 MB over 10 Mbit/s costs seconds; a group split over both regions would pay it."""
     cl = two_regions(memory=12 * MB, flops=1e10, slow_bps=10e6)
-    cm = _cm(tiny, cl)
+    cm = cost_model(tiny, cl)
     pl, _ = plan_dp_model(cm, global_batch=16)
     if pl.replicas > 1:
         for s in range(pl.stages):
@@ -74,7 +67,7 @@ def test_groups_stay_inside_regions_when_gradients_are_heavy(tiny):
 
 def test_beats_or_matches_dtfm_on_two_regions(tiny):
     cl = two_regions(memory=12 * MB, flops=1e10, slow_bps=100e6)
-    cm = _cm(tiny, cl)
+    cm = cost_model(tiny, cl)
     ours, _ = plan_dp_model(cm, global_batch=16)
     theirs, best, _ = plan_dtfm_model(cm, global_batch=16, seed=0, generations=40)
     check_placement(cm, theirs, best.cm.micro_batches)
@@ -82,7 +75,7 @@ def test_beats_or_matches_dtfm_on_two_regions(tiny):
 
 
 def test_batch_that_does_not_split_is_one_clear_error(tiny):
-    cm = _cm(tiny, two_regions())
+    cm = cost_model(tiny, two_regions())
     with pytest.raises(DPPlanError, match="global_batch 7 is not a multiple"):
         batch_splits(7, 2, 8, None)
     with pytest.raises(DPPlanError, match="global_batch must be an integer"):

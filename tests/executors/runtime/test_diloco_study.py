@@ -1,0 +1,76 @@
+"""benchmarks/diloco_study.py (``bench_diloco.py --study convergence``): its machinery runs, and its DiLoCo,
+driven through fusion's own outer step (``OuterLoop.step`` over an in-process wire), equals its synchronous DP
+where DiLoCo must: H = 1, an SGD inner optimizer, outer lr 1, outer momentum 0 (test_diloco.py's identity)."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+import diloco_study as ds  # noqa: E402
+
+from fusion.plan import DPSync  # noqa: E402
+
+TINY = ds.StudyConfig(global_batch=8, seq=16, steps=4, diloco_factor=1.0, eval_every=1, val_windows=8)
+
+
+@pytest.fixture(scope="module")
+def data():
+    train, val = ds.split_corpus(ds.text_corpus())
+    return train, val, ds.validation_set(val, TINY)
+
+
+def test_held_out_split_and_unigram_level(data):
+    train, val, vset = data
+    np.testing.assert_array_equal(np.concatenate([train, val]), ds.text_corpus())  # the tail is held out
+    assert train.size > 8 * val.size > 0 and vset["idx"].shape == (8, 16)
+    assert 2.0 < ds.unigram_loss(train, val) < math.log(96)  # below uniform, far above a model's loss
+
+
+def test_h1_sgd_outer_lr1_momentum0_is_synchronous_dp(data):
+    train, _, vset = data
+    cfg = ds.StudyConfig(**{**TINY.__dict__, "inner": "sgd", "lr": 0.05})
+    sync = ds.run_sync(cfg, 0, train, vset)
+    same = ds.run_diloco(cfg, 0, DPSync("diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0), train, vset)
+    assert same.steps == sync.steps == [1, 2, 3, 4]
+    np.testing.assert_allclose(same.train, sync.train, rtol=1e-5)
+    np.testing.assert_allclose(same.val, sync.val, rtol=1e-5)
+    assert sync.val[-1] < sync.val[0]  # it trains
+    # another outer step is not synchronous DP: the comparison can fail
+    other = ds.run_diloco(cfg, 0, DPSync("diloco", inner_steps=1, outer_lr=0.5, outer_momentum=0.0), train, vset)
+    assert abs(other.val[-1] - sync.val[-1]) > 1e-3
+
+
+def test_ring_bytes_and_codec_path(data):
+    train, _, vset = data
+    n = sum(p.numel() for p in ds.make_model(TINY, 0).parameters())
+    exact = ds.run_diloco(TINY, 0, DPSync("diloco", inner_steps=2), train, vset)
+    assert exact.steps == [2, 4]
+    # a ring of 4: each replica sends 2 (G - 1) / G of its float32 pseudo-gradient per outer step
+    assert exact.sent_bytes == pytest.approx(2 * 1.5 * 4 * n, abs=2 * 6 * 4)
+    q8 = ds.run_diloco(TINY, 0, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8},
+                                       error_feedback=True), train, vset)
+    assert 0 < q8.sent_bytes < exact.sent_bytes  # 3 peers x 8 bits < 1.5 x 32 bits
+    assert abs(q8.val[-1] - exact.val[-1]) < 0.05 and q8.val[-1] != exact.val[-1]
+
+
+def test_study_reports_every_seed_and_misses():
+    res = ds.study(TINY, [0, 1, 2], [2], quant8_h=None)
+    med = res["medians"]["diloco_h2"]
+    assert len(med["per_seed"]) == 3 and set(res["per_seed"]) == {"0", "1", "2"}
+    for seed, row in res["per_seed"].items():
+        r = row["diloco_h2"]
+        assert (r["steps_to_sync_loss_ratio"] is None) == (r["gap_at_end"] is not None)
+        if r["steps_to_sync_loss"] is not None:
+            assert r["steps_to_sync_loss_ratio"] == r["steps_to_sync_loss"] / TINY.steps
+    reached = sorted(math.inf if x is None else x for x in med["per_seed"])
+    assert med["steps_to_sync_loss_ratio"] == (None if math.isinf(reached[1]) else reached[1])
+
+
+def test_steps_to_is_the_first_evaluated_step():
+    c = ds.Curve(steps=[10, 20, 30], val=[3.0, 2.0, 1.0])
+    assert ds.steps_to(c, 2.0) == 20 and ds.steps_to(c, 0.5) is None
