@@ -73,13 +73,21 @@ def _through_codec(deltas: dict, names: list, codec, residual):
 
 
 def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make_opt, sync: DPSync, drop=None,
-                     counts=None):
+                     counts=None, drop_at_outer=None):
     """Plain-PyTorch DiLoCo (Douillard et al. 2023, Algorithm 1): per step (mean loss, global-or-local weights).
 
     Replica r takes the r-th contiguous share of each global batch, ``micro`` micro-batches with gradient
     accumulation. drop: ``(step, replica)``: from that step on the replica is gone (its inner steps since
     the last outer step are lost) and the survivors share the global batch. counts: each replica's
-    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts)."""
+    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts).
+    drop_at_outer: ``(step, replica)``: the replica took its inner step of ``step`` (its loss counts) but
+    died in that step's outer exchange, which averages the survivors only.
+
+    ``sync.delay`` 1 (the runtime's delayed outer step, ``outer.py``): at a fragment's boundary each
+    replica's pseudo-gradient is its progress since its window's start (``anchor - local``), the round
+    started at the previous boundary is averaged over the replicas live now and applied to the global
+    weights, and every replica rebases ``local = global - its progress`` (its new anchor); a round still in
+    flight after the last step is applied to the weights returned last."""
     names = [k for k in model.params if model.graph.params[k].trainable]
     glob = {k: torch.tensor(np.asarray(model.params[k])) for k in names}
     fixed = {k: torch.tensor(np.asarray(v)) for k, v in model.params.items() if k not in glob}
@@ -95,6 +103,18 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     residual = [[np.zeros(sum(glob[k].numel() for k in f), np.float32) if sync.error_feedback else None
                  for f in frags] for _ in range(replicas)]
     h, nf = sync.inner_steps, len(frags)
+    anchor = [{k: v.detach().clone() for k, v in p.items()} for p in local]  # delay 1: each window's start
+    pending = [None] * nf  # delay 1: fragment -> {replica: its decoded pseudo-gradient} of the round in flight
+
+    def apply_outer(f, deltas, members):  # deltas: {replica: {name: tensor}}, averaged over members
+        outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
+        for k, g in ((k, glob[k]) for k in frags[f]):
+            if counts:
+                g.grad = sum(deltas[r][k] * (counts[r] / sum(counts)) for r in members)
+            else:
+                g.grad = torch.stack([deltas[r][k] for r in members]).sum(0) / len(members)
+        outer.step()
+
     out = []
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
@@ -114,7 +134,25 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 losses.append(lc.item())
             opts[r].step()
         due = [f for f in range(nf) if (step + 1) % h == (f * h) // nf]
-        if due:
+        if drop_at_outer is not None and step == drop_at_outer[0]:
+            live.remove(drop_at_outer[1])
+        if due and sync.delay:
+            (f,) = due
+            raw = {r: {k: anchor[r][k] - local[r][k].detach() for k in frags[f]} for r in live}
+            if pending[f] is not None:
+                apply_outer(f, pending[f], live)
+            pending[f] = {}
+            for r in live:
+                d = raw[r]
+                if sync.codec is not None:
+                    d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
+                pending[f][r] = d
+            with torch.no_grad():
+                for r in live:
+                    for k in frags[f]:
+                        local[r][k].copy_(glob[k] - raw[r][k])
+                        anchor[r][k] = local[r][k].detach().clone()
+        elif due:
             (f,) = due
             outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
             deltas = [{k: glob[k] - local[r][k].detach() for k in frags[f]} for r in live]
@@ -132,6 +170,15 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                     for k in frags[f]:
                         local[r][k].copy_(glob[k])
         out.append((float(np.mean(losses)), {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
+    if any(p is not None for p in pending):  # delay 1: the rounds in flight, applied to the weights returned
+        r0 = live[0]
+        final = {k: v.detach().clone() for k, v in local[r0].items()}
+        for f, p in enumerate(pending):
+            if p is not None:
+                apply_outer(f, p, live)
+                for k in frags[f]:
+                    final[k] = glob[k].detach() - (anchor[r0][k] - local[r0][k].detach())
+        out[-1] = (out[-1][0], {k: v.numpy() for k, v in final.items()})
     return out
 
 
@@ -353,3 +400,51 @@ def test_streaming_fragments_sync_staggered_and_match_the_reference(tmp_path, co
     assert min(sizes) > 0 and sum(sizes) == 4 * sum(int(np.prod(p.shape)) for p in model.graph.params.values())
     if codec is None:
         assert all(o["payload_bytes"] == sizes[o["fragment"]] for o in outer.values())
+
+
+DELAYED = [  # (model, stages, schedule, inner optimizer, engines, H, fragments, codec, shares, steps)
+    # 2 x 1, a NumPy replica, 4-bit pseudo-gradients with error feedback, two streaming fragments, shares 3 : 1
+    ("mlp", 1, "gpipe", SGD_M, {"r1.p0": "numpy"}, 4, 2, {"algo": "quant", "bits": 4}, {0: 3.0, 1: 1.0}, 8),
+    ("gpt", 2, "1f1b", SGD_M, None, 2, 1, None, {}, 6),  # 2 x 2 (4 processes), exact averaging
+]
+
+
+@pytest.mark.parametrize("name,stages,schedule,opt,engines,H,F,codec,shares,steps", DELAYED,
+                         ids=["mlp-2x1-numpy-quant4-ef-F2-shares", "gpt-2x2-exact"])
+def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_path, name, stages, schedule, opt,
+                                                                           engines, H, F, codec, shares, steps):
+    """dp_sync.delay 1: each round's exchange overlaps the next window and is applied at the following
+    boundary; losses and final weights (the last round flushed) equal the reference's delayed DiLoCo, the
+    replicas end on the same weights, and the run is not delay 0's (the reference without the delay)."""
+    import dataclasses
+
+    build, splits, plain_loss, batch_fn = ALL[name]
+    model = build(mb=MB)
+    micro = 2
+    assignment = splits[2] if stages == 2 else one_stage(model)
+    plan_dir = save_dp_plan(tmp_path, model, assignment, 2, schedule=schedule, micro_batches=micro, optimizer=opt[0],
+                            engines=engines)
+    sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9, codec=codec,
+                  error_feedback=codec is not None, fragments=F, delay=1, shares=shares)
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 2 * micro * MB) for s in range(steps)]
+    reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
+    counts = [3, 1] if shares else None
+    want = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], sync, counts=counts)
+    assert_matches(reports, state, want)
+    for k, v in states[0].items() if F == 1 else ():  # the last round flushed: both hold the global weights
+        np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=f"replicas differ in {k}")
+    outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
+    step_of = {o["round"]: s for s, o in outer.items()}
+    for s, o in outer.items():  # each round is applied at its fragment's next boundary, H steps later
+        assert o["round"] == s + 1
+        assert o["applied_round"] == (None if s + 1 - H < 1 else s + 1 - H)
+        if o["applied_round"] is not None:
+            assert outer[step_of[o["applied_round"]]]["fragment"] == o["fragment"]
+    assert len(outer) == F * steps // H
+    undelayed = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], dataclasses.replace(sync, delay=0),
+                                 counts=counts)
+    first = min(outer) + 1  # the first boundary (completed steps): the same up to it, then not delay 0's
+    np.testing.assert_allclose([w[0] for w in want[:first]], [w[0] for w in undelayed[:first]], rtol=1e-6)
+    later = np.array([r.loss for r in reports[first:]])
+    assert np.max(np.abs(later - [w[0] for w in undelayed[first:]]) / np.abs(later)) > 1e-3
