@@ -295,23 +295,32 @@ def test_pseudo_gradient_codecs_with_error_feedback_match_the_reference(tmp_path
     assert wire < 4 * numel / 3
 
 
-def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path, delay):
     """Run 6 steps; run 3 (a checkpoint in the middle of an outer window of H = 2, with outer momentum and
-    error-feedback residuals that are not zero) and resume to 6: the same losses and weights, bit for bit."""
+    error-feedback residuals that are not zero; with delay 1 the round started at step 2 in flight) and
+    resume to 6: the same losses and weights, bit for bit."""
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
 
     build, _, plain_loss, batch_fn = ALL["mlp"]
     model = build(mb=MB)
     plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 2, micro_batches=1, optimizer=ADAMW[0])
-    with_sync(plan_dir, model, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8}, error_feedback=True))
+    with_sync(plan_dir, model, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8}, error_feedback=True,
+                                      delay=delay))
     batches = [batch_fn(s, 2 * MB) for s in range(6)]
     full, state, _ = run_dp(plan_dir, tmp_path / "full", batches)
+
     cfg = dict(peer_timeout_s=30, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
     with LocalCluster(plan_dir, tmp_path / "a", CoordinatorConfig(**cfg), threads=1) as lc:
         lc.start()
         first = [lc.coordinator.step(b) for b in batches[:4]]  # step 4 is never checkpointed
     assert (tmp_path / "ckpt" / "step-00000003" / "p0.outer.safetensors").exists()
+    if delay:  # the round started at step 2 is in flight at step 3: in the checkpoint
+        from fusion.executors.runtime.checkpoint import load_outer
+
+        saved = load_outer(tmp_path / "ckpt", 3, "p0")
+        assert saved["round::0"].tolist() == [2] and any(k.startswith("pending::") for k in saved)
     with LocalCluster(plan_dir, tmp_path / "b", CoordinatorConfig(**cfg), threads=1) as lc:
         assert lc.start(resume=True) == 3
         rest = [lc.coordinator.step(b) for b in batches[3:]]
