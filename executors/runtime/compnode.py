@@ -213,6 +213,10 @@ class CompNode:
         #: sockets too, so their messages and the coordinator's words to them are handled while this part waits
         self._siblings: list[CompNode] = []
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
+        #: test hook (tests/fusion/test_diloco_cli.py): "PART:STEPS" makes part PART's process exit (status 17)
+        #: right after it hands the first message of its outer exchange after STEPS completed steps to the
+        #: transport, so a replica dies in the middle of an exchange deterministically; unset in real runs
+        self._die_in_outer = os.environ.get("FUSION_TEST_DIE_IN_OUTER")
         self._weights: dict[str, np.ndarray] | None = None
 
     def _peer_parts(self) -> set[str]:
@@ -634,6 +638,11 @@ class CompNode:
 
         def send(peer: str, frames: list, label: str) -> None:
             self.transport.send(peer, frames, label=label)
+            if self._die_in_outer == f"{self.me}:{steps_done}":  # the test hook (see __init__)
+                time.sleep(1.0)  # the message leaves; then this replica is gone in mid-exchange
+                log.error("%s: FUSION_TEST_DIE_IN_OUTER: exiting in the outer exchange after step %d", self.me,
+                          steps_done)
+                os._exit(17)
 
         t0 = time.perf_counter()
         while True:

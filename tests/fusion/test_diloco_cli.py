@@ -143,3 +143,4 @@ def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(tmp_path, sig,
     final = load_weights(out / "final.safetensors")
     for k, v in want[-1][1].items():
         np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+

@@ -122,7 +122,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
         sizes = [c * len(next(iter(batch.values()))) // sum(counts) for c in counts] if counts else None
         shares = {k: (torch.as_tensor(v).split(sizes) if sizes else torch.as_tensor(v).chunk(len(live)))
                   for k, v in batch.items()}
-        losses = []
+        losses = []  # (replica, a micro-batch's loss)
         for i, r in enumerate(live):
             n = counts[r] if counts else micro * replicas // len(live)  # survivors take the global batch's micro-batches
             opts[r].zero_grad()
@@ -131,7 +131,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 c = {k: v.chunk(n)[m] for k, v in rows.items()}
                 lc = plain_loss({**fixed, **local[r]}, c)
                 (lc / n).backward()
-                losses.append(lc.item())
+                losses.append((r, lc.item()))
             opts[r].step()
         due = [f for f in range(nf) if (step + 1) % h == (f * h) // nf]
         if drop_at_outer is not None and step == drop_at_outer[0]:
@@ -169,7 +169,9 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 for r in live:
                     for k in frags[f]:
                         local[r][k].copy_(glob[k])
-        out.append((float(np.mean(losses)), {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
+        # a replica lost in this step's outer exchange: the step reports the survivors' losses (the lost one's are gone)
+        out.append((float(np.mean([x for r, x in losses if r in live])),
+                    {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
     if any(p is not None for p in pending):  # delay 1: the rounds in flight, applied to the weights returned
         r0 = live[0]
         final = {k: v.detach().clone() for k, v in local[r0].items()}
@@ -457,3 +459,74 @@ def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_p
     np.testing.assert_allclose([w[0] for w in want[:first]], [w[0] for w in undelayed[:first]], rtol=1e-6)
     later = np.array([r.loss for r in reports[first:]])
     assert np.max(np.abs(later - [w[0] for w in undelayed[first:]]) / np.abs(later)) > 1e-3
+
+
+def test_delayed_inbox_rejects_what_the_group_did_not_send():
+    """A delayed round's pseudo-gradient is taken only from a member of the plan's group, addressed to this
+    part, for a known bucket and a round not yet collected, at most two rounds per sender and bucket, of the
+    bucket's dtype and length (dense without a codec), and once; it is kept until its round is closed."""
+    from fusion.executors.runtime.allreduce import KIND, make_buckets
+    from fusion.executors.runtime.outer import DelayedInbox
+    from fusion.ir.errors import WireError
+    from fusion.ir.wire import decode, encode, encode_payload
+
+    box = DelayedInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((10,), "float32")}), None)
+
+    def msg(a=None, **over):
+        meta, frames = encode_payload(np.arange(10, dtype=np.float32) if a is None else a)
+        h = {"round": 2, "bucket": 0, "src": "r1.p0", "dst": "p0", "delayed": True, "payload": meta}
+        return decode(encode(KIND, {**h, **over}, frames))
+
+    for sender, m, says in [("r9.p0", msg(src="r9.p0"), "not in p0's data-parallel group"),
+                            ("r1.p0", msg(dst="r2.p0"), "but came"),
+                            ("r1.p0", msg(bucket=1), "bucket 1"),
+                            ("r1.p0", msg(round=True), "round True"),
+                            ("r1.p0", msg(np.arange(9, dtype=np.float32)), r"expected float32\[10\]"),
+                            ("r1.p0", msg(np.arange(10, dtype=np.float64)), r"expected float32\[10\]"),
+                            ("r1.p0", msg(3.0), "not a dense buffer")]:
+        with pytest.raises(WireError, match=says):
+            box.accept(sender, m)
+    box.accept("r1.p0", msg())
+    with pytest.raises(WireError, match="duplicate"):
+        box.accept("r1.p0", msg())
+    box.accept("r1.p0", msg(round=4))
+    with pytest.raises(WireError, match="2 rounds of bucket 0 from it are waiting"):
+        box.accept("r1.p0", msg(round=6))
+    np.testing.assert_array_equal(box.take(2, 0, "r1.p0"), np.arange(10, dtype=np.float32))
+    assert box.take(2, 0, "r1.p0") is not None  # kept until closed (a flush reads it first)
+    box.close(2, [0])
+    assert box.take(2, 0, "r1.p0") is None and box.take(4, 0, "r1.p0") is not None
+    with pytest.raises(WireError, match="round 2; bucket 0 has collected round 2"):
+        box.accept("r1.p0", msg())
+
+
+def test_a_replica_lost_in_the_middle_of_an_outer_exchange_leaves_it_cleanly(tmp_path):
+    """Three replicas, H = 2, --drop-failed-replicas: replica 2 exits right after handing its first all-reduce
+    chunk of the outer step after step 2 to the transport (the FUSION_TEST_DIE_IN_OUTER hook). The step was
+    committed, so the survivors keep it: they regroup and redo that outer step's average over the two of them
+    (replica 2's pseudo-gradient, and a chunk of it that arrived, never counts), report the step with their
+    own losses and go on with the global batch re-split over two; no hang, no step lost or applied twice,
+    every loss and the final weights equal to the reference that drops replica 2 from that outer average."""
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    build, _, plain_loss, batch_fn = ALL["mlp"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 3, micro_batches=2, optimizer=SGD_M[0])
+    sync = DPSync("diloco", inner_steps=2)
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 3 * 2 * MB) for s in range(4)]
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30, drop_failed_replicas=True),
+                      threads=1, part_env={"r2.p0": {"FUSION_TEST_DIE_IN_OUTER": "r2.p0:2"}}) as lc:
+        lc.start()
+        reports = [lc.coordinator.step(b) for b in batches]
+        state = lc.coordinator.fetch_state()
+    (drop,) = reports[1].dropped
+    assert drop["replica"] == 2 and drop["part"] == "r2.p0" and not drop["redone"]  # committed: kept, not redone
+    assert "status 17" in drop["reason"]
+    assert all(not getattr(r, "dropped", None) for r in reports[:1] + reports[2:])
+    outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
+    assert sorted(outer) == [1, 3] and all(o["replicas"] == 2 for o in outer.values())
+    assert set(reports[1].parts) == {"p0", "r1.p0"}
+    want = diloco_reference(model, plain_loss, batches, 3, 2, SGD_M[1], sync, drop_at_outer=(1, 2))
+    assert_matches(reports, state, want)
