@@ -56,6 +56,8 @@ def make_plan(grid: list[list[str]], micro: int, out: Path, sync=None) -> Path:
 
 
 def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
+    import numpy as np
+
     from fusion.data import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
@@ -69,7 +71,12 @@ def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
     rows = sum(r.samples for r in reports)
     per_step = [sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
                     for p, s in r.parts.items() if p in ("p0", "part0")) for r in reports]
+    outer = [r.iteration_s for r in reports if any("outer" in s for s in r.parts.values())]
+    inner = [r.iteration_s for r in reports if not any("outer" in s for s in r.parts.values())]
     return {"parts": len(reports[0].parts), "rows_per_step": reports[0].samples, "samples_per_s": round(rows / secs, 3),
+            # median seconds of a step that ends with an outer step and of one that does not (the exposed sync)
+            "outer_step_s": round(float(np.median(outer)), 4) if outer else None,
+            "inner_step_s": round(float(np.median(inner)), 4) if inner else None,
             "dp_bytes_per_step": round(sum(per_step) / len(reports), 1), "dp_peak_bytes": max(per_step),
             "losses": [round(r.loss, 4) for r in reports]}
 
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                       "model": "examples/models/gpt.py:tiny", "steps": args.steps, "inner_steps": h,
                       "outer_delay": args.outer_delay, "samples_per_s": sps, "dp_bytes_per_step": dpb,
                       "dp_peak_bytes": {k: v["dp_peak_bytes"] for k, v in res.items()},
+                      "outer_step_s": {k: v["outer_step_s"] for k, v in res.items() if v["outer_step_s"] is not None},
+                      "inner_step_s": {k: v["inner_step_s"] for k, v in res.items()},
                       "measured_2x1_over_1x1": ratio(sps.get("2x1_diloco"), anchor, 3),
                       "measured_2x1_q8_over_1x1": ratio(sps.get("2x1_diloco_q8"), anchor, 3),
                       "sync_2x1_over_1x1": ratio(sps.get("2x1_every"), anchor, 3),

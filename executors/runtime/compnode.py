@@ -213,9 +213,9 @@ class CompNode:
         #: sockets too, so their messages and the coordinator's words to them are handled while this part waits
         self._siblings: list[CompNode] = []
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
-        #: test hook (tests/fusion/test_diloco_cli.py): "PART:STEPS" makes part PART's process exit (status 17)
-        #: right after it hands the first message of its outer exchange after STEPS completed steps to the
-        #: transport, so a replica dies in the middle of an exchange deterministically; unset in real runs
+        #: test hook (tests/executors/runtime/test_diloco.py): "PART:STEPS" makes part PART's process exit
+        #: (status 17) right after it hands the first message of its outer exchange after STEPS completed steps
+        #: to the transport, so a replica dies in the middle of an exchange deterministically; unset in real runs
         self._die_in_outer = os.environ.get("FUSION_TEST_DIE_IN_OUTER")
         self._weights: dict[str, np.ndarray] | None = None
 
@@ -637,7 +637,7 @@ class CompNode:
         params = {n: a for n, a in engine.state().items() if n in names}
 
         def send(peer: str, frames: list, label: str) -> None:
-            self.transport.send(peer, frames, label=label)
+            self._send(peer, frames, label)
             if self._die_in_outer == f"{self.me}:{steps_done}":  # the test hook (see __init__)
                 time.sleep(1.0)  # the message leaves; then this replica is gone in mid-exchange
                 log.error("%s: FUSION_TEST_DIE_IN_OUTER: exiting in the outer exchange after step %d", self.me,
@@ -677,9 +677,9 @@ class CompNode:
 
     def _outer_weights(self) -> dict[str, float] | None:
         """Unequal shares: part -> the samples its replica sees per step (None: equal shares, the plain mean)."""
-        if not self.shares:
+        if not self.shares or self.ring is None:
             return None
-        return {p: self.shares[self.plan.parts[p].replica] for p in self._outer_group()}
+        return {p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
 
     def _final_state(self) -> dict[str, np.ndarray]:
         """The parameters a fetch returns: the engine's, with every delayed round still in flight collected and
