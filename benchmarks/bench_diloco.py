@@ -1,6 +1,7 @@
 """DiLoCo measured: samples/s and DP bytes of two one-stage replicas, one per site of ``local-4-two-sites``.
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 20] [--warmup 2] [--inner-steps 10] [--micro 4]
+      [--outer-delay 0|1] [--cases 1x1,2x1_diloco,1x1_end]
       (from a checkout other than the installed one: PYTHONPATH=. in front)
 
 The model is the tiny GPT of ``examples/models/gpt.py:tiny`` (micro-batches of 2 rows) as one stage. Every
@@ -10,7 +11,8 @@ run is real CompNode processes on loopback with ``--emulate-links`` (20 Mbit/s a
   (``1x1_end``); the ratios divide by the faster of the two (on a shared host the load changes);
 * ``2x1_every``: a second replica on cpu-2 (site b), the same micro-batches per replica, gradients averaged
   every step across the slow link (synchronous DP);
-* ``2x1_diloco``: the same grid with ``--dp-sync diloco --inner-steps H`` (exact pseudo-gradient average);
+* ``2x1_diloco``: the same grid with ``--dp-sync diloco --inner-steps H`` (exact pseudo-gradient average;
+  ``--outer-delay 1``: the exchange overlaps the next H inner steps, for every DiLoCo case);
 * ``2x1_diloco_q8``: the same with 8-bit pseudo-gradients and error feedback;
 * ``2x1_diloco_f5``: exact, in 5 streaming fragments (``--sync-fragments 5``): the same bytes per H steps,
   a fifth of them at a time (``dp_peak_bytes``: the most one replica sent to the other in one step).
@@ -65,6 +67,7 @@ def make_plan(grid: list[list[str]], micro: int, out: Path, sync=None) -> Path:
 
 
 def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
+    import numpy as np
     from local_runs import emulated_steps
 
     _, reports = emulated_steps(plan_dir, run_dir, steps, warmup)
@@ -72,7 +75,12 @@ def measure(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> dict:
     rows = sum(r.samples for r in reports)
     per_step = [sum(s["sent"].get("r1.p0", s["sent"].get("r1.part0", {})).get("bytes", 0)
                     for p, s in r.parts.items() if p in ("p0", "part0")) for r in reports]
+    outer = [r.iteration_s for r in reports if any("outer" in s for s in r.parts.values())]
+    inner = [r.iteration_s for r in reports if not any("outer" in s for s in r.parts.values())]
     return {"parts": len(reports[0].parts), "rows_per_step": reports[0].samples, "samples_per_s": round(rows / secs, 3),
+            # median seconds of a step that ends with an outer step and of one that does not (the exposed sync)
+            "outer_step_s": round(float(np.median(outer)), 4) if outer else None,
+            "inner_step_s": round(float(np.median(inner)), 4) if inner else None,
             "dp_bytes_per_step": round(sum(per_step) / len(reports), 1), "dp_peak_bytes": max(per_step),
             "losses": [round(r.loss, 4) for r in reports]}
 
@@ -98,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")
     ap.add_argument("--jobs", type=int, default=1, help="convergence: seeds run at once, one process each")
+    ap.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
+                    help="DiLoCo cases: 0, the outer exchange blocks; 1, it overlaps the next H inner steps")
+    ap.add_argument("--cases", default=None, metavar="A,B",
+                    help="run only these cases (default all; measured_2x1_over_1x1 needs 1x1, 2x1_diloco, 1x1_end)")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.study == "convergence":
@@ -105,11 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     h = args.inner_steps
     two = [["cpu-0"], ["cpu-2"]]
     cases = {"1x1": ([["cpu-0"]], None), "2x1_every": (two, None),
-             "2x1_diloco": (two, DPSync("diloco", inner_steps=h)),
+             "2x1_diloco": (two, DPSync("diloco", inner_steps=h, delay=args.outer_delay)),
              "2x1_diloco_q8": (two, DPSync("diloco", inner_steps=h, codec={"algo": "quant", "bits": 8},
-                                           error_feedback=True)),
-             "2x1_diloco_f5": (two, DPSync("diloco", inner_steps=h, fragments=min(5, h))),
+                                           error_feedback=True, delay=args.outer_delay)),
+             "2x1_diloco_f5": (two, DPSync("diloco", inner_steps=h, fragments=min(5, h), delay=args.outer_delay)),
              "1x1_end": ([["cpu-0"]], None)}
+    if args.cases:
+        unknown = set(args.cases.split(",")) - set(cases)
+        if unknown:
+            ap.error(f"--cases: unknown {sorted(unknown)} (cases: {', '.join(cases)})")
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -119,18 +136,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {res[name]['parts']} CompNodes, {res[name]['rows_per_step']} rows/step, "
                   f"{res[name]['samples_per_s']:.1f} samples/s, {res[name]['dp_bytes_per_step']:.0f} DP bytes/step",
                   file=sys.stderr, flush=True)
-    anchor = max(res["1x1"]["samples_per_s"], res["1x1_end"]["samples_per_s"])  # the faster anchor: conservative
-    every = res["2x1_every"]["dp_bytes_per_step"]
+    # the faster anchor: conservative
+    anchor = max((res[k]["samples_per_s"] for k in ("1x1", "1x1_end") if k in res), default=None)
+    every = res["2x1_every"]["dp_bytes_per_step"] if "2x1_every" in res else None
+
+    def ratio(a, b, nd):  # None where a case was left out (--cases)
+        return None if a is None or b is None else round(a / b, nd)
+
+    sps = {k: v["samples_per_s"] for k, v in res.items()}
+    dpb = {k: v["dp_bytes_per_step"] for k, v in res.items()}
     print(json.dumps({"bench": "diloco", "cluster": "local-4-two-sites", "emulate_links": True,
                       "model": "examples/models/gpt.py:tiny", "steps": args.steps, "inner_steps": h,
-                      "samples_per_s": {k: v["samples_per_s"] for k, v in res.items()},
-                      "dp_bytes_per_step": {k: v["dp_bytes_per_step"] for k, v in res.items()},
+                      "outer_delay": args.outer_delay, "samples_per_s": sps, "dp_bytes_per_step": dpb,
                       "dp_peak_bytes": {k: v["dp_peak_bytes"] for k, v in res.items()},
-                      "measured_2x1_over_1x1": round(res["2x1_diloco"]["samples_per_s"] / anchor, 3),
-                      "measured_2x1_q8_over_1x1": round(res["2x1_diloco_q8"]["samples_per_s"] / anchor, 3),
-                      "sync_2x1_over_1x1": round(res["2x1_every"]["samples_per_s"] / anchor, 3),
-                      "dp_bytes_ratio": round(every / res["2x1_diloco"]["dp_bytes_per_step"], 2),
-                      "dp_bytes_ratio_q8": round(every / res["2x1_diloco_q8"]["dp_bytes_per_step"], 2),
+                      "outer_step_s": {k: v["outer_step_s"] for k, v in res.items() if v["outer_step_s"] is not None},
+                      "inner_step_s": {k: v["inner_step_s"] for k, v in res.items()},
+                      "measured_2x1_over_1x1": ratio(sps.get("2x1_diloco"), anchor, 3),
+                      "measured_2x1_q8_over_1x1": ratio(sps.get("2x1_diloco_q8"), anchor, 3),
+                      "sync_2x1_over_1x1": ratio(sps.get("2x1_every"), anchor, 3),
+                      "dp_bytes_ratio": ratio(every, dpb.get("2x1_diloco"), 2),
+                      "dp_bytes_ratio_q8": ratio(every, dpb.get("2x1_diloco_q8"), 2),
                       "wall_s": round(time.time() - t0, 1)}))
     return 0
 

@@ -140,6 +140,9 @@ class DPSync:
         nat("inner_steps", 1)
         nat("fragments", 1)
         nat("delay", 0)
+        if self.delay > 1:
+            raise PlanError(f"{source}.delay must be 0 or 1 (an outer step applied at once or one outer step late), "
+                            f"got {self.delay}")
         for name in ("outer_lr", "outer_momentum"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or v != v or v == float("inf"):

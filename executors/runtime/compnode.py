@@ -41,7 +41,7 @@ from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Commit, Contro
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
-from fusion.executors.runtime.outer import (OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
+from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
                                             write_params)
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
@@ -190,6 +190,10 @@ class CompNode:
                               "synchronous DP splits the global batch equally")
         self.outer: OuterLoop | None = None  # built in _setup, from the weights the part starts with
         self._pseudo: PseudoInbox | None = None
+        # delayed outer steps (dp_sync.delay 1): the rounds in flight, kept across regroups (the plan's group);
+        # built before any socket opens, so a peer's round that arrives before this part's setup is kept
+        self._delayed = (DelayedInbox(self.me, self.dp_group, self.ring.buckets, plan.dp_sync.codec)
+                         if self.diloco and plan.dp_sync.delay else None)
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -209,6 +213,10 @@ class CompNode:
         #: sockets too, so their messages and the coordinator's words to them are handled while this part waits
         self._siblings: list[CompNode] = []
         self._prev_sent: dict[str, tuple[int, int, float]] = {}
+        #: test hook (tests/executors/runtime/test_diloco.py): "PART:STEPS" makes part PART's process exit
+        #: (status 17) right after it hands the first message of its outer exchange after STEPS completed steps
+        #: to the transport, so a replica dies in the middle of an exchange deterministically; unset in real runs
+        self._die_in_outer = os.environ.get("FUSION_TEST_DIE_IN_OUTER")
         self._weights: dict[str, np.ndarray] | None = None
 
     def _peer_parts(self) -> set[str]:
@@ -252,7 +260,12 @@ class CompNode:
             with self._cv:
                 if self.ring is None:
                     raise WireError(f"all-reduce message from {sender!r}, but {self.me} has no data-parallel group")
-                if msg.header.get("gather") is True:  # an encoded DiLoCo pseudo-gradient (outer.py)
+                if msg.header.get("delayed") is True:  # a delayed round's pseudo-gradient (outer.py, delay 1)
+                    if self._delayed is None:
+                        raise WireError(f"delayed pseudo-gradient from {sender!r}, but {self.me} runs no delayed "
+                                        "outer step")
+                    self._delayed.accept(sender, msg)
+                elif msg.header.get("gather") is True:  # an encoded DiLoCo pseudo-gradient (outer.py)
                     if self.outer is None or self.plan.dp_sync.codec is None:
                         raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
                     self._pseudo_inbox().accept(sender, msg)
@@ -383,6 +396,8 @@ class CompNode:
                 m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
                 link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
             self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
+        if self.outer is not None and self.outer.pending:  # a checkpoint's rounds in flight: send ours again
+            self.outer.announce(self.me, self.ring.group, self._send)
 
     def _resume_source(self, source) -> str:
         """The part whose checkpoint files this one loads: itself, or a replica of its stage (its DP group)."""
@@ -623,7 +638,12 @@ class CompNode:
         params = {n: a for n, a in engine.state().items() if n in names}
 
         def send(peer: str, frames: list, label: str) -> None:
-            self.transport.send(peer, frames, label=label)
+            self._send(peer, frames, label)
+            if self._die_in_outer == f"{self.me}:{steps_done}":  # the test hook (see __init__)
+                time.sleep(1.0)  # the message leaves; then this replica is gone in mid-exchange
+                log.error("%s: FUSION_TEST_DIE_IN_OUTER: exiting in the outer exchange after step %d", self.me,
+                          steps_done)
+                os._exit(17)
 
         t0 = time.perf_counter()
         while True:
@@ -632,16 +652,52 @@ class CompNode:
                     with self._cv:
                         pseudo = self._pseudo_inbox() if self.ring is not None else None
                     n_it = self.ring.expected_iter if self.ring is not None else it
-                    weights = ({p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
-                               if self.shares and self.ring is not None else None)
-                    new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send,
-                                              lambda ready, what: self._wait(ready, what, self.cfg.data_timeout_s)[0],
-                                              weights, fragment)
+                    weights = self._outer_weights()
+                    wait = self._outer_wait
+                    if self._delayed is not None:  # one outer step late, the exchange overlapping the next window
+                        new, st = self.outer.delayed_step(self.me, self._outer_group(), self._delayed, steps_done,
+                                                          params, send, wait, weights, fragment)
+                    else:
+                        new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send, wait, weights,
+                                                  fragment)
                 break
             except Regroup:
                 self._apply_regroup()
         write_params(engine, new)
         return {"step": steps_done, "s": round(time.perf_counter() - t0, 6), **st}
+
+    def _send(self, peer: str, frames: list, label: str) -> None:
+        self.transport.send(peer, frames, label=label)
+
+    def _outer_wait(self, ready, what: str):
+        return self._wait(ready, what, self.cfg.data_timeout_s)[0]
+
+    def _outer_group(self) -> list[str]:
+        """The replicas of this stage whose pseudo-gradients an outer step averages now (the survivors)."""
+        return list(self.ring.group) if self.ring is not None else [self.me]
+
+    def _outer_weights(self) -> dict[str, float] | None:
+        """Unequal shares: part -> the samples its replica sees per step (None: equal shares, the plain mean)."""
+        if not self.shares or self.ring is None:
+            return None
+        return {p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
+
+    def _final_state(self) -> dict[str, np.ndarray]:
+        """The parameters a fetch returns: the engine's, with every delayed round still in flight collected and
+        applied (:meth:`OuterLoop.flushed`; the training state itself is unchanged)."""
+        state = self.runtime.engine.state()
+        if self._delayed is None or self.outer is None or not self.outer.pending:
+            return state
+        names = {n for b in self.outer.buckets for n in b.names}
+        while True:
+            try:
+                new = self.outer.flushed(self.me, self._outer_group(), self._delayed,
+                                         {n: a for n, a in state.items() if n in names}, self._outer_wait,
+                                         self._outer_weights())
+                break
+            except Regroup:
+                self._apply_regroup()
+        return {**state, **{n: v.astype(np.asarray(state[n]).dtype, copy=False) for n, v in new.items()}}
 
     def _allreduce(self, it: int) -> None:
         """Average the parameter gradients over this stage's replicas (ring or tree all-reduce, NumPy)."""
@@ -744,7 +800,7 @@ class CompNode:
                 self._apply_regroup()
                 continue
             if c.op == "fetch":
-                self.transport.send(COORDINATOR, State(arrays=self.runtime.engine.state()).frames())
+                self.transport.send(COORDINATOR, State(arrays=self._final_state()).frames())
             elif c.op == "stop":
                 log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
                 return 0
@@ -772,7 +828,7 @@ def _serve_lane(nodes: list[CompNode]) -> int:
             if isinstance(c, Abort):
                 raise ExecutorAbort(f"aborted by the coordinator: {c.reason}")
             if c.op == "fetch":
-                n.transport.send(COORDINATOR, State(arrays=n.runtime.engine.state()).frames())
+                n.transport.send(COORDINATOR, State(arrays=n._final_state()).frames())
             elif c.op == "step" and n.me not in steps:
                 steps[n.me] = c
             elif c.op == "stop" and n.me not in stopped:

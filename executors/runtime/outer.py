@@ -34,6 +34,35 @@ f's outer step after the steps t with ``t % H == (f H) // F``; unequal shares (`
 :func:`share_micro_batches`): each replica takes its share of every global batch's micro-batches and the
 average weighs its pseudo-gradient by the samples it saw.
 
+Delayed (overlapped) outer steps (``dp_sync.delay`` 1, :meth:`OuterLoop.delayed_step`): the exchange of a
+round runs while the next H inner steps compute and is applied one outer step late, the "delayed outer
+gradients" of Kale, Douillard and Donchev 2025 ("Eager Updates For Overlapped Communication and
+Computation in DiLoCo", arXiv 2502.12996) and Streaming DiLoCo's overlap (Douillard et al. 2025,
+arXiv 2501.18512) with tau = H. With ``a_r`` this replica's weights at the start of its window, at the
+boundary that ends window t (per fragment)::
+
+    Delta_r^t     = a_r - theta_r                    (the window's own progress)
+    theta_global  = outer(theta_global, mean_r Delta_r^{t-1})    (round t-1, received during window t)
+    send Delta_r^t (+ residual, encoded) to the group, without waiting
+    theta_r = a_r = theta_global - Delta_r^t         (rebase: the new global weights plus own progress)
+
+so every replica's weights are the global weights (one round behind) plus its own latest window, and
+nothing waits for the slow link as long as a round's exchange takes less than H inner steps. This is the
+delayed variant with each replica's own window kept, not the eager one (eager adds the replica's own
+Delta_r^t / R to the stale average as a proxy for the round still in flight). Chosen because every
+replica's local state stays a function of the global state and its own last window, which a dropped
+replica, a resume and the reference in the tests reproduce exactly; but Kale et al. report that naively
+delayed outer gradients converge worse than eager updates, and this variant's convergence against delay 0
+is not measured here. The exchange is an
+all-gather of each replica's (encoded) pseudo-gradient, also when exact (dense float32, summed in group
+order): a ring would need the engine loop at every hop; each message is handed to the transport's send
+queue (ZeroMQ's I/O thread or the link's sender thread moves it, :mod:`.transport`) and the peers'
+messages wait in :class:`DelayedInbox` until the next boundary. A round still in flight when the run
+ends is collected and applied when the coordinator fetches the weights (:meth:`OuterLoop.flushed`), so
+a run that ends at a boundary returns the global weights; a checkpoint holds each fragment's round in
+flight (the encoded input and the round number) and the anchors, and a resumed replica sends its round
+again as soon as it is set up.
+
 :func:`encode_pseudo` / :func:`decode_pseudo` are the one place pseudo-gradients are encoded and decoded: by
 the codec registry's unit of ``dp_sync.codec`` (any codec serving the pseudo-gradient role: quant,
 hadamard-quant, topk or a user codec), its payload carried as the wire carries OP-Data payloads.
@@ -41,6 +70,7 @@ hadamard-quant, topk or a user codec), its payload carried as the wire carries O
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -180,6 +210,86 @@ class PseudoInbox:
         return self._got.pop((it, bucket, sender), None)
 
 
+#: a delayed round's pseudo-gradients (``dp_sync.delay`` 1) one sender may have in the inbox per bucket: the
+#: round this replica collects next and the one a sender a step ahead has already started
+MAX_ROUNDS_HELD = 2
+
+
+class DelayedInbox:
+    """The pseudo-gradients of delayed outer rounds (``dp_sync.delay`` 1, :meth:`OuterLoop.delayed_step`), which
+    arrive while this replica takes the next window's inner steps: kept by (round, bucket, sender) until the
+    round is collected at its fragment's next boundary (not thread-safe: the CompNode locks it).
+
+    round: the completed-step count of the boundary that started it (the same number on every replica and
+    after a resume). group: the stage's whole data-parallel group of the plan (a replica dropped later is
+    left out when the round is collected, not here, so a regroup keeps what the survivors sent). Accepted:
+    from a member of ``group``, addressed to ``me``, a known bucket, a round not yet collected, at most
+    :data:`MAX_ROUNDS_HELD` rounds per sender and bucket, the bucket's dtype and length (the dense buffer
+    without a codec, the codec's payload with one), once."""
+
+    def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None):
+        self.me, self.group, self.buckets = me, list(group), list(buckets)
+        self.codec = dict(codec) if codec else None
+        self._got: dict[tuple[int, int, str], np.ndarray] = {}
+        self.collected = [0] * len(self.buckets)  # bucket -> the last round collected (0: none)
+
+    def accept(self, sender: str, msg: Message) -> None:
+        if sender not in self.group or sender == self.me:
+            raise WireError(f"delayed pseudo-gradient from {sender!r}, which is not in {self.me}'s data-parallel "
+                            f"group {self.group}")
+        h = msg.header
+        if h.get("src") != sender or h.get("dst") != self.me:
+            raise WireError(f"delayed pseudo-gradient says {h.get('src')!r}->{h.get('dst')!r} but came "
+                            f"{sender!r}->{self.me!r}")
+        rnd, b = h.get("round"), h.get("bucket")
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < len(self.buckets):
+            raise WireError(f"delayed pseudo-gradient for bucket {b!r}; this part has {len(self.buckets)}")
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd <= self.collected[b]:
+            raise WireError(f"delayed pseudo-gradient for round {rnd!r}; bucket {b} has collected round "
+                            f"{self.collected[b]}")
+        key = (rnd, b, sender)
+        if key in self._got:
+            raise WireError(f"duplicate delayed pseudo-gradient (round {rnd}, bucket {b}) from {sender}")
+        if sum(1 for k in self._got if k[1:] == (b, sender)) >= MAX_ROUNDS_HELD:
+            raise WireError(f"delayed pseudo-gradient of round {rnd} from {sender}: {MAX_ROUNDS_HELD} rounds of bucket "
+                            f"{b} from it are waiting already")
+        if self.codec is None:
+            a = decode_payload(h.get("payload"), msg.arrays)
+            if not isinstance(a, np.ndarray):
+                raise WireError(f"delayed pseudo-gradient of bucket {b}: a {type(a).__name__}, not a dense buffer "
+                                "(this group averages them exactly: no dp_sync.codec)")
+            a = a.reshape(-1)
+        else:
+            a = decode_pseudo(h.get("payload"), msg.arrays, self.codec)
+        want = self.buckets[b]
+        if a.shape != (want.total,) or a.dtype.name != want.dtype:
+            raise WireError(f"delayed pseudo-gradient of bucket {b} is {a.dtype.name}{list(a.shape)}, expected "
+                            f"{want.dtype}[{want.total}]")
+        self._got[key] = a
+
+    def take(self, rnd: int, bucket: int, sender: str) -> np.ndarray | None:
+        """The pseudo-gradient of ``sender`` for the round, kept until :meth:`close` (a flush may read it first)."""
+        return self._got.get((rnd, bucket, sender))
+
+    def close(self, rnd: int, buckets: Sequence[int]) -> None:
+        """Round ``rnd`` of ``buckets`` was applied: forget it and refuse it from here on."""
+        for b in buckets:
+            self.collected[b] = max(self.collected[b], rnd)
+        for k in [k for k in self._got if k[1] in buckets and k[0] <= rnd]:
+            del self._got[k]
+
+
+@dataclass
+class Round:
+    """One fragment's delayed outer round in flight (``dp_sync.delay`` 1)."""
+
+    number: int  #: the completed-step count of the boundary that started it
+    sent: list[np.ndarray]  #: per bucket of the fragment: what this replica encoded (Delta + residual), its
+    #: pseudo-gradient as it goes on the wire (kept for a checkpoint: re-encoded, it gives the same payload)
+    own: list[np.ndarray]  #: per bucket: what the others decode of ``sent`` (``sent`` itself without a codec)
+    announced: bool = True  #: sent to the group (False after a resume until :meth:`OuterLoop.announce` re-sends it)
+
+
 class OuterLoop:
     """One CompNode's DiLoCo state: the global weights theta (one flat buffer per bucket of
     :func:`~.allreduce.make_buckets`), the outer momentum v, and, with error feedback, the residual e of its
@@ -193,6 +303,14 @@ class OuterLoop:
         self.theta = [flatten(b, params) for b in self.buckets]
         self.v = [np.zeros_like(t) for t in self.theta]
         self.residual = [np.zeros_like(t) for t in self.theta] if sync.error_feedback else None
+        #: dp_sync.delay 1: each bucket's weights at the start of this replica's current window (the pseudo-
+        #: gradient is ``anchor - theta_r``, the window's own progress) and each fragment's round in flight
+        self.delay = int(getattr(sync, "delay", 0))
+        if self.delay not in (0, 1):
+            raise FusionError(f"plan.dp_sync.delay {self.delay}: the runtime applies an outer step at once (0) "
+                              "or one outer step late (1)")
+        self.anchor = [t.copy() for t in self.theta] if self.delay else None
+        self.pending: dict[int, Round] = {}
 
     def due(self, steps_done: int) -> int | None:
         """The fragment whose outer step ends the step that makes ``steps_done`` completed steps, or None:
@@ -207,11 +325,18 @@ class OuterLoop:
             out[f"theta::{i}:{b.dtype}"], out[f"momentum::{i}:{b.dtype}"] = t, v
         for i, (b, e) in enumerate(zip(self.buckets, self.residual or [])):
             out[f"residual::{i}:{b.dtype}"] = e
+        for i, (b, a) in enumerate(zip(self.buckets, self.anchor or [])):
+            out[f"anchor::{i}:{b.dtype}"] = a
+        for f, rnd in self.pending.items():  # the rounds in flight: resumed, each replica sends its own again
+            out[f"round::{f}"] = np.array([rnd.number], dtype=np.int64)
+            for i, x in zip(self.fragments[f], rnd.sent):
+                out[f"pending::{i}:{self.buckets[i].dtype}"] = x
         return out
 
     def load_arrays(self, arrays: Mapping[str, np.ndarray], source: str) -> None:
         """The state of :meth:`state_arrays` (CheckpointError-like FusionError naming ``source`` when it does not fit)."""
         keys = [("theta", self.theta), ("momentum", self.v)] + ([("residual", self.residual)] if self.residual else [])
+        keys += [("anchor", self.anchor)] if self.anchor is not None else []
         for name, bufs in keys:
             for i, (b, buf) in enumerate(zip(self.buckets, bufs)):
                 a = arrays.get(f"{name}::{i}:{b.dtype}")
@@ -219,6 +344,16 @@ class OuterLoop:
                     raise FusionError(f"{source}: outer state {name}::{i}:{b.dtype} is missing or not "
                                       f"{b.dtype}[{b.total}]")
                 buf[:] = a
+        self.pending = {}
+        for f, only in enumerate(self.fragments if self.delay else []):
+            n = arrays.get(f"round::{f}")
+            if n is None:
+                continue
+            sent = [arrays.get(f"pending::{i}:{self.buckets[i].dtype}") for i in only]
+            if n.shape != (1,) or any(x is None or x.shape != (self.buckets[i].total,) for i, x in zip(only, sent)):
+                raise FusionError(f"{source}: outer state of fragment {f}'s round in flight is malformed")
+            sent = [np.array(x, dtype=self.buckets[i].dtype) for i, x in zip(only, sent)]
+            self.pending[f] = Round(int(n[0]), sent, [self._pack(x)[2] for x in sent], announced=False)
 
     # -- one outer step ------------------------------------------------------------------
     def step(self, me: str, ring: RingInbox | None, pseudo: PseudoInbox | None, it: int,
@@ -290,6 +425,117 @@ class OuterLoop:
             out.update(unflatten(self.buckets[b], self.theta[b].copy()))
         return out, {"payload_bytes": payload_bytes, "sent_bytes": sent[0], "replicas": len(group),
                      "fragment": fragment}
+
+
+    # -- the delayed outer step (dp_sync.delay 1) ------------------------------------------
+    def _pack(self, x: np.ndarray) -> tuple[dict, list, np.ndarray]:
+        """``(payload header, frames, what the receivers decode)`` of one bucket's pseudo-gradient ``x``."""
+        if self.sync.codec is None:
+            meta, frames = encode_payload(x)
+            return meta, frames, x
+        meta, frames = encode_pseudo(x, self.sync.codec)
+        return meta, frames, decode_pseudo(meta, frames, self.sync.codec)
+
+    def _send_round(self, me: str, group: Sequence[str], fragment: int, number: int, packs: Sequence[tuple],
+                    send: Callable[[str, list, str], None]) -> int:
+        """Send one round's buckets to every other member of ``group``; the tensor bytes sent."""
+        sent = 0
+        for b, (meta, frames, _) in zip(self.fragments[fragment], packs):
+            for p in group:
+                if p != me:
+                    sent += payload_nbytes(frames)
+                    send(p, encode(KIND, {"round": number, "bucket": b, "src": me, "dst": p, "delayed": True,
+                                          "payload": meta}, frames), f"delayed pseudo-gradient b{b}")
+        return sent
+
+    def announce(self, me: str, group: Sequence[str], send: Callable[[str, list, str], None]) -> int:
+        """Send again the rounds in flight a checkpoint restored (each replica its own); the tensor bytes sent."""
+        sent = 0
+        for f, rnd in sorted(self.pending.items()):
+            if not rnd.announced:
+                sent += self._send_round(me, group, f, rnd.number, [self._pack(x) for x in rnd.sent], send)
+                rnd.announced = True
+        return sent
+
+    def _collect(self, me: str, group: Sequence[str], rnd: Round, fragment: int, inbox: DelayedInbox,
+                 wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None) -> list[np.ndarray]:
+        """The group's average of round ``rnd`` per bucket of ``fragment``: every member's decoded pseudo-gradient,
+        summed in group order (the same bits on every replica), weighted by samples under unequal shares."""
+        frac = None
+        if weights is not None:
+            total_w = float(sum(weights[p] for p in group))
+            frac = {p: weights[p] / total_w for p in group}
+        out = []
+        for j, b in enumerate(self.fragments[fragment]):
+            parts = [rnd.own[j] if p == me else
+                     wait(lambda p=p: inbox.take(rnd.number, b, p),
+                          f"delayed pseudo-gradient of round {rnd.number}, bucket {b} from {p}")
+                     for p in group]
+            total = np.zeros_like(rnd.own[j])
+            for p, x in zip(group, parts):
+                total += x if frac is None else x * np.asarray(frac[p], dtype=x.dtype)
+            out.append(total / np.asarray(len(parts), dtype=total.dtype) if frac is None else total)
+        return out
+
+    def delayed_step(self, me: str, group: Sequence[str], inbox: DelayedInbox, steps_done: int,
+                     params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
+                     wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None,
+                     fragment: int = 0) -> tuple[dict, dict]:
+        """The outer boundary of ``fragment`` after ``steps_done`` completed steps, one outer step late
+        (``dp_sync.delay`` 1; see the module's docstring for the algorithm and its sources):
+
+        1. ``Delta_r = anchor - theta_r``, this replica's progress over the window just finished;
+        2. round t-1 of this fragment (started at the previous boundary, its exchange overlapped with this
+           window's inner steps): collect the group's average and apply the outer optimizer to theta_global;
+        3. start round t: send ``Delta_r`` (+ residual, encoded) to every other member without waiting;
+        4. rebase: ``theta_r = theta_global - Delta_r`` (the new global weights plus this window's own
+           progress), which is also the next window's anchor.
+
+        group: the members whose pseudo-gradients round t-1 averages (the current group: a replica dropped
+        meanwhile is left out), and whom round t is sent to. Nothing changes before the collection is
+        complete (a regroup raised by ``wait`` lets the caller repeat the call over the survivors), except
+        that a restored round is re-sent once. Returns (this replica's new local weights, stats)."""
+        only = self.fragments[fragment]
+        deltas = [self.anchor[b] - flatten(self.buckets[b], params) for b in only]
+        sent_bytes = self.announce(me, group, send)
+        rnd, applied = self.pending.get(fragment), None
+        s = self.sync
+        if rnd is not None:
+            avg = self._collect(me, group, rnd, fragment, inbox, wait, weights)
+            for b, d in zip(only, avg):
+                outer_update(self.theta[b], self.v[b], d, s.outer_lr, s.outer_momentum, s.nesterov)
+            inbox.close(rnd.number, only)
+            applied = rnd.number
+        ins = [d + self.residual[b] if self.residual is not None and s.codec is not None else d
+               for b, d in zip(only, deltas)]
+        packs = [self._pack(x) for x in ins]
+        if self.residual is not None and s.codec is not None:
+            for b, x, (_, _, got) in zip(only, ins, packs):
+                self.residual[b] = x - got  # what the codec did not deliver goes with the next pseudo-gradient
+        self.pending[fragment] = Round(steps_done, ins, [p[2] for p in packs])
+        sent_bytes += self._send_round(me, group, fragment, steps_done, packs, send)
+        out: dict[str, np.ndarray] = {}
+        for b, d in zip(only, deltas):
+            self.anchor[b] = self.theta[b] - d
+            out.update(unflatten(self.buckets[b], self.anchor[b].copy()))
+        return out, {"payload_bytes": sum(payload_nbytes(p[1]) for p in packs), "sent_bytes": sent_bytes,
+                     "replicas": len(group), "fragment": fragment, "round": steps_done, "applied_round": applied}
+
+    def flushed(self, me: str, group: Sequence[str], inbox: DelayedInbox, params: Mapping[str, np.ndarray],
+                wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None
+                ) -> dict[str, np.ndarray]:
+        """This replica's weights with every round in flight collected and applied (the end of a run,
+        ``dp_sync.delay`` 1): per pending fragment ``theta_global' = outer(theta_global, average)`` and
+        ``theta_r' = theta_global' - (anchor - theta_r)``, so a run that ends at a boundary gets the global
+        weights. Computed on copies: the state (and a run that goes on after a fetch) is unchanged."""
+        s, out = self.sync, {}
+        for f, rnd in sorted(self.pending.items()):
+            avg = self._collect(me, group, rnd, f, inbox, wait, weights)
+            for b, d in zip(self.fragments[f], avg):
+                theta, v = self.theta[b].copy(), self.v[b].copy()
+                outer_update(theta, v, d, s.outer_lr, s.outer_momentum, s.nesterov)
+                out.update(unflatten(self.buckets[b], theta - (self.anchor[b] - flatten(self.buckets[b], params))))
+        return out
 
 
 def write_params(engine: Any, values: Mapping[str, np.ndarray]) -> None:

@@ -78,8 +78,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
                        help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced "
                             "after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)"),
-        g.add_argument("--outer-delay", type=int, default=0, metavar="D",
-                       help="diloco: outer steps an update is applied late (0; more is not built in the runtime yet)"),
+        g.add_argument("--outer-delay", type=int, default=None, metavar="D",
+                       help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it "
+                            "overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -391,7 +392,7 @@ def dp_sync_from_args(args: argparse.Namespace):
                                    ("--pseudo-codec", args.pseudo_codec, None),
                                    ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                    ("--replica-shares", args.replica_shares, None),
-                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, 0))
+                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None))
                  if v != d]
         if given:
             raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
@@ -410,9 +411,9 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.dp_codec is not None and args.dp_sync == "diloco":
         raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco does not run; "
                           "use --pseudo-codec")
-    if args.outer_delay != 0:
-        raise FusionError(f"--outer-delay {args.outer_delay}: delayed (overlapped) outer steps are not built in the "
-                          "runtime yet; leave it out")
+    if args.outer_delay not in (None, 0, 1):
+        raise FusionError(f"--outer-delay {args.outer_delay}: an outer step is applied at once (0) or one outer step "
+                          "late, its exchange overlapping the next H inner steps (1)")
     if args.sync_fragments < 1 or args.sync_fragments > h:
         raise FusionError(f"--sync-fragments {args.sync_fragments}: streaming fragments must number 1 .. --inner-steps "
                           f"({h}), one outer step of a fragment per inner step at most")
@@ -436,7 +437,7 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
         raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
-                  args.pseudo_error_feedback, fragments=args.sync_fragments, shares=shares)
+                  args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares)
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
@@ -523,8 +524,8 @@ def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio:
             if cfg is not None and cfg.get("algo") not in ("quant", "topk"):
                 raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take quant or topk (or none)")
             search.codecs = (cfg,)
-    # the flags' defaults (1 fragment, no delay) narrow the search too: the runtime runs no delayed outer step yet,
-    # so the planner prices only what a run will do
+    # --sync-fragments' default (1 fragment) narrows the search too; --outer-delay left out: 0 and 1 are priced
+    # (the runtime runs both) and the planner chooses
     for name, field in (("sync_fragments", "fragments"), ("outer_delay", "delays")):
         v = getattr(args, name, None)
         if v is not None:

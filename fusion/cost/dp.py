@@ -368,12 +368,14 @@ def diloco_step(compute_s: float, sync_s: list[float], inner_steps: int, delay: 
 
 
 def fragment_sync_time(cluster: Cluster, group: list[int], nbytes: float, codec: dict | None, fragments: int,
-                       algo: str = "ring") -> float:
+                       algo: str = "ring", delay: int = 0) -> float:
     """t_s: the link seconds of one stage group per outer step when its pseudo-gradient of ``nbytes`` goes
     as ``fragments`` fragments of ``nbytes / F`` each (one after another on the same links):
-    ``F * X(nbytes / F)``, X the all-reduce or all-gather of :func:`pseudo_sync_time`."""
+    ``F * X(nbytes / F)``, X the all-reduce or all-gather of :func:`pseudo_sync_time`: the all-gather for a
+    lossy codec, and for every delayed round (``delay`` 1: the runtime all-gathers it, dense or not, so that
+    it needs no engine-loop turn per hop while the next inner steps run; ``outer.OuterLoop.delayed_step``)."""
     F = int(fragments)
-    return F * pseudo_sync_time(cluster, group, nbytes / F, codec is not None, algo)
+    return F * pseudo_sync_time(cluster, group, nbytes / F, codec is not None or delay == 1, algo)
 
 
 def replica_fits(cm: CostModel, node_part: np.ndarray, devices: list[list[int]],
@@ -467,8 +469,8 @@ def diloco_estimate(layout: DiLoCoLayout, inner_steps: int, codec: dict | None =
     """Price one DiLoCo config on a layout (:func:`diloco_layout`); the model, per stage group s:
 
     ``b_s = sum_p wire_nbytes(numel_p, dtype_p, codec)`` over s's trainable parameters (dense: 4 B each);
-    ``t_s = F * X(C_s, b_s / F)`` with X the ring all-reduce (dense) or all-gather (lossy) over the group's
-    slowest link; exposed ``e_s = t_s`` (delay 0) or ``max(0, t_s - H T_c)`` (delay 1);
+    ``t_s = F * X(C_s, b_s / F)`` with X the ring all-reduce (dense, delay 0) or all-gather (lossy, or
+    delay 1) over the group's slowest link; exposed ``e_s = t_s`` (delay 0) or ``max(0, t_s - H T_c)`` (delay 1);
     ``T_step = T_c + max_s e_s / H`` and ``phi = G / T_step``.
     """
     H, F = int(inner_steps), int(fragments)
@@ -479,7 +481,7 @@ def diloco_estimate(layout: DiLoCoLayout, inner_steps: int, codec: dict | None =
     cl = layout.cm.cluster
     dense = [pseudo_wire_bytes(sp, None) for sp in layout.specs]
     wire = dense if codec is None else [pseudo_wire_bytes(sp, codec) for sp in layout.specs]
-    sync = [fragment_sync_time(cl, g, b, codec, F, algo) for g, b in zip(layout.groups, wire)]
+    sync = [fragment_sync_time(cl, g, b, codec, F, algo, delay) for g, b in zip(layout.groups, wire)]
     step, exposed = diloco_step(layout.compute_s, sync, H, delay)
     return DiLoCoEstimate(step, layout.compute_s, list(layout.replica_s), list(layout.micro_batches), H,
                           None if codec is None else dict(codec), int(delay), F, wire, sync, exposed, dense,

@@ -48,7 +48,8 @@ BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum must be < 1"),
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-lr", "-1"], "--outer-lr must be a finite number >= 0"),
     (["--replicas", "2", "--inner-steps", "4"], "--inner-steps is an option of --dp-sync diloco"),
-    (["--replicas", "2", "--dp-sync", "diloco", "--outer-delay", "1"], "not built in the runtime yet"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--outer-delay", "2"], "--outer-delay 2: an outer step is applied at once (0)"),
+    (["--replicas", "2", "--outer-delay", "1"], "--outer-delay is an option of --dp-sync diloco"),
     (["--replicas", "2", "--dp-sync", "diloco", "--inner-steps", "2", "--sync-fragments", "3"],
      "--sync-fragments 3: streaming fragments must number 1 .. --inner-steps (2)"),
     (["--replicas", "2", "--dp-sync", "diloco", "--replica-shares", "2=1"], "names replica 2; there are 2"),
@@ -142,3 +143,4 @@ def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(tmp_path, sig,
     final = load_weights(out / "final.safetensors")
     for k, v in want[-1][1].items():
         np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+

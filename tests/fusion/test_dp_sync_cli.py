@@ -39,8 +39,16 @@ def test_auto_writes_its_choice(tmp_path, capsys):
     # microseconds of compute per step: synchronous DP pays the all-reduce's latencies every step, DiLoCo once per H
     assert plan.dp_sync.mode == "diloco" and planner["diloco_over_sync_dp"] >= 1.1
     assert planner["samples_per_s"] == plan.predicted["throughput_samples_s"]
+    # the runtime runs the delayed outer step, so auto prices it: over the 20 Mbit/s link it hides the sync
+    pr = plan.predicted["dp_sync"]
+    assert plan.dp_sync.delay == 1 and pr["exposed_sync_s_per_outer_step"] < pr["sync_s_per_outer_step"]
     assert main(["inspect", str(out)]) == 0
-    assert "x synchronous DP's best layout" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "x synchronous DP's best layout" in text and "delay 1" in text and "overlapped:" in text
+    pinned = tmp_path / "p.plan"  # --outer-delay 0 narrows the search to the blocking outer step
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--strategy", "dp", "--dp-sync", "auto",
+                 "--outer-delay", "0", "--global-batch", "16", "-o", str(pinned)]) == 0
+    assert load_plan(pinned).dp_sync.delay == 0
 
 
 def test_bad_dp_sync_input_exits_2_with_one_line(tmp_path, capsys):

@@ -73,13 +73,21 @@ def _through_codec(deltas: dict, names: list, codec, residual):
 
 
 def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make_opt, sync: DPSync, drop=None,
-                     counts=None):
+                     counts=None, drop_at_outer=None):
     """Plain-PyTorch DiLoCo (Douillard et al. 2023, Algorithm 1): per step (mean loss, global-or-local weights).
 
     Replica r takes the r-th contiguous share of each global batch, ``micro`` micro-batches with gradient
     accumulation. drop: ``(step, replica)``: from that step on the replica is gone (its inner steps since
     the last outer step are lost) and the survivors share the global batch. counts: each replica's
-    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts)."""
+    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts).
+    drop_at_outer: ``(step, replica)``: the replica took its inner step of ``step`` (its loss counts) but
+    died in that step's outer exchange, which averages the survivors only.
+
+    ``sync.delay`` 1 (the runtime's delayed outer step, ``outer.py``): at a fragment's boundary each
+    replica's pseudo-gradient is its progress since its window's start (``anchor - local``), the round
+    started at the previous boundary is averaged over the replicas live now and applied to the global
+    weights, and every replica rebases ``local = global - its progress`` (its new anchor); a round still in
+    flight after the last step is applied to the weights returned last."""
     names = [k for k in model.params if model.graph.params[k].trainable]
     glob = {k: torch.tensor(np.asarray(model.params[k])) for k in names}
     fixed = {k: torch.tensor(np.asarray(v)) for k, v in model.params.items() if k not in glob}
@@ -95,6 +103,18 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     residual = [[np.zeros(sum(glob[k].numel() for k in f), np.float32) if sync.error_feedback else None
                  for f in frags] for _ in range(replicas)]
     h, nf = sync.inner_steps, len(frags)
+    anchor = [{k: v.detach().clone() for k, v in p.items()} for p in local]  # delay 1: each window's start
+    pending = [None] * nf  # delay 1: fragment -> {replica: its decoded pseudo-gradient} of the round in flight
+
+    def apply_outer(f, deltas, members):  # deltas: {replica: {name: tensor}}, averaged over members
+        outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
+        for k, g in ((k, glob[k]) for k in frags[f]):
+            if counts:
+                g.grad = sum(deltas[r][k] * (counts[r] / sum(counts)) for r in members)
+            else:
+                g.grad = torch.stack([deltas[r][k] for r in members]).sum(0) / len(members)
+        outer.step()
+
     out = []
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
@@ -102,7 +122,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
         sizes = [c * len(next(iter(batch.values()))) // sum(counts) for c in counts] if counts else None
         shares = {k: (torch.as_tensor(v).split(sizes) if sizes else torch.as_tensor(v).chunk(len(live)))
                   for k, v in batch.items()}
-        losses = []
+        losses = []  # (replica, a micro-batch's loss)
         for i, r in enumerate(live):
             n = counts[r] if counts else micro * replicas // len(live)  # survivors take the global batch's micro-batches
             opts[r].zero_grad()
@@ -111,10 +131,28 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 c = {k: v.chunk(n)[m] for k, v in rows.items()}
                 lc = plain_loss({**fixed, **local[r]}, c)
                 (lc / n).backward()
-                losses.append(lc.item())
+                losses.append((r, lc.item()))
             opts[r].step()
         due = [f for f in range(nf) if (step + 1) % h == (f * h) // nf]
-        if due:
+        if drop_at_outer is not None and step == drop_at_outer[0]:
+            live.remove(drop_at_outer[1])
+        if due and sync.delay:
+            (f,) = due
+            raw = {r: {k: anchor[r][k] - local[r][k].detach() for k in frags[f]} for r in live}
+            if pending[f] is not None:
+                apply_outer(f, pending[f], live)
+            pending[f] = {}
+            for r in live:
+                d = raw[r]
+                if sync.codec is not None:
+                    d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
+                pending[f][r] = d
+            with torch.no_grad():
+                for r in live:
+                    for k in frags[f]:
+                        local[r][k].copy_(glob[k] - raw[r][k])
+                        anchor[r][k] = local[r][k].detach().clone()
+        elif due:
             (f,) = due
             outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
             deltas = [{k: glob[k] - local[r][k].detach() for k in frags[f]} for r in live]
@@ -131,7 +169,18 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 for r in live:
                     for k in frags[f]:
                         local[r][k].copy_(glob[k])
-        out.append((float(np.mean(losses)), {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
+        # a replica lost in this step's outer exchange: the step reports the survivors' losses (the lost one's are gone)
+        out.append((float(np.mean([x for r, x in losses if r in live])),
+                    {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
+    if any(p is not None for p in pending):  # delay 1: the rounds in flight, applied to the weights returned
+        r0 = live[0]
+        final = {k: v.detach().clone() for k, v in local[r0].items()}
+        for f, p in enumerate(pending):
+            if p is not None:
+                apply_outer(f, p, live)
+                for k in frags[f]:
+                    final[k] = glob[k].detach() - (anchor[r0][k] - local[r0][k].detach())
+        out[-1] = (out[-1][0], {k: v.numpy() for k, v in final.items()})
     return out
 
 
@@ -248,23 +297,32 @@ def test_pseudo_gradient_codecs_with_error_feedback_match_the_reference(tmp_path
     assert wire < 4 * numel / 3
 
 
-def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path, delay):
     """Run 6 steps; run 3 (a checkpoint in the middle of an outer window of H = 2, with outer momentum and
-    error-feedback residuals that are not zero) and resume to 6: the same losses and weights, bit for bit."""
+    error-feedback residuals that are not zero; with delay 1 the round started at step 2 in flight) and
+    resume to 6: the same losses and weights, bit for bit."""
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
 
     build, _, plain_loss, batch_fn = ALL["mlp"]
     model = build(mb=MB)
     plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 2, micro_batches=1, optimizer=ADAMW[0])
-    with_sync(plan_dir, model, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8}, error_feedback=True))
+    with_sync(plan_dir, model, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8}, error_feedback=True,
+                                      delay=delay))
     batches = [batch_fn(s, 2 * MB) for s in range(6)]
     full, state, _ = run_dp(plan_dir, tmp_path / "full", batches)
+
     cfg = dict(peer_timeout_s=30, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
     with LocalCluster(plan_dir, tmp_path / "a", CoordinatorConfig(**cfg), threads=1) as lc:
         lc.start()
         first = [lc.coordinator.step(b) for b in batches[:4]]  # step 4 is never checkpointed
     assert (tmp_path / "ckpt" / "step-00000003" / "p0.outer.safetensors").exists()
+    if delay:  # the round started at step 2 is in flight at step 3: in the checkpoint
+        from fusion.executors.runtime.checkpoint import load_outer
+
+        saved = load_outer(tmp_path / "ckpt", 3, "p0")
+        assert saved["round::0"].tolist() == [2] and any(k.startswith("pending::") for k in saved)
     with LocalCluster(plan_dir, tmp_path / "b", CoordinatorConfig(**cfg), threads=1) as lc:
         assert lc.start(resume=True) == 3
         rest = [lc.coordinator.step(b) for b in batches[3:]]
@@ -353,3 +411,122 @@ def test_streaming_fragments_sync_staggered_and_match_the_reference(tmp_path, co
     assert min(sizes) > 0 and sum(sizes) == 4 * sum(int(np.prod(p.shape)) for p in model.graph.params.values())
     if codec is None:
         assert all(o["payload_bytes"] == sizes[o["fragment"]] for o in outer.values())
+
+
+DELAYED = [  # (model, stages, schedule, inner optimizer, engines, H, fragments, codec, shares, steps)
+    # 2 x 1, a NumPy replica, 4-bit pseudo-gradients with error feedback, two streaming fragments, shares 3 : 1
+    ("mlp", 1, "gpipe", SGD_M, {"r1.p0": "numpy"}, 4, 2, {"algo": "quant", "bits": 4}, {0: 3.0, 1: 1.0}, 8),
+    ("gpt", 2, "1f1b", SGD_M, None, 2, 1, None, {}, 6),  # 2 x 2 (4 processes), exact averaging
+]
+
+
+@pytest.mark.parametrize("name,stages,schedule,opt,engines,H,F,codec,shares,steps", DELAYED,
+                         ids=["mlp-2x1-numpy-quant4-ef-F2-shares", "gpt-2x2-exact"])
+def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_path, name, stages, schedule, opt,
+                                                                           engines, H, F, codec, shares, steps):
+    """dp_sync.delay 1: each round's exchange overlaps the next window and is applied at the following
+    boundary; losses and final weights (the last round flushed) equal the reference's delayed DiLoCo, the
+    replicas end on the same weights, and the run is not delay 0's (the reference without the delay)."""
+    import dataclasses
+
+    build, splits, plain_loss, batch_fn = ALL[name]
+    model = build(mb=MB)
+    micro = 2
+    assignment = splits[2] if stages == 2 else one_stage(model)
+    plan_dir = save_dp_plan(tmp_path, model, assignment, 2, schedule=schedule, micro_batches=micro, optimizer=opt[0],
+                            engines=engines)
+    sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9, codec=codec,
+                  error_feedback=codec is not None, fragments=F, delay=1, shares=shares)
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 2 * micro * MB) for s in range(steps)]
+    reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
+    counts = [3, 1] if shares else None
+    want = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], sync, counts=counts)
+    assert_matches(reports, state, want)
+    for k, v in states[0].items() if F == 1 else ():  # the last round flushed: both hold the global weights
+        np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=f"replicas differ in {k}")
+    outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
+    step_of = {o["round"]: s for s, o in outer.items()}
+    for s, o in outer.items():  # each round is applied at its fragment's next boundary, H steps later
+        assert o["round"] == s + 1
+        assert o["applied_round"] == (None if s + 1 - H < 1 else s + 1 - H)
+        if o["applied_round"] is not None:
+            assert outer[step_of[o["applied_round"]]]["fragment"] == o["fragment"]
+    assert len(outer) == F * steps // H
+    undelayed = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], dataclasses.replace(sync, delay=0),
+                                 counts=counts)
+    first = min(outer) + 1  # the first boundary (completed steps): the same up to it, then not delay 0's
+    np.testing.assert_allclose([w[0] for w in want[:first]], [w[0] for w in undelayed[:first]], rtol=1e-6)
+    later = np.array([r.loss for r in reports[first:]])
+    assert np.max(np.abs(later - [w[0] for w in undelayed[first:]]) / np.abs(later)) > 1e-3
+
+
+def test_delayed_inbox_rejects_what_the_group_did_not_send():
+    """A delayed round's pseudo-gradient is taken only from a member of the plan's group, addressed to this
+    part, for a known bucket and a round not yet collected, at most two rounds per sender and bucket, of the
+    bucket's dtype and length (dense without a codec), and once; it is kept until its round is closed."""
+    from fusion.executors.runtime.allreduce import KIND, make_buckets
+    from fusion.executors.runtime.outer import DelayedInbox
+    from fusion.ir.errors import WireError
+    from fusion.ir.wire import decode, encode, encode_payload
+
+    box = DelayedInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((10,), "float32")}), None)
+
+    def msg(a=None, **over):
+        meta, frames = encode_payload(np.arange(10, dtype=np.float32) if a is None else a)
+        h = {"round": 2, "bucket": 0, "src": "r1.p0", "dst": "p0", "delayed": True, "payload": meta}
+        return decode(encode(KIND, {**h, **over}, frames))
+
+    for sender, m, says in [("r9.p0", msg(src="r9.p0"), "not in p0's data-parallel group"),
+                            ("r1.p0", msg(dst="r2.p0"), "but came"),
+                            ("r1.p0", msg(bucket=1), "bucket 1"),
+                            ("r1.p0", msg(round=True), "round True"),
+                            ("r1.p0", msg(np.arange(9, dtype=np.float32)), r"expected float32\[10\]"),
+                            ("r1.p0", msg(np.arange(10, dtype=np.float64)), r"expected float32\[10\]"),
+                            ("r1.p0", msg(3.0), "not a dense buffer")]:
+        with pytest.raises(WireError, match=says):
+            box.accept(sender, m)
+    box.accept("r1.p0", msg())
+    with pytest.raises(WireError, match="duplicate"):
+        box.accept("r1.p0", msg())
+    box.accept("r1.p0", msg(round=4))
+    with pytest.raises(WireError, match="2 rounds of bucket 0 from it are waiting"):
+        box.accept("r1.p0", msg(round=6))
+    np.testing.assert_array_equal(box.take(2, 0, "r1.p0"), np.arange(10, dtype=np.float32))
+    assert box.take(2, 0, "r1.p0") is not None  # kept until closed (a flush reads it first)
+    box.close(2, [0])
+    assert box.take(2, 0, "r1.p0") is None and box.take(4, 0, "r1.p0") is not None
+    with pytest.raises(WireError, match="round 2; bucket 0 has collected round 2"):
+        box.accept("r1.p0", msg())
+
+
+def test_a_replica_lost_in_the_middle_of_an_outer_exchange_leaves_it_cleanly(tmp_path):
+    """Three replicas, H = 2, --drop-failed-replicas: replica 2 exits right after handing its first all-reduce
+    chunk of the outer step after step 2 to the transport (the FUSION_TEST_DIE_IN_OUTER hook). The step was
+    committed, so the survivors keep it: they regroup and redo that outer step's average over the two of them
+    (replica 2's pseudo-gradient, and a chunk of it that arrived, never counts), report the step with their
+    own losses and go on with the global batch re-split over two; no hang, no step lost or applied twice,
+    every loss and the final weights equal to the reference that drops replica 2 from that outer average."""
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    build, _, plain_loss, batch_fn = ALL["mlp"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 3, micro_batches=2, optimizer=SGD_M[0])
+    sync = DPSync("diloco", inner_steps=2)
+    with_sync(plan_dir, model, sync)
+    batches = [batch_fn(s, 3 * 2 * MB) for s in range(4)]
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30, drop_failed_replicas=True),
+                      threads=1, part_env={"r2.p0": {"FUSION_TEST_DIE_IN_OUTER": "r2.p0:2"}}) as lc:
+        lc.start()
+        reports = [lc.coordinator.step(b) for b in batches]
+        state = lc.coordinator.fetch_state()
+    (drop,) = reports[1].dropped
+    assert drop["replica"] == 2 and drop["part"] == "r2.p0" and not drop["redone"]  # committed: kept, not redone
+    assert "status 17" in drop["reason"]
+    assert all(not getattr(r, "dropped", None) for r in reports[:1] + reports[2:])
+    outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
+    assert sorted(outer) == [1, 3] and all(o["replicas"] == 2 for o in outer.values())
+    assert set(reports[1].parts) == {"p0", "r1.p0"}
+    want = diloco_reference(model, plain_loss, batches, 3, 2, SGD_M[1], sync, drop_at_outer=(1, 2))
+    assert_matches(reports, state, want)

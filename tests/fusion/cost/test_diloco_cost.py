@@ -71,7 +71,10 @@ def test_lossy_codecs_are_all_gathered_over_the_slowest_link(tiny):
 
 def test_delay_one_hides_the_sync_behind_h_inner_steps(tiny):
     cm, lay = _two_replicas(tiny, slow_bps=5e6)
-    t = diloco_estimate(lay, 1).sync_s[0]
+    t0 = diloco_estimate(lay, 1).sync_s[0]  # delay 0: the ring all-reduce of the dense pseudo-gradient
+    t = diloco_estimate(lay, 1, delay=1).sync_s[0]  # delay 1: the all-gather the runtime overlaps
+    assert t == pytest.approx(allgather_time(cm.cluster, [0, 4], pseudo_wire_bytes(lay.specs[0], None)), rel=1e-12)
+    assert t < t0  # two replicas: the same bytes, one link latency instead of the ring's two
     T = lay.compute_s
     H_small, H_big = max(1, int(0.2 * t / T)), int(3 * t / T) + 1
     assert H_small * T < t < H_big * T
@@ -80,7 +83,7 @@ def test_delay_one_hides_the_sync_behind_h_inner_steps(tiny):
     assert late.iteration_s == pytest.approx(T + (t - H_small * T) / H_small, rel=1e-9)
     hidden = diloco_estimate(lay, H_big, delay=1)
     assert hidden.exposed_s == 0 and hidden.iteration_s == T and hidden.predicted()["sync_hidden"] == 1.0
-    assert diloco_estimate(lay, H_big, delay=0).iteration_s == pytest.approx(T + t / H_big, rel=1e-12)
+    assert diloco_estimate(lay, H_big, delay=0).iteration_s == pytest.approx(T + t0 / H_big, rel=1e-12)
 
 
 def test_fragments_cut_the_peak_and_pay_a_latency_each(tiny):
