@@ -214,9 +214,13 @@ def run(args: argparse.Namespace) -> int:
             from fusion.executors.runtime.keys import insecure_warning
 
             log.warning("%s", insecure_warning(COORDINATOR, coord.bind()))
+        late = [p for p in plan.parts if plan.parts[p].replica in joins]
+        now = [p for p in plan.parts if p not in late]
         print(f"coordinator listening on {coord.bind()}; waiting up to {args.startup_timeout:.0f} s for "
-              f"{len(plan.parts)} executors: {', '.join(plan.parts)} (start each with "
-              f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)
+              f"{len(now)} executors: {', '.join(now)} (start each with "
+              f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)"
+              + (f"; {', '.join(late)} join(s) later (--join-at): start them by hand too" if late else ""),
+              file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
             train(coord, batch_fn, first, args.steps, out, not args.no_progress)
