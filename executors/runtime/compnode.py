@@ -36,14 +36,16 @@ from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
-from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Commit, Control, Done, Error, Hb, Hello, Ready, Reduced,
-                                              Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
+from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Commit, Control, Done, Error, Fetch, Hb,
+                                              Hello, Ready, Reduced, Regroup as RegroupMsg, Regrouped, Setup, State, Step,
+                                              decode_ctrl)
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
 from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
                                             write_params)
 from fusion.executors.runtime.inbox import Inbox
+from fusion.executors.runtime.join import adopt, join_arrays
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
@@ -178,10 +180,11 @@ class CompNode:
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
         # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
         # (only a group of 2 or more has buckets: a single pipeline keeps any dtype, bfloat16 included)
-        self.ring, self._fragments = None, None
+        self.ring, self._fragments, self._dp_buckets = None, None, []
         if len(self.dp_group) > 1:
             buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
                                         if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
+            self._dp_buckets = buckets  # (kept: a group that shrinks to one part at start has no ring)
             self.ring = RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
@@ -204,6 +207,8 @@ class CompNode:
         limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
         if self.ring is not None and not cfg.max_message_bytes:
             limit = max(limit, allreduce_message_limit(self.ring.buckets, 1 if self.diloco else self.ring.chunks))
+            if self.diloco:  # a joiner's setup carries the global weights and the outer momentum (join.py)
+                limit = max(limit, 2 * allreduce_message_limit(self.ring.buckets, 1) * len(self.ring.buckets))
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
@@ -371,33 +376,87 @@ class CompNode:
         self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
+        if c.members is not None or c.micro_batches is not None:  # replicas that have not joined yet (join.py)
+            with self._cv:
+                self._set_members([p for p in self.plan.dp_group(self.me) if c.members is None or p in c.members],
+                                  c.micro_batches or self.n_micro)
         if self.diloco:  # DiLoCo's global weights and outer momentum: the start, or the checkpoint's
-            names = {n for b in self.ring.buckets for n in b.names}
+            names = {n for b in self._dp_buckets for n in b.names}
             trainable = {n: a for n, a in engine.state().items() if n in names}
-            self.outer = OuterLoop(self.plan.dp_sync, self.ring.buckets, trainable, self._fragments)
+            self.outer = OuterLoop(self.plan.dp_sync, self._dp_buckets, trainable, self._fragments)
             if resume is not None:
                 arrays = checkpoint.load_outer(c.checkpoint_dir, int(resume), source)
                 self.outer.load_arrays(arrays, f"checkpoint step {resume} of {source}")
+            elif c.start_it is not None:  # a joiner: the live replica's global weights and outer momentum
+                if c.join_from not in self.plan.dp_group(self.me) or c.join_from == self.me:
+                    raise ExecutorAbort(f"setup: join_from {str(c.join_from)[:80]!r} is not another replica of stage "
+                                        f"{self.plan.stage_of(self.me)!r}")
+                write_params(engine, adopt(self.outer, c.arrays, f"outer state from {c.join_from}"))
+                log.info("%s: joining at iteration %d with %s's global weights and outer momentum (error feedback "
+                         "zeros, a fresh inner optimizer); group %s, %d micro-batches", self.me, c.start_it,
+                         c.join_from, self.dp_group, self.n_micro)
+        elif c.start_it is not None:
+            raise ExecutorAbort("setup: a part that runs no DiLoCo outer loop cannot join a running job")
         # a copied replica starts its delta buffers afresh, at both ends of each edge (both are copies)
         delta_edges.attach(self.runtime, self.inbox, c.checkpoint_dir, resume if source == self.me else None)
+        first = int(resume or 0) if c.start_it is None else int(c.start_it)
         with self._cv:
-            self.inbox.expected_iter = int(resume or 0)
+            self.inbox.expected_iter = first
             if self.ring is not None:
-                self.ring.expected_iter = int(resume or 0)
+                self.ring.expected_iter = first
             self.inbox.open = True
         self.checkpoint_dir = c.checkpoint_dir
         self.failover = c.failover is True
+        self._emulate = c.emulate_links
         peers = c.peers
         for p in sorted(self._peers):
+            if c.members is not None and p not in c.members and p not in peers:
+                continue  # a replica that has not joined yet: connected when it does (Admit)
             if p not in peers:
                 raise FusionError(f"setup gives no address for peer {p!r}")
-            link = None
-            if c.emulate_links:
-                m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
-                link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
-            self.transport.connect(p, peers[p], link, direct=True)  # only the engine loop sends to peers
+            self._connect(p, peers[p])
         if self.outer is not None and self.outer.pending:  # a checkpoint's rounds in flight: send ours again
             self.outer.announce(self.me, self.ring.group, self._send)
+
+    def _connect(self, p: str, address: str) -> None:
+        """Connect to peer ``p`` (through the emulated link of the plan's devices when the run emulates them)."""
+        link = None
+        if self._emulate:
+            m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
+            link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
+        self.transport.connect(p, address, link, direct=True)  # only the engine loop sends to peers
+
+    def _set_members(self, group: list[str], n: int) -> None:
+        """(Under ``_cv``) this stage's live replicas are ``group`` and each runs ``n`` micro-batches per step:
+        the ring (or tree) over ``group``, the schedule and inbox for ``n``."""
+        self.n_micro = n
+        self.inbox.n_micro = n
+        self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
+                                     self.devices)[self.me]
+        self.dp_group = group
+        self.ring = (RingInbox(self.me, group, self._dp_buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
+                     if len(group) > 1 else None)
+        if self.ring is not None:
+            self.ring.expected_iter = self.inbox.expected_iter
+
+    def _admit(self, c: Admit) -> None:
+        """A replica joins before iteration ``c.it`` (an outer boundary; join.py): connect to its parts, take
+        the one of this stage into the group, run the new micro-batch count; tell the coordinator."""
+        if self.outer is None:
+            raise ExecutorAbort(f"admit: {self.me} runs no DiLoCo outer loop; a replica cannot join it")
+        if c.it != self.inbox.expected_iter:
+            raise ExecutorAbort(f"admit for iteration {c.it}, this part is at {self.inbox.expected_iter}")
+        unknown = [p for p in c.add if p not in self.plan.parts or p in self.dp_group]
+        if unknown:
+            raise ExecutorAbort(f"admit: {unknown[0]!r} is not a part of the plan outside this part's group")
+        for p in sorted(set(c.peers) & self._peers):
+            self._connect(p, c.peers[p])
+        with self._cv:
+            self._set_members([p for p in self.plan.dp_group(self.me) if p in self.dp_group or p in c.add],
+                              c.micro_batches)
+        log.warning("%s: part(s) %s joined before iteration %d; group now %s, %d micro-batches", self.me,
+                    ", ".join(c.add), c.it, self.dp_group, self.n_micro)
+        self.transport.send(COORDINATOR, Admitted(it=self.inbox.expected_iter).frames())
 
     def _resume_source(self, source) -> str:
         """The part whose checkpoint files this one loads: itself, or a replica of its stage (its DP group)."""
@@ -788,6 +847,14 @@ class CompNode:
                               f"one process (fusion executor --node {','.join(lane)})")
         return run_lane([self])
 
+    def _fetched(self, c: Fetch) -> dict[str, np.ndarray]:
+        """What a fetch asks for: the parameters, or (``outer``) the DiLoCo state a joiner starts from."""
+        if not c.outer:
+            return self._final_state()
+        if self.outer is None:
+            raise ExecutorAbort(f"fetch of the outer state: {self.me} runs no DiLoCo outer loop")
+        return join_arrays(self.outer)
+
     def _serve(self) -> int:
         """Steps, fetches and the stop, one control message at a time; the exit status."""
         while True:
@@ -800,7 +867,9 @@ class CompNode:
                 self._apply_regroup()
                 continue
             if c.op == "fetch":
-                self.transport.send(COORDINATOR, State(arrays=self._final_state()).frames())
+                self.transport.send(COORDINATOR, State(arrays=self._fetched(c)).frames())
+            elif c.op == "admit":
+                self._admit(c)
             elif c.op == "stop":
                 log.info("%s: told to stop after %d steps", self.me, self.inbox.expected_iter)
                 return 0

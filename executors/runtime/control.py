@@ -16,6 +16,10 @@ below (:data:`MESSAGES`: op -> class); ``msg.frames()`` gives its wire frames an
     executor -> coordinator   Reduced {it}                        coordinator -> executor   Commit {it}
     coordinator -> executor   Regroup {it, drop: [parts], micro_batches}   (a replica is dropped; iteration ``it``
                               is abandoned unless it was committed)   executor -> coordinator   Regrouped {it}
+    a replica joining a DiLoCo run at an outer boundary (``executors/runtime/join.py``), between two steps:
+    coordinator -> live part  Fetch {outer: true}                 live part -> coordinator  State {}  tensors: outer state
+    coordinator -> live part  Admit {it, add: [parts], peers, micro_batches}   live part -> coordinator  Admitted {it}
+    coordinator -> joiner     Setup {..., members, micro_batches, start_it, join_from}  tensors: the outer state
     either way                Hb {}  (heartbeat; any message counts as a sign of life)
     executor -> coordinator   Error {reason}
 
@@ -163,6 +167,14 @@ class Setup(Control):
     failover: bool | None = _optional(_bool)
     digest: str = _wire(_str, default="")
     resume_from: str | None = _optional(_str)
+    #: the parts training now (None: every part of the plan); a replica not listed has not joined yet
+    members: list[str] | None = _optional(_str_list)
+    #: micro-batches of each live replica per step (None: the plan's ``micro_batches``)
+    micro_batches: int | None = _optional(_at_least_1)
+    #: a joiner: the executor iteration it starts at (the live parts' next one)
+    start_it: int | None = _optional(_nat)
+    #: a joiner: the live part of its stage whose global weights and outer momentum are in ``arrays``
+    join_from: str | None = _optional(_str)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,9 +217,11 @@ class Done(Control):
 
 @dataclass(frozen=True, kw_only=True)
 class Fetch(Control):
-    """Send the part's parameters (answered by :class:`State`)."""
+    """Send the part's parameters (answered by :class:`State`); outer: its DiLoCo global weights and outer
+    momentum instead (``join.join_arrays``: what a joining replica of its stage starts from)."""
 
     OP: ClassVar[str] = "fetch"
+    outer: bool | None = _optional(_bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,13 +296,34 @@ class Regrouped(Control):
     it: int = _wire(_nat)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Admit(Control):
+    """(DiLoCo, between steps, at an outer boundary) the parts in ``add`` join at executor iteration ``it``:
+    connect to them at ``peers`` (part -> address), take them into this part's data-parallel group, and run
+    ``micro_batches`` micro-batches per step from ``it`` on (the global batch re-split)."""
+
+    OP: ClassVar[str] = "admit"
+    it: int = _wire(_nat)
+    add: list[str] = _wire(_str_list)
+    peers: dict[str, str] = _wire(_str_map)
+    micro_batches: int = _wire(_at_least_1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admitted(Control):
+    """The part took the admit; ``it`` is the iteration it expects next."""
+
+    OP: ClassVar[str] = "admitted"
+    it: int = _wire(_nat)
+
+
 #: op -> its message class
 MESSAGES: dict[str, type[Control]] = {c.OP: c for c in (Hello, Setup, Ready, Step, Done, Fetch, State, Stop, Abort, Hb,
-                                                       Error, Reduced, Commit, Regroup, Regrouped)}
+                                                       Error, Reduced, Commit, Regroup, Regrouped, Admit, Admitted)}
 OPS = frozenset(MESSAGES)
 #: ops each side may receive: an executor takes these from the coordinator, the coordinator the others
-TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb", "commit", "regroup"})
-TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb", "reduced", "regrouped"})
+TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb", "commit", "regroup", "admit"})
+TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb", "reduced", "regrouped", "admitted"})
 
 
 def decode_ctrl(msg: Message, allowed_ops: frozenset[str] | None = None) -> Control:

@@ -10,7 +10,9 @@ nodes, as in single-process training.
 
 Every ``checkpoint_every`` steps the executors save their own parameters and
 optimizer state; once all have, the coordinator marks the checkpoint
-complete (:mod:`fusion.executors.runtime.checkpoint`). After a replica was
+complete (:mod:`fusion.executors.runtime.checkpoint`). A DiLoCo plan may start with replicas held back
+(``CoordinatorConfig.joins``), each admitted at its outer boundary (:meth:`Coordinator._admit`,
+:mod:`fusion.executors.runtime.join`). After a replica was
 dropped the survivors alone save (their copy of each stage stands for the
 dropped one), and a resume of the full plan loads every part of a dropped
 replica from the saved copy of its stage. A part that reports an error,
@@ -36,8 +38,8 @@ from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.outer import replica_micro_batches
-from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Commit, Control, Done, Error, Fetch, Hb, Hello,
-                                              Regroup, Setup, Step, Stop, decode_ctrl)
+from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Commit, Control, Done, Error, Fetch, Hb,
+                                              Hello, Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
@@ -85,6 +87,9 @@ class CoordinatorConfig:
     drop_failed_replicas: bool = False
     security: Security | None = None  # CURVE keys (executors.runtime.keys); None: plain TCP (--insecure)
     plan_digest: str = ""  # the plan's digest (plandigest.plan_digest); executors with another one are refused
+    #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
+    #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/join.py)
+    joins: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,6 +109,7 @@ class StepReport:
     parts: dict[str, dict] = field(default_factory=dict)
     grads: dict[str, np.ndarray] = field(default_factory=dict)
     dropped: list[dict] = field(default_factory=list)  # replicas dropped during this step: {replica, step, part, reason}
+    joined: list[dict] = field(default_factory=list)  # replicas that joined before this step: {replica, step, parts, ...}
 
     @property
     def samples_per_s(self) -> float:
@@ -119,6 +125,8 @@ class StepReport:
                 "samples_per_s": round(self.samples_per_s, 3), "time": time.time(), "parts": parts}
         if self.dropped:
             line["dropped"] = self.dropped  # replicas lost during this step: which one, why, redone or not
+        if self.joined:
+            line["joined"] = self.joined  # replicas that joined before this step: which, from whom, the new split
         outer = {p: s["outer"] for p, s in self.parts.items() if "outer" in s}
         if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
             line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
@@ -180,8 +188,15 @@ class Coordinator:
         self.shares = replica_micro_batches(plan) if plan.dp_sync.shares else None
         self.iter_offset = 0  # executor iteration = step + abandoned attempts
         self.dropped: list[dict] = []
+        self.joined: list[dict] = []
+        #: replicas not started yet: replica -> the step before which it joins (set by :meth:`start`)
+        self.pending: dict[int, int] = {}
+        #: called with a late replica's parts when it is due (a local launcher starts their processes); None: they
+        #: are started by hand (``fusion executor``) and the coordinator waits for their hellos
+        self.spawn: Callable[[list[str]], None] | None = None
         self.id_edges = per_sample_edges(plan.compression)  # edges whose codec keys state by sample (delta)
         self._drops: list[dict] = []  # replicas dropped during the step in progress
+        self._joins: list[dict] = []  # replicas that joined before the step in progress
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -206,10 +221,11 @@ class Coordinator:
     def _failure(self, parts: list[str]) -> CompNodeFailure | None:
         """The first failed part among ``parts`` (error report, dead process, silence), if any."""
         now = time.monotonic()
-        for p in self.live:
+        watched = list(dict.fromkeys([*self.live, *parts]))  # (parts: a joining replica's too)
+        for p in watched:
             if p in self._errors:
                 return CompNodeFailure(p, self._errors[p])
-        for p in self.live:
+        for p in watched:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None else None
             if rc is not None:
@@ -287,7 +303,15 @@ class Coordinator:
         def ready(p: str, c: Control) -> None:
             self.report(f"{p} ready: part built and weights loaded ({time.monotonic() - t0:.1f} s after launch)")
 
-        hellos = self._collect("hello", self.parts, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0)
+        self.pending = self.late_replicas(checkpoint.latest(self.cfg.checkpoint_dir) if resume and self.cfg.checkpoint_dir
+                                          else None)
+        if self.pending:
+            self.live = [p for p in self.parts if self.replica_of[p] not in self.pending]
+            self.n_micro = self.plan.micro_batches * self.plan.replicas // len(self.live_replicas())
+            self.report("replica(s) " + ", ".join(f"{r} join(s) before step {s}" for r, s in sorted(self.pending.items()))
+                        + f"; starting with {len(self.live_replicas())} of {self.plan.replicas}, {self.n_micro} "
+                          "micro-batches each")
+        hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0)
         resume_step, sources = None, {p: p for p in self.parts}
         if resume:
             if not self.cfg.checkpoint_dir:
@@ -299,7 +323,7 @@ class Coordinator:
                                                             self._skipped_checkpoint)
             if resume_step is not None:
                 sources = found
-                copied = {p: q for p, q in sources.items() if p != q}
+                copied = {p: q for p, q in sources.items() if p != q and p in self.live}
                 if copied:
                     self.report(f"step {resume_step} was saved without replica(s) "
                                 f"{', '.join(str(r) for r in sorted({self.replica_of[p] for p in copied}))}: "
@@ -317,18 +341,107 @@ class Coordinator:
                 self._abort_locked(bad)
                 raise FusionError(bad)
         ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
-        for p in self.parts:
+        late = {"members": list(self.live), "micro_batches": self.n_micro} if self.pending else {}
+        for p in self.live:
             self.transport.send(p, Setup(peers=self.addresses, emulate_links=self.cfg.emulate_links,
                                          resume_step=resume_step, checkpoint_dir=ckpt, failover=self._failover,
-                                         digest=self.cfg.plan_digest, resume_from=sources[p]).frames())
-        self._collect("ready", self.parts, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
+                                         digest=self.cfg.plan_digest, resume_from=sources[p], **late).frames())
+        self._collect("ready", self.live, self.cfg.startup_timeout_s, "setting up", ready, remind_s=10.0)
         self.step_index = resume_step or 0
-        log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.parts), self.step_index)
+        log.info("coordinator %s: %d CompNodes ready, starting at step %d", self.address, len(self.live), self.step_index)
         return self.step_index
 
     def _skipped_checkpoint(self, step: int | None, reason: str) -> None:
         what = f"checkpoint step {step}" if step is not None else "the latest-checkpoint pointer"
         self.report(f"skipping {what}: {reason}")  # one line, on the run's own output
+
+    def late_replicas(self, resume_step: int | None) -> dict[int, int]:
+        """The replicas that have not joined at ``resume_step`` (None: a fresh start): replica -> its join step.
+        A checkpoint of step S is written before the join at S, so a replica joining at S is still late there."""
+        first = resume_step or 0
+        return {r: s for r, s in self.cfg.joins.items() if s >= first}
+
+    # -- a replica joins (DiLoCo, at an outer boundary; executors/runtime/join.py) --------------------
+    def _admit_due(self) -> list[dict]:
+        """Admit the late replicas due before the current step; their records (a refused one is logged)."""
+        out = []
+        for r, s in sorted(self.pending.items()):
+            if s == self.step_index:
+                del self.pending[r]
+                rec = self._admit(r)
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def _refuse_joiner(self, r: int, parts: list[str], why: str) -> None:
+        """A joiner that cannot join: logged, told to abort (when it said hello), the job goes on without it."""
+        for p in parts:
+            if p in self.transport.senders:
+                self.transport.send(p, Abort(reason=f"refused to join: {why}").frames())
+        self.report(f"replica {r} refused at step {self.step_index}: {why}; going on with "
+                    f"{len(self.live_replicas())} replica(s)")
+        log.warning("replica %d refused at step %d: %s", r, self.step_index, why)
+
+    def _admit(self, r: int) -> dict | None:
+        """Replica ``r`` joins before the current step: its hellos (digest checked), the global weights and
+        outer momentum fetched from a live part of each stage, the live parts told (``Admit``), the joiner set
+        up with that state (``Setup`` with ``start_it``). Returns the record for metrics.jsonl, or None when the
+        joiner was refused (it never said hello, said it as another part, or runs another plan digest)."""
+        parts = [p for p in self.parts if self.replica_of[p] == r]
+        reps = self.live_replicas()
+        total = self.n_micro * len(reps)
+        if total % (len(reps) + 1):
+            self._refuse_joiner(r, [], f"the global batch of {total} micro-batches does not divide over "
+                                       f"{len(reps) + 1} replicas")
+            return None
+        if self.spawn is not None:
+            self.spawn(parts)
+        self.report(f"replica {r} joins before step {self.step_index}: waiting for {_names(parts)}")
+        try:
+            hellos = self._collect("hello", parts, self.cfg.startup_timeout_s, f"replica {r} joining", remind_s=10.0,
+                                   abort=False)
+        except CompNodeFailure as e:
+            if e.part in self.live:
+                raise
+            self._refuse_joiner(r, [], str(e))
+            return None
+        for p, h in hellos.items():
+            self.transport.connect(p, h.address)
+        for p, h in hellos.items():
+            bad = (f"CompNode {p!r} says hello as {h.part!r}" if h.part != p else
+                   digest_mismatch(self.cfg.plan_digest, h.digest, f"joining CompNode {p!r}", "the coordinator's"))
+            if bad:
+                self._refuse_joiner(r, parts, bad)
+                return None
+        n_new = total // (len(reps) + 1)
+        exec_it = self.step_index + self.iter_offset
+        src = {p: next(q for q in self.plan.dp_group(p) if q in self.live) for p in parts}
+        sources = sorted(set(src.values()), key=self.parts.index)
+        for q in sources:
+            self.transport.send(q, Fetch(outer=True).frames())
+        state = self._collect("state", sources, self.cfg.startup_timeout_s, f"fetching the outer state for replica {r}")
+        addr = {p: h.address for p, h in hellos.items()}
+        for q in self.live:
+            self.transport.send(q, Admit(it=exec_it, add=parts, peers=addr, micro_batches=n_new).frames())
+        self._collect("admitted", self.live, self.cfg.startup_timeout_s, f"admitting replica {r}")
+        self.addresses.update(addr)
+        members = [p for p in self.parts if p in self.live or p in parts]
+        ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
+        for p in parts:
+            self.transport.send(p, Setup(arrays=state[src[p]].arrays, peers={q: self.addresses[q] for q in members},
+                                         emulate_links=self.cfg.emulate_links, resume_step=None, checkpoint_dir=ckpt,
+                                         failover=self._failover, digest=self.cfg.plan_digest, members=members,
+                                         micro_batches=n_new, start_it=exec_it, join_from=src[p]).frames())
+        # the live parts have taken the joiner in: a joiner failing now fails the run (as a failed part does)
+        self._collect("ready", parts, self.cfg.startup_timeout_s, f"setting up replica {r}", remind_s=10.0)
+        self.live, self.n_micro = members, n_new
+        rec = {"replica": r, "step": self.step_index, "parts": parts, "from": sources,
+               "replicas": len(reps) + 1, "micro_batches": n_new}
+        self.joined.append(rec)
+        self.report(f"replica {r} joined at step {self.step_index} (global weights and outer momentum from "
+                    f"{', '.join(sources)}); {len(reps) + 1} replicas of {n_new} micro-batches")
+        log.info("replica %d joined at step %d", r, self.step_index)
+        return rec
 
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
@@ -348,14 +461,16 @@ class Coordinator:
         With ``drop_failed_replicas``, a CompNode failure drops its replica (:meth:`_drop_replica`) and the
         step goes on with the surviving replicas; the report lists the drops in ``dropped``.
         """
+        joined = self._admit_due() if self.pending else []
         drops: list[dict] = []
         self._drops = drops  # (the same list: a checkpoint's metrics line lists the drops of its step)
+        self._joins = joined  # (and the joins before it)
         while True:
             committed: list[bool] = [False, False]  # [go-ahead sent, checkpoint asked for]
             done: dict[str, Done] = {}
             try:
                 r = self._step_once(batch, want_grads, committed, done)
-                r.dropped = drops
+                r.dropped, r.joined = drops, joined
                 return r
             except CompNodeFailure as e:
                 if not self._failover:
@@ -372,7 +487,9 @@ class Coordinator:
                         self._abort_locked(str(e2))
                     raise
                 if committed[0]:  # every survivor applied this step: collect the rest of its reports
-                    return self._finish_committed(batch, done, drops, committed[1])
+                    r = self._finish_committed(batch, done, drops, committed[1])
+                    r.joined = joined
+                    return r
 
     def _cannot_drop(self, part: str) -> str:
         """Why the failed ``part``'s replica cannot be dropped ('' when it can)."""
@@ -489,7 +606,7 @@ class Coordinator:
         # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
         # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
         r = StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
-                       grads, list(self._drops))
+                       grads, list(self._drops), list(self._joins))
         if ckpt:
             unsaved = [p for p in self.live if done[p].stats.get("checkpoint_step") != it + 1]
             if unsaved:
@@ -498,7 +615,7 @@ class Coordinator:
             # After a drop the live parts hold every stage: a resume gives the dropped parts their copies
             # The step's metrics line goes into COMPLETE.json: a crash before train() writes it loses nothing
             extra = {"time": time.time(), **({"dropped": self.dropped} if self.dropped else {}),
-                     "metrics": r.metrics_line()}
+                     **({"joined": self.joined} if self.joined else {}), "metrics": r.metrics_line()}
             checkpoint.commit(self.cfg.checkpoint_dir, it + 1, list(self.live), extra, check_files=False)
             faults.maybe_fail(COORDINATOR, it + 1)  # FUSION_TEST_FAULT: a crash before the metrics line
         self.step_index = it + 1

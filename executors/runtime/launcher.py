@@ -117,10 +117,24 @@ class LocalCluster:
         self.cfg.plan_digest = self.cfg.plan_digest or plan_digest(self.plan_dir)
         key_args = self._keys()
         self.coordinator = Coordinator(self.plan, self.cfg, self.processes, report=self.report)
-        addr = self.coordinator.bind()
+        self._addr = self.coordinator.bind()
+        self._key_args = key_args
+        # DiLoCo replicas that join later (cfg.joins) start when the coordinator admits them
+        from fusion.executors.runtime import checkpoint
+
+        late = self.coordinator.late_replicas(checkpoint.latest(self.cfg.checkpoint_dir) if resume else None)
+        self.coordinator.spawn = self._spawn
+        self._spawn([p for p in self.plan.parts if self.plan.parts[p].replica not in late])
+        return self.coordinator.start(resume=resume)
+
+    def _spawn(self, only: list[str]) -> None:
+        """Start the executor processes of the parts in ``only`` (whole lanes) and record their pids."""
+        addr, key_args = self._addr, self._key_args
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
                "PYTHONUNBUFFERED": "1"}
         for parts in self.plan.lanes().values():  # one process per part; under interleaved, one per device
+            if parts[0] not in only:
+                continue
             name = ",".join(parts)
             keys = [key_args[p] for p in parts]
             key = keys[0] if len(parts) == 1 or keys[0] == ["--insecure"] else \
@@ -141,7 +155,6 @@ class LocalCluster:
             for p in parts:
                 self.processes[p] = proc
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
-        return self.coordinator.start(resume=resume)
 
     def restart(self) -> int:
         """Kill every executor and start them all again from the latest complete checkpoint (``--max-restarts``).

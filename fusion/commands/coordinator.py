@@ -73,7 +73,32 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on "
                         "with the others (the step is redone on them with the global batch re-split; metrics.jsonl "
                         "records the replica and step)")
+    from fusion.executors.runtime.join import join_at
+
+    p.add_argument("--join-at", type=join_at, action="append", default=[], metavar="STEP:REPLICA",
+                   help="DiLoCo: replica REPLICA of the plan starts late and joins the running job before step STEP (an "
+                        "outer boundary, a multiple of --inner-steps): it takes the global weights and outer momentum "
+                        "of a live replica and the global batch is re-split (`fusion run` starts its executors then; "
+                        "under `fusion coordinator` start them by hand, with a --startup-timeout that covers the wait). "
+                        "Repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def joins_from_args(args: argparse.Namespace, plan) -> dict[int, int]:
+    """``--join-at`` as replica -> step, checked against ``plan`` (one line, exit 2, for a schedule that cannot run)."""
+    from fusion.executors.runtime.join import check_joins
+    from fusion.ir.errors import FusionError
+
+    joins: dict[int, int] = {}
+    for step, r in args.join_at:
+        if r in joins:
+            raise FusionError(f"--join-at: replica {r} is given twice")
+        joins[r] = step
+    if any(s >= args.steps for s in joins.values()):
+        r, s = next((r, s) for r, s in joins.items() if s >= args.steps)
+        raise FusionError(f"--join-at {s}:{r}: the run stops after --steps {args.steps}, before step {s}")
+    check_joins(plan, joins)
+    return joins
 
 
 def add_parser(sub) -> None:
@@ -179,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("--resume continues the run in --out RUN: name it")
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed, args.val_split / 100)  # fail before anything waits
+    joins = joins_from_args(args, plan)
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     from fusion.commands.keys import COORDINATOR, security_from_args
     from fusion.executors.runtime.plandigest import plan_digest
@@ -187,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),
-                            drop_failed_replicas=args.drop_failed_replicas)
+                            drop_failed_replicas=args.drop_failed_replicas, joins=joins)
     coord = Coordinator(plan, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
     interrupted = False
     try:
@@ -196,9 +222,13 @@ def run(args: argparse.Namespace) -> int:
             from fusion.executors.runtime.keys import insecure_warning
 
             log.warning("%s", insecure_warning(COORDINATOR, coord.bind()))
+        late = [p for p in plan.parts if plan.parts[p].replica in joins]
+        now = [p for p in plan.parts if p not in late]
         print(f"coordinator listening on {coord.bind()}; waiting up to {args.startup_timeout:.0f} s for "
-              f"{len(plan.parts)} executors: {', '.join(plan.parts)} (start each with "
-              f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)
+              f"{len(now)} executors: {', '.join(now)} (start each with "
+              f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)"
+              + (f"; {', '.join(late)} join(s) later (--join-at): start them by hand too" if late else ""),
+              file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
             train(coord, batch_fn, first, args.steps, out, not args.no_progress)

@@ -45,13 +45,17 @@ def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
     steps = [r["step"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 60 else None, color="tab:blue")
-    for r in rows:  # DiLoCo's outer steps (faint) and replicas that left (red), where the run had them
+    for r in rows:  # DiLoCo's outer steps (faint), replicas that left (red), where the run had them
         if r.get("outer"):
             a1.axvline(r["step"], color="0.85", lw=0.8, zorder=0)
         for d in r.get("dropped") or []:
             a1.axvline(r["step"], color="tab:red", ls="--", lw=1)
             a1.annotate(f"replica {d.get('replica')} left", (r["step"], 1), xycoords=("data", "axes fraction"),
                         rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+        for d in r.get("joined") or []:  # replicas that joined (green), before the step they first trained
+            a1.axvline(r["step"], color="tab:green", ls="--", lw=1)
+            a1.annotate(f"replica {d.get('replica')} joined", (r["step"], 1), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize=8, color="tab:green")
     for ev in events:  # the run restarted its CompNodes and went back to a checkpoint's step
         if ev.get("event") == "restart" and isinstance(ev.get("resumed_step"), int):
             a1.axvline(ev["resumed_step"], color="tab:orange", ls=":", lw=1.2)

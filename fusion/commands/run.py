@@ -164,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         from fusion.executors.engines.torch.device import check_device
 
         check_device(args.device)
+    if args.ray and args.join_at:
+        raise FusionError("--join-at with --ray is not built: a late replica's executors start on this host only")
     if args.ray:
         from fusion.executors.runtime.ray_cluster import check_reachable, import_ray
 
@@ -205,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         from fusion.loss import choose_loss
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
+        if args.join_at:  # what the options say already (the rest is checked on the compiled plan)
+            from fusion.executors.runtime.join import check_join_options
+
+            check_join_options(args.replicas, args.dp_sync, [r for _, r in args.join_at])
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
@@ -212,6 +218,13 @@ def run(args: argparse.Namespace) -> int:
         model = choose_loss(load_model(args.target), args.loss, args.target)  # a run that trains nothing: refused
         plan = compile_from_args(args, model, cluster_)
         _say(f"compiled: {describe_plan(plan, cluster_)} ({time.monotonic() - t_start:.1f} s)")
+    if args.join_at:  # a join schedule the plan cannot run is one line before the run folder is made
+        from fusion.commands.coordinator import joins_from_args
+        from fusion.plan import load_plan
+
+        joins = joins_from_args(args, plan if plan is not None else load_plan(plan_dir or out / "plan"))
+    else:
+        joins = {}
     digest = None
     if args.resume and plan_dir is not None:  # a plan folder given: it must be the plan that wrote the run
         digest = plan_digest(plan_dir)
@@ -224,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     record_plan_digest(out, digest or plan_digest(plan_dir))
     cfg = CoordinatorConfig(emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
-                            drop_failed_replicas=args.drop_failed_replicas)
+                            drop_failed_replicas=args.drop_failed_replicas, joins=joins)
     executor_args = executor_flags(args, trust)
     if args.ray:
         from fusion.executors.runtime.ray_cluster import RayCluster

@@ -5,7 +5,7 @@ import pytest
 
 from fusion.executors.runtime.control import (MESSAGES, TO_COORDINATOR, TO_EXECUTOR, Abort, Commit, Done, Error, Fetch,
                                               Hb, Hello, Ready, Reduced, Regroup, Regrouped, Setup, State, Step, Stop,
-                                              decode_ctrl)
+                                              Admit, Admitted, decode_ctrl)
 from fusion.ir.errors import WireError
 from fusion.ir.wire import decode, encode
 
@@ -43,6 +43,16 @@ CASES = [
     (Regroup(it=5, drop=["r1.p0", "r1.p1"], micro_batches=4),
      {"op": "regroup", "names": [], "it": 5, "drop": ["r1.p0", "r1.p1"], "micro_batches": 4}, {}),
     (Regrouped(it=6), {"op": "regrouped", "names": [], "it": 6}, {}),
+    # a replica joins (join.py): the live parts take it in, the joiner's setup carries the outer state
+    (Admit(it=4, add=["r2.p0"], peers={"r2.p0": "tcp://c:3"}, micro_batches=2),
+     {"op": "admit", "names": [], "it": 4, "add": ["r2.p0"], "peers": {"r2.p0": "tcp://c:3"}, "micro_batches": 2}, {}),
+    (Admitted(it=4), {"op": "admitted", "names": [], "it": 4}, {}),
+    (Fetch(outer=True), {"op": "fetch", "names": [], "outer": True}, {}),
+    (Setup(arrays=W, peers={"p0": "tcp://a:1"}, emulate_links=False, resume_step=None, checkpoint_dir=None, digest="d",
+           members=["p0", "r2.p0"], micro_batches=2, start_it=4, join_from="p0"),
+     {"op": "setup", "names": ["w"], "peers": {"p0": "tcp://a:1"}, "emulate_links": False, "resume_step": None,
+      "checkpoint_dir": None, "digest": "d", "members": ["p0", "r2.p0"], "micro_batches": 2, "start_it": 4,
+      "join_from": "p0"}, W),
 ]
 
 
@@ -73,7 +83,8 @@ def _bad(header):
 @pytest.mark.parametrize("msg,header,arrays", CASES, ids=[f"{m.op}{i}" for i, (m, _, _) in enumerate(CASES)])
 def test_a_missing_or_mistyped_field_is_a_wire_error_naming_the_op_and_field(msg, header, arrays):
     fields = [k for k in header if k not in ("op", "names")]
-    optional = {"failover", "resume_from", "save_step"}
+    optional = {"setup": {"failover", "resume_from", "members", "micro_batches", "start_it", "join_from"},
+                "step": {"save_step"}, "fetch": {"outer"}}.get(msg.op, set())
     for f in fields:
         h = {k: v for k, v in header.items() if k not in ("names", f)}
         if f in optional:

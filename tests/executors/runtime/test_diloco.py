@@ -73,13 +73,15 @@ def _through_codec(deltas: dict, names: list, codec, residual):
 
 
 def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make_opt, sync: DPSync, drop=None,
-                     counts=None, drop_at_outer=None):
+                     counts=None, drop_at_outer=None, join=None):
     """Plain-PyTorch DiLoCo (Douillard et al. 2023, Algorithm 1): per step (mean loss, global-or-local weights).
 
     Replica r takes the r-th contiguous share of each global batch, ``micro`` micro-batches with gradient
     accumulation. drop: ``(step, replica)``: from that step on the replica is gone (its inner steps since
     the last outer step are lost) and the survivors share the global batch. counts: each replica's
-    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts).
+    micro-batches per step (unequal shares; its pseudo-gradient then weighs count / sum of counts). join:
+    ``(step, replica)``: the replica starts late (the others share the global batch until then) and before that
+    step, an outer boundary, joins with the global weights, a fresh inner optimizer and zero residual.
     drop_at_outer: ``(step, replica)``: the replica took its inner step of ``step`` (its loss counts) but
     died in that step's outer exchange, which averages the survivors only.
 
@@ -95,7 +97,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                             nesterov=sync.nesterov and sync.outer_momentum > 0)
     local = [{k: v.clone().requires_grad_(True) for k, v in glob.items()} for _ in range(replicas)]
     opts = [make_opt(list(p.values())) for p in local]
-    live = list(range(replicas))
+    live = [r for r in range(replicas) if join is None or r != join[1]]
     from fusion.executors.runtime.outer import fragment_buckets
 
     buckets, index = fragment_buckets({k: (tuple(v.shape), "float32") for k, v in glob.items()}, sync.fragments)
@@ -119,6 +121,11 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
             live.remove(drop[1])
+        if join is not None and step == join[0]:  # (its optimizer never stepped: fresh; its residual: zeros)
+            with torch.no_grad():
+                for k, v in glob.items():
+                    local[join[1]][k].copy_(v)
+            live = sorted(live + [join[1]])
         sizes = [c * len(next(iter(batch.values()))) // sum(counts) for c in counts] if counts else None
         shares = {k: (torch.as_tensor(v).split(sizes) if sizes else torch.as_tensor(v).chunk(len(live)))
                   for k, v in batch.items()}
