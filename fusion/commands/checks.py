@@ -13,15 +13,14 @@ def _finite(v) -> bool:
 
 
 def check_compile_options(args: argparse.Namespace) -> None:
-    """The compile options of ``fusion compile`` / ``fusion run MODEL`` whose values cannot be right, refused."""
+    """The compile options of ``fusion compile`` / ``fusion run MODEL`` whose values cannot be right, refused.
+    (The DiLoCo options are checked as early by ``DPSync``'s own rules, through compile's option parsing.)"""
     rules = [
         ("lr", lambda v: _finite(v) and v > 0, "must be a positive number"),
         ("momentum", lambda v: _finite(v) and 0 <= v < 1, "must be in [0, 1)"),
         ("weight_decay", lambda v: _finite(v) and v >= 0, "must be 0 or more"),
         ("compress_ratio", lambda v: v is None or (_finite(v) and v >= 1),
          "must be at least 1 (AdaTopK keeps 1/R of the values, Eq. 7)"),
-        ("outer_lr", lambda v: _finite(v) and v > 0, "must be a positive number"),
-        ("outer_momentum", lambda v: _finite(v) and 0 <= v < 1, "must be in [0, 1)"),
     ]
     for dest, ok, rule in rules:
         if hasattr(args, dest) and not ok(getattr(args, dest)):
