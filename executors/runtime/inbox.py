@@ -42,6 +42,9 @@ class Inbox:
         self._data: dict[tuple[int, str, int], list[OpData]] = {}
         self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
         self.check: Callable[[OpData], None] | None = None
+        #: (tensor key, sender, is_grad) -> the codec the plan compiled for that stream (what is not listed arrives
+        #: dense): a payload of another codec is refused, e.g. a quantised payload on a Top-K edge
+        self.codecs: Mapping[tuple[Key, str, bool], Any] = {}
         self.decode_pgrad: Callable[[OpData], Any] | None = None
 
     # -- accepting --------------------------------------------------------------------
@@ -88,6 +91,13 @@ class Inbox:
                 raise WireError(f"{od.key}: {od.payload.algo} codec payload, but {self.me} decodes no edge with it")
             return
         codec = CODECS.for_payload(od.payload)  # the codec that made it (None: a dense array or value)
+        if codec is not None:
+            compiled = self.codecs.get((od.key, od.src, bool(od.is_grad)))
+            if compiled is None or not compiled.owns(od.payload):
+                what = "gradient" if od.is_grad else "activation"
+                raise WireError(f"{what} {od.key} from {od.src}: a {codec.name} payload, but the plan "
+                                + (f"compresses it with {compiled.name}" if compiled is not None else "sends it dense")
+                                + f" towards {self.me}")
         if codec is not None and codec.stateful:
             if self.check is None:  # only a part with such edges has the state to decode one with
                 raise WireError(f"{od.key}: {codec.name} payload, but {self.me} has no {codec.title or codec.name} edge")
