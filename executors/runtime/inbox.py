@@ -91,18 +91,18 @@ class Inbox:
                 raise WireError(f"{od.key}: {od.payload.algo} codec payload, but {self.me} decodes no edge with it")
             return
         codec = CODECS.for_payload(od.payload)  # the codec that made it (None: a dense array or value)
-        if codec is not None:
+        if codec is not None and codec.stateful:
+            if self.check is None:  # only a part with such edges has the state to decode one with
+                raise WireError(f"{od.key}: {codec.name} payload, but {self.me} has no {codec.title or codec.name} edge")
+            if not isinstance(m, TensorMeta):
+                raise WireError(f"{od.key}: {codec.name} payload for a value that is not a tensor")
+        if codec is not None:  # the codec the plan compiled for this stream, no other
             compiled = self.codecs.get((od.key, od.src, bool(od.is_grad)))
             if compiled is None or not compiled.owns(od.payload):
                 what = "gradient" if od.is_grad else "activation"
                 raise WireError(f"{what} {od.key} from {od.src}: a {codec.name} payload, but the plan "
                                 + (f"compresses it with {compiled.name}" if compiled is not None else "sends it dense")
                                 + f" towards {self.me}")
-        if codec is not None and codec.stateful:
-            if self.check is None:  # only a part with such edges has the state to decode one with
-                raise WireError(f"{od.key}: {codec.name} payload, but {self.me} has no {codec.title or codec.name} edge")
-            if not isinstance(m, TensorMeta):
-                raise WireError(f"{od.key}: {codec.name} payload for a value that is not a tensor")
         if codec is not None and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
             why = codec.check_payload(od.payload, tuple(m.shape), m.dtype)
