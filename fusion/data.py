@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fusion.ir.errors import FusionError
+from fusion.ir.feeds import feed_dtype, index_bound
 from fusion.ir.node import NodeKind, TensorMeta
 from fusion.ir.opdata import SAMPLE_IDS
 
@@ -128,30 +129,9 @@ def _is_int(dtype: str) -> bool:
 
 def _int_high(graph, name: str, default: int | None = 2) -> int | None:
     """Exclusive upper bound for an integer placeholder: classes of the loss or rows of the embedding it feeds
-    (``default`` when it feeds neither)."""
-    users = graph.users()
-    seen, frontier = set(), [name]
-    while frontier:  # follow shape-only ops (view, reshape, flatten) to the real consumer
-        n = frontier.pop()
-        for u in users.get(n, []):
-            if u in seen:
-                continue
-            seen.add(u)
-            node = graph[u]
-            t = node.target
-            if "cross_entropy" in t or "nll_loss" in t or "CrossEntropyLoss" in t:
-                logits = node.args[0]
-                meta = graph[logits.node].meta.outputs
-                out = meta[logits.index or 0] if meta else None
-                if isinstance(out, TensorMeta) and len(out.shape) >= 2:
-                    return int(out.shape[1])
-            if "embedding" in t.lower():
-                pnames = node.param_names()
-                if pnames:
-                    return int(graph.params[pnames[0]].shape[0])
-            if any(k in t for k in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze")):
-                frontier.append(u)
-    return default
+    (``default`` when it feeds neither; ``fusion.ir.feeds.index_bound``)."""
+    bound = index_bound(graph, name)
+    return bound.high if bound is not None else default
 
 
 def _delta_edges(plan) -> list[str]:
@@ -159,12 +139,6 @@ def _delta_edges(plan) -> list[str]:
     from fusion.kernels.codecs import CODECS
 
     return [f"{e.producer} {e.src}->{e.dst}" for e in plan.compression or () if CODECS.needs_sample_ids(e.codec("fwd"))]
-
-
-def feed_dtype(name: str) -> np.dtype:
-    """The NumPy dtype a placeholder of dtype ``name`` is fed in: NumPy has no bfloat16, so a
-    bfloat16 placeholder takes float32 data, which the engine rounds as ``x.to(torch.bfloat16)``."""
-    return np.dtype(np.float32) if name == "bfloat16" else np.dtype(name)
 
 
 def _placeholder_specs(plan) -> dict[str, dict]:

@@ -41,11 +41,12 @@ from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitte
                                               decode_ctrl)
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
-from fusion.executors.runtime.compression import TiedCodec, sum_in_order, table_for
+from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
 from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
                                             write_params)
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.join import adopt, join_arrays
+from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
@@ -161,7 +162,7 @@ class CompNode:
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
         # codecs are checked before any socket opens: an unknown one (say, a plugin not listed) or a torch-only
         # user codec on a NumPy part stops the process with one line naming the edge and codec
-        table_for(self.me, plan.replica_compression(self.replica), g, self.engine_name)
+        table = CompressionTable.build(self.me, plan.replica_compression(self.replica) or (), g, self.engine_name)
         self.tied = TiedCodec.from_cfg(getattr(plan, "tied_codec", None)) if self.shared else None
         if self.tied is not None:
             self.tied.check_engine(self.me, self.engine_name)
@@ -173,6 +174,8 @@ class CompNode:
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
         self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        self.inbox.codecs = table.incoming_codecs()
+        self.feed_specs = feed_specs(plan, [n for n in self.sub.nodes if g[n].kind.value in ("input", "label")])
         if self.tied is not None:
             self.inbox.decode_pgrad = self._decode_tied
         # data parallelism: this stage's replicas average their gradients over a ring or a tree (allreduce.py)
@@ -284,7 +287,10 @@ class CompNode:
             self._cv.notify_all()
 
     def _check_feeds(self, c: Step) -> None:
-        """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part."""
+        """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part, and each is what
+        the plan says that placeholder takes (:mod:`.feeds`: dimensions, dtype kind, finite, index range). A step
+        that fails is refused and this part stops naming the field and node: the coordinator checked the same
+        before sending, so a step that fails here cannot be trained on, and waiting for another would hang."""
         mine = {n for n in self.sub.nodes if self.graph[n].kind.value in ("input", "label")}
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
@@ -293,6 +299,13 @@ class CompNode:
             if not (mb.isdigit() and int(mb) < self.n_micro and (ph in mine or ph == SAMPLE_IDS)):
                 raise WireError(f"step {c.it}: tensor {name[:80]!r} is not '<micro-batch>/<placeholder>' "
                                 f"of this part (micro-batches 0..{self.n_micro - 1}, placeholders {sorted(mine)})")
+            why = feed_problem(self.feed_specs[ph], arr) if ph != SAMPLE_IDS else None
+            if why:
+                reason = f"step {c.it}: feed {ph!r} (micro-batch {mb}) {why}"
+                with self._cv:
+                    self._aborted = self._aborted or reason
+                    self._cv.notify_all()
+                raise WireError(reason)
 
     def _on_send_error(self, peer: str, reason: str) -> None:
         with self._cv:
@@ -300,11 +313,14 @@ class CompNode:
             self._cv.notify_all()
 
     # -- waiting (engine loop) ---------------------------------------------------------
-    def _wait(self, ready, what: str, timeout_s: float, before_regroup: bool = False):
+    def _wait(self, ready, what: str, timeout_s: float, before_regroup: bool = False, while_heard: bool = False):
         """Receive messages until ``ready()`` returns non-None; abort, silence and timeout raise.
 
         before_regroup: a ``ready()`` already satisfied wins over a regroup that arrived with it (the go-ahead
-        of a step: the coordinator sent it before any regroup, so the step was committed and must be applied)."""
+        of a step: the coordinator sent it before any regroup, so the step was committed and must be applied).
+        while_heard: once the coordinator has been heard (its heartbeats), wait on past ``timeout_s`` as long as it
+        keeps talking: the wait for setup, which the coordinator sends once every part has said hello; it owns
+        that start-up timeout and, when a part is late or runs another plan, aborts the others naming that part."""
         deadline = time.monotonic() + timeout_s
         remind = time.monotonic() + self.remind_s
         t0 = now_us()
@@ -326,7 +342,7 @@ class CompNode:
             if self._heard_coord and now - self._last_coord > self.cfg.peer_timeout_s:
                 raise ExecutorAbort(f"the coordinator sent nothing for {now - self._last_coord:.1f} s "
                                     f"(it is at {self.cfg.coordinator}; --peer-timeout {self.cfg.peer_timeout_s:g})")
-            if now > deadline:
+            if now > deadline and not (while_heard and self._heard_coord):
                 if not self._heard_coord:
                     raise ExecutorAbort(f"no answer from the coordinator at {self.cfg.coordinator} within {timeout_s:g} s "
                                         f"(--startup-timeout); is it running, and is that its address?")
@@ -345,8 +361,9 @@ class CompNode:
             return self.transport.pump(timeout_s)
         return pump_any([self.transport, *(s.transport for s in self._siblings)], timeout_s)
 
-    def _next_ctrl(self, timeout_s: float) -> Control:
-        c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s)
+    def _next_ctrl(self, timeout_s: float, while_heard: bool = False) -> Control:
+        c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, "the coordinator", timeout_s,
+                          while_heard=while_heard)
         if isinstance(c, Abort):
             raise ExecutorAbort(f"aborted by the coordinator: {c.reason}")
         return c
@@ -808,7 +825,7 @@ class CompNode:
 
     def _ready(self) -> None:
         """Take the coordinator's setup (peers, resume), load the part, say ready."""
-        c = self._next_ctrl(self.cfg.startup_timeout_s)
+        c = self._next_ctrl(self.cfg.startup_timeout_s, while_heard=True)
         if not isinstance(c, Setup):
             raise ExecutorAbort(f"expected setup from the coordinator, got {c.op!r}")
         self._setup(c)

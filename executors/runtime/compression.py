@@ -96,6 +96,18 @@ class EdgeRule:
         return self.codec["algo"]
 
 
+@dataclass(frozen=True)
+class _EdgeRules:
+    """Both directions' rules of one plan entry (None: that direction is sent dense)."""
+
+    producer: str
+    index: int | None
+    src: str
+    dst: str
+    fwd: EdgeRule | None
+    bwd: EdgeRule | None
+
+
 def _role(direction: str) -> Role:
     return Role.ACTIVATION if direction == "fwd" else Role.GRADIENT
 
@@ -170,6 +182,7 @@ class CompressionTable:
     _ef: Any = field(default=None, repr=False)
     _counter: Counter = field(default_factory=Counter, repr=False)  # messages sent (seeds stochastic rounding)
     _dense_warned: set = field(default_factory=set, repr=False)
+    _edges: list = field(default_factory=list, repr=False)  # _EdgeRules of the entries that touch this part
 
     def __post_init__(self):
         if self.delta is None:  # a stateful codec's state lives where its device path runs
@@ -203,6 +216,8 @@ class CompressionTable:
                              e.producer, graph[e.producer].kind.value)
                     continue
             key = (e.producer, e.index)
+            if part in (e.src, e.dst):
+                t._edges.append(_EdgeRules(e.producer, e.index, e.src, e.dst, fwd, bwd))
             if graph is not None and getattr(graph.output_meta(*key), "dtype", None) == "bfloat16":
                 t.bfloat16.add(key)
             if e.src == part and fwd is not None:
@@ -236,6 +251,19 @@ class CompressionTable:
         return out
 
     # -- receiving -------------------------------------------------------------------------------
+    def incoming_codecs(self) -> dict[tuple[Key, str, bool], Codec]:
+        """(tensor key, peer part, is_grad) -> the codec the plan compiled for what this part receives from that
+        peer: activations of an edge into this part (its ``fwd`` codec), gradients of an edge out of it (its
+        ``bwd`` codec, as the consumer sends them back). What is not listed arrives dense."""
+        out: dict[tuple[Key, str, bool], Codec] = {}
+        for e in self._edges:
+            key = (e.producer, e.index)
+            if e.dst == self.part and e.fwd is not None:
+                out[(key, e.src, False)] = e.fwd.unit
+            if e.src == self.part and e.bwd is not None:
+                out[(key, e.dst, True)] = e.bwd.unit
+        return out
+
     def check_incoming(self, od: Any) -> None:
         """WireError for a stateful codec's payload this part cannot decode: on a gradient or an edge without
         such a rule here, or a row whose sample has no state here (cache miss). A user codec's payload is

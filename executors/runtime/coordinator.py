@@ -35,6 +35,7 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.node import NodeKind
 from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint, faults
+from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.outer import replica_micro_batches
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 COORDINATOR = "coordinator"
 #: control messages from one part waiting to be collected (a part sends one or two per step; more is a flood)
 MAX_QUEUED_PER_PART = 64
+
+
+#: after a part says hello with another plan's digest, how long the other parts' hellos are still awaited (so that
+#: the abort that names it reaches them too) before the start fails
+HELLO_GRACE_S = 5.0
 
 
 class CompNodeFailure(FusionError):
@@ -171,6 +177,7 @@ class Coordinator:
         self.feeds_of = {p: [n for n, q in plan.assignment.items()
                              if q == plan.stage_of(p) and g[n].kind in (NodeKind.INPUT, NodeKind.LABEL)]
                          for p in self.parts}
+        self.feed_specs = feed_specs(plan, sorted({n for ns in self.feeds_of.values() for n in ns}))
         self._cv = threading.Condition()
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
         self._last_seen: dict[str, float] = {}
@@ -240,12 +247,14 @@ class Coordinator:
 
     def _collect(self, op: str, parts: list[str], timeout_s: float, what: str,
                  on_each: Callable[[str, Control], None] | None = None, remind_s: float = 0.0,
-                 got: dict[str, Control] | None = None, abort: bool = True) -> dict[str, Control]:
+                 got: dict[str, Control] | None = None, abort: bool = True,
+                 until: Callable[[], bool] | None = None) -> dict[str, Control]:
         """Wait for one ``op`` message from each of ``parts``; failures raise CompNodeFailure.
 
         on_each(part, message) is called as each arrives; every ``remind_s`` seconds (0: never) the
         report callback is told which parts are still awaited. got: collects into this dict (what
-        arrived before a failure stays there); abort: tell every executor to abort on a failure.
+        arrived before a failure stays there); abort: tell every executor to abort on a failure;
+        until: stop waiting (returning what arrived) once it returns True.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -263,8 +272,8 @@ class Coordinator:
                                     on_each(p, got[p])
                                 break
                 waiting = [p for p in parts if p not in got]
-                if not waiting:  # (got may hold more: a dropped replica's reports collected before the drop)
-                    return got
+                if not waiting or (until is not None and until()):  # (got may hold more: a dropped replica's
+                    return got                                         # reports collected before the drop)
                 if remind_s and time.monotonic() >= next_remind:
                     next_remind += remind_s
                     self.report(f"still waiting for {_names(waiting)} ({what}, {time.monotonic() - t0:.0f} s of "
@@ -297,6 +306,19 @@ class Coordinator:
         t0 = time.monotonic()
 
         def hello(p: str, c: Hello) -> None:
+            # checked as each part says hello, not once all have: a part with another copy of the plan is named at
+            # once, and the parts already up are connected (heartbeats tell them the coordinator is alive; an abort
+            # reaches them naming the part that is late or mismatched, instead of their own start-up timeout)
+            if c.part != p:
+                raise CompNodeFailure(p, f"says hello as {c.part!r}")
+            self.addresses[p] = c.address
+            self.transport.connect(p, c.address)
+            bad = digest_mismatch(self.cfg.plan_digest, c.digest, f"CompNode {p!r}", "the coordinator's")
+            if bad:  # told at once; the start fails once the others have said hello, or HELLO_GRACE_S later
+                self.transport.send(p, Abort(reason=bad).frames())
+                self.report(bad)
+                mismatched.append((time.monotonic(), bad))
+                return
             self.report(f"{p} up: pid {c.pid}, {c.engine} engine, listening on {c.address} "
                         f"({time.monotonic() - t0:.1f} s after launch)")
 
@@ -311,7 +333,12 @@ class Coordinator:
             self.report("replica(s) " + ", ".join(f"{r} join(s) before step {s}" for r, s in sorted(self.pending.items()))
                         + f"; starting with {len(self.live_replicas())} of {self.plan.replicas}, {self.n_micro} "
                           "micro-batches each")
-        hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0)
+        mismatched: list[tuple[float, str]] = []
+        hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0,
+                               until=lambda: bool(mismatched) and time.monotonic() > mismatched[0][0] + HELLO_GRACE_S)
+        if mismatched:  # every part that said hello is connected: the abort names the mismatched part to all
+            self._abort_locked(mismatched[0][1])
+            raise FusionError(mismatched[0][1])
         resume_step, sources = None, {p: p for p in self.parts}
         if resume:
             if not self.cfg.checkpoint_dir:
@@ -330,16 +357,6 @@ class Coordinator:
                                 + ", ".join(f"{p} loads {q}'s copy" for p, q in copied.items()))
             if resume_step is None:
                 log.warning("no complete checkpoint in %s; starting from step 0", self.cfg.checkpoint_dir)
-        for p, h in hellos.items():
-            if h.part != p:
-                raise CompNodeFailure(p, f"says hello as {h.part!r}")
-            self.addresses[p] = h.address
-            self.transport.connect(p, self.addresses[p])
-        for p, h in hellos.items():  # after connecting: the abort reaches every executor
-            bad = digest_mismatch(self.cfg.plan_digest, h.digest, f"CompNode {p!r}", "the coordinator's")
-            if bad:
-                self._abort_locked(bad)
-                raise FusionError(bad)
         ckpt = str(Path(self.cfg.checkpoint_dir).resolve()) if self.cfg.checkpoint_dir else None
         late = {"members": list(self.live), "micro_batches": self.n_micro} if self.pending else {}
         for p in self.live:
@@ -544,6 +561,11 @@ class Coordinator:
         counts = self.shares if self.shares else [n] * len(reps)
         starts = [sum(counts[:k]) for k in range(len(counts))]
         mbs = split_micro_batches(batch, sum(counts))
+        for m, mb in enumerate(mbs):  # before anything is sent: a bad field is one line naming it and its node
+            for ph, spec in self.feed_specs.items():
+                why = feed_problem(spec, np.asarray(mb[ph])) if ph in mb else None
+                if why:
+                    raise FusionError(f"step {self.step_index}: batch field {ph!r} (micro-batch {m}) {why}")
         mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, sum(counts))
         exec_it = self.step_index + self.iter_offset
         for p in self.live:

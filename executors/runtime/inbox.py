@@ -42,6 +42,9 @@ class Inbox:
         self._data: dict[tuple[int, str, int], list[OpData]] = {}
         self._pgrads: dict[tuple[int, str], dict[str, Any]] = {}
         self.check: Callable[[OpData], None] | None = None
+        #: (tensor key, sender, is_grad) -> the codec the plan compiled for that stream (what is not listed arrives
+        #: dense): a payload of another codec is refused, e.g. a quantised payload on a Top-K edge
+        self.codecs: Mapping[tuple[Key, str, bool], Any] = {}
         self.decode_pgrad: Callable[[OpData], Any] | None = None
 
     # -- accepting --------------------------------------------------------------------
@@ -93,6 +96,13 @@ class Inbox:
                 raise WireError(f"{od.key}: {codec.name} payload, but {self.me} has no {codec.title or codec.name} edge")
             if not isinstance(m, TensorMeta):
                 raise WireError(f"{od.key}: {codec.name} payload for a value that is not a tensor")
+        if codec is not None:  # the codec the plan compiled for this stream, no other
+            compiled = self.codecs.get((od.key, od.src, bool(od.is_grad)))
+            if compiled is None or not compiled.owns(od.payload):
+                what = "gradient" if od.is_grad else "activation"
+                raise WireError(f"{what} {od.key} from {od.src}: a {codec.name} payload, but the plan "
+                                + (f"compresses it with {compiled.name}" if compiled is not None else "sends it dense")
+                                + f" towards {self.me}")
         if codec is not None and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
             why = codec.check_payload(od.payload, tuple(m.shape), m.dtype)

@@ -192,19 +192,61 @@ def make_run_keys(names: Iterable[str], folder: str | Path) -> tuple[dict[str, P
     return secrets, public
 
 
+class RefusalLog:
+    """Refused handshakes logged as counts per interval: at most one warning line every ``interval_s`` seconds,
+    whatever the refused clients do (an attacker rotating keys or addresses cannot grow a log or this object), with
+    how many were refused since the previous line and the first :attr:`SHOWN` of them.
+
+    The first refusal after a quiet interval is logged at once; later ones are counted and written by the next
+    :meth:`flush` after the interval (the handler calls it from its poll loop, so a count is never held back long).
+    """
+
+    SHOWN = 3
+
+    def __init__(self, owner: str, what: str, interval_s: float = 10.0, emit=None):
+        self.owner, self.what, self.interval_s = owner, what, interval_s
+        self.emit = emit or (lambda line: log.warning("%s", line))
+        self.total = 0  # every refusal ever noted
+        self.lines = 0  # lines written
+        self._count, self._first, self._since, self._last = 0, [], 0.0, -1e18
+        self._lock = threading.Lock()
+
+    def note(self, who: str, now: float) -> None:
+        """Count one refusal; ``who`` says which client and why (cut to 200 characters)."""
+        with self._lock:
+            self.total += 1
+            if self._count == 0:
+                self._since = now
+            self._count += 1
+            if len(self._first) < self.SHOWN:
+                self._first.append(who[:200])
+        self.flush(now)
+
+    def flush(self, now: float) -> None:
+        """Write the pending count when the last line is at least ``interval_s`` old."""
+        with self._lock:
+            if not self._count or now - self._last < self.interval_s:
+                return
+            n, first, since = self._count, self._first, self._since
+            self._count, self._first, self._last = 0, [], now
+            self.lines += 1
+        more = f"; {n - len(first)} more" if n > len(first) else ""
+        self.emit(f"{self.owner}: {n} {self.what} in {max(0.0, now - since):.0f} s: {'; '.join(first)}{more}")
+
+
 class ZapHandler(threading.Thread):
     """The ZAP handler of one ZeroMQ context: accepts CURVE clients whose key is listed, names them.
 
-    ``on_reject(address, key)`` is called for each refused handshake; a warning is logged at most once per key
-    and address every few seconds (a refused client retries).
+    ``on_reject(address, key)`` is called for each refused handshake; refusals are logged as counts, at most one
+    line per ``log_interval_s`` (:class:`RefusalLog`).
     """
 
-    def __init__(self, ctx: zmq.Context, owner: str, security: Security, on_reject=None):
+    def __init__(self, ctx: zmq.Context, owner: str, security: Security, on_reject=None, log_interval_s: float = 10.0):
         super().__init__(name=f"zap-{owner}", daemon=True)
         self.owner, self.names, self.on_reject = owner, security.name_of(), on_reject
         self.refused = 0
+        self.log = RefusalLog(owner, "connection(s) refused at the CURVE handshake", log_interval_s)
         self._done = threading.Event()
-        self._last_logged: dict[tuple[str, str], float] = {}
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)  # bound before the ROUTER binds: no handshake is ever let through unchecked
@@ -215,6 +257,7 @@ class ZapHandler(threading.Thread):
         try:
             while not self._done.is_set():
                 if not self._sock.poll(100):
+                    self.log.flush(time.monotonic())
                     continue
                 req = self._sock.recv_multipart()
                 try:
@@ -243,10 +286,7 @@ class ZapHandler(threading.Thread):
                 return [b"1.0", rid, b"200", b"OK", name.encode(), b""]
             reason = "its key is not in the run's key list"
         self.refused += 1
-        last = self._last_logged.get((addr, key), -1e9)
-        if now - last > 5.0:
-            self._last_logged[(addr, key)] = now
-            log.warning("%s: refused a connection from %s with public key %s: %s", self.owner, addr or "?", key, reason)
+        self.log.note(f"from {addr or '?'} with public key {key} ({reason})", now)
         if self.on_reject is not None:
             try:
                 self.on_reject(addr, key)
@@ -267,6 +307,8 @@ def insecure_warning(me: str, address: str) -> str:
 
 #: handshake failures a CURVE server reports on its monitor socket (ZAP refusals are logged by the ZAP handler)
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+#: connections opened and closed on a socket (the value of each event is the connection's file descriptor)
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
 def _handshake_reason(event: int | None, code: int | None) -> str:
@@ -283,44 +325,87 @@ def _handshake_reason(event: int | None, code: int | None) -> str:
 
 class HandshakeMonitor(threading.Thread):
     """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
-    a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, a warning at
-    most every few seconds. Create it in the thread that owns ``sock``, right after bind."""
+    a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, counts logged
+    at most once per ``log_interval_s`` (:class:`RefusalLog`). Create it in the thread that owns ``sock``, right
+    after bind."""
 
-    def __init__(self, sock: zmq.Socket, owner: str, on_fail=None):
+    def __init__(self, sock: zmq.Socket, owner: str, on_fail=None, log_interval_s: float = 10.0,
+                 max_connections: int | None = None):
         super().__init__(name=f"monitor-{owner}", daemon=True)
         self.owner, self.on_fail = owner, on_fail
         self.failed = 0
+        self.log = RefusalLog(owner, "connection(s) failed the handshake (a client must use this server's key and "
+                                     "its own)", log_interval_s)
+        #: the cap on connections open at once on this socket (None: no cap); connections accepted beyond it are
+        #: shut down at once (:meth:`_accepted`), so held connections cannot take every file descriptor
+        self.max_connections = max_connections
+        self.capped = 0
+        self.cap_log = RefusalLog(owner, f"connection(s) shut down over the cap of {max_connections} open at once",
+                                  log_interval_s)
+        self._open: set[int] = set()
+        self._local = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if max_connections is not None else 0)
         self._done = threading.Event()
-        self._mon = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._mon = sock.get_monitor_socket(events)
 
     def run(self) -> None:
         import time
 
         from zmq.utils.monitor import recv_monitor_message
 
-        last, quiet = -1e9, 0
         try:
             while not self._done.is_set():
                 if not self._mon.poll(100):
+                    self.log.flush(time.monotonic())
+                    self.cap_log.flush(time.monotonic())
                     continue
                 ev = recv_monitor_message(self._mon)
+                kind = ev.get("event")
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._accepted(int(ev.get("value", -1)), time.monotonic())
+                    continue
+                if kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    self._open.discard(int(ev.get("value", -1)))
+                    continue
+                if not kind & HANDSHAKE_FAILED:
+                    continue
                 self.failed += 1
                 why = _handshake_reason(ev.get("event"), ev.get("value"))
                 reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
                 if self.on_fail is not None:
                     self.on_fail(reason)
-                now = time.monotonic()
-                if now - last > 5.0:
-                    log.warning("%s: a connection to %s failed the handshake: %s%s", self.owner,
-                                ev.get("endpoint", b"?").decode("utf-8", "replace"), why,
-                                f" ({quiet} more since the last warning)" if quiet else "")
-                    last, quiet = now, 0
-                else:
-                    quiet += 1
+                self.log.note(why, time.monotonic())
         except zmq.ZMQError:
             pass
         finally:
             self._mon.close(linger=0)
+
+    def _accepted(self, fd: int, now: float) -> None:
+        """A connection was accepted on ``fd``: count it, and shut it down when the socket is over its cap (the
+        newest goes: connections of the run's peers are made at start-up and kept, a client that holds
+        connections without finishing the handshake is one whose connections keep coming)."""
+        self._open.add(fd)
+        if self.max_connections is None or len(self._open) <= self.max_connections:
+            return
+        import socket
+
+        try:  # a duplicate of libzmq's descriptor: shutting it down ends the connection, libzmq then closes its own
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            self._open.discard(fd)
+            return
+        try:
+            here = s.getsockname()
+            # only a connection accepted on this socket's address (never a descriptor reused for something else)
+            if self._local.rpartition(":")[2] == str(here[1]) and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                peer = s.getpeername()
+                s.shutdown(socket.SHUT_RDWR)
+                self.capped += 1
+                self.cap_log.note(f"from {peer[0]}:{peer[1]}", now)
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only
 
     def stop(self) -> None:
         self._done.set()

@@ -6,8 +6,13 @@ placeholders for every micro-batch); the coordinator receives each part's
 ``done`` (its parameter gradients when asked) and ``state`` (its parameters).
 The largest of these, times :data:`HEADROOM` (data batches larger than the
 plan's example, header overhead), floored at :data:`FLOOR_BYTES`, is the
-receiver's limit: a 2 GiB message to a part whose largest tensor is 64 KiB
-is rejected by ZeroMQ before it is ever buffered whole.
+receiver's limit, for a whole message: a 2 GiB frame to a part whose
+largest tensor is 64 KiB is dropped by ZeroMQ when it reads the frame's
+length (``ZMQ_MAXMSGSIZE`` is per frame), and a message of many frames each
+under the limit is refused by the transport by its total
+(:func:`fusion.executors.runtime.transport.recv_bounded`), which also bounds
+its frame count. ZeroMQ assembles a multipart message whole before handing
+it over; the process never keeps more than one message's bound of it.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import zmq
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, Message, decode, frames_nbytes
+from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
 from fusion.executors.runtime.keys import HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
@@ -54,6 +54,50 @@ REJECT_LIMIT = 100
 REJECT_WINDOW_S = 10.0
 #: senders whose recent rejects are remembered (an attacker rotating names cannot grow this without bound)
 MAX_TRACKED_SENDERS = 1024
+#: frames one received message may have: the ROUTER's identity frame, the header, at most MAX_TENSORS tensor frames
+#: (what :func:`fusion.ir.wire.decode` accepts); frames past this are received and released one at a time, unkept
+MAX_FRAMES = 2 + MAX_TENSORS
+#: connections a CURVE socket keeps open at once beyond two per allowed sender (each takes a file descriptor; a
+#: client that finishes no handshake is dropped after ZeroMQ's handshake interval, 30 s, but could open more meanwhile)
+SPARE_CONNECTIONS = 64
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """A received message over the bounds: its first two frames (the ROUTER's identity frame and the first frame
+    the peer sent, which carries the connection's ``User-Id``) and why; the rest of it was released frame by frame
+    as it was read, never held."""
+
+    head: list
+    reason: str
+
+
+def recv_bounded(sock, max_bytes: int, max_frames: int = MAX_FRAMES, flags: int = 0) -> "list | _Oversized":
+    """One message from ``sock``, read frame by frame: its frames, or an :class:`_Oversized` as soon as the frame
+    count passes ``max_frames`` or the bytes after the first frame pass ``max_bytes`` (the rest is then read and
+    dropped one frame at a time, so this process never holds more than the bound of one message).
+
+    libzmq hands a multipart message to the application only once all its frames have arrived, each checked
+    against ``ZMQ_MAXMSGSIZE`` on its own; what this bounds is the memory the process keeps (and the Python
+    objects it makes) for a message of many frames, not libzmq's own buffering of it."""
+    first = sock.recv(flags, copy=False)
+    frames, nbytes, reason = [first], 0, ""
+    more = first.more
+    while more:
+        f = sock.recv(copy=False)  # the rest of a multipart message is already here: never blocks
+        more = f.more
+        if reason:
+            continue  # released at once
+        nbytes += len(f.buffer)
+        if len(frames) + 1 > max_frames:
+            reason = f"message of more than {max_frames} frames (the most a message of the run has)"
+        elif nbytes > max_bytes:
+            reason = f"message of at least {nbytes} bytes exceeds the maximum of {max_bytes} bytes"
+        if reason:
+            frames = (frames + [f])[:2]
+            continue
+        frames.append(f)
+    return _Oversized(frames, reason) if reason else frames
 
 @dataclass(frozen=True)
 class _Stop:
@@ -208,6 +252,9 @@ class Transport:
     on_reject:   ``fn(sender, reason)`` called for each dropped message (after logging).
     security:    CURVE keys (this process's pair, every peer's public key); None: plain TCP, senders name
                  themselves (``--insecure``).
+    max_connections: with CURVE, the cap on connections open at once on the bound socket (default: two per
+                 allowed sender plus SPARE_CONNECTIONS); connections accepted beyond it are shut down at once and
+                 counted in the log (:class:`~fusion.executors.runtime.keys.HandshakeMonitor`).
     recv_thread: receive on a thread of the transport (``on_message`` runs there); False: the thread that
                  called :meth:`start` receives by calling :meth:`pump` while it waits (a CompNode's engine
                  loop, which saves a thread hand-off per message; ZeroMQ's I/O thread still receives the
@@ -218,10 +265,12 @@ class Transport:
                  *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tracer: Tracer | None = None,
                  on_reject: Callable[[str, str], None] | None = None, on_error: Callable[[str, str], None] | None = None,
                  send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True,
-                 security: Security | None = None):
+                 security: Security | None = None, max_connections: int | None = None):
         self.name, self.bind_addr = name, bind
         self.security = security
         self.allowed = set(allowed)
+        #: with CURVE, connections open at once on the bound socket beyond which new ones are shut down
+        self.max_connections = max_connections or 2 * len(self.allowed) + SPARE_CONNECTIONS
         self.on_message, self.on_reject, self.on_error = on_message, on_reject, on_error
         self.max_message_bytes, self.tracer = max_message_bytes, tracer
         self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
@@ -331,7 +380,8 @@ class Transport:
             return None
         if self.security is not None:
             self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
-                                                                                          quiet=True))
+                                                                                          quiet=True),
+                                            max_connections=self.max_connections)
             self.monitor.start()
         return sock
 
@@ -344,7 +394,7 @@ class Transport:
         if self._sock.poll(max(0, int(timeout_s * 1000))):
             while True:
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_bounded(self._sock, self.max_message_bytes, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self._handle(frames)
@@ -360,7 +410,7 @@ class Transport:
         try:
             while not self._stop.is_set():
                 try:
-                    frames = sock.recv_multipart(copy=False)
+                    frames = recv_bounded(sock, self.max_message_bytes)
                 except zmq.Again:
                     continue
                 self._handle(frames)
@@ -406,8 +456,15 @@ class Transport:
         self.reject(f"key {key} at {address or '?'}", "refused at the CURVE handshake: its key is not in the run's key list",
                     quiet=True)  # the ZAP handler logged it
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: "list | _Oversized") -> None:
         """Check the sender, decode, check and hand on one received message; nothing a peer sends raises out of here."""
+        if isinstance(frames, _Oversized):
+            sender = self._sender(frames.head)
+            if sender in self.cut_off:
+                self.rejected += 1
+            else:
+                self.reject(sender, frames.reason)
+            return
         sender = self._sender(frames)
         if sender in self.cut_off:  # named once already; its messages are not even decoded any more
             self.rejected += 1

@@ -205,11 +205,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed, args.val_split / 100)  # fail before anything waits
     joins = joins_from_args(args, plan)
-    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     from fusion.commands.keys import COORDINATOR, security_from_args
     from fusion.executors.runtime.plandigest import plan_digest
 
-    security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], COORDINATOR, args.bind)
+    security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], COORDINATOR, args.bind)  # no folder yet
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),

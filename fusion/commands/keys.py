@@ -10,8 +10,8 @@ and encrypt every link (:mod:`fusion.executors.runtime.keys`).
 
 Also home of :func:`security_from_args`, the rule shared by ``executor`` and
 ``coordinator``: ``--key`` runs CURVE; ``--insecure`` runs plain TCP with a
-warning; neither is refused when the plan lists keys or when the process
-listens on an address other than loopback.
+warning; neither is refused (one line, exit status 2, saying how to make
+keys), on loopback too: a process is secure by default.
 """
 from __future__ import annotations
 
@@ -49,15 +49,6 @@ def add_security_options(p: argparse.ArgumentParser) -> None:
                         "(loopback experiments only)")
 
 
-def is_loopback(address: str) -> bool:
-    """Whether a ZeroMQ endpoint is reachable from this host only (loopback TCP, ipc, inproc)."""
-    proto, _, rest = address.partition("://")
-    if proto in ("ipc", "inproc"):
-        return True
-    host = rest.rpartition(":")[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def security_from_args(args: argparse.Namespace, plan_dir: str | Path, names: list[str], me: str, listen: str):
     """The :class:`~fusion.executors.runtime.keys.Security` for this process, or None (plain TCP).
 
@@ -77,10 +68,11 @@ def security_from_args(args: argparse.Namespace, plan_dir: str | Path, names: li
     if public.exists():
         raise FusionError(f"{public} lists the run's CURVE keys: pass --key FILE (this process's secret key from "
                           f"`fusion keys`), or --insecure")
-    if not is_loopback(listen):
-        raise FusionError(f"listening on {listen} without CURVE keys: make them with `fusion keys {plan_dir}` and "
-                          f"pass --key FILE, or pass --insecure (loopback experiments only)")
-    return None  # loopback only: the process warns once it listens (insecure_warning)
+    # secure by default (issue 28): without keys a process refuses to start, on loopback too (any local process could
+    # otherwise send it messages, a forged abort included); --insecure is the explicit way to run plain TCP
+    raise FusionError(f"listening on {listen} without CURVE keys: make them with `fusion keys {plan_dir}` and pass "
+                      f"--key FILE (this process's secret key), or pass --insecure (no authentication, loopback "
+                      f"experiments only)")
 
 
 def bind_address(plan_address: str) -> str:

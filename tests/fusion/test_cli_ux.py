@@ -176,7 +176,7 @@ def test_executor_whose_port_is_taken_says_so_in_one_line(cnn_plan):
     port = s.getsockname()[1]
     try:
         r = fusion("executor", cnn_plan, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
-                   "--bind", f"tcp://127.0.0.1:{port}", timeout=60)
+                   "--bind", f"tcp://127.0.0.1:{port}", "--insecure", timeout=60)
     finally:
         s.close()
     line = one_line_error(r, "executor")
@@ -191,7 +191,7 @@ def test_executor_checks_its_weights_before_listening(cnn_plan, tmp_path):
     w = bad / "weights.safetensors"
     w.write_bytes(w.read_bytes()[:-40])  # truncated
     r = fusion("executor", bad, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1", "--bind", "tcp://127.0.0.1:*",
-               "--startup-timeout", "60", timeout=60)
+               "--insecure", "--startup-timeout", "60", timeout=60)
     assert "weights.safetensors" in one_line_error(r, "executor")
 
 
@@ -203,7 +203,7 @@ def test_executor_without_a_coordinator_says_what_it_waits_for_and_gives_up(cnn_
         port = s.getsockname()[1]
     t0 = time.monotonic()
     r = fusion("executor", cnn_plan, "--node", "part1", "--coordinator", f"tcp://127.0.0.1:{port}",
-               "--bind", "tcp://127.0.0.1:*", "--startup-timeout", "3", timeout=90)
+               "--bind", "tcp://127.0.0.1:*", "--insecure", "--startup-timeout", "3", timeout=90)
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
     assert "part1: said hello to the coordinator at" in r.stderr and "waiting for its setup" in r.stderr

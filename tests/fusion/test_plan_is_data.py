@@ -112,7 +112,8 @@ def test_plugins_need_trust_and_stay_inside_the_plan_folder(tmp_path):
     r = _fusion("run", str(plan_dir), "--out", str(tmp_path / "run"), "--steps", "1", "--no-progress")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--trust-plugins" in r.stderr, r.stderr
     assert "Python files" in r.stderr
-    r = _fusion("executor", str(plan_dir), "--node", "p0", "--coordinator", "tcp://127.0.0.1:9", "--bind", "tcp://127.0.0.1:*")
+    r = _fusion("executor", str(plan_dir), "--node", "p0", "--coordinator", "tcp://127.0.0.1:9", "--bind", "tcp://127.0.0.1:*",
+                "--insecure")
     assert r.returncode == 2 and "--trust-plugins" in r.stderr.strip().splitlines()[-1], r.stderr
     # outside the folder: refused even when trusted; relative paths resolve against the plan folder, not the cwd
     for bad in ("../evil15.py", str(tmp_path / "evil15.py"), "evil15_module"):

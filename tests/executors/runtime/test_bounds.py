@@ -76,3 +76,42 @@ def test_an_oversized_message_is_refused_and_executor_memory_stays_flat(tmp_path
     trace = json.loads((tmp_path / "run" / "trace" / "p1.json").read_text())
     assert sum(1 for e in trace["traceEvents"] if e.get("cat") == "forward") == 2 * STEPS  # nothing lost
     assert not spill.exists()
+
+
+def test_a_message_of_many_frames_each_under_the_bound_is_refused_whole(tmp_path):
+    """Issue 28: the size bound held per ZeroMQ frame; a run-key holder's message of 30 frames, each under the limit,
+    was taken whole. The transport now reads a message frame by frame and refuses it once its total or its frame
+    count passes the bound, releasing the rest unkept; a good message after it still arrives."""
+    from fusion.executors.runtime.keys import Security, generate
+    from fusion.executors.runtime.transport import MAX_FRAMES, Transport
+
+    pairs = {n: generate(n) for n in ("p0", "p1")}
+    peers = {n: p.public for n, p in pairs.items()}
+    got, rejected = [], []
+    limit = 1 << 20
+    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append((s, m)), max_message_bytes=limit,
+                   on_reject=lambda s, r: rejected.append((s, r)), security=Security(pairs["p1"], peers))
+    ctx = zmq.Context()
+    try:
+        addr = rx.start()
+        s = ctx.socket(zmq.DEALER)
+        s.curve_publickey, s.curve_secretkey = pairs["p0"].public.encode(), pairs["p0"].secret.encode()
+        s.curve_serverkey = peers["p1"].encode()
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(addr)
+        chunk = np.zeros(limit // 4, np.uint8)  # 30 frames of 256 KiB: each far under the 1 MiB bound, 7.5 MiB in all
+        head = msgpack.packb({"v": 1, "k": "opdata", "h": {}, "t": [{"d": "uint8", "s": [limit // 4]}] * 30})
+        s.send_multipart([head] + [chunk] * 30, copy=False)
+        s.send_multipart([msgpack.packb({"v": 1, "k": "ctrl", "h": {}, "t": []})] + [b""] * MAX_FRAMES)
+        s.send_multipart([msgpack.packb({"v": 1, "k": "ctrl", "h": {"op": "x"}, "t": []})])
+        deadline = time.monotonic() + 30
+        while (len(rejected) < 2 or not got) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s.close()
+        assert [r[0] for r in rejected] == ["p0", "p0"], rejected
+        assert f"exceeds the maximum of {limit} bytes" in rejected[0][1] and "at least" in rejected[0][1]
+        assert f"message of more than {MAX_FRAMES} frames" in rejected[1][1]
+        assert [(snd, m.header) for snd, m in got] == [("p0", {"op": "x"})]
+    finally:
+        rx.close(timeout_s=2)
+        ctx.term()

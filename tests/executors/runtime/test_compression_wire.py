@@ -92,3 +92,36 @@ def test_a_compnode_rejects_malformed_sparse_opdata_with_a_logged_reason(tmp_pat
             node._on_message("p0", decode(good))
     finally:
         node.transport.close(timeout_s=1, linger_s=0)
+
+
+def test_a_payload_of_another_codec_than_the_edge_s_is_refused(tmp_path, caplog):
+    """Issue 28: an edge compiled for Top-K accepted a quantised payload from its producer (and a dense edge a Top-K
+    one): the receiver decoded whatever codec made it. Now the payload's codec must be the one the plan compiled for
+    that stream, the reason naming the tensor, the sender and both codecs."""
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.kernels.codecs import CODECS
+    from fusion.plan import save_plan
+
+    model = branching_cnn(mb=2)
+    plan = hand_plan(model, CNN_SPLITS[2], micro_batches=1)
+    plan.compression = [EdgeCompression("relu_a", None, "p0", "p1", 10.0, ("fwd", "bwd"))]
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("p1", "tcp://127.0.0.1:9"))
+    node._setup(Setup(peers={"p0": "tcp://127.0.0.1:9"}, emulate_links=False, resume_step=None, checkpoint_dir=None))
+    try:
+        x = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32)
+        quant = CODECS.unit("quant").encode(x, {"algo": "quant", "bits": 8})
+        with pytest.raises(WireError, match=re.escape("activation ('relu_a', None) from p0: a quant payload, but the "
+                                                      "plan compresses it with topk towards p1")):
+            node._on_message("p0", decode(encode_opdata(OpData(
+                name="relu_a", index=None, op_users=("add_ab",), actual_user=("add_ab",), is_grad=False, local_iter=0,
+                micro_batch=0, src="p0", dst="p1", payload=quant, requires_grad=True,
+                compress_cfg={"algo": "quant", "bits": 8}))))
+        conv = dict(name="conv1", op_users=("relu_a", "conv_b"), actual_user=("conv_b",))  # a dense edge into p1
+        with pytest.raises(WireError, match=re.escape("activation ('conv1', None) from p0: a topk payload, but the "
+                                                      "plan sends it dense towards p1")):
+            node._on_message("p0", decode(_sparse_msg(topk_numpy(x, 29), **conv)))
+        node._on_message("p0", decode(_sparse_msg(topk_numpy(x, 29))))  # the compiled codec: accepted
+        assert len(node.inbox._data[(0, "F", 0)]) == 1
+    finally:
+        node.transport.close(timeout_s=1, linger_s=0)

@@ -115,7 +115,7 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
         for s in socks:
             s.send_multipart(_opdata(), copy=True)
             s.send_multipart(ABORT)
-        assert wait_for(lambda: "refused a connection from 127.0.0.1 with public key " + stranger.public in log.read_text())
+        assert wait_for(lambda: "from 127.0.0.1 with public key " + stranger.public in log.read_text())
         wait_for(lambda: "failed the handshake" in log.read_text())  # the socket monitor logs these on its own thread
         for s in socks:
             s.close(linger=0)
@@ -128,7 +128,7 @@ def test_a_process_without_a_key_in_the_plan_gets_nothing_delivered(tmp_path):
     assert "its key is not in the run's key list" in text
     # the two without CURVE: a mechanism mismatch, or (as the client's greeting races the server's) a connection
     # that ended mid-handshake; warnings are rate-limited, so one line may stand for both
-    assert re.search(r"failed the handshake: (not a CURVE client|the connection ended during the handshake)", text)
+    assert re.search(r"failed the handshake .*: (not a CURVE client|the connection ended during the handshake)", text)
     assert "aborted" not in text and "you are hacked" not in text
     assert hit[1].parts["p1"]["rejected"] >= 1  # the refused handshake is counted with the executor's rejects
 
@@ -179,6 +179,14 @@ def test_fusion_keys_and_the_executor_and_coordinator_key_rules(tmp_path):
     # without keys: an executor listening beyond loopback is refused unless --insecure
     r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://0.0.0.0:*")
     assert "without CURVE keys" in _one_line_error(r, "executor") and "--insecure" in r.stderr
+    # secure by default (issue 28): on loopback too, an executor or coordinator without keys is refused, saying how
+    # to make them (it used to run without CURVE after one warning, and any local process could forge an abort)
+    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
+    line = _one_line_error(r, "executor")
+    assert "without CURVE keys" in line and f"`fusion keys {plan_dir}`" in line and "--insecure" in line, line
+    r = _fusion("coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--out", str(tmp_path / "run0"),
+                "--startup-timeout", "1")
+    assert "without CURVE keys" in _one_line_error(r, "coordinator")
     keys = tmp_path / "keys"
     r = _fusion("keys", str(plan_dir), "--out", str(keys))
     assert r.returncode == 0, r.stderr
@@ -221,3 +229,97 @@ def test_a_plan_with_another_digest_is_refused_at_hello(tmp_path):
     data[-1] ^= 1
     w.write_bytes(bytes(data))
     assert plan_digest(plan_dir) != mine
+
+
+def test_refused_handshakes_are_logged_as_counts_whatever_the_number_of_keys(caplog):
+    """Issue 28: every refused key was its own warning line, so an attacker rotating keys grew every log without
+    bound. 150 clients with 150 fresh keys: the ZAP handler refuses and counts each, and writes one line per
+    interval with the count and the first few keys."""
+    import logging
+    import time
+
+    from fusion.executors.runtime.keys import RefusalLog, Security
+    from fusion.executors.runtime.transport import Transport
+
+    pairs = {n: generate(n) for n in ("p0", "p1")}
+    peers = {n: p.public for n, p in pairs.items()}
+    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: None, security=Security(pairs["p1"], peers),
+                   max_connections=1000)  # the 150 clients at once: over the default cap (test below)
+    ctx = zmq.Context()
+    strangers = [generate(f"mallory{i}") for i in range(150)]
+    caplog.set_level(logging.WARNING, logger="fusion.executors.runtime.keys")
+    try:
+        addr = rx.start()
+        t0 = time.monotonic()
+        socks = [_dealer(ctx, addr, keys=k, server_key=peers["p1"]) for k in strangers]
+        assert wait_for(lambda: rx.zap.refused >= len(strangers), timeout=60), rx.zap.refused
+        for s in socks:
+            s.close(linger=0)
+        time.sleep(0.3)
+        zap = rx.zap.log
+        zap.flush(time.monotonic() + zap.interval_s)  # the interval ends: one line for everything since the last
+        elapsed = time.monotonic() - t0
+        lines = [r.getMessage() for r in caplog.records if "connection(s) refused at the CURVE handshake" in r.getMessage()]
+        # the first refusal at once, then at most one line per interval (10 s), however many keys
+        assert 2 <= len(lines) <= 2 + elapsed // zap.interval_s, (elapsed, lines)
+        assert lines[0].startswith("p1: 1 connection(s) refused") and "with public key" in lines[0]
+        counts = [int(re.match(r"p1: (\d+) connection", ln).group(1)) for ln in lines]
+        assert len(strangers) <= sum(counts) <= zap.total, (counts, zap.total)
+        last = lines[-1]
+        assert last.count("with public key") == RefusalLog.SHOWN and f"; {counts[-1] - RefusalLog.SHOWN} more" in last
+    finally:
+        rx.close(timeout_s=2)
+        ctx.term()
+
+
+def test_connections_over_the_cap_are_shut_down_and_the_run_s_own_keep_working(caplog):
+    """Issue 28: every held connection took a file descriptor with no cap (500 held = 500 fds). A CURVE socket now
+    keeps at most ``max_connections`` open at once: 30 raw TCP connections that never finish the handshake beyond a
+    cap of 4 are shut down at once (counted in one log line), and the peer with a key still gets its messages."""
+    import logging
+    import socket
+    import time
+
+    from fusion.executors.runtime.keys import Security
+    from fusion.executors.runtime.transport import Transport
+
+    pairs = {n: generate(n) for n in ("p0", "p1")}
+    peers = {n: p.public for n, p in pairs.items()}
+    got = []
+    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append(m.header), max_connections=4,
+                   security=Security(pairs["p1"], peers))
+    ctx = zmq.Context()
+    caplog.set_level(logging.WARNING, logger="fusion.executors.runtime.keys")
+    held = []
+    try:
+        addr = rx.start()
+        p0 = _dealer(ctx, addr, keys=pairs["p0"], server_key=peers["p1"])
+        p0.send_multipart(encode("ctrl", {"n": 1}))
+        assert wait_for(lambda: len(got) == 1)
+        host, port = addr.rpartition("/")[2].rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(30)]
+
+        def closed(s) -> bool:  # the server's greeting may come first; then EOF
+            try:
+                while True:
+                    if not s.recv(4096):
+                        return True
+            except (TimeoutError, socket.timeout):
+                return False
+            except OSError:
+                return True
+
+        for s in held:
+            s.settimeout(0.2)
+        assert wait_for(lambda: rx.monitor.capped >= 30 - 3, timeout=30), rx.monitor.capped
+        assert sum(closed(s) for s in held) >= 30 - 3
+        p0.send_multipart(encode("ctrl", {"n": 2}))
+        assert wait_for(lambda: len(got) == 2), got  # the run's own connection was kept
+        lines = [r.getMessage() for r in caplog.records if "over the cap of 4" in r.getMessage()]
+        assert 1 <= len(lines) <= 2 and lines[0].startswith("p1: 1 connection(s) shut down over the cap"), lines
+        p0.close(linger=0)
+    finally:
+        for s in held:
+            s.close()
+        rx.close(timeout_s=2)
+        ctx.term()
