@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,8 @@ def _number(parse: Callable[[str], float], kind: str, ok: Callable[[float], bool
 positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
 non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must be 0 or more")
 positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
+#: a finite number > 0 (not a time)
+positive_finite = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number")
 
 
 def zmq_address(text: str) -> str:
@@ -68,6 +71,39 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "with the others (the step is redone on them with the global batch re-split; metrics.jsonl "
                         "records the replica and step)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_eval_options(p)
+
+
+def add_eval_options(p: argparse.ArgumentParser) -> None:
+    """``--eval-every``, ``--eval-batches``: a held-out loss, forward only, every N steps (docs/training.md)."""
+    p.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
+                   help="every N steps, the loss of --eval-batches held-out batches, forward only through the "
+                        "pipeline (no gradient, no optimizer step), in metrics.jsonl and loss.png (0: never)")
+    p.add_argument("--eval-batches", type=positive_int, default=4, metavar="K",
+                   help="held-out batches per evaluation (default 4): the corpus's held-out text, other synthetic "
+                        "batches, or your FUNCTION(k, split='val')")
+
+
+@dataclass
+class Evaluation:
+    """What ``--eval-every`` evaluates: every ``every`` steps, the mean loss of ``batches`` (held out)."""
+
+    every: int
+    batches: list
+
+
+def eval_from_args(args: argparse.Namespace, plan) -> "Evaluation | None":
+    """The run's :class:`Evaluation` (None without ``--eval-every``); its batches are made here, before any process
+    starts, so a data function without ``split`` fails at once."""
+    if not getattr(args, "eval_every", 0):
+        return None
+    from fusion.data import make_eval_batches
+    from fusion.ir.errors import FusionError
+
+    if any(len(ps) > 1 for ps in plan.lanes().values()):
+        raise FusionError("--eval-every does not run under the interleaved schedule yet (several parts per process)")
+
+    return Evaluation(args.eval_every, make_eval_batches(plan, args.data, plan.seed, args.eval_batches))
 
 
 def add_parser(sub) -> None:
@@ -88,8 +124,12 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, default_verbosity=1)
 
 
-def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True) -> dict:
+def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
+          evaluation: "Evaluation | None" = None) -> dict:
     """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
+
+    evaluation: after every ``evaluation.every``-th step, the held-out loss (:meth:`Coordinator.evaluate`, mean over
+    its batches) is printed and written as ``{"step", "val_loss", "time"}``.
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
     replays). On Ctrl-C the latest weights are still saved, then KeyboardInterrupt propagates.
@@ -120,6 +160,10 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                              "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in r.parts.items()}
                 line = {"step": r.step, "loss": r.loss, "iteration_s": round(r.iteration_s, 6),
                         "samples_per_s": round(r.samples_per_s, 3), "time": time.time(), "parts": parts}
+                if getattr(r, "grad_norms", None):  # with --clip-grad-norm: the norm before clipping
+                    line["grad_norm"] = r.grad_norms[0]
+                    if len(set(r.grad_norms)) > 1:  # DiLoCo replicas clip their own inner steps
+                        line["grad_norm_replicas"] = r.grad_norms
                 if getattr(r, "dropped", None):
                     line["dropped"] = r.dropped  # replicas lost during this step: which one, why, redone or not
                 outer = {p: s["outer"] for p, s in r.parts.items() if "outer" in s}
@@ -132,6 +176,15 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 if bar is not None:
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
                     bar.update(1)
+                if evaluation is not None and (step + 1) % evaluation.every == 0:
+                    val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
+                    mf.write(json.dumps({"step": r.step, "val_loss": val, "time": time.time()}) + "\n")
+                    mf.flush()
+                    say = f"step {step + 1}: val_loss {val:.4f} ({len(evaluation.batches)} held-out batches)"
+                    if bar is not None:
+                        bar.write(say, file=sys.stderr)
+                    else:
+                        print(say, file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -169,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError("--resume continues the run in --out RUN: name it")
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed)  # fail before anything waits
+    evaluation = eval_from_args(args, plan)
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
     from fusion.commands.keys import COORDINATOR, security_from_args
     from fusion.executors.runtime.plandigest import plan_digest
@@ -191,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
               f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)", file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
-            train(coord, batch_fn, first, args.steps, out, not args.no_progress)
+            train(coord, batch_fn, first, args.steps, out, not args.no_progress, evaluation)
         except KeyboardInterrupt:
             interrupted = True
         coord.stop()

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import add_common, positive_int, run_name, train
+from fusion.commands.coordinator import add_common, eval_from_args, positive_int, run_name, train
 
 
 def add_parser(sub) -> None:
@@ -164,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
         from fusion.cluster.model import load_cluster
-        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args
+        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
         from fusion.loader import load_model
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
+        optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps or --clip-grad-norm
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.insecure:
         _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed)  # fail before starting processes
+    evaluation = eval_from_args(args, cluster.plan)  # --eval-every's held-out batches, also before any process
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)
     if args.ray:
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
              f"({time.monotonic() - t_start:.1f} s since the command started)"
              + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
         try:
-            summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress)
+            summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress, evaluation)
         except KeyboardInterrupt as e:
             interrupted = True
             summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None
