@@ -184,3 +184,37 @@ def _run_with_eval(plan_dir, run_dir, batches, held_out, evaluate=True):
                 vals.append(lc.coordinator.evaluate(held_out))
         state = lc.coordinator.fetch_state()
     return reports, vals, state
+
+
+def _dropout_model():
+    from fusion.ir.builder import GraphBuilder
+
+    b = GraphBuilder()
+    x, y = b.input("x"), b.label("y")
+    h = b.module("fc1", "torch.nn.Linear", x, in_features=8, out_features=16)
+    h = b.module("drop", "torch.nn.Dropout", h, p=0.5)
+    o = b.module("fc2", "torch.nn.Linear", h, in_features=16, out_features=3)
+    b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
+    return b.build(example={"x": torch.randn(4, 8), "y": torch.randint(0, 3, (4,))}, seed=0)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_torch_evaluation_is_model_eval_forward_and_keeps_nothing(compiled):
+    """A torch part's evaluate: dropout off (model.eval()), no autograd graph, nothing stashed, training mode back."""
+    from fusion.executors.engines.select import make_engine_part
+    from fusion.ir.boundary import partition
+
+    model = _dropout_model()
+    sub = partition(model.graph, {n: "p0" for n in model.graph.nodes})["p0"]
+    part = make_engine_part("torch", model.graph, sub, model.params, "cpu", options={"compiled": compiled})
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 1, 2, 1])}
+    P = {k: torch.tensor(np.asarray(v)) for k, v in model.params.items()}
+    lin = lambda h, n: h @ P[f"{n}.weight"].T + P[f"{n}.bias"]  # noqa: E731
+    want = torch.nn.functional.cross_entropy(lin(lin(torch.tensor(feeds["x"]), "fc1"), "fc2"),
+                                             torch.tensor(feeds["y"])).item()
+    _, loss = part.evaluate({}, feeds)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert not part.stash and all(m.training for top in part.modules.values() for m in top.modules())
+    torch.manual_seed(0)
+    _, train_loss = part.forward("k", {}, feeds)  # training mode: dropout on, so the loss differs
+    assert abs(train_loss - want) > 1e-4
