@@ -644,7 +644,7 @@ class CompNode:
             self.runtime.engine.forget()  # the abandoned attempt's in-flight micro-batches
         with self._cv:
             # late messages and queued orders of the abandoned attempt are refused from here on
-            self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit)) and x.it <= it))
+            self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit, Clip)) and x.it <= it))
             if self.inbox.expected_iter <= it:
                 self.inbox.finish(it)
             self.n_micro = n

@@ -467,6 +467,9 @@ class Coordinator:
         committed[1] = ckpt
         self._norms = {}
         if self.clip:  # the global norm: every live part's sum of squares, summed per replica (pipeline)
+            with self._cv:  # an abandoned attempt's (a dropped replica) norms arrived before its regroup: not this one's
+                for p in self.live:
+                    self._inbox[p] = [c for c in self._inbox[p] if not (c.op == "gradnorm" and c.it != exec_it)]
             got = self._collect("gradnorm", self.live, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
             for r in self.live_replicas():
                 self._norms[r] = total_norm(got[p].sq for p in self.live if self.replica_of[p] == r)
