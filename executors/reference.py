@@ -21,6 +21,7 @@ from fusion.ir.boundary import partition, part_links, part_order
 from fusion.ir.errors import FusionError
 from fusion.ir.model import Model
 from fusion.ir.opdata import OpData
+from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads, total_norm
 from fusion.executors.runtime.compression import check_edges
 from fusion.executors.runtime.tied import TiedCodec, sum_in_order
 from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
@@ -119,6 +120,7 @@ class ReferenceExecutor:
         check_edges(compression or (), self.assignment)
         self.parts = {p: PartRuntime(g, p, subs[p], self.assignment, self.engines[p], compression) for p in self.order}
         self.optimizers = {p: make_optimizer(names.get(p, "torch"), e, optimizer) for p, e in self.engines.items()}
+        self.optimizer = optimizer  # its lr schedule and gradient clipping apply in step(), as in the runtime
         owners: dict[str, list[str]] = {}
         for p, e in self.engines.items():
             for name in e.trainable():
@@ -254,6 +256,17 @@ class ReferenceExecutor:
         """One iteration: forward/backward over micro-batches, then the optimizer step."""
         loss = self.forward_backward(batch)
         self.sync_shared_grads()
+        cfg = self.optimizer
+        if cfg.clip_grad_norm is not None:  # the global norm over every part, tied parameters once (runtime/clip.py)
+            dtypes = {n: s.dtype for n, s in self.graph.params.items()}
+            norm = total_norm(part_sq_norm(self.engines[p].grads(), dtypes=dtypes,
+                                           skip={n for n, ps in self.shared.items() if ps[0] != p}) for p in self.order)
+            for p in self.order:
+                scale_grads(self.engines[p], clip_coef(cfg.clip_grad_norm, norm), dtypes)
+        if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+            for opt in self.optimizers.values():
+                if opt is not None:
+                    opt.set_lr(cfg.lr_at(self.iteration))
         # views, not copies: zero_grad(set_to_none=True) below drops the tensors,
         # so the arrays stay valid and unchanged (the optimizers do not write grads)
         grads = self.grads(copy=False)

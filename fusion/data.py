@@ -150,7 +150,7 @@ def _placeholder_specs(plan) -> dict[str, dict]:
     return specs
 
 
-def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
+def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], dict[str, np.ndarray]]:
     """``step -> batch`` from the user's ``file.py:function``; every batch is checked against the plan.
 
     The function takes the step number and returns a mapping placeholder name ->
@@ -158,7 +158,8 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
     ``plan.micro_batches`` x ``plan.replicas``: the global batch); it should be a pure function of the step so that a
     resumed run sees the batches an uninterrupted one would. Arrays are cast to the
     plan's dtype when the kind (float, integer, bool) agrees; anything else is a
-    :class:`FusionError` naming the function, the step and the field.
+    :class:`FusionError` naming the function, the step and the field. ``split="val"``: the held-out batches of
+    ``--eval-every``, from ``function(k, split="val")`` (:func:`make_eval_batches`).
     """
     from fusion.loader import load_function
 
@@ -174,7 +175,7 @@ def user_batches(plan, spec: str) -> Callable[[int], dict[str, np.ndarray]]:
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
-            got = fn(step)
+            got = fn(step) if split is None else fn(step, split=split)
         except Exception as e:
             from fusion.loader import user_error
 
@@ -359,3 +360,62 @@ def make_batches(plan, kind: str = "auto", seed: int = 0, val_fraction: float = 
         return out
 
     return synthetic_batch
+
+
+#: the corpus seed of the held-out text (the training text is ``corpus_text(seed=0)``)
+VAL_CORPUS_SEED = 1
+#: added to the run's seed for held-out synthetic batches (the training batches draw from ``[seed, step]``)
+VAL_SEED_OFFSET = 2**31
+
+
+def make_eval_batches(plan, kind: str = "auto", seed: int = 0, count: int = 1) -> list[dict[str, np.ndarray]]:
+    """The ``count`` held-out batches of ``--eval-every`` (each a global batch, as :func:`make_batches`'s).
+
+    - the built-in text corpus: windows of another text of the same generator (``corpus_text(seed=1)``),
+      tokenized with the training text's tokenizer, drawn as the training windows are;
+    - synthetic data: the same distribution from another seed (``seed + 2**31``);
+    - the user's ``file.py:function``: ``function(k, split="val")`` for ``k`` in ``0..count-1`` (a function without
+      a ``split`` argument is refused in one line when the run starts).
+    Pure functions of ``(seed, k)``: every evaluation of a run sees the same batches.
+    """
+    if kind not in ("auto", "text", "synthetic"):
+        if ":" in kind:
+            import inspect
+
+            from fusion.loader import load_function
+
+            fn = load_function(kind, "data")
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                params = {}
+            if "split" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                raise FusionError(f"data {kind!r}: --eval-every takes held-out batches from the function called as "
+                                  f"{kind.rpartition(':')[2]}(k, split='val'); it has no 'split' argument")
+            fn_val = user_batches(plan, kind, split="val")
+            return [fn_val(k) for k in range(count)]
+        raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic, or file.py:function)")
+    train = make_batches(plan, kind, seed)
+    tok = getattr(train, "tokenizer", None)
+    if tok is None:  # synthetic
+        held_out = make_batches(plan, kind, seed + VAL_SEED_OFFSET)
+        return [held_out(k) for k in range(count)]
+    g, nm = plan.graph, plan.micro_batches * plan.replicas
+    specs = _placeholder_specs(plan)
+    ins, labs, _ = _language_model(g, specs)
+    x, y = ins[0], labs[0]
+    mb, T = _shape(specs[x])
+    text = corpus_text(seed=VAL_CORPUS_SEED)
+    known = set(tok.chars) if tok.chars else None
+    if known is not None:  # character-level: the held-out text keeps the training text's characters
+        text = "".join(c for c in text if c in known)
+    src = TextBatches(tok.encode(text), mb * nm, T, seed)
+    lshape = (mb * nm, *_shape(specs[y])[1:]) if len(_shape(specs[y])) > 1 else (mb * nm * T,)
+    out = []
+    for k in range(count):
+        a, b = src.batch(k)
+        batch = {x: a.astype(specs[x]["dtype"]), y: b.reshape(lshape).astype(specs[y]["dtype"])}
+        if _delta_edges(plan):
+            batch[SAMPLE_IDS] = src.sample_ids(k)  # carried as a step's are; an evaluation touches no delta buffer
+        out.append(batch)
+    return out

@@ -11,6 +11,7 @@ No pickle anywhere. An executor needs the plan, its part name and nothing else.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,24 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "zb1", "interleaved")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """name: ``"sgd"`` or ``"adamw"``; the rest are the usual hyper-parameters."""
+    """The optimizer of every part (``fusion compile --optimizer/--lr/...``), with its training knobs.
+
+    name:          ``"sgd"`` or ``"adamw"`` (torch's update formulas on every engine).
+    lr:            the base learning rate.
+    momentum, weight_decay, betas, eps: the usual hyper-parameters.
+    lr_schedule:   ``"constant"``, ``"linear"`` or ``"cosine"`` (``--lr-schedule``): optimizer step ``k`` (0-based,
+                   completed steps before it) runs with ``lr * fusion.ir.lr_schedule.lr_factor(...)``, torch's
+                   ``LambdaLR`` over the Hugging Face warmup/decay lambdas.
+    warmup_steps:  steps of linear warmup from 0 to ``lr`` (``--warmup-steps``).
+    total_steps:   steps the linear/cosine decay spans, reaching 0 at ``total_steps`` (HF's
+                   ``num_training_steps``; ``--lr-decay-steps``, by default ``fusion run``'s ``--steps``); 0 for
+                   ``constant``.
+    clip_grad_norm: max global L2 norm of the gradients (``--clip-grad-norm``), over every part of a pipeline
+                   (tied parameters once), after the data-parallel average: every gradient is scaled by
+                   ``min(1, clip / (norm + 1e-6))`` before the step, as ``torch.nn.utils.clip_grad_norm_`` in one
+                   process; None: no clipping.
+    The four knobs are left off ``to_dict`` at their defaults, so a plan without them reads as before.
+    """
 
     name: str = "sgd"
     lr: float = 0.01
@@ -41,16 +59,38 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    clip_grad_norm: float | None = None
 
     def __post_init__(self):
+        from fusion.ir.lr_schedule import check_schedule
+
         if self.name not in ("sgd", "adamw"):
             raise ValueError(f"optimizer.name must be 'sgd' or 'adamw', got {self.name!r}")
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        bad = check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps)
+        if bad:
+            raise ValueError(f"optimizer.{bad}")
+        c = self.clip_grad_norm
+        if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf):
+            raise ValueError(f"optimizer.clip_grad_norm must be a positive number (or null: no clipping), got {c!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based): ``lr * lr_factor(step)``, as ``LambdaLR``."""
+        from fusion.ir.lr_schedule import lr_factor
+
+        return self.lr * lr_factor(self.lr_schedule, step, self.warmup_steps, self.total_steps)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["betas"] = list(self.betas)
+        for k, default in (("lr_schedule", "constant"), ("warmup_steps", 0), ("total_steps", 0),
+                           ("clip_grad_norm", None)):
+            if d[k] == default:
+                del d[k]
         return d
 
     @classmethod
@@ -528,6 +568,12 @@ class Plan:
                 raise PlanError(f"{source}: dp_algo.{stage}: not a stage of the assignment (stages: {sorted(stages)})")
             if algo not in ("ring", "tree"):
                 raise PlanError(f"{source}: dp_algo.{stage} must be 'ring' or 'tree', got {algo!r}"[:200])
+        if not isinstance(self.optimizer, dict):
+            raise PlanError(f"{source}: optimizer must be a map, got {type(self.optimizer).__name__}")
+        try:  # the executors build their optimizer (schedule, clipping) from this: a bad field is named here
+            OptimizerConfig.from_dict(self.optimizer)
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"{source}: {e}"[:300]) from None
         if not isinstance(self.dp_sync, DPSync):
             raise PlanError(f"{source}: dp_sync must be a DPSync, got {type(self.dp_sync).__name__}")
         self.dp_sync.check(f"{source}: dp_sync")

@@ -102,6 +102,16 @@ class EnginePart(ABC):
         """The ``W`` half of a split backward: accumulate micro-batch ``mb_key``'s parameter gradients.
         Default: nothing (:meth:`backward_input` did all of backward)."""
 
+    def evaluate(self, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]:
+        """Forward for evaluation (``--eval-every``): as :meth:`forward`, with no autograd graph kept, nothing kept
+        for a backward, every output an array, and ``model.eval()`` semantics where the engine has training modes.
+        Default: :meth:`forward` under a key of its own, then :meth:`forget` of that key."""
+        key = ("eval", None)
+        try:
+            return self.forward(key, inputs, feeds)
+        finally:
+            self.forget(key)
+
     def forget(self, mb_key: Any = None) -> None:
         """Drop what forward kept for backward: of micro-batch ``mb_key``, or of every micro-batch (None; an
         abandoned attempt after a replica was dropped). Default: nothing is kept."""

@@ -36,9 +36,10 @@ from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
-from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Commit, Control, Done, Error, Fetch, Hb,
-                                              Hello, Ready, Reduced, Regroup as RegroupMsg, Regrouped, Setup, State, Step,
-                                              decode_ctrl)
+from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads
+from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
+                                              Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
+                                              Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
 from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
@@ -167,6 +168,7 @@ class CompNode:
         if self.tied is not None:
             self.tied.check_engine(self.me, self.engine_name)
         self.param_names = sorted({p for n in self.sub.nodes for p in g[n].param_names()})
+        self._param_dtypes = {p: g.params[p].dtype for p in self.param_names}
         self.tracer = Tracer(f"CompNode {self.me}", list(plan.parts).index(self.me), enabled=cfg.trace_path is not None,
                              spill=f"{cfg.trace_path}.events.jsonl" if cfg.trace_path else None)
         self.runtime: PartRuntime | None = None
@@ -249,7 +251,7 @@ class CompNode:
             c = decode_ctrl(msg, TO_EXECUTOR)
             if c.op == "hb":
                 return
-            if isinstance(c, Step):  # (its save_step was checked when decoded)
+            if isinstance(c, (Step, Eval)):  # (a step's save_step was checked when decoded)
                 self._check_feeds(c)
             if isinstance(c, RegroupMsg):
                 with self._cv:
@@ -286,7 +288,7 @@ class CompNode:
             self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
             self._cv.notify_all()
 
-    def _check_feeds(self, c: Step) -> None:
+    def _check_feeds(self, c: "Step | Eval") -> None:
         """A step's tensors are named ``<micro-batch>/<placeholder>`` for placeholders of this part, and each is what
         the plan says that placeholder takes (:mod:`.feeds`: dimensions, dtype kind, finite, index range). A step
         that fails is refused and this part stops naming the field and node: the coordinator checked the same
@@ -390,7 +392,12 @@ class CompNode:
                  "".join(f", {k}={v}" for k, v in sorted(options.items())))
         self.runtime = PartRuntime(self.graph, self.me, self.sub, self.assignment, engine,
                                    self.plan.replica_compression(self.replica))
-        self.opt = make_optimizer(self.engine_name, engine, OptimizerConfig.from_dict(self.plan.optimizer or {}))
+        self.optcfg = OptimizerConfig.from_dict(self.plan.optimizer or {})
+        self.opt = make_optimizer(self.engine_name, engine, self.optcfg)
+        self._scheduled = self.optcfg.lr_schedule != "constant" or self.optcfg.warmup_steps > 0
+        if self._scheduled and not hasattr(self.opt, "set_lr"):
+            raise FusionError(f"the {self.engine_name} engine's optimizer has no set_lr: it cannot follow the plan's "
+                              f"optimizer.lr_schedule {self.optcfg.lr_schedule!r}")
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
         if c.members is not None or c.micro_batches is not None:  # replicas that have not joined yet (join.py)
@@ -519,6 +526,37 @@ class CompNode:
         self._end_reduce(st)
         self._end_commit(st)
 
+    def _evaluate(self, c: Eval) -> None:
+        """An evaluation (``--eval-every``): this part's forwards of the micro-batches in ``c``, in schedule order,
+        with no autograd graph and dense messages (:meth:`PartRuntime.evaluate`); the losses go to the coordinator.
+        No optimizer step, no gradient, no codec state changes; the iteration stays the one expected."""
+        it = c.it
+        if it != self.inbox.expected_iter:
+            raise ExecutorAbort(f"coordinator asked to evaluate at iteration {it}, this part is at {self.inbox.expected_iter}")
+        feeds: list[dict[str, np.ndarray]] = [{} for _ in range(self.n_micro)]
+        for name, arr in c.arrays.items():
+            mb, _, ph = name.partition("/")
+            feeds[int(mb)][ph] = arr
+        losses = []
+        for a in self.actions:
+            if a.kind != ActionKind.F:
+                continue
+            mb = a.micro_batch
+            box, _ = self._wait(lambda: self.inbox.activations(it, mb), f"activations of eval F{mb}",
+                                self.cfg.data_timeout_s)
+            t0 = now_us()
+            out, loss = self.runtime.evaluate(it, mb, feeds[mb], box)
+            if loss is not None:
+                losses.append([mb, loss])
+            with self._cv:
+                self.inbox.consume(it, ActionKind.F, mb)
+            self.tracer.add(f"eval F{mb}", "eval", t0, now_us())
+            for msg in out:
+                self.transport.send(msg.dst, encode_opdata(msg), label=f"eval F{mb} {msg.name}")
+        with self._cv:
+            self.inbox.discard(it)
+        self.transport.send(COORDINATOR, Evaluated(it=it, losses=losses).frames())
+
     def _begin(self, c: Step) -> "_Step":
         it = c.it
         faults.maybe_fail(self.me, it)  # FUSION_TEST_FAULT (tests, benchmarks/chaos.py); nothing when unset
@@ -579,12 +617,25 @@ class CompNode:
             with self.tracer.span("allreduce", "sync"):
                 self._allreduce(it)
             stats["allreduce_s"] = time.perf_counter() - t_ar
+        if self.optcfg.clip_grad_norm is not None:  # this part's share of the global norm, to the coordinator
+            counted = {n for n, owners in self.shared.items() if owners[0] != self.me}  # tied: its first owner counts it
+            sq = part_sq_norm(self.runtime.engine.grads(), skip=counted, dtypes=self._param_dtypes)
+            self.transport.send(COORDINATOR, GradNorm(it=it, sq=sq).frames())
         if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
             self.transport.send(COORDINATOR, Reduced(it=it).frames())
 
     def _end_commit(self, st: "_Step") -> None:
         """Last phase: (failover runs) the coordinator's go-ahead, the optimizer step, a checkpoint, ``done``."""
         c, it, stats, rt = st.c, st.it, st.stats, self.runtime
+        if self.optcfg.clip_grad_norm is not None:  # the pipeline's global norm, from every part's GradNorm
+            c1, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the gradient norm of iteration {it}",
+                               self.cfg.data_timeout_s)
+            if isinstance(c1, Abort):
+                raise ExecutorAbort(f"aborted by the coordinator: {c1.reason}")
+            if not isinstance(c1, Clip) or c1.it != it:
+                raise ExecutorAbort(f"expected the gradient norm of iteration {it} from the coordinator, got {c1.op!r}")
+            scale_grads(rt.engine, clip_coef(self.optcfg.clip_grad_norm, c1.norm), self._param_dtypes)
+            stats["grad_norm"] = c1.norm
         if self.failover:
             c2, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the go-ahead of iteration {it}",
                                self.cfg.data_timeout_s, before_regroup=True)
@@ -596,6 +647,8 @@ class CompNode:
         grads = {n: g for n, g in engine.grads().items() if g is not None} if c.want_grads else {}
         grads = {n: np.array(g) for n, g in grads.items()}
         t_opt = time.perf_counter()
+        if self._scheduled:  # optimizer step k (completed steps before it, the coordinator's count) runs at lr_at(k)
+            self.opt.set_lr(self.optcfg.lr_at((it + 1 if c.save_step is None else c.save_step) - 1))
         with self.tracer.span("optimizer", "optimizer"):
             self.opt.step()
             self.opt.zero_grad()
@@ -682,7 +735,7 @@ class CompNode:
             self.runtime.engine.forget()  # the abandoned attempt's in-flight micro-batches
         with self._cv:
             # late messages and queued orders of the abandoned attempt are refused from here on
-            self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit)) and x.it <= it))
+            self._ctrl = deque(x for x in self._ctrl if not (isinstance(x, (Step, Commit, Clip)) and x.it <= it))
             if self.inbox.expected_iter <= it:
                 self.inbox.finish(it)
             self.n_micro = n
@@ -879,6 +932,9 @@ class CompNode:
                 c = self._next_ctrl(float("inf"))
                 if c.op == "step":
                     self._iteration(c)
+                    continue
+                if c.op == "eval":
+                    self._evaluate(c)
                     continue
             except Regroup:
                 self._apply_regroup()

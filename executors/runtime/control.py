@@ -14,6 +14,10 @@ below (:data:`MESSAGES`: op -> class); ``msg.frames()`` gives its wire frames an
     coordinator -> executor   Stop {} | Abort {reason}
     with replica failover (Setup's ``failover=True``), between the all-reduce and the optimizer step:
     executor -> coordinator   Reduced {it}                        coordinator -> executor   Commit {it}
+    with gradient clipping (``optimizer.clip_grad_norm``), after the all-reduce (before Reduced):
+    executor -> coordinator   GradNorm {it, sq}                   coordinator -> executor   Clip {it, norm}
+    between steps, evaluation (``--eval-every``): forwards only, the iteration the parts are at
+    coordinator -> executor   Eval {it}  tensors as Step's           executor -> coordinator   Evaluated {it, losses}
     coordinator -> executor   Regroup {it, drop: [parts], micro_batches}   (a replica is dropped; iteration ``it``
                               is abandoned unless it was committed)   executor -> coordinator   Regrouped {it}
     a replica joining a DiLoCo run at an outer boundary (``executors/runtime/join.py``), between two steps:
@@ -74,6 +78,10 @@ def _str_list(v: Any) -> bool:
 def _losses(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and _nat(p[0])
                                        and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) for p in v)
+
+
+def _float(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _dict(v: Any) -> bool:
@@ -317,13 +325,54 @@ class Admitted(Control):
     it: int = _wire(_nat)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GradNorm(Control):
+    """(``optimizer.clip_grad_norm`` set) The sum of squares of this part's gradients of iteration ``it``, after the
+    tied-gradient sum and the data-parallel average (a tied parameter counted by its first owner only)."""
+
+    OP: ClassVar[str] = "gradnorm"
+    it: int = _wire(_nat)
+    sq: float = _wire(_float)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Clip(Control):
+    """The global L2 norm of the gradients of this part's pipeline at iteration ``it`` (the square root of its
+    parts' :class:`GradNorm` sums): every part scales its gradients by ``min(1, clip / (norm + 1e-6))``."""
+
+    OP: ClassVar[str] = "clip"
+    it: int = _wire(_nat)
+    norm: float = _wire(_float)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval(Control):
+    """Evaluate (``--eval-every``): run the forwards of the micro-batches in ``arrays`` (as :class:`Step`'s) with no
+    autograd graph, no optimizer step and no change to any state; iteration ``it`` is the one the part is at (an
+    evaluation takes no iteration of its own), its messages dense whatever the edges' codecs."""
+
+    OP: ClassVar[str] = "eval"
+    it: int = _wire(_nat)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluated(Control):
+    """The evaluation at iteration ``it`` ran: [micro-batch, loss] of the micro-batches whose loss is on this part."""
+
+    OP: ClassVar[str] = "evaluated"
+    it: int = _wire(_nat)
+    losses: list = _wire(_losses)
+
+
 #: op -> its message class
 MESSAGES: dict[str, type[Control]] = {c.OP: c for c in (Hello, Setup, Ready, Step, Done, Fetch, State, Stop, Abort, Hb,
-                                                       Error, Reduced, Commit, Regroup, Regrouped, Admit, Admitted)}
+                                                       Error, Reduced, Commit, Regroup, Regrouped, Admit, Admitted,
+                                                       GradNorm, Clip, Eval, Evaluated)}
 OPS = frozenset(MESSAGES)
 #: ops each side may receive: an executor takes these from the coordinator, the coordinator the others
-TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb", "commit", "regroup", "admit"})
-TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb", "reduced", "regrouped", "admitted"})
+TO_EXECUTOR = frozenset({"setup", "step", "fetch", "stop", "abort", "hb", "commit", "regroup", "admit", "clip", "eval"})
+TO_COORDINATOR = frozenset({"hello", "ready", "done", "state", "error", "hb", "reduced", "regrouped", "admitted",
+                            "gradnorm", "evaluated"})
 
 
 def decode_ctrl(msg: Message, allowed_ops: frozenset[str] | None = None) -> Control:

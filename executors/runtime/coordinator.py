@@ -39,8 +39,9 @@ from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.outer import replica_micro_batches
-from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Commit, Control, Done, Error, Fetch, Hb,
-                                              Hello, Regroup, Setup, Step, Stop, decode_ctrl)
+from fusion.executors.runtime.clip import total_norm
+from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval, Fetch,
+                                              Hb, Hello, Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
@@ -116,6 +117,9 @@ class StepReport:
     grads: dict[str, np.ndarray] = field(default_factory=dict)
     dropped: list[dict] = field(default_factory=list)  # replicas dropped during this step: {replica, step, part, reason}
     joined: list[dict] = field(default_factory=list)  # replicas that joined before this step: {replica, step, parts, ...}
+    #: with gradient clipping (``optimizer.clip_grad_norm``): each live replica's global gradient norm before
+    #: clipping (synchronous DP: all equal), in replica order; empty without clipping
+    grad_norms: list[float] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -133,6 +137,10 @@ class StepReport:
             line["dropped"] = self.dropped  # replicas lost during this step: which one, why, redone or not
         if self.joined:
             line["joined"] = self.joined  # replicas that joined before this step: which, from whom, the new split
+        if self.grad_norms:  # with --clip-grad-norm: the norm before clipping
+            line["grad_norm"] = self.grad_norms[0]
+            if len(set(self.grad_norms)) > 1:  # DiLoCo replicas clip their own inner steps
+                line["grad_norm_replicas"] = self.grad_norms
         outer = {p: s["outer"] for p, s in self.parts.items() if "outer" in s}
         if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
             line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
@@ -204,6 +212,8 @@ class Coordinator:
         self.id_edges = per_sample_edges(plan.compression)  # edges whose codec keys state by sample (delta)
         self._drops: list[dict] = []  # replicas dropped during the step in progress
         self._joins: list[dict] = []  # replicas that joined before the step in progress
+        self.clip = (plan.optimizer or {}).get("clip_grad_norm") is not None  # the GradNorm/Clip exchange each step
+        self._norms: dict[int, float] = {}
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -549,6 +559,38 @@ class Coordinator:
         return rec
 
     def _send_step(self, batch: Mapping[str, Any], want_grads: bool, ckpt: bool) -> int:
+        exec_it = self.step_index + self.iter_offset
+        rows, arrays = self._part_arrays(batch)
+        for p in self.live:
+            # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
+            self.transport.send(p, Step(arrays=arrays[p], it=exec_it, want_grads=want_grads, checkpoint=ckpt,
+                                        save_step=self.step_index + 1).frames())
+        return rows
+
+    def evaluate(self, batch: Mapping[str, Any]) -> float:
+        """The loss of ``batch`` forward only (``--eval-every``): every live replica's share of it through its
+        pipeline with no gradient, no optimizer step and no state changed; the mean over micro-batches of the
+        summed loss nodes, as :meth:`step`'s loss. Runs between steps, at the iteration the parts are at."""
+        if any(len(ps) > 1 for ps in self.plan.lanes().values()):
+            raise FusionError("evaluation (--eval-every) does not run under the interleaved schedule yet")
+        exec_it = self.step_index + self.iter_offset
+        _, arrays = self._part_arrays(batch)
+        for p in self.live:
+            self.transport.send(p, Eval(arrays=arrays[p], it=exec_it).frames())
+        got = self._collect("evaluated", self.live, self.cfg.step_timeout_s, f"evaluating at step {self.step_index}")
+        losses, covered = [], set()
+        for p in self.live:
+            if got[p].it != exec_it:
+                raise CompNodeFailure(p, f"answered the evaluation at iteration {got[p].it} to one at {exec_it}")
+            losses += [float(v) for _, v in got[p].losses]
+            covered |= {(self.replica_of[p], int(mb)) for mb, _ in got[p].losses}
+        if not covered:
+            raise FusionError("evaluation: no part computed a loss (the model has no loss node)")
+        return float(np.sum(losses) / len(covered))
+
+    def _part_arrays(self, batch: Mapping[str, Any]) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+        """The rows of ``batch`` and each live part's tensors of it: its placeholders of its replica's micro-batches
+        (``"<micro-batch>/<placeholder>"``), and the sample ids where the plan has per-sample edges."""
         from fusion.ir.opdata import SAMPLE_IDS
 
         n, reps = self.n_micro, self.live_replicas()
@@ -567,7 +609,7 @@ class Coordinator:
                 if why:
                     raise FusionError(f"step {self.step_index}: batch field {ph!r} (micro-batch {m}) {why}")
         mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, sum(counts))
-        exec_it = self.step_index + self.iter_offset
+        out: dict[str, dict[str, np.ndarray]] = {}
         for p in self.live:
             missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
             if missing:
@@ -578,10 +620,8 @@ class Coordinator:
             arrays = {f"{m}/{ph}": share[m][ph] for m in range(nk) for ph in self.feeds_of[p]}
             if mb_ids is not None:  # every part: a part sending over a delta edge keys its buffers by them
                 arrays.update({f"{m}/{SAMPLE_IDS}": mb_ids[lo + m][SAMPLE_IDS] for m in range(nk)})
-            # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
-            self.transport.send(p, Step(arrays=arrays, it=exec_it, want_grads=want_grads, checkpoint=ckpt,
-                                        save_step=self.step_index + 1).frames())
-        return rows
+            out[p] = arrays
+        return rows, out
 
     def _step_once(self, batch: Mapping[str, Any], want_grads: bool, committed: list[bool],
                    done: dict[str, Done]) -> StepReport:
@@ -593,6 +633,16 @@ class Coordinator:
         t0 = time.monotonic()
         rows = self._send_step(batch, want_grads, ckpt)
         committed[1] = ckpt
+        self._norms = {}
+        if self.clip:  # the global norm: every live part's sum of squares, summed per replica (pipeline)
+            with self._cv:  # an abandoned attempt's (a dropped replica) norms arrived before its regroup: not this one's
+                for p in self.live:
+                    self._inbox[p] = [c for c in self._inbox[p] if not (c.op == "gradnorm" and c.it != exec_it)]
+            got = self._collect("gradnorm", self.live, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
+            for r in self.live_replicas():
+                self._norms[r] = total_norm(got[p].sq for p in self.live if self.replica_of[p] == r)
+            for p in self.live:
+                self.transport.send(p, Clip(it=exec_it, norm=self._norms[self.replica_of[p]]).frames())
         if self._failover:  # commit only when every live part has its averaged gradients: all step or none
             self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
             for p in self.live:
@@ -628,7 +678,8 @@ class Coordinator:
         # each replica's loss is the mean of its micro-batches; the step's is the mean over equal shares. A step
         # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
         r = StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
-                       grads, list(self._drops), list(self._joins))
+                       grads, list(self._drops), list(self._joins),
+                       grad_norms=[self._norms[r] for r in self.live_replicas() if r in self._norms])
         if ckpt:
             unsaved = [p for p in self.live if done[p].stats.get("checkpoint_step") != it + 1]
             if unsaved:

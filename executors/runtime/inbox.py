@@ -162,6 +162,12 @@ class Inbox:
     def consume(self, it: int, kind: str, mb: int) -> None:
         self._data.pop((it, kind, mb), None)
 
+    def discard(self, it: int) -> None:
+        """An evaluation at iteration ``it`` is over: drop what is left of its activations; ``it`` stays the
+        iteration expected (the training step comes next)."""
+        for k in [k for k in self._data if k[0] == it]:
+            del self._data[k]
+
     def finish(self, it: int) -> None:
         """Iteration ``it`` is over: from now on only messages of ``it + 1`` are accepted."""
         self.expected_iter = it + 1

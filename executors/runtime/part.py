@@ -104,6 +104,20 @@ class PartRuntime:
                 ))
         return out, loss
 
+    def evaluate(self, it: int, mb: int, feeds: Mapping[str, Any], inbox: list[OpData]) -> tuple[list[OpData], float | None]:
+        """Forward of micro-batch ``mb`` for evaluation (:meth:`EnginePart.evaluate`): nothing kept for a backward,
+        and the sent activations dense, so no codec's state (error feedback, delta buffers) changes."""
+        inputs: dict[Key, Any] = {}
+        for msg in inbox:
+            if msg.is_grad or msg.key not in self.routes.recv_from:
+                raise GraphError(f"part {self.name} got an unexpected activation {msg.key} from {msg.src}", msg.name)
+            inputs[msg.key] = dense_payload(msg.payload)
+        sent, loss = self.engine.evaluate(inputs, {k: feeds[k] for k in self.placeholders if k in feeds})
+        out = [OpData(name=key[0], index=key[1], op_users=self._users.get(key[0], ()), actual_user=users, is_grad=False,
+                      local_iter=it, micro_batch=mb, src=self.name, dst=dst, payload=sent[key], requires_grad=False)
+               for key, dsts in self.routes.send_to.items() for dst, users in dsts.items()]
+        return out, loss
+
     def _shape(self, key: Key) -> tuple[int, ...] | None:
         meta = self.graph.output_meta(*key)
         return tuple(meta.shape) if hasattr(meta, "shape") else None

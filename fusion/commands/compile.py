@@ -125,6 +125,7 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
         g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
         g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
+        *add_training_knobs(g),
         g.add_argument("--seed", type=int, default=0, help="seed of the data and of anything random in compiling"),
         add_engine_arg(g),
     ]
@@ -136,16 +137,59 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
     return {a.dest: a.default for a in actions}
 
 
+def add_training_knobs(g) -> list:
+    """``--lr-schedule``, ``--warmup-steps``, ``--lr-decay-steps``, ``--clip-grad-norm`` (the plan's optimizer section:
+    ``OptimizerConfig.lr_schedule`` .. ``clip_grad_norm``); each value is checked by argparse, before any trace."""
+    from fusion.commands.coordinator import non_negative_int, positive_finite
+    from fusion.ir.lr_schedule import SCHEDULES
+
+    return [
+        g.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
+                       help="learning rate per step: constant, or linear / cosine decay to 0 at --lr-decay-steps "
+                            "(Hugging Face's schedules, torch's LambdaLR; docs/training.md)"),
+        g.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
+                       help="linear warmup of the learning rate from 0 over the first N steps (default 0)"),
+        g.add_argument("--lr-decay-steps", type=positive_int, default=None, metavar="N",
+                       help="steps the linear/cosine schedule decays over (default: fusion run's --steps; "
+                            "fusion compile needs it with --lr-schedule linear|cosine)"),
+        g.add_argument("--clip-grad-norm", type=positive_finite, default=None, metavar="X",
+                       help="clip the gradients to global L2 norm X over every part (torch's clip_grad_norm_; "
+                            "default: no clipping)"),
+    ]
+
+
+def optimizer_from_args(args: argparse.Namespace):
+    """The plan's ``OptimizerConfig`` from the options; FusionError naming the option. Called before the model
+    is traced, so a bad value costs no trace."""
+    from fusion.ir.errors import FusionError
+    from fusion.plan import OptimizerConfig
+
+    if not args.lr > 0:
+        raise FusionError(f"--lr must be > 0, got {args.lr:g}")
+    total = 0
+    if args.lr_schedule != "constant":
+        total = args.lr_decay_steps or getattr(args, "steps", None) or 0
+        if not total:
+            raise FusionError(f"--lr-schedule {args.lr_schedule} needs --lr-decay-steps N (the steps it decays over)")
+        if args.warmup_steps > total:
+            raise FusionError(f"--warmup-steps {args.warmup_steps} exceeds the {total} steps the {args.lr_schedule} "
+                              "schedule spans (--lr-decay-steps, or --steps)")
+    elif args.lr_decay_steps is not None:
+        raise FusionError("--lr-decay-steps applies to --lr-schedule linear or cosine, not constant")
+    try:
+        return OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay, lr_schedule=args.lr_schedule,
+                               warmup_steps=args.warmup_steps, total_steps=total, clip_grad_norm=args.clip_grad_norm)
+    except ValueError as e:
+        raise FusionError(f"--optimizer/--lr: {e}") from None
+
+
 def compile_from_args(args: argparse.Namespace, model, cluster):
     """The plan for ``model`` on ``cluster`` with the options of :func:`add_compile_options`, engines assigned."""
     from fusion.compile import compile_model
     from fusion.plan import OptimizerConfig
     from fusion.ir.errors import FusionError
 
-    try:
-        opt = OptimizerConfig(args.optimizer, args.lr, args.momentum, args.weight_decay)
-    except ValueError as e:
-        raise FusionError(f"--optimizer/--lr: {e}") from None
+    opt = optimizer_from_args(args)
     from fusion.compress.policy import request
 
     compress = request(args.compress, args.compress_bwd, *_data_samples(args, model))
@@ -642,6 +686,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output(Path(args.output), args.force)
     dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
+    optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
     cluster = load_cluster(args.cluster)
     model = choose_loss(load_model(args.model), args.loss, args.model)
     plan = compile_from_args(args, model, cluster)

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,8 @@ def _number(parse: Callable[[str], float], kind: str, ok: Callable[[float], bool
 positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
 non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must be 0 or more")
 positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
+#: a finite number > 0 (not a time)
+positive_finite = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number")
 
 
 def zmq_address(text: str) -> str:
@@ -82,6 +85,43 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "under `fusion coordinator` start them by hand, with a --startup-timeout that covers the wait). "
                         "Repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_eval_options(p)
+
+
+def add_eval_options(p: argparse.ArgumentParser) -> None:
+    """``--eval-every``, ``--eval-batches``: a held-out loss, forward only, every N steps (docs/training.md)."""
+    p.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
+                   help="every N steps, the loss of --eval-batches held-out batches, forward only through the "
+                        "pipeline (no gradient, no optimizer step), in metrics.jsonl and loss.png (0: never)")
+    p.add_argument("--eval-batches", type=positive_int, default=4, metavar="K",
+                   help="held-out batches per evaluation (default 4): the corpus's held-out text, other synthetic "
+                        "batches, or your FUNCTION(k, split='val')")
+
+
+@dataclass
+class Evaluation:
+    """What ``--eval-every`` evaluates: every ``every`` steps, the mean loss of ``batches`` (held out)."""
+
+    every: int
+    batches: list
+
+
+def eval_from_args(args: argparse.Namespace, plan, batch_fn=None) -> "Evaluation | None":
+    """The run's :class:`Evaluation` (None without ``--eval-every``); its batches are made here, before any process
+    starts, so a data function without ``split`` fails at once. Training data that holds its own validation split
+    (``--data text:PATH`` with ``--val-split``: ``batch_fn.validation(k)``) gives the held-out batches itself."""
+    if not getattr(args, "eval_every", 0):
+        return None
+    from fusion.data import make_eval_batches
+    from fusion.ir.errors import FusionError
+
+    if any(len(ps) > 1 for ps in plan.lanes().values()):
+        raise FusionError("--eval-every does not run under the interleaved schedule yet (several parts per process)")
+
+    held_out = getattr(batch_fn, "validation", None)
+    if held_out is not None:
+        return Evaluation(args.eval_every, [held_out(k) for k in range(args.eval_batches)])
+    return Evaluation(args.eval_every, make_eval_batches(plan, args.data, plan.seed, args.eval_batches))
 
 
 def joins_from_args(args: argparse.Namespace, plan) -> dict[int, int]:
@@ -120,11 +160,13 @@ def add_parser(sub) -> None:
 
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
-          resumed: bool = False, log_every_s: float | None = None) -> dict:
+          resumed: bool = False, log_every_s: float | None = None, evaluation: "Evaluation | None" = None) -> dict:
     """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
 
     ``log_every_s``: when stderr is not a terminal (a log file, a CI job), a one-line step log there at most
     this often (and after the last step), whatever ``progress`` says; None: never.
+    evaluation: after every ``evaluation.every``-th step, the held-out loss (:meth:`Coordinator.evaluate`, mean over
+    its batches) is printed and written as ``{"step", "val_loss", "time"}``.
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
     replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
@@ -167,6 +209,15 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     t_logged = time.monotonic()
                     print(f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
                           f"({t_logged - t0:.0f} s)", file=sys.stderr, flush=True)
+                if evaluation is not None and (step + 1) % evaluation.every == 0:
+                    val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
+                    mf.write(json.dumps({"step": r.step, "val_loss": val, "time": time.time()}) + "\n")
+                    mf.flush()
+                    say = f"step {step + 1}: val_loss {val:.4f} ({len(evaluation.batches)} held-out batches)"
+                    if bar is not None:
+                        bar.write(say, file=sys.stderr)
+                    else:
+                        print(say, file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -205,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed, args.val_split / 100)  # fail before anything waits
     joins = joins_from_args(args, plan)
+    evaluation = eval_from_args(args, plan, batch_fn)
     from fusion.commands.keys import COORDINATOR, security_from_args
     from fusion.executors.runtime.plandigest import plan_digest
 
@@ -231,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
-            train(coord, batch_fn, first, args.steps, out, not args.no_progress)
+            train(coord, batch_fn, first, args.steps, out, not args.no_progress, evaluation)
         except KeyboardInterrupt:
             interrupted = True
         coord.stop()

@@ -31,10 +31,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
-    """Loss and samples/s per step as a PNG; None when there are no steps."""
+    """Loss (and the held-out loss of ``--eval-every``) and samples/s per step as a PNG; None when there are no steps."""
     rows = read_metrics(metrics)
     events = [r for r in rows if "event" in r]  # restarts (--max-restarts): drawn, not plotted as steps
-    rows = [r for r in rows if "event" not in r and "step" in r]
+    vals = [r for r in rows if "val_loss" in r and "loss" not in r]  # evaluation lines: {"step", "val_loss"}
+    rows = [r for r in rows if "event" not in r and "loss" in r]
     if not rows:
         return None
     import matplotlib
@@ -44,7 +45,11 @@ def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
 
     steps = [r["step"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 60 else None, color="tab:blue")
+    a1.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 60 else None, color="tab:blue", label="train")
+    if vals:
+        a1.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], marker="o", color="tab:orange",
+                label="validation (held out)")
+        a1.legend()
     for r in rows:  # DiLoCo's outer steps (faint), replicas that left (red), where the run had them
         if r.get("outer"):
             a1.axvline(r["step"], color="0.85", lw=0.8, zorder=0)

@@ -33,7 +33,7 @@ def restart_event(number: int, limit: int, failed_step: int, part: str, reason: 
 
 def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path,
                         progress: bool, max_restarts: int, report: Callable[[str], None],
-                        log_every_s: float | None = None) -> dict:
+                        log_every_s: float | None = None, evaluation=None) -> dict:
     """``train`` on ``cluster`` (a LocalCluster, started), restarting it up to ``max_restarts`` times.
 
     Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is raised with the
@@ -57,7 +57,7 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                        f"{event['recovery_s']:.1f} s; resuming at step {first}")
                 failure = None
             summary = train(cluster.coordinator, batch_fn, first, steps, out, progress, resumed=restarts > 0,
-                            log_every_s=log_every_s)
+                            log_every_s=log_every_s, evaluation=evaluation)
             return {**summary, "restarts": restarts}
         except CompNodeFailure as e:
             if restarts >= max_restarts:

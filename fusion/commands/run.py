@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import _number, add_common, non_negative_int, positive_int, run_name, train
+from fusion.commands.coordinator import (_number, add_common, eval_from_args, non_negative_int, positive_int, run_name,
+                                         train)
 
 #: an argparse type: a number of seconds >= 0
 non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
         from fusion.cluster.model import load_cluster
-        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args
+        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
         from fusion.loader import load_model
         from fusion.loss import choose_loss
 
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             from fusion.executors.runtime.join import check_join_options
 
             check_join_options(args.replicas, args.dp_sync, [r for _, r in args.join_at])
+        optimizer_from_args(args)  # a bad --lr, --lr-schedule, --warmup-steps or --clip-grad-norm
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
@@ -251,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     if args.insecure:
         _say("warning: --insecure: the CompNodes' links are neither authenticated nor encrypted")
     batch_fn = make_batches(cluster.plan, args.data, cluster.plan.seed, args.val_split / 100)  # fail before starting processes
+    evaluation = eval_from_args(args, cluster.plan, batch_fn)  # --eval-every's held-out batches, also before any process
     _say(f"run folder {out}")
     n = len(cluster.plan.parts)
     if args.ray:
@@ -274,10 +277,11 @@ def run(args: argparse.Namespace) -> int:
                 from fusion.commands.restarts import train_with_restarts
 
                 summary = train_with_restarts(cluster, batch_fn, first, args.steps, out, not args.no_progress,
-                                              args.max_restarts, _say, log_every_s=args.log_every)
+                                              args.max_restarts, _say, log_every_s=args.log_every,
+                                              evaluation=evaluation)
             else:
                 summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress,
-                                log_every_s=args.log_every)
+                                log_every_s=args.log_every, evaluation=evaluation)
         except KeyboardInterrupt as e:
             interrupted = True
             summary = e.args[0] if e.args and isinstance(e.args[0], dict) else None

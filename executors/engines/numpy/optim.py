@@ -24,11 +24,16 @@ class NumpyOptimizer:
             raise ValueError(f"the numpy engine has no optimizer {cfg.name!r}")
         self.cfg, self.part = cfg, part
         self.slots: dict[str, dict[str, Any]] = {}  #: per-parameter state (momentum, exp_avg, step, ...)
+        self.lr: float = cfg.lr  #: the learning rate of the next step (:meth:`set_lr`; the schedule's)
 
     @classmethod
     def for_part(cls, part: Any, cfg: Any) -> "NumpyOptimizer":
         """The engine-factory signature ``(part, cfg)`` (see ``fusion.executors.engines.select``)."""
         return cls(cfg, part)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps (the schedule's ``lr * factor``, as torch's ``LambdaLR``)."""
+        self.lr = lr
 
     def step(self) -> None:
         grads = self.part.grads()
@@ -53,7 +58,7 @@ class NumpyOptimizer:
             buf = g.copy() if buf is None else buf * d(c.momentum) + g
             st["momentum_buffer"] = buf
             g = buf
-        p -= d(c.lr) * g
+        p -= d(self.lr) * g
 
     def _adamw(self, p: np.ndarray, g: np.ndarray, st: dict) -> None:
         c = self.cfg
@@ -63,12 +68,12 @@ class NumpyOptimizer:
             st.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
         st["step"] += 1
         t = st["step"]
-        p *= d(1 - c.lr * c.weight_decay)
+        p *= d(1 - self.lr * c.weight_decay)
         m, v = st["exp_avg"], st["exp_avg_sq"]
         m += (g - m) * d(1 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
         v *= d(b2)
         v += d(1 - b2) * g * g
-        step_size = c.lr / (1 - b1 ** t)
+        step_size = self.lr / (1 - b1 ** t)
         denom = np.sqrt(v) / d(math.sqrt(1 - b2 ** t)) + d(c.eps)
         p -= d(step_size) * (m / denom)
 

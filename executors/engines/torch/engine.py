@@ -232,6 +232,26 @@ class TorchPart(EnginePart):
         arrays = {k: self._out(k, v, self.tensor_out) for k, v in sent.items()}
         return arrays, (float(loss.detach()) if loss is not None and self.device.type != "meta" else None)
 
+    def evaluate(self, inputs: Mapping[Key, Any], feeds: Mapping[str, Any]) -> tuple[dict[Key, Any], float | None]:
+        """Forward for evaluation: under ``torch.no_grad``, every module of the part in eval mode (dropout off,
+        BatchNorm on its running statistics: ``model.eval()``), nothing stashed; outputs as arrays."""
+        leaves = self.walk.receive(inputs)
+        fed = self.walk.feed(feeds)
+        mods = [m for top in self.modules.values() for m in top.modules()]
+        if getattr(self, "module", None) is not None:
+            mods += list(self.module.modules())
+        modes = [(m, m.training) for m in mods]
+        with torch.no_grad():
+            for m, _ in modes:
+                m.training = False
+            try:
+                sent, loss = self._run(leaves, fed, None)
+            finally:
+                for m, t in modes:
+                    m.training = t
+        arrays = {k: to_array(v).copy() if isinstance(v, torch.Tensor) else v for k, v in sent.items()}
+        return arrays, (float(loss) if loss is not None and self.device.type != "meta" else None)
+
     def _run(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
              record: Callable[[str, Any], None] | None) -> tuple[dict[Key, Any], torch.Tensor | None]:
         """The part's forward: sent values by key and the summed loss (or None)."""

@@ -37,6 +37,12 @@ class TorchOptimizer:
         self.names = list(part.trainable())
         self.opt = torch_optimizer(cfg, part.trainable().values())
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps (the schedule's ``lr * factor``, set as ``LambdaLR`` sets it)."""
+        if self.opt is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+
     def step(self) -> None:
         if self.opt is not None:
             self.opt.step()

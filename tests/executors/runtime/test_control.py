@@ -3,9 +3,9 @@ header dicts of before gave, reads back equal, and rejects a malformed header na
 import numpy as np
 import pytest
 
-from fusion.executors.runtime.control import (MESSAGES, TO_COORDINATOR, TO_EXECUTOR, Abort, Commit, Done, Error, Fetch,
-                                              Hb, Hello, Ready, Reduced, Regroup, Regrouped, Setup, State, Step, Stop,
-                                              Admit, Admitted, decode_ctrl)
+from fusion.executors.runtime.control import (MESSAGES, TO_COORDINATOR, TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit,
+                                              Done, Error, Eval, Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
+                                              Regroup, Regrouped, Setup, State, Step, Stop, decode_ctrl)
 from fusion.ir.errors import WireError
 from fusion.ir.wire import decode, encode
 
@@ -53,6 +53,10 @@ CASES = [
      {"op": "setup", "names": ["w"], "peers": {"p0": "tcp://a:1"}, "emulate_links": False, "resume_step": None,
       "checkpoint_dir": None, "digest": "d", "members": ["p0", "r2.p0"], "micro_batches": 2, "start_it": 4,
       "join_from": "p0"}, W),
+    (GradNorm(it=3, sq=0.25), {"op": "gradnorm", "names": [], "it": 3, "sq": 0.25}, {}),
+    (Clip(it=3, norm=1.5), {"op": "clip", "names": [], "it": 3, "norm": 1.5}, {}),
+    (Eval(arrays=X, it=4), {"op": "eval", "names": list(X), "it": 4}, X),
+    (Evaluated(it=4, losses=[[0, 1.5]]), {"op": "evaluated", "names": [], "it": 4, "losses": [[0, 1.5]]}, {}),
 ]
 
 
@@ -92,7 +96,8 @@ def test_a_missing_or_mistyped_field_is_a_wire_error_naming_the_op_and_field(msg
         else:
             with pytest.raises(WireError, match=rf"control message '{msg.op}' lacks fields \['{f}'\]"):
                 decode_ctrl(_bad(h))
-        for wrong in (2.5, [[1.5]]):  # no field takes a float or a list of lists of floats
+        # no field takes a list of lists of floats, and none but the gradient norms a float
+        for wrong in (("1.5", [[1.5]]) if f in ("sq", "norm") else (2.5, [[1.5]])):
             h = {**{k: v for k, v in header.items() if k != "names"}, f: wrong}
             with pytest.raises(WireError, match=rf"control message '{msg.op}': field '{f}' has a bad value"):
                 decode_ctrl(_bad(h))
