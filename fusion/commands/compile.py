@@ -164,9 +164,7 @@ def optimizer_from_args(args: argparse.Namespace):
     from fusion.ir.errors import FusionError
     from fusion.plan import OptimizerConfig
 
-    if not args.lr > 0:
-        raise FusionError(f"--lr must be > 0, got {args.lr:g}")
-    total = 0
+    total = 0  # (--lr, --momentum and --weight-decay: fusion.commands.checks, which runs first)
     if args.lr_schedule != "constant":
         total = args.lr_decay_steps or getattr(args, "steps", None) or 0
         if not total:

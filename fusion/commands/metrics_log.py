@@ -5,7 +5,8 @@
 - ``tensorboard/``: TensorBoard event files (scalars ``train/loss``, ``train/samples_per_s``, ...) when the
   ``tensorboard`` package is importable; skipped, with a log line, otherwise.
 
-Both are rebuilt from ``metrics.jsonl`` at the end of a run (and on Ctrl-C), like ``loss.png``.
+Both are rebuilt from ``metrics.jsonl`` at the end of a run (and on Ctrl-C), like ``loss.png``
+(``report.finish_run`` writes them all).
 """
 from __future__ import annotations
 
@@ -66,18 +67,3 @@ def write_tensorboard(metrics: Path, out: Path) -> Path | None:
     finally:
         w.close()
     return out
-
-
-def write_logs(out: Path) -> dict[str, Path]:
-    """``metrics.csv`` and (when available) ``tensorboard/`` in the run folder ``out``; what was written."""
-    written = {}
-    for key, make in (("csv", lambda: write_csv(out / "metrics.jsonl", out / "metrics.csv")),
-                      ("tensorboard", lambda: write_tensorboard(out / "metrics.jsonl", out / "tensorboard"))):
-        try:
-            p = make()
-        except Exception as e:  # a log must never hide the run's own result
-            log.warning("could not write the run's %s: %s", key, e)
-            continue
-        if p is not None:
-            written[key] = p
-    return written

@@ -133,13 +133,18 @@ def merge_traces(trace_dir: Path, out: Path, metrics: Path | None = None) -> Pat
 
 
 def finish_run(out: Path, title: str = "") -> dict[str, Path]:
-    """Write ``loss.png`` and ``trace.json`` into the run folder; returns what was written."""
+    """Write ``loss.png``, ``trace.json``, ``metrics.csv`` and (when tensorboard is installed) ``tensorboard/``
+    into the run folder, each from what the run left there; returns what was written."""
+    from fusion.commands.metrics_log import write_csv, write_tensorboard
+
     written = {}
     for key, make in (("plot", lambda: loss_plot(out / "metrics.jsonl", out / "loss.png", title)),
-                      ("trace", lambda: merge_traces(out / "trace", out / "trace.json", out / "metrics.jsonl"))):
+                      ("trace", lambda: merge_traces(out / "trace", out / "trace.json", out / "metrics.jsonl")),
+                      ("csv", lambda: write_csv(out / "metrics.jsonl", out / "metrics.csv")),
+                      ("tensorboard", lambda: write_tensorboard(out / "metrics.jsonl", out / "tensorboard"))):
         try:
             p = make()
-        except Exception as e:  # a plot must never hide the run's own result
+        except Exception as e:  # a plot or log must never hide the run's own result
             log.warning("could not write the run's %s: %s", key, e)
             continue
         if p is not None:

@@ -291,9 +291,6 @@ def run(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         written = finish_run(out, f"{name}: {n} CompNodes")
-        from fusion.commands.metrics_log import write_logs
-
-        written.update(write_logs(out))  # metrics.csv, and TensorBoard events when tensorboard is installed
     what = ", ".join(f"{k} {v}" for k, v in (("metrics", out / "metrics.jsonl"), *written.items(),
                                              ("weights", out / "final.safetensors")))
     loss = summary.get("loss") if summary else None

@@ -2,14 +2,13 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, save_hand_plan
+from tests.executors.runtime.test_failure import _finish, _fusion as _run_fusion
 from fusion.executors.runtime import checkpoint
 from fusion.executors.runtime.faults import ENV, parse_faults
 from fusion.ir.errors import FusionError
@@ -18,18 +17,8 @@ STEPS = 8
 
 
 def _fusion(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def _finish(proc, timeout):
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"fusion run did not finish within {timeout} s:\n{err[-3000:]}")
-    return proc.returncode, err
+    """``fusion run ARGS`` (test_failure's runner) with one thread and ``env`` added to this process's."""
+    return _run_fusion("run", *args, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _rows(run: Path) -> list[dict]:
