@@ -160,7 +160,12 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
     plan's dtype when the kind (float, integer, bool) agrees; anything else is a
     :class:`FusionError` naming the function, the step and the field. ``split="val"``: the held-out batches of
     ``--eval-every``, from ``function(k, split="val")`` (:func:`make_eval_batches`).
+
+    A function without a step argument returns an iterable of batches instead (a ``DataLoader``, a generator, a
+    list): :class:`fusion.iterdata.IterableSteps` takes consecutive items for each step (``function(split="val")``
+    for the held-out batches), and its batches go through the same checks.
     """
+    from fusion.iterdata import IterableSteps, returns_iterable
     from fusion.loader import load_function
 
     fn = load_function(spec, "data")
@@ -169,14 +174,23 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
     delta = _delta_edges(plan)
     inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
     rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
+    if returns_iterable(fn):  # fn() -> iterable of batches (fusion.iterdata): consecutive items make the steps
+        labels = [n for n in specs if plan.graph[n].kind == NodeKind.LABEL]
+        make, kw = fn, ({} if split is None else {"split": split})
+        steps = IterableSteps(lambda: make(**kw), f"data {spec!r}", inputs + labels, rows, (inputs + labels)[0])
+        call: Callable[[int], Any] = steps
+    else:
+        call = fn if split is None else (lambda step: fn(step, split=split))  # a function of the step
     declared = (plan.predicted or {}).get("delta_samples") if delta else None  # what the buffers were sized for
     seen: set[int] = set()
     vocab = {n: h for n in inputs if _is_int(specs[n]["dtype"]) for h in [_int_high(plan.graph, n, default=None)] if h}
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
-            got = fn(step) if split is None else fn(step, split=split)
+            got = call(step)
         except Exception as e:
+            if isinstance(e, FusionError) and isinstance(call, IterableSteps):  # IterableSteps' own one-line errors
+                raise
             from fusion.loader import user_error
 
             raise FusionError(f"data {spec!r}: step {step}: {user_error(e, spec.rpartition(':')[0])}") from None

@@ -201,3 +201,149 @@ def test_more_sample_ids_than_the_plan_sized_its_delta_buffers_for_are_logged(tm
         assert len(said) == warned, said
         if warned:
             assert "step 2: more than 8 distinct sample ids" in said[0]
+
+
+ITER_DATA = '''
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+g = np.random.default_rng(7)
+IDX = torch.from_numpy(g.integers(0, 5, (20, 8)))  # 20 samples: 5 steps of 4, then a new epoch
+TGT = torch.from_numpy(g.integers(0, 5, (20, 8))).int()
+MADE = []
+
+
+def loader(batch_size=2, shuffle=False, split="train"):
+    MADE.append(split)
+    n = 8 if split == "val" else 20
+    gen = torch.Generator().manual_seed(3) if shuffle else None
+    return DataLoader(TensorDataset(IDX[:n], TGT[:n]), batch_size=batch_size, shuffle=shuffle, generator=gen)
+
+
+def shuffled():
+    return loader(shuffle=True)
+
+
+def whole_steps():
+    return loader(batch_size=4)
+
+
+def by_step(step):
+    """The step function the plain DataLoader amounts to (shuffle=False: 4 rows per step, 5 steps per epoch)."""
+    i = (step % 5) * 4
+    return {"idx": IDX[i:i + 4].numpy(), "targets": TGT[i:i + 4].numpy()}
+
+
+def dicts():
+    for i in range(0, 20, 2):
+        yield {"idx": IDX[i:i + 2], "targets": TGT[i:i + 2]}
+
+
+def short_tail():
+    return [(IDX[i:min(i + 4, 18)], TGT[i:min(i + 4, 18)]) for i in range(0, 18, 4)]  # 4, 4, 4, 4, then 2 rows
+
+
+def three_rows():
+    return loader(batch_size=3)
+
+
+def eight_rows():
+    return loader(batch_size=8)
+
+
+def three_values():
+    return [(IDX[:4], TGT[:4], TGT[:4])]
+
+
+def nothing():
+    return []
+
+
+def number():
+    return 5
+'''
+
+
+def test_an_iterable_data_function_serves_consecutive_batches_by_step(tmp_path):
+    """``--data file.py:fn`` where fn() returns a DataLoader (tuples), a generator (dicts) or a list: the steps are
+    its consecutive batches (two DataLoader batches of 2 fill a global batch of 4), equal to a step function's,
+    restarted for a new epoch; random access by step re-creates the iterable only when going back."""
+    import sys
+
+    (tmp_path / "data.py").write_text(ITER_DATA)
+    model = _lm(5)
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=2)  # global batch 2 x 2 = 4 rows
+    src = str(tmp_path / "data.py")
+    ref = make_batches(plan, f"{src}:by_step")
+    for name in ("loader", "whole_steps", "dicts"):
+        fn = make_batches(plan, f"{src}:{name}")
+        for step in range(12):  # past two epoch ends
+            b, want = fn(step), ref(step)
+            assert b["idx"].dtype == np.int64 and b["targets"].dtype == np.int64, name  # int32 -> the plan's int64
+            for k in want:
+                np.testing.assert_array_equal(b[k], want[k], err_msg=f"{name} step {step} {k}")
+    fn = make_batches(plan, f"{src}:loader")
+    seq = [fn(s) for s in range(8)]
+    made = sys.modules["fusion_user_data"].MADE  # the module this make_batches imported
+    assert made == ["train"]  # in order: one iterable, iter() again for the second epoch, never re-created
+    np.testing.assert_array_equal(fn(3)["idx"], seq[3]["idx"])  # going back: re-created, steps 0..2 skipped
+    np.testing.assert_array_equal(fn(4)["idx"], seq[4]["idx"])
+    assert made == ["train", "train"]
+
+
+def test_resuming_an_iterable_at_step_s_gives_the_uninterrupted_batches(tmp_path):
+    """A shuffled DataLoader with a seeded generator: a fresh run's step S (``--resume``) skips exactly the batches
+    of steps 0..S-1, through epoch ends (each epoch its own shuffle), so it sees what the uninterrupted run saw."""
+    (tmp_path / "data.py").write_text(ITER_DATA)
+    model = _lm(5)
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=2)
+    spec = f"{tmp_path / 'data.py'}:shuffled"
+    full = make_batches(plan, spec)
+    seq = [full(s) for s in range(13)]
+    assert not np.array_equal(seq[0]["idx"], seq[5]["idx"])  # the second epoch is shuffled anew
+    assert sorted(np.concatenate([b["idx"] for b in seq[:5]]).tolist()) == sorted(seq[5]["idx"].tolist()
+                                                                                   + np.concatenate([b["idx"] for b in seq[6:10]]).tolist())
+    for s in (1, 4, 7, 12):
+        resumed = make_batches(plan, spec)(s)
+        for k in ("idx", "targets"):
+            np.testing.assert_array_equal(resumed[k], seq[s][k], err_msg=f"resume at {s}")
+
+
+def test_an_iterable_that_does_not_fit_the_plan_is_one_line(tmp_path, caplog):
+    import logging
+
+    (tmp_path / "data.py").write_text(ITER_DATA)
+    model = _lm(5)
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=2)
+    src = str(tmp_path / "data.py")
+    for func, msg in [("three_rows", r"data '.*:three_rows': its iterable's batches have 3 rows, but a step of the "
+                                     r"plan takes the global batch of 4 rows"),
+                      ("eight_rows", "its iterable's batches have 8 rows, but a step of the plan takes the global batch of 4"),
+                      ("three_values", r"an item of 3 values; .* inputs then labels \['idx', 'targets'\]"),
+                      ("nothing", "the iterable yielded no batch"),
+                      ("number", "returned int, expected an iterable of batches")]:
+        with pytest.raises(FusionError, match=msg) as e:
+            make_batches(plan, f"{src}:{func}")
+        assert "\n" not in str(e.value)
+    # a short last batch of an epoch (DataLoader without drop_last) is dropped, said once
+    with caplog.at_level(logging.WARNING, logger="fusion.iterdata"):
+        fn = make_batches(plan, f"{src}:short_tail")
+        steps = [fn(s) for s in range(9)]
+    np.testing.assert_array_equal(steps[4]["idx"], steps[0]["idx"])  # 4 full batches, then the next epoch
+    assert sum("short last batch" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_iterable_gives_the_held_out_batches_with_split_val(tmp_path):
+    """--eval-every: fn(split="val") returning an iterable; its first K batches."""
+    from fusion.data import make_eval_batches
+
+    (tmp_path / "data.py").write_text(ITER_DATA)
+    model = _lm(5)
+    plan = hand_plan(model, {n: "p0" for n in model.graph.nodes}, micro_batches=2)
+    val = make_eval_batches(plan, f"{tmp_path / 'data.py'}:loader", count=3)
+    ref = make_batches(plan, f"{tmp_path / 'data.py'}:by_step")
+    for k, want in enumerate([0, 1, 0]):  # 8 held-out samples: 2 batches, then from the start again
+        np.testing.assert_array_equal(val[k]["idx"], ref(want)["idx"])
+    with pytest.raises(FusionError, match="no 'split' argument"):
+        make_eval_batches(plan, f"{tmp_path / 'data.py'}:shuffled", count=1)
