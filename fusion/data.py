@@ -404,8 +404,11 @@ def make_eval_batches(plan, kind: str = "auto", seed: int = 0, count: int = 1) -
             except (TypeError, ValueError):
                 params = {}
             if "split" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                from fusion.iterdata import returns_iterable
+
+                call = "(split='val')" if returns_iterable(fn) else "(k, split='val')"
                 raise FusionError(f"data {kind!r}: --eval-every takes held-out batches from the function called as "
-                                  f"{kind.rpartition(':')[2]}(k, split='val'); it has no 'split' argument")
+                                  f"{kind.rpartition(':')[2]}{call}; it has no 'split' argument")
             fn_val = user_batches(plan, kind, split="val")
             return [fn_val(k) for k in range(count)]
         raise FusionError(f"unknown data kind {kind!r} (auto, text, synthetic, or file.py:function)")

@@ -32,12 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def returns_iterable(fn: Callable[..., Any]) -> bool:
-    """Whether a data function is the iterable kind: it takes no required positional argument (no step)."""
+    """Whether a data function is the iterable kind: it takes no step, i.e. no required positional argument, no
+    ``*args`` and no parameter named ``step`` (``def data(split="train")`` is; ``def data(step, split=None)``,
+    ``def data(step=0)`` and a function whose signature cannot be read are functions of the step, as before)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+    return not any((p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+                   or p.kind == p.VAR_POSITIONAL or p.name == "step" for p in params)
 
 
 def to_numpy(value: Any) -> np.ndarray:
