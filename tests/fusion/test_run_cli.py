@@ -121,6 +121,56 @@ def test_run_trains_on_the_users_data_function(tmp_path):
     assert r.returncode == 2 and "field 'y' has shape [7], the plan expects [8]" in r.stderr, r.stderr
 
 
+LOADER_SRC = '''
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+g = np.random.default_rng(5)
+Y = g.integers(0, 5, 12)
+X = (np.random.default_rng(99).standard_normal((5, 3, 6, 6))[Y] + 0.1 * g.standard_normal((12, 3, 6, 6))).astype(np.float32)
+
+
+def loader():
+    """12 samples in DataLoader batches of 2: a step of 4 rows takes two of them."""
+    return DataLoader(TensorDataset(torch.from_numpy(X), torch.from_numpy(Y)), batch_size=2)
+
+
+def by_step(step):
+    i = (step % 3) * 4
+    return {"x": X[i:i + 4], "y": Y[i:i + 4]}
+'''
+
+
+def test_run_trains_on_a_dataloader_as_on_the_same_step_function(tmp_path):
+    """--data file.py:fn returning a torch DataLoader (tuples of a TensorDataset, batches of 2 filling a global batch
+    of 4): a 2-part, 3-step run gives the losses of the same steps from the equivalent step function, in plain PyTorch."""
+    from fusion.data import make_batches
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.loader import load_model
+    from fusion.plan import OptimizerConfig, load_plan
+
+    (tmp_path / "model.py").write_text(MODEL_SRC)
+    (tmp_path / "data.py").write_text(LOADER_SRC)
+    cluster = tmp_path / "two.yaml"
+    cluster.write_text("name: two\ndevices:\n"
+                       "  - {name: cpu-0, peak_flops: 50 GFLOPS, memory: 4 GB}\n"
+                       "  - {name: cpu-1, peak_flops: 50 GFLOPS, memory: 4 GB}\n"
+                       "links:\n  default: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
+    out = tmp_path / "run"
+    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--no-progress",
+                "--steps", "3", "--micro-batches", "2", "--strategy", "equal-count",
+                "--data", f"{tmp_path / 'data.py'}:loader", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plan = load_plan(out / "plan")
+    assert len(plan.parts) == 2 and len(losses) == 3
+    ref = ReferenceExecutor(load_model(f"{tmp_path / 'model.py'}:cnn"), plan.assignment,
+                            OptimizerConfig(**plan.optimizer), micro_batches=plan.micro_batches)
+    by_step = make_batches(plan, f"{tmp_path / 'data.py'}:by_step")
+    np.testing.assert_allclose(losses, [ref.step(by_step(s)).loss for s in range(3)], rtol=1e-5)
+
+
 def test_run_compiles_with_the_optimizer_and_compression_options(tmp_path):
     """`fusion run MODEL` takes the same compile options as `fusion compile`; a PLAN refuses them."""
     from fusion.plan import load_plan
