@@ -386,6 +386,8 @@ class CompNode:
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         chosen = {"recompute": True} if self.plan.parts[self.me].recompute else {}  # by the compiler, to fit
+        if self.plan.precision != "fp32":  # mixed precision (Plan.precision): autocast in the torch engine
+            chosen["precision"] = self.plan.precision
         options = engine_options_for(self.me, self.engine_name, {"*": {**chosen, **self.cfg.engine_options}})
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
         log.info("%s: %s engine on %s%s", self.me, self.engine_name, self.cfg.device,
