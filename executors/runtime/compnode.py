@@ -176,6 +176,7 @@ class CompNode:
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
         self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        self.inbox.autocast = plan.precision == "bf16"
         self.inbox.codecs = table.incoming_codecs()
         self.feed_specs = feed_specs(plan, [n for n in self.sub.nodes if g[n].kind.value in ("input", "label")])
         if self.tied is not None:

@@ -164,3 +164,37 @@ def test_bad_precision_is_one_line_before_tracing(tmp_path, capsys, command, arg
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "traced").exists() and not (tmp_path / "run").exists()
+
+
+def test_bfloat16_gradients_from_two_consumers_are_summed_as_values():
+    """Two parts' bf16 gradients of one tensor (uint16 bits on the wire) add as numbers: what the producer
+    rounds back to bfloat16 equals autograd's bfloat16 accumulation of the two."""
+    from fusion.executors.engines.torch.engine import from_wire, to_array
+    from fusion.executors.runtime.part import grad_sum
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2))
+    got = from_wire(grad_sum(to_array(a), to_array(b)), "bfloat16")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, a + b)
+    np.testing.assert_array_equal(grad_sum(np.ones(3, np.float32), np.ones(3, np.float32)), 2 * np.ones(3))
+
+
+def test_inbox_takes_bfloat16_bits_of_a_float32_edge_only_under_autocast(gpt):
+    from fusion.executors.runtime.inbox import Inbox
+    from fusion.executors.runtime.part import make_routes
+    from fusion.ir.boundary import partition
+    from fusion.ir.errors import WireError
+    from fusion.ir.opdata import OpData
+
+    _, model = gpt
+    assign = _assign(model, (CUT_GELU,))
+    inbox = Inbox(model.graph, "p1", make_routes(partition(model.graph, assign)["p1"], assign), N_MB, {})
+    inbox.open = True
+    bits = np.zeros((2, 16, 128), np.uint16)
+    msg = lambda mb, payload: OpData("gelu", None, (), (), False, 0, mb, "p0", "p1", payload)  # noqa: E731
+    with pytest.raises(WireError, match="payload uint16.*does not match the graph's float32"):
+        inbox.accept("p0", msg(0, bits))
+    inbox.autocast = True
+    inbox.accept("p0", msg(0, bits))
+    with pytest.raises(WireError, match="does not match"):  # a wrong shape is still refused
+        inbox.accept("p0", msg(1, bits[:1]))
