@@ -179,6 +179,22 @@ def test_bfloat16_gradients_from_two_consumers_are_summed_as_values():
     np.testing.assert_array_equal(grad_sum(np.ones(3, np.float32), np.ones(3, np.float32)), 2 * np.ones(3))
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cuts", [(CUT_GELU,), CUTS_4], ids=["2-parts", "4-parts"])
+def test_compnodes_in_real_processes_equal_one_process_autocast(gpt, want, tmp_path, cuts):
+    """One executor process per part, plan.precision bf16: bf16 activations and gradients cross the wire."""
+    from fusion.executors.runtime.launcher import hand_plan
+    from fusion.plan import save_plan
+    from tests.executors.dist_models import run_distributed
+
+    _, model = gpt
+    plan = hand_plan(model, _assign(model, cuts), micro_batches=N_MB, optimizer=OPT)
+    plan.precision = "bf16"
+    plan_dir = save_plan(plan, tmp_path / "plan", params=model.params)
+    reports, state = run_distributed(plan_dir, tmp_path / "run", _batches(), want_grads=False)
+    _check([r.loss for r in reports], state, want, rtol=1e-5, atol=1e-5)
+
+
 def test_inbox_takes_bfloat16_bits_of_a_float32_edge_only_under_autocast(gpt):
     from fusion.executors.runtime.inbox import Inbox
     from fusion.executors.runtime.part import make_routes
