@@ -316,6 +316,13 @@ class Plan:
                    without an entry (every stage of an older plan) runs the ring.
     dp_sync:       how the replicas synchronise (:class:`DPSync`): every step (synchronous DP, the default and
                    what a plan without the field means) or DiLoCo's outer steps.
+    precision:     ``"fp32"`` (the default; left out of plan.json, so older plans hash the same) or ``"bf16"``:
+                   mixed precision. Every part (torch only) runs its forward, and so its backward, under
+                   ``torch.autocast(dtype=torch.bfloat16)``; parameters and optimizer state stay in the graph's
+                   dtype (fp32 master weights). A cut-edge activation travels in the dtype autocast gave it
+                   (bfloat16 bits where its producer was an autocast bf16 op, e.g. a matmul: half the bytes;
+                   float32 where it was fp32, e.g. a residual sum or a LayerNorm), so the run equals one process
+                   under autocast (``docs/training.md``, "Mixed precision").
     """
 
     graph: OpGraph
@@ -336,6 +343,9 @@ class Plan:
     tied_codec: dict | None = None
     dp_algo: dict[str, str] = field(default_factory=dict)
     dp_sync: DPSync = field(default_factory=DPSync)
+    precision: str = "fp32"
+
+    PRECISIONS = ("fp32", "bf16")
 
     # -- replicas (DP x PP) ---------------------------------------------------------------
     def stage_of(self, part: str) -> str:
@@ -419,6 +429,7 @@ class Plan:
             "example": self.example, "strategy": self.strategy, "boundaries": self.boundaries,
             "global_batch": self.global_batch, "dp_codec": self.dp_codec, "tied_codec": self.tied_codec,
             "dp_algo": self.dp_algo, "dp_sync": self.dp_sync.to_dict(),
+            **({"precision": self.precision} if self.precision != "fp32" else {}),
         }
 
     @classmethod
@@ -444,7 +455,8 @@ class Plan:
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
-                   d.get("tied_codec"), d.get("dp_algo", {}), DPSync.from_dict(d.get("dp_sync"), f"{source}: dp_sync"))
+                   d.get("tied_codec"), d.get("dp_algo", {}), DPSync.from_dict(d.get("dp_sync"), f"{source}: dp_sync"),
+                   d.get("precision", "fp32"))
         plan.check(source)
         return plan
 
@@ -458,6 +470,7 @@ class Plan:
         missing = [n for n in self.graph.nodes if n not in self.assignment]
         if missing:
             raise PlanError(f"{source}: assignment misses node {missing[0]!r}")
+        self._check_precision(source)
         if self.schedule not in SCHEDULE_NAMES:
             raise PlanError(f"{source}: schedule must be one of {list(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.micro_batches < 1:
@@ -506,6 +519,21 @@ class Plan:
                 if self.boundaries.get(part) != want.get(part):
                     raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
 
+
+    def _check_precision(self, source: str) -> None:
+        """``precision`` is fp32 or bf16; bf16 (autocast) runs on torch parts with dense cut edges only."""
+        if self.precision not in self.PRECISIONS:
+            raise PlanError(f"{source}: precision {self.precision!r}: one of {', '.join(self.PRECISIONS)}")
+        if self.precision == "fp32":
+            return
+        other = sorted(n for n, p in self.parts.items() if p.engine != "torch")
+        if other:
+            raise PlanError(f"{source}: precision bf16 runs torch autocast; part {other[0]!r} is on the "
+                            f"{self.parts[other[0]].engine} engine (use fp32, or put it on torch)")
+        if self.compression:
+            c = self.compression[0]
+            raise PlanError(f"{source}: precision bf16 with compressed edges is not built (edge {c.producer} "
+                            f"{c.src}->{c.dst} has a codec); compile without --compress, or with fp32")
 
     def _check_dp_codec(self, source: str) -> None:
         """``dp_codec`` names a codec the registry lets carry data-parallel gradients (``Role.DP_GRADIENT``) with

@@ -176,6 +176,7 @@ class CompNode:
         self._cv = threading.Condition()
         self._ctrl: deque[Control] = deque()
         self.inbox = Inbox(g, self.me, make_routes(self.sub, self.assignment), self.n_micro, self.shared)
+        self.inbox.autocast = plan.precision == "bf16"
         self.inbox.codecs = table.incoming_codecs()
         self.feed_specs = feed_specs(plan, [n for n in self.sub.nodes if g[n].kind.value in ("input", "label")])
         if self.tied is not None:
@@ -386,6 +387,8 @@ class CompNode:
         else:
             params, opt_arrays, opt_meta = self._plan_weights(), None, None
         chosen = {"recompute": True} if self.plan.parts[self.me].recompute else {}  # by the compiler, to fit
+        if self.plan.precision != "fp32":  # mixed precision (Plan.precision): autocast in the torch engine
+            chosen["precision"] = self.plan.precision
         options = engine_options_for(self.me, self.engine_name, {"*": {**chosen, **self.cfg.engine_options}})
         engine = make_engine_part(self.engine_name, self.graph, self.sub, params, self.cfg.device, options=options)
         log.info("%s: %s engine on %s%s", self.me, self.engine_name, self.cfg.device,

@@ -46,6 +46,9 @@ class Inbox:
         #: dense): a payload of another codec is refused, e.g. a quantised payload on a Top-K edge
         self.codecs: Mapping[tuple[Key, str, bool], Any] = {}
         self.decode_pgrad: Callable[[OpData], Any] | None = None
+        #: the plan runs under bfloat16 autocast (``Plan.precision == "bf16"``): a float32 tensor of the graph may
+        #: arrive as bfloat16 bits (uint16), the dtype autocast gave it in its producer
+        self.autocast = False
 
     # -- accepting --------------------------------------------------------------------
     def accept(self, sender: str, od: OpData, param_grad: bool = False) -> None:
@@ -114,7 +117,8 @@ class Inbox:
         if not isinstance(od.payload, np.ndarray):
             raise WireError(f"{od.key}: expected a tensor payload, got {type(od.payload).__name__}")
         want_dtype = "uint16" if m.dtype == "bfloat16" else m.dtype
-        if tuple(od.payload.shape) != tuple(m.shape) or od.payload.dtype.name != want_dtype:
+        autocast_bits = self.autocast and m.dtype in ("float32", "float64") and od.payload.dtype.name == "uint16"
+        if tuple(od.payload.shape) != tuple(m.shape) or (od.payload.dtype.name != want_dtype and not autocast_bits):
             raise WireError(f"{od.key}: payload {od.payload.dtype.name}{list(od.payload.shape)} does not match "
                             f"the graph's {m.dtype}{list(m.shape)}")
 

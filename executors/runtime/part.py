@@ -58,6 +58,22 @@ def make_routes(sub: SubGraph, assignment: Mapping[str, str]) -> Routes:
     return r
 
 
+def _bits_as_float(a: Any) -> Any:
+    """A bfloat16 gradient that travelled as its raw uint16 bits as the float32 array of the same values."""
+    if isinstance(a, np.ndarray) and a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a
+
+
+def grad_sum(a: Any, b: Any) -> Any:
+    """The sum of two gradients of one tensor from different consumer parts. bfloat16 ones (uint16 bits on
+    the wire) are added as float32 values, which the producing torch part rounds back to bfloat16, as the
+    bfloat16 addition of autograd's accumulation does; adding the bits themselves would be garbage."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.uint16 in (a.dtype, b.dtype):
+        return _bits_as_float(a) + _bits_as_float(b)
+    return a + b
+
+
 class PartRuntime:
     """A part's forward/backward in terms of OpData messages."""
 
@@ -136,7 +152,7 @@ class PartRuntime:
                 raise GraphError(f"part {self.name} got an unexpected gradient {msg.key} from {msg.src}", msg.name)
             # a table on a device gives a device tensor, else a NumPy array
             g = np.asarray(dense_payload(msg.payload)) if self.compression is None else self.compression.decode_grad(msg)
-            summed[msg.key] = g if msg.key not in summed else summed[msg.key] + g
+            summed[msg.key] = g if msg.key not in summed else grad_sum(summed[msg.key], g)
         if split:
             grads_in = self.engine.backward_input((it, mb), summed, loss_scale)
         else:

@@ -25,6 +25,12 @@ def check_compile_options(args: argparse.Namespace) -> None:
     for dest, ok, rule in rules:
         if hasattr(args, dest) and not ok(getattr(args, dest)):
             raise FusionError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: {rule}")
+    if getattr(args, "precision", "fp32") == "bf16":
+        codecs = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("compress", "compress_bwd", "compress_ratio")
+                  if getattr(args, d, None) not in (None, "none")]
+        if codecs:
+            raise FusionError(f"--precision bf16 with {codecs[0]}: mixed precision sends dense edges only "
+                              "(bfloat16 payloads); compressed edges under bf16 are not built")
     specs = getattr(args, "engine", None) or []
     if specs:
         from fusion.executors.engines.select import engine_names
@@ -33,3 +39,6 @@ def check_compile_options(args: argparse.Namespace) -> None:
             engine = spec.rpartition("=")[2]
             if engine not in engine_names():
                 raise FusionError(f"--engine {spec}: unknown engine {engine!r} (known: {', '.join(engine_names())})")
+            if engine != "torch" and getattr(args, "precision", "fp32") == "bf16":
+                raise FusionError(f"--precision bf16 with --engine {spec}: mixed precision is torch autocast; "
+                                  f"the {engine} engine runs fp32 only")

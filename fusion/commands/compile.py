@@ -127,6 +127,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
         *add_training_knobs(g),
         g.add_argument("--seed", type=int, default=0, help="seed of the data and of anything random in compiling"),
+        g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                       help="bf16: mixed precision: torch parts run forward and backward under torch.autocast "
+                            "(bfloat16), parameters and optimizer state stay fp32; activations autocast made "
+                            "bfloat16 cross cut edges as bfloat16 (half the bytes). Torch parts and dense edges only"),
         add_engine_arg(g),
     ]
     # the loss to minimise (issue 26; fusion.loss): a model without one is refused unless --loss names one
@@ -219,6 +223,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
             _set_dp_sync(plan, dp_sync)
         else:  # the planner chose H, codec, shares (apply_dp_sync); the outer optimizer is the user's
             _keep_outer_options(plan, dp_sync)
+        set_precision(plan, args.precision)
         return plan
     micro = args.micro_batches
     if args.global_batch is not None:
@@ -242,8 +247,21 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     set_dp_allreduce(plan, cluster, args.dp_allreduce)
     _set_dp_sync(plan, dp_sync)
     assign_engines(plan, args.engine)
+    set_precision(plan, args.precision)
     record_codec_plugins(plan)
     return plan
+
+
+def set_precision(plan, precision: str) -> None:
+    """``Plan.precision`` from ``--precision``; bf16 on a non-torch part or a compressed edge is refused."""
+    from fusion.ir.errors import FusionError
+    from fusion.plan import PlanError
+
+    plan.precision = precision
+    try:
+        plan._check_precision(f"--precision {precision}")
+    except PlanError as e:
+        raise FusionError(str(e)) from None
 
 
 def _set_dp_sync(plan, sync) -> None:
@@ -670,7 +688,8 @@ def describe_plan(plan, cluster) -> str:
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
             f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
-            f"({pr['throughput_samples_s']:.4g} samples/s)")
+            f"({pr['throughput_samples_s']:.4g} samples/s)"
+            + ("; mixed precision bf16 (torch autocast, fp32 weights)" if plan.precision == "bf16" else ""))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -107,11 +107,17 @@ class TorchPart(EnginePart):
             ``"torch"``: the torch codecs even on a CPU device (the CUDA code path, run without a GPU).
             ``"host"``: the engine hands every output to the runtime as a NumPy array, which encodes it
             in NumPy (a GPU part copies every dense tensor off the device first).
+    precision: ``"fp32"`` or ``"bf16"`` (``Plan.precision``): run forward (and so backward) under
+            ``torch.autocast(device type, dtype=torch.bfloat16)``; parameters stay in their dtype. A sent
+            activation leaves in the dtype autocast gave it (bfloat16 as bits), and a received one whose
+            graph dtype is float32 but arrives as bfloat16 bits is viewed back as bfloat16, as one process
+            under autocast would have it.
     """
 
     engine = "torch"
     #: the option names ``make_engine_part(..., options=)`` accepts for this engine
-    OPTIONS = ("compiled", "compile", "recompute", "encode")
+    OPTIONS = ("compiled", "compile", "recompute", "encode", "precision")
+    PRECISIONS = ("fp32", "bf16")
     ENCODE = ("device", "torch", "host")
     RECORDS_OUTPUTS = True  # forward(..., record=)
 
@@ -123,8 +129,13 @@ class TorchPart(EnginePart):
             self.stash.pop(mb_key, None)
 
     def __init__(self, graph: OpGraph, sub: SubGraph, params: Mapping[str, Any], device: str | torch.device = "cpu",
-                 compiled: bool = True, compile: bool = False, recompute: bool = False, encode: str = "device"):
+                 compiled: bool = True, compile: bool = False, recompute: bool = False, encode: str = "device",
+                 precision: str = "fp32"):
         self.graph = graph
+        if precision not in self.PRECISIONS:
+            raise FusionError(f"torch engine option precision={precision!r}: one of {', '.join(self.PRECISIONS)}")
+        #: autocast to bfloat16 around every forward (``precision="bf16"``)
+        self.autocast = precision == "bf16"
         self.sub = sub
         self.device = torch.device(device)
         if encode not in self.ENCODE:
@@ -254,7 +265,14 @@ class TorchPart(EnginePart):
 
     def _run(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
              record: Callable[[str, Any], None] | None) -> tuple[dict[Key, Any], torch.Tensor | None]:
-        """The part's forward: sent values by key and the summed loss (or None)."""
+        """The part's forward: sent values by key and the summed loss (or None), under autocast with bf16."""
+        if self.autocast and self.device.type != "meta":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return self._run_plain(leaves, fed, record)
+        return self._run_plain(leaves, fed, record)
+
+    def _run_plain(self, leaves: Mapping[Key, Any], fed: Mapping[str, Any],
+                   record: Callable[[str, Any], None] | None) -> tuple[dict[Key, Any], torch.Tensor | None]:
         if self._fn is not None and record is None:
             outs = self._fn(*(leaves[k] for k in self.recv_keys), *fed.values())
             sent = dict(zip(self.send_keys, outs[:self._n_sent]))
@@ -428,7 +446,11 @@ class _TorchWalk(GraphWalk):
 
     def fetch_received(self, key: Key, value: Any, needs_grad: bool) -> Any:
         if isinstance(value, (np.ndarray, torch.Tensor)):
-            value = from_wire(value, self.dtypes[key], self.device)
+            dtype = self.dtypes[key]
+            bits = value.dtype == np.uint16 if isinstance(value, np.ndarray) else value.dtype in (torch.uint16, torch.bfloat16)
+            if self.part.autocast and bits and dtype in ("float32", "float64"):
+                dtype = "bfloat16"  # autocast made it bfloat16 in the producer: it stays so, as in one process
+            value = from_wire(value, dtype, self.device)
             if needs_grad and value.is_floating_point():
                 value = value.detach().requires_grad_(True)
         return value
