@@ -33,7 +33,7 @@ def commands(md: Path) -> list[list[str]]:
         cmds = []
         for line in joined.splitlines():
             line = line.strip()
-            if not re.match(r"fusion (graph|compile|inspect|profile|run|executor|coordinator|keys) ", line) \
+            if not re.match(r"fusion (graph|compile|inspect|profile|run|executor|coordinator|keys|export) ", line) \
                     or line.startswith("fusion run PLAN ──"):
                 continue  # printed output, a diagram
             cmd = shlex.join(shlex.split(line, comments=True))  # drop the trailing comment
