@@ -183,7 +183,8 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
         call = fn if split is None else (lambda step: fn(step, split=split))  # a function of the step
     declared = (plan.predicted or {}).get("delta_samples") if delta else None  # what the buffers were sized for
     seen: set[int] = set()
-    vocab = {n: h for n in inputs if _is_int(specs[n]["dtype"]) for h in [_int_high(plan.graph, n, default=None)] if h}
+    # the index range an integer input may take (ir.feeds: the same bound the coordinator checks every feed against)
+    vocab = {n: b for n in inputs if _is_int(specs[n]["dtype"]) for b in [index_bound(plan.graph, n)] if b is not None}
 
     def batch(step: int) -> dict[str, np.ndarray]:
         try:
@@ -214,10 +215,11 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
                 raise FusionError(f"data {spec!r}: step {step}: field {n!r} has shape {list(a.shape)}, the plan expects "
                                   f"{list(shape)} ({nm} micro-batch(es) of {list(_shape(specs[n]))})")
             out[n] = np.ascontiguousarray(a, dtype=dt)
-            if n in vocab and a.size and not 0 <= int(a.min()) <= int(a.max()) < vocab[n]:
-                bad = int(a.max()) if int(a.max()) >= vocab[n] else int(a.min())
-                raise FusionError(f"data {spec!r}: step {step}: field {n!r} holds id {bad}, outside the model's "
-                                  f"vocabulary of {vocab[n]} (ids 0..{vocab[n] - 1})")
+            hit = vocab[n].first_outside(a) if n in vocab and a.size else None
+            if hit is not None:
+                high = vocab[n].high
+                raise FusionError(f"data {spec!r}: step {step}: field {n!r} holds id {hit[1]}, outside the model's "
+                                  f"vocabulary of {high} (ids 0..{high - 1})")
         if SAMPLE_IDS in got:
             ids = np.asarray(got[SAMPLE_IDS])
             if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size != rows or np.unique(ids).size != ids.size:
