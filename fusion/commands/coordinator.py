@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
-            train(coord, batch_fn, first, args.steps, out, not args.no_progress, evaluation)
+            train(coord, batch_fn, first, args.steps, out, not args.no_progress, evaluation=evaluation)
         except KeyboardInterrupt:
             interrupted = True
         coord.stop()
