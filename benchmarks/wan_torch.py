@@ -1,0 +1,367 @@
+"""The PyTorch baseline of the WAN comparison (issue 29): what a PyTorch user runs instead of fusion.
+
+``torch.distributed.pipelining`` over gloo: the GPT of :mod:`wan_model` (the convergence study's, same init, same
+batches, same AdamW as fusion gets from ``wan_model.gpt_setup``) cut into ``--world`` equal stages, one process
+per stage, no compression. One rank per process::
+
+    python benchmarks/wan_torch.py --rank R --world W --master ADDR:PORT --steps N --seed S --micro-batches M \\
+        --batch B --eval-every E --eval-batches K --model small|tiny --out FILE.json [--lr LR] [--schedule auto]
+
+Rank 0 (the first stage) listens at ``ADDR:PORT`` (``init_method tcp://``); gloo binds every rank to the interface
+whose address routes to ``ADDR`` (``GLOO_SOCKET_IFNAME``, unless set), so it runs from network namespaces.
+
+The split: the GPT's 2 x n_layer residual sub-blocks (attention, MLP) in ``W`` equal contiguous groups (``W`` must
+divide 2 x n_layer); the first stage also holds the embeddings, the last the final LayerNorm, the head and the loss.
+The head's weight is tied to the token embedding: the first and the last stage each hold a copy and, after every
+backward, add their gradients (an all-reduce between the two, Megatron's way), so both copies take the same AdamW
+step and the run trains what the single-process GPT trains. Every micro-batch's loss is its mean cross-entropy and
+the schedule divides the gradients by the micro-batches (``scale_grads``): the gradient of the whole batch's mean.
+``PipelineStage`` gets the stages' input and output shapes (static metadata: no pickled shape exchange).
+
+Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe`` and ``Schedule1F1B`` on step 0's batch (two rounds,
+each schedule's faster one; gradients discarded, no optimizer step) and keeps the faster; the probe is not in
+``wall_s`` (its seconds are ``probe_s``). Interleaved 1F1B needs several stages per rank, i.e. a model cut finer
+than this 2-layer GPT allows at 2 ranks; it is not a candidate.
+
+Rank 0 writes ``--out`` (JSON)::
+
+    {"samples_per_s": B x steps / train_s, "wall_s": seconds from the first step to the end of the last evaluation,
+     "train_s": wall_s less the evaluations, "eval_s": the evaluations,
+     "val": [[step, wall_s, loss], ...], "losses": [training loss per step], "schedule": "gpipe"|"1f1b",
+     "stages": W, "model": ..., "seed": S, "batch": B, "micro_batches": M, "lr": ..., "probe_s": ..., "probe": {...}}
+
+``wall_s`` excludes process start-up (imports, the process group, building the stages, the schedule probe) and
+counts the evaluations; ``samples_per_s`` counts training steps only. A validation loss is the mean of ``K``
+held-out batches (``wan_model.WanSetup.val_batch``), forward only through the pipeline (``schedule.eval``), after
+every ``E``-th step and after the last (``E`` = 0: only after the last); its ``wall_s`` is when the last stage's
+loss reached rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_pipeline import TORCH_SCHEDULES  # noqa: E402
+
+log = logging.getLogger("wan_torch")
+#: the schedules ``--schedule auto`` chooses between (one stage per rank)
+CANDIDATES = ("gpipe", "1f1b")
+
+
+class UsageError(Exception):
+    """Bad input: one line, exit status 2."""
+
+
+# -- the stages -------------------------------------------------------------------------------------------
+
+def units(gpt) -> list:
+    """The GPT's residual sub-blocks in order: attention and MLP of every block (``x + f(ln(x))``)."""
+    from torch import nn
+
+    class Residual(nn.Module):
+        def __init__(self, ln, f):
+            super().__init__()
+            self.ln, self.f = ln, f
+
+        def forward(self, x):
+            return x + self.f(self.ln(x))
+
+    out = []
+    for block in gpt.transformer.h:
+        out += [Residual(block.ln_1, block.attn), Residual(block.ln_2, block.mlp)]
+    return out
+
+
+def build_stage(gpt, stage: int, stages: int):
+    """Stage ``stage`` of ``stages`` as an ``nn.Module``: embeddings (first), its share of the sub-blocks, final
+    LayerNorm and head (last; the head's weight a copy of the embedding's when the first stage is another one)."""
+    import torch
+    from torch import nn
+
+    subs = units(gpt)
+    if stages < 1 or len(subs) % stages:
+        raise UsageError(f"--world {stages}: the GPT's {len(subs)} sub-blocks (attention and MLP of "
+                         f"{len(subs) // 2} layers) do not split into {stages} equal stages")
+    per = len(subs) // stages
+    first, last = stage == 0, stage == stages - 1
+    cfg = gpt.cfg
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if first:
+                self.wte, self.wpe = gpt.transformer.wte, gpt.transformer.wpe
+            self.blocks = nn.ModuleList(subs[stage * per:(stage + 1) * per])
+            if last:
+                self.ln_f = gpt.transformer.ln_f
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+                w = gpt.lm_head.weight
+                self.lm_head.weight = w if first else nn.Parameter(w.detach().clone())
+
+        def forward(self, x):
+            if first:
+                x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x)) if last else x
+
+    return Stage()
+
+
+def loss_fn(logits, targets):
+    """A micro-batch's mean cross-entropy (the GPT's own loss)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def stage_shapes(setup, stage: int, stages: int):
+    """(input, output) example tensors of one micro-batch of ``stage``: static metadata for ``PipelineStage``."""
+    import torch
+
+    mb, t, c = setup.micro_batch, setup.config.seq_len, setup.config
+    x = torch.zeros(mb, t, dtype=torch.int64) if stage == 0 else torch.zeros(mb, t, c.d_model, requires_grad=True)
+    y = torch.zeros(mb, t, c.vocab if stage == stages - 1 else c.d_model, requires_grad=True)
+    return x, y  # requires_grad: the activations between stages carry gradients back
+
+
+# -- gloo's interface ----------------------------------------------------------------------------------------
+
+def interface_for(addr: str) -> str | None:
+    """The name of the local interface whose address routes to ``addr`` (None when none is found)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))  # UDP: no packet is sent, the kernel only picks the route
+        local = s.getsockname()[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == local:
+                return name
+    return None
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--master {text!r}: expected ADDR:PORT with a port 1-65535")
+    try:
+        return socket.gethostbyname(host), int(port)
+    except OSError:
+        raise UsageError(f"--master {text!r}: cannot resolve {host!r}") from None
+
+
+# -- the run -------------------------------------------------------------------------------------------------
+
+class Pipeline:
+    """This rank's stage, its schedule(s), the optimizer and the tied-weight group."""
+
+    def __init__(self, args, setup):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import pipelining as tp
+
+        self.args, self.setup = args, setup
+        r, w = args.rank, args.world
+        self.first, self.last = r == 0, r == w - 1
+        gpt = setup.module()
+        self.stage_module = build_stage(gpt, r, w)
+        x, y = stage_shapes(setup, r, w)
+        self.schedules = {}
+        for name in CANDIDATES if args.schedule == "auto" else (args.schedule,):
+            stage = tp.PipelineStage(self.stage_module, r, w, torch.device("cpu"), input_args=x, output_args=y)
+            self.schedules[name] = getattr(tp, TORCH_SCHEDULES[name][0])(stage, setup.micro_batches, loss_fn=loss_fn)
+        self.tied = self.stage_module.wte.weight if self.first else (self.stage_module.lm_head.weight if self.last
+                                                                       else None)
+        # the tied weight's two copies live on ranks 0 and W-1: their gradients are added over this group
+        self.tied_group = dist.new_group([0, w - 1]) if w > 2 else None
+        self.opt = torch.optim.AdamW(self.stage_module.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps,
+                                     weight_decay=setup.weight_decay)
+
+    def _run(self, schedule: str, batch: dict, train: bool) -> float | None:
+        """One forward (+ backward) of ``batch`` through the pipeline; the mean micro-batch loss on the last rank."""
+        import torch
+
+        sched = self.schedules[schedule]
+        call = sched.step if train else sched.eval
+        losses: list = []
+        if self.first:
+            call(torch.from_numpy(batch["idx"]))
+        elif self.last:
+            call(target=torch.from_numpy(batch["targets"]), losses=losses)
+        else:
+            call()
+        return float(sum(float(v.detach()) for v in losses) / len(losses)) if self.last else None
+
+    def train_step(self, schedule: str, batch: dict, update: bool = True) -> float | None:
+        import torch.distributed as dist
+
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._run(schedule, batch, train=True)
+        if update:
+            if self.tied is not None and self.args.world > 1:
+                dist.all_reduce(self.tied.grad, group=self.tied_group)
+            self.opt.step()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def evaluate(self, schedule: str) -> float:
+        """Mean held-out loss over ``--eval-batches`` batches, forward only; every rank gets it (from the last)."""
+        import torch
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            vals = [self._run(schedule, self.setup.val_batch(k), train=False) for k in range(self.args.eval_batches)]
+        t = torch.tensor([sum(vals) / len(vals) if self.last else 0.0], dtype=torch.float64)
+        dist.broadcast(t, src=self.args.world - 1)
+        return float(t[0])
+
+
+def choose_schedule(pipe: Pipeline) -> tuple[str, dict, float]:
+    """(schedule, {name: seconds}, probe seconds): each candidate's faster of two steps on step 0's batch, timed on
+    rank 0 (whose backward ends last) and decided there; no optimizer step."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(pipe.schedules)
+    t0 = time.perf_counter()
+    times: dict = {n: [] for n in names}
+    if len(names) > 1:
+        batch = pipe.setup.train_batch(0)
+        for _ in range(2):
+            for n in names:
+                dist.barrier()
+                t = time.perf_counter()
+                pipe.train_step(n, batch, update=False)
+                times[n].append(time.perf_counter() - t)
+    best = torch.tensor([min(range(len(names)), key=lambda i: min(times[names[i]] or [0.0]))], dtype=torch.int64)
+    dist.broadcast(best, src=0)  # rank 0's choice for every rank
+    return names[int(best[0])], {n: min(v) for n, v in times.items() if v}, time.perf_counter() - t0
+
+
+def run(args) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from wan_model import gpt_setup
+
+    torch.manual_seed(args.seed)
+    try:
+        setup = gpt_setup(args.model, args.seed, args.batch, args.micro_batches, args.lr)
+    except ValueError as e:
+        raise UsageError(f"wan_torch.py: {e}") from None
+    subs = 2 * setup.config.n_layer  # build_stage's residual sub-blocks
+    if subs % args.world:
+        raise UsageError(f"--world {args.world}: the GPT's {subs} sub-blocks (attention and MLP of "
+                         f"{setup.config.n_layer} layers) do not split into {args.world} equal stages")
+    addr, port = parse_master(args.master)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_for(addr)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface  # this process's own gloo device; read by init below
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        pipe = Pipeline(args, setup)
+        schedule, probe, probe_s = choose_schedule(pipe)
+        log.info("rank %d: schedule %s (probe %s)", args.rank, schedule, probe)
+        losses, val = [], []
+        eval_s = 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            loss = pipe.train_step(schedule, setup.train_batch(step))
+            losses.append(loss)
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
+                te = time.perf_counter()
+                v = pipe.evaluate(schedule)
+                now = time.perf_counter()
+                eval_s += now - te
+                val.append([step + 1, now - t0, v])
+        wall = time.perf_counter() - t0
+        # the training losses live on the last rank
+        lt = torch.tensor([x if x is not None else 0.0 for x in losses], dtype=torch.float64)
+        dist.broadcast(lt, src=args.world - 1)
+    finally:
+        dist.destroy_process_group()
+    if args.rank != 0:
+        return None
+    train_s = wall - eval_s
+    return {"samples_per_s": args.batch * args.steps / train_s, "wall_s": wall, "train_s": train_s, "eval_s": eval_s,
+            "val": val, "losses": lt.tolist(), "schedule": schedule, "stages": args.world, "model": args.model,
+            "seed": args.seed, "batch": args.batch, "micro_batches": args.micro_batches, "lr": setup.lr,
+            "probe_s": probe_s, "probe": probe,
+            "notes": "wall_s: first step to the end of the last evaluation (evaluations counted, start-up and "
+                     "schedule probe not); samples_per_s: training steps only"}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True, help="this process's rank = its stage (0: the first)")
+    ap.add_argument("--world", type=int, required=True, help="processes = stages")
+    ap.add_argument("--master", required=True, metavar="ADDR:PORT", help="rank 0's address for the process group")
+    ap.add_argument("--steps", type=int, required=True, help="training steps")
+    ap.add_argument("--seed", type=int, default=0, help="initialisation and data seed (wan_model.gpt_setup)")
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--batch", type=int, default=32, help="rows per step (all micro-batches)")
+    ap.add_argument("--eval-every", type=int, default=0, help="validation loss every E steps (0: at the end only)")
+    ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches per validation loss")
+    ap.add_argument("--model", default="small", help="small (the convergence study's GPT) or tiny (tests)")
+    ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the convergence study's)")
+    ap.add_argument("--schedule", default="auto", choices=["auto", *CANDIDATES],
+                    help="auto: time GPipe and 1F1B on step 0's batch and keep the faster")
+    ap.add_argument("--timeout", type=float, default=300.0, help="give up on a silent peer after this long (s)")
+    ap.add_argument("--out", required=True, help="JSON written by rank 0")
+    return ap
+
+
+def check(args) -> None:
+    if args.world < 2:
+        raise UsageError(f"--world {args.world}: a pipeline needs at least 2 stages")
+    if not 0 <= args.rank < args.world:
+        raise UsageError(f"--rank {args.rank}: expected 0..{args.world - 1} (--world {args.world})")
+    for name in ("steps", "eval_batches", "micro_batches", "batch"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every {args.eval_every}: must be 0 or more")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout}: must be positive")
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parser().parse_args(argv)
+    try:
+        check(args)
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        out = run(args)
+    except UsageError as e:
+        print(f"wan_torch.py: {e}" if not str(e).startswith("wan_torch.py") else str(e), file=sys.stderr)
+        return 2
+    if out is not None:
+        Path(args.out).write_text(json.dumps(out) + "\n")
+        log.info("wrote %s: %.1f samples/s, %s, final validation loss %.4f", args.out, out["samples_per_s"],
+                 out["schedule"], out["val"][-1][2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""benchmarks/wan_torch.py (issue 29's PyTorch baseline) and benchmarks/wan_model.py (the model and data it shares
+with fusion): two ranks of torch.distributed.pipelining on loopback train exactly what one process of plain PyTorch
+trains on the same GPT and batches (every step's loss and every validation loss, rtol 1e-5), and ``fusion run`` with
+the wan_model entries starts from the same loss (same model, same init, same batches)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import wan_torch  # noqa: E402
+from wan_model import gpt_setup  # noqa: E402
+
+from tests.fusion.cli_helpers import free_ports  # noqa: E402
+
+STEPS, EVAL_EVERY, EVAL_BATCHES = 3, 2, 2
+TWO = ("name: two\ndevices:\n"
+       "  - {name: cpu-0, peak_flops: 50 GFLOPS, memory: 4 GB}\n"
+       "  - {name: cpu-1, peak_flops: 50 GFLOPS, memory: 4 GB}\n"
+       "links:\n  default: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
+
+
+def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[list[float], list[list[float]]]:
+    """Plain PyTorch in this process: the whole GPT, the whole batch per step, the setup's AdamW."""
+    m = setup.module()
+    opt = torch.optim.AdamW(m.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps,
+                            weight_decay=setup.weight_decay)
+    losses, val = [], []
+    for s in range(steps):
+        b = {k: torch.from_numpy(v) for k, v in setup.train_batch(s).items()}
+        opt.zero_grad(set_to_none=True)
+        loss = m(b["idx"], b["targets"])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if (s + 1) % eval_every == 0 or s + 1 == steps:
+            with torch.no_grad():
+                v = [float(m(*(torch.from_numpy(setup.val_batch(k)[n]) for n in ("idx", "targets"))))
+                     for k in range(eval_batches)]
+            val.append([s + 1, sum(v) / len(v)])
+    return losses, val
+
+
+def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
+    setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    (port,) = free_ports(1)
+    out = tmp_path / "torch.json"
+    ranks = [subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", "2",
+         "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", "2",
+         "--batch", "8", "--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES), "--model", "tiny",
+         "--out", str(out), "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)]
+    # fusion dense on the same model and batches, 2 parts on loopback, at the same time (2 cores)
+    (tmp_path / "two.yaml").write_text(TWO)
+    fusion = subprocess.Popen(
+        [sys.executable, "-m", "fusion.cli", "run", *setup.fusion_args(), "--cluster", str(tmp_path / "two.yaml"),
+         "--strategy", "equal-flops", "--steps", "1", "--threads", "1", "--insecure", "--trace", "off",
+         "--no-progress", "--out", str(tmp_path / "fusion")], env={**env, **setup.env}, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in ranks]
+        flog = fusion.communicate(timeout=240)[0]
+    finally:
+        for p in (*ranks, fusion):
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
+    assert fusion.returncode == 0, flog[-3000:]
+
+    got = json.loads(out.read_text())
+    assert {"samples_per_s", "wall_s", "val", "losses", "schedule", "stages", "model", "seed"} <= set(got)
+    assert got["schedule"] in ("gpipe", "1f1b") and got["stages"] == 2 and got["model"] == "tiny" and got["seed"] == 3
+    assert got["samples_per_s"] > 0 and got["wall_s"] >= got["val"][-1][1] > 0
+    losses, val = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    assert [v[0] for v in got["val"]] == [v[0] for v in val] == [2, 3]
+    np.testing.assert_allclose([v[2] for v in got["val"]], [v[1] for v in val], rtol=1e-5)
+    assert losses[-1] < losses[0]  # it trains
+
+    from fusion.plan import load_plan
+
+    assert len(load_plan(tmp_path / "fusion" / "plan").parts) == 2
+    first = json.loads((tmp_path / "fusion" / "metrics.jsonl").read_text().splitlines()[0])
+    np.testing.assert_allclose(first["loss"], losses[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--world", "3"], "do not split into 3 equal stages"),
+    (["--batch", "7"], "batch 7 does not split into 2"),
+    (["--rank", "2"], "--rank 2"),
+    (["--master", "127.0.0.1"], "--master"),
+    (["--model", "huge"], "model 'huge'"),
+])
+def test_bad_input_is_one_line_and_status_2(argv, says, capsys, tmp_path):
+    base = {"--rank": "0", "--world": "2", "--master": "127.0.0.1:1", "--steps": "1", "--batch": "8",
+            "--micro-batches": "2", "--model": "tiny", "--out": str(tmp_path / "x.json")}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    assert wan_torch.main([x for kv in base.items() for x in kv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "x.json").exists()
