@@ -141,6 +141,21 @@ def torch_stage(weights: dict, d: int, hidden: int, blocks: int, stage: int, sta
     return nn.Sequential(*mods)
 
 
+def torch_pipeline_step(sched, rank: int, world: int, x, target, train: bool = True) -> float | None:
+    """One step of a ``torch.distributed.pipelining`` schedule on this rank: the first rank feeds the whole batch's
+    input ``x`` (the schedule cuts it into micro-batches), the last the ``target`` and returns the mean of its
+    micro-batch losses (None on the other ranks); ``train=False``: forward only (``schedule.eval``)."""
+    call = sched.step if train else sched.eval
+    losses: list = []
+    if rank == 0:
+        call(x)
+    elif rank == world - 1:
+        call(target=target, losses=losses)
+    else:
+        call()
+    return float(sum(float(v.detach()) for v in losses) / len(losses)) if rank == world - 1 else None
+
+
 def torch_worker(args) -> None:
     """One rank of the torch.distributed.pipelining anchor."""
     import torch
@@ -166,14 +181,9 @@ def torch_worker(args) -> None:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
         b = batch(step, args.rows * args.micro, args.d)
-        if r == 0:
-            sched.step(torch.from_numpy(b["x"]))
-        elif r == n - 1:
-            mb_losses: list = []
-            sched.step(target=torch.from_numpy(b["y"]), losses=mb_losses)
-            losses.append(float(sum(float(v.detach()) for v in mb_losses) / len(mb_losses)))
-        else:
-            sched.step()
+        loss = torch_pipeline_step(sched, r, n, torch.from_numpy(b["x"]), torch.from_numpy(b["y"]))
+        if loss is not None:
+            losses.append(loss)
         opt.step()
         opt.zero_grad()
     cpu = (time.process_time() - c0) / args.steps

@@ -18,8 +18,9 @@ step and the run trains what the single-process GPT trains. Every micro-batch's 
 the schedule divides the gradients by the micro-batches (``scale_grads``): the gradient of the whole batch's mean.
 ``PipelineStage`` gets the stages' input and output shapes (static metadata: no pickled shape exchange).
 
-Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe`` and ``Schedule1F1B`` on step 0's batch (two rounds,
-each schedule's faster one; gradients discarded, no optimizer step) and keeps the faster; the probe is not in
+Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe`` and ``Schedule1F1B`` (torch allows 1F1B only with at
+least as many micro-batches as stages) on step 0's batch (two rounds, each schedule's faster one; gradients
+discarded, no optimizer step) and keeps the faster (rank 0 decides); the probe is not in
 ``wall_s`` (its seconds are ``probe_s``). Interleaved 1F1B needs several stages per rank, i.e. a model cut finer
 than this 2-layer GPT allows at 2 ranks; it is not a candidate.
 
@@ -52,7 +53,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_pipeline import TORCH_SCHEDULES  # noqa: E402
+from bench_pipeline import TORCH_SCHEDULES, torch_pipeline_step  # noqa: E402
 
 log = logging.getLogger("wan_torch")
 #: the schedules ``--schedule auto`` chooses between (one stage per rank)
@@ -182,7 +183,7 @@ class Pipeline:
         self.stage_module = build_stage(gpt, r, w)
         x, y = stage_shapes(setup, r, w)
         self.schedules = {}
-        for name in CANDIDATES if args.schedule == "auto" else (args.schedule,):
+        for name in candidates(args.schedule, setup.micro_batches, w):
             stage = tp.PipelineStage(self.stage_module, r, w, torch.device("cpu"), input_args=x, output_args=y)
             self.schedules[name] = getattr(tp, TORCH_SCHEDULES[name][0])(stage, setup.micro_batches, loss_fn=loss_fn)
         self.tied = self.stage_module.wte.weight if self.first else (self.stage_module.lm_head.weight if self.last
@@ -196,16 +197,8 @@ class Pipeline:
         """One forward (+ backward) of ``batch`` through the pipeline; the mean micro-batch loss on the last rank."""
         import torch
 
-        sched = self.schedules[schedule]
-        call = sched.step if train else sched.eval
-        losses: list = []
-        if self.first:
-            call(torch.from_numpy(batch["idx"]))
-        elif self.last:
-            call(target=torch.from_numpy(batch["targets"]), losses=losses)
-        else:
-            call()
-        return float(sum(float(v.detach()) for v in losses) / len(losses)) if self.last else None
+        return torch_pipeline_step(self.schedules[schedule], self.args.rank, self.args.world,
+                                   torch.from_numpy(batch["idx"]), torch.from_numpy(batch["targets"]), train)
 
     def train_step(self, schedule: str, batch: dict, update: bool = True) -> float | None:
         import torch.distributed as dist
@@ -254,6 +247,17 @@ def choose_schedule(pipe: Pipeline) -> tuple[str, dict, float]:
     return names[int(best[0])], {n: min(v) for n, v in times.items() if v}, time.perf_counter() - t0
 
 
+def candidates(schedule: str, micro_batches: int, world: int) -> tuple[str, ...]:
+    """The schedules to build: ``schedule``, or with ``auto`` GPipe and, where torch allows it (at least as many
+    micro-batches as stages), 1F1B."""
+    if schedule == "1f1b" and micro_batches < world:
+        raise UsageError(f"--schedule 1f1b: torch's 1F1B needs at least as many micro-batches as stages "
+                         f"(--micro-batches {micro_batches}, --world {world})")
+    if schedule != "auto":
+        return (schedule,)
+    return tuple(n for n in CANDIDATES if n == "gpipe" or micro_batches >= world)
+
+
 def run(args) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -269,6 +273,7 @@ def run(args) -> dict | None:
     if subs % args.world:
         raise UsageError(f"--world {args.world}: the GPT's {subs} sub-blocks (attention and MLP of "
                          f"{setup.config.n_layer} layers) do not split into {args.world} equal stages")
+    candidates(args.schedule, args.micro_batches, args.world)  # a schedule torch refuses: before the group forms
     addr, port = parse_master(args.master)
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = interface_for(addr)
