@@ -18,18 +18,20 @@ step and the run trains what the single-process GPT trains. Every micro-batch's 
 the schedule divides the gradients by the micro-batches (``scale_grads``): the gradient of the whole batch's mean.
 ``PipelineStage`` gets the stages' input and output shapes (static metadata: no pickled shape exchange).
 
-Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe`` and ``Schedule1F1B`` (torch allows 1F1B only with at
-least as many micro-batches as stages) on step 0's batch (two rounds, each schedule's faster one; gradients
-discarded, no optimizer step) and keeps the faster (rank 0 decides); the probe is not in
-``wall_s`` (its seconds are ``probe_s``). Interleaved 1F1B needs several stages per rank, i.e. a model cut finer
-than this 2-layer GPT allows at 2 ranks; it is not a candidate.
+Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``
+(two stages per rank, the model cut into 2 x W stages, stage s on rank s mod W), each where torch and the split
+allow it (1F1B: at least as many micro-batches as stages; interleaved: 2 x W dividing the sub-blocks), on step 0's
+batch (two rounds, each schedule's faster one; no optimizer step) and keeps the fastest (rank 0 decides). The probe
+is not in ``wall_s`` (its seconds are ``probe_s``); every schedule's step-0 loss and squared gradient norm are in
+``probe`` (they must agree).
 
 Rank 0 writes ``--out`` (JSON)::
 
     {"samples_per_s": B x steps / train_s, "wall_s": seconds from the first step to the end of the last evaluation,
      "train_s": wall_s less the evaluations, "eval_s": the evaluations,
-     "val": [[step, wall_s, loss], ...], "losses": [training loss per step], "schedule": "gpipe"|"1f1b",
-     "stages": W, "model": ..., "seed": S, "batch": B, "micro_batches": M, "lr": ..., "probe_s": ..., "probe": {...}}
+     "val": [[step, wall_s, loss], ...], "losses": [training loss per step], "schedule": "gpipe"|"1f1b"|"interleaved1f1b",
+     "stages": W, "model": ..., "seed": S, "batch": B, "micro_batches": M, "lr": ..., "probe_s": ...,
+     "probe": {schedule: {"s": seconds, "loss": step 0's loss, "grad_sq": its squared gradient norm}}}
 
 ``wall_s`` excludes process start-up (imports, the process group, building the stages, the schedule probe) and
 counts the evaluations; ``samples_per_s`` counts training steps only. A validation loss is the mean of ``K``
@@ -56,8 +58,8 @@ sys.path.insert(0, str(HERE))
 from bench_pipeline import TORCH_SCHEDULES, torch_pipeline_step  # noqa: E402
 
 log = logging.getLogger("wan_torch")
-#: the schedules ``--schedule auto`` chooses between (one stage per rank)
-CANDIDATES = ("gpipe", "1f1b")
+#: the schedules ``--schedule auto`` chooses between; name -> stages per rank (bench_pipeline.TORCH_SCHEDULES)
+CANDIDATES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
 
 
 class UsageError(Exception):
@@ -84,16 +86,13 @@ def units(gpt) -> list:
     return out
 
 
-def build_stage(gpt, stage: int, stages: int):
-    """Stage ``stage`` of ``stages`` as an ``nn.Module``: embeddings (first), its share of the sub-blocks, final
-    LayerNorm and head (last; the head's weight a copy of the embedding's when the first stage is another one)."""
+def build_stage(gpt, subs: list, stage: int, stages: int, head_weight=None):
+    """Stage ``stage`` of ``stages`` as an ``nn.Module`` over the modules of ``gpt`` (``subs``: its
+    :func:`units`): embeddings (first), its share of the sub-blocks, final LayerNorm and head (last; its weight
+    ``head_weight``, the copy of the tied embedding the last rank holds, when the first stage is on another rank)."""
     import torch
     from torch import nn
 
-    subs = units(gpt)
-    if stages < 1 or len(subs) % stages:
-        raise UsageError(f"--world {stages}: the GPT's {len(subs)} sub-blocks (attention and MLP of "
-                         f"{len(subs) // 2} layers) do not split into {stages} equal stages")
     per = len(subs) // stages
     first, last = stage == 0, stage == stages - 1
     cfg = gpt.cfg
@@ -107,8 +106,7 @@ def build_stage(gpt, stage: int, stages: int):
             if last:
                 self.ln_f = gpt.transformer.ln_f
                 self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-                w = gpt.lm_head.weight
-                self.lm_head.weight = w if first else nn.Parameter(w.detach().clone())
+                self.lm_head.weight = gpt.lm_head.weight if first else head_weight
 
         def forward(self, x):
             if first:
@@ -180,18 +178,35 @@ class Pipeline:
         r, w = args.rank, args.world
         self.first, self.last = r == 0, r == w - 1
         gpt = setup.module()
-        self.stage_module = build_stage(gpt, r, w)
-        x, y = stage_shapes(setup, r, w)
-        self.schedules = {}
-        for name in candidates(args.schedule, setup.micro_batches, w):
-            stage = tp.PipelineStage(self.stage_module, r, w, torch.device("cpu"), input_args=x, output_args=y)
-            self.schedules[name] = getattr(tp, TORCH_SCHEDULES[name][0])(stage, setup.micro_batches, loss_fn=loss_fn)
-        self.tied = self.stage_module.wte.weight if self.first else (self.stage_module.lm_head.weight if self.last
-                                                                       else None)
+        subs = units(gpt)
+        # the tied embedding: rank 0 holds the GPT's own, the last rank a copy (the same values) for the head
+        self.tied = gpt.transformer.wte.weight if self.first else (
+            torch.nn.Parameter(gpt.lm_head.weight.detach().clone()) if self.last else None)
+        self.schedules, self.modules = {}, {}
+        for name in candidates(args.schedule, setup.micro_batches, w, len(subs)):
+            total = w * CANDIDATES[name]  # stage s on rank s % W, as torch places interleaved stages
+            mods = [build_stage(gpt, subs, s, total, self.tied) for s in range(r, total, w)]
+            stages = [tp.PipelineStage(m, s, total, torch.device("cpu"),
+                                       **dict(zip(("input_args", "output_args"), stage_shapes(setup, s, total))))
+                      for m, s in zip(mods, range(r, total, w))]
+            cls = getattr(tp, TORCH_SCHEDULES[name][0])
+            self.schedules[name] = cls(stages if len(stages) > 1 else stages[0], setup.micro_batches, loss_fn=loss_fn)
+            self.modules[name] = mods  # every schedule's stages hold the same parameters (gpt's, and the copy)
         # the tied weight's two copies live on ranks 0 and W-1: their gradients are added over this group
         self.tied_group = dist.new_group([0, w - 1]) if w > 2 else None
-        self.opt = torch.optim.AdamW(self.stage_module.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps,
-                                     weight_decay=setup.weight_decay)
+        self.opt = None  # AdamW over the chosen schedule's parameters (use())
+
+    def params(self, schedule: str) -> list:
+        """This rank's parameters under ``schedule`` (interleaved stages put other sub-blocks on a rank)."""
+        return list({id(p): p for m in self.modules[schedule] for p in m.parameters()}.values())
+
+    def use(self, schedule: str) -> None:
+        """Train with ``schedule`` from now on: AdamW over its parameters on this rank."""
+        import torch
+
+        s = self.setup
+        self.opt = torch.optim.AdamW(self.params(schedule), lr=s.lr, betas=s.betas, eps=s.eps,
+                                     weight_decay=s.weight_decay)
 
     def _run(self, schedule: str, batch: dict, train: bool) -> float | None:
         """One forward (+ backward) of ``batch`` through the pipeline; the mean micro-batch loss on the last rank."""
@@ -201,17 +216,27 @@ class Pipeline:
                                    torch.from_numpy(batch["idx"]), torch.from_numpy(batch["targets"]), train)
 
     def train_step(self, schedule: str, batch: dict, update: bool = True) -> float | None:
+        """Forward and backward of ``batch``, the tied gradients added, then (``update``) AdamW's step."""
         import torch.distributed as dist
 
-        self.opt.zero_grad(set_to_none=True)
+        for p in self.params(schedule):
+            p.grad = None
         loss = self._run(schedule, batch, train=True)
+        if self.tied is not None:
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
         if update:
-            if self.tied is not None and self.args.world > 1:
-                dist.all_reduce(self.tied.grad, group=self.tied_group)
             self.opt.step()
-        else:
-            self.opt.zero_grad(set_to_none=True)
         return loss
+
+    def grad_sq(self, schedule: str) -> float:
+        """Sum of squared gradients over every rank's parameters (the tied weight on both of its ranks)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([sum(float((p.grad.double() ** 2).sum()) for p in self.params(schedule))],
+                         dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0])
 
     def evaluate(self, schedule: str) -> float:
         """Mean held-out loss over ``--eval-batches`` batches, forward only; every rank gets it (from the last)."""
@@ -226,36 +251,60 @@ class Pipeline:
 
 
 def choose_schedule(pipe: Pipeline) -> tuple[str, dict, float]:
-    """(schedule, {name: seconds}, probe seconds): each candidate's faster of two steps on step 0's batch, timed on
-    rank 0 (whose backward ends last) and decided there; no optimizer step."""
+    """(schedule, probe, probe seconds): each candidate's faster of two steps on step 0's batch, timed on rank 0
+    (whose backward ends last) and decided there; no optimizer step. ``probe``: name -> {"s": seconds, "loss":
+    step 0's loss, "grad_sq": :meth:`Pipeline.grad_sq`} (every schedule must compute the same)."""
     import torch
     import torch.distributed as dist
 
     names = list(pipe.schedules)
     t0 = time.perf_counter()
-    times: dict = {n: [] for n in names}
+    probe: dict = {}
     if len(names) > 1:
         batch = pipe.setup.train_batch(0)
         for _ in range(2):
             for n in names:
                 dist.barrier()
                 t = time.perf_counter()
-                pipe.train_step(n, batch, update=False)
-                times[n].append(time.perf_counter() - t)
-    best = torch.tensor([min(range(len(names)), key=lambda i: min(times[names[i]] or [0.0]))], dtype=torch.int64)
+                loss = pipe.train_step(n, batch, update=False)
+                dt = time.perf_counter() - t
+                lt = torch.tensor([loss or 0.0], dtype=torch.float64)
+                dist.broadcast(lt, src=pipe.args.world - 1)
+                probe[n] = {"s": min(dt, probe.get(n, {}).get("s", dt)), "loss": float(lt[0]),
+                            "grad_sq": pipe.grad_sq(n)}
+                for p in pipe.params(n):
+                    p.grad = None
+    best = torch.tensor([min(range(len(names)), key=lambda i: probe.get(names[i], {}).get("s", 0.0))],
+                        dtype=torch.int64)
     dist.broadcast(best, src=0)  # rank 0's choice for every rank
-    return names[int(best[0])], {n: min(v) for n, v in times.items() if v}, time.perf_counter() - t0
+    return names[int(best[0])], probe, time.perf_counter() - t0
 
 
-def candidates(schedule: str, micro_batches: int, world: int) -> tuple[str, ...]:
-    """The schedules to build: ``schedule``, or with ``auto`` GPipe and, where torch allows it (at least as many
-    micro-batches as stages), 1F1B."""
+def refusal(schedule: str, micro_batches: int, world: int, subs: int) -> str | None:
+    """Why ``schedule`` cannot run ``subs`` sub-blocks on ``world`` ranks with ``micro_batches`` (None: it can)."""
+    total = world * CANDIDATES[schedule]
+    if subs % total:
+        return (f"the GPT's {subs} sub-blocks (attention and MLP of {subs // 2} layers) do not split into {total} "
+                f"equal stages ({CANDIDATES[schedule]} per rank)")
     if schedule == "1f1b" and micro_batches < world:
-        raise UsageError(f"--schedule 1f1b: torch's 1F1B needs at least as many micro-batches as stages "
-                         f"(--micro-batches {micro_batches}, --world {world})")
+        return f"torch's 1F1B needs at least as many micro-batches as stages ({micro_batches} < {world})"
+    if schedule == "interleaved1f1b" and micro_batches % max(1, micro_batches // world):
+        return f"torch's interleaved 1F1B needs micro-batches in equal rounds of {world}"
+    return None
+
+
+def candidates(schedule: str, micro_batches: int, world: int, subs: int) -> tuple[str, ...]:
+    """The schedules to build: ``schedule``, or with ``auto`` those of :data:`CANDIDATES` that this split allows
+    (GPipe always: ``--world`` must divide the sub-blocks)."""
+    if subs % world:
+        raise UsageError(f"--world {world}: the GPT's {subs} sub-blocks (attention and MLP of {subs // 2} layers) "
+                         f"do not split into {world} equal stages")
     if schedule != "auto":
+        why = refusal(schedule, micro_batches, world, subs)
+        if why:
+            raise UsageError(f"--schedule {schedule}: {why}")
         return (schedule,)
-    return tuple(n for n in CANDIDATES if n == "gpipe" or micro_batches >= world)
+    return tuple(n for n in CANDIDATES if refusal(n, micro_batches, world, subs) is None)
 
 
 def run(args) -> dict | None:
@@ -269,11 +318,8 @@ def run(args) -> dict | None:
         setup = gpt_setup(args.model, args.seed, args.batch, args.micro_batches, args.lr)
     except ValueError as e:
         raise UsageError(f"wan_torch.py: {e}") from None
-    subs = 2 * setup.config.n_layer  # build_stage's residual sub-blocks
-    if subs % args.world:
-        raise UsageError(f"--world {args.world}: the GPT's {subs} sub-blocks (attention and MLP of "
-                         f"{setup.config.n_layer} layers) do not split into {args.world} equal stages")
-    candidates(args.schedule, args.micro_batches, args.world)  # a schedule torch refuses: before the group forms
+    # a split or schedule that cannot run: said before the group forms (2 residual sub-blocks per layer, units())
+    candidates(args.schedule, args.micro_batches, args.world, 2 * setup.config.n_layer)
     addr, port = parse_master(args.master)
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = interface_for(addr)
@@ -284,6 +330,7 @@ def run(args) -> dict | None:
     try:
         pipe = Pipeline(args, setup)
         schedule, probe, probe_s = choose_schedule(pipe)
+        pipe.use(schedule)
         log.info("rank %d: schedule %s (probe %s)", args.rank, schedule, probe)
         losses, val = [], []
         eval_s = 0.0
@@ -329,7 +376,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="small", help="small (the convergence study's GPT) or tiny (tests)")
     ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the convergence study's)")
     ap.add_argument("--schedule", default="auto", choices=["auto", *CANDIDATES],
-                    help="auto: time GPipe and 1F1B on step 0's batch and keep the faster")
+                    help="auto: time GPipe, 1F1B and interleaved 1F1B (where they apply) on step 0's batch and "
+                         "keep the fastest")
     ap.add_argument("--timeout", type=float, default=300.0, help="give up on a silent peer after this long (s)")
     ap.add_argument("--out", required=True, help="JSON written by rank 0")
     return ap

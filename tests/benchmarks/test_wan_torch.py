@@ -28,8 +28,10 @@ TWO = ("name: two\ndevices:\n"
        "links:\n  default: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
 
 
-def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[list[float], list[list[float]]]:
-    """Plain PyTorch in this process: the whole GPT, the whole batch per step, the setup's AdamW."""
+def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[list[float], list[list[float]], float]:
+    """Plain PyTorch in this process: the whole GPT, the whole batch per step, the setup's AdamW. Returns the
+    losses, the validation losses and step 0's squared gradient norm counted as the pipeline holds the
+    parameters (the tied embedding twice: on the first stage and, as the head's copy, on the last)."""
     m = setup.module()
     opt = torch.optim.AdamW(m.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps,
                             weight_decay=setup.weight_decay)
@@ -39,6 +41,9 @@ def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[
         opt.zero_grad(set_to_none=True)
         loss = m(b["idx"], b["targets"])
         loss.backward()
+        if s == 0:
+            grad_sq = sum(float((p.grad.double() ** 2).sum()) for p in m.parameters())
+            grad_sq += float((m.lm_head.weight.grad.double() ** 2).sum())
         opt.step()
         losses.append(float(loss.detach()))
         if (s + 1) % eval_every == 0 or s + 1 == steps:
@@ -46,7 +51,7 @@ def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[
                 v = [float(m(*(torch.from_numpy(setup.val_batch(k)[n]) for n in ("idx", "targets"))))
                      for k in range(eval_batches)]
             val.append([s + 1, sum(v) / len(v)])
-    return losses, val
+    return losses, val, grad_sq
 
 
 def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
@@ -79,13 +84,17 @@ def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp
 
     got = json.loads(out.read_text())
     assert {"samples_per_s", "wall_s", "val", "losses", "schedule", "stages", "model", "seed"} <= set(got)
-    assert got["schedule"] in ("gpipe", "1f1b") and got["stages"] == 2 and got["model"] == "tiny" and got["seed"] == 3
+    assert got["schedule"] in ("gpipe", "1f1b", "interleaved1f1b") and got["stages"] == 2 and got["model"] == "tiny" and got["seed"] == 3
     assert got["samples_per_s"] > 0 and got["wall_s"] >= got["val"][-1][1] > 0
-    losses, val = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
+    losses, val, grad_sq = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
     assert [v[0] for v in got["val"]] == [v[0] for v in val] == [2, 3]
     np.testing.assert_allclose([v[2] for v in got["val"]], [v[1] for v in val], rtol=1e-5)
     assert losses[-1] < losses[0]  # it trains
+    # every schedule the probe timed computed step 0's loss and gradient (the one trained with is checked above)
+    assert set(got["probe"]) == {"gpipe", "1f1b", "interleaved1f1b"}
+    for name, p in got["probe"].items():
+        np.testing.assert_allclose([p["loss"], p["grad_sq"]], [losses[0], grad_sq], rtol=1e-5, err_msg=name)
 
     from fusion.plan import load_plan
 
@@ -100,6 +109,7 @@ def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp
     (["--rank", "2"], "--rank 2"),
     (["--master", "127.0.0.1"], "--master"),
     (["--model", "huge"], "model 'huge'"),
+    (["--schedule", "1f1b", "--micro-batches", "1"], "1F1B needs at least as many micro-batches"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, says, capsys, tmp_path):
     base = {"--rank": "0", "--world": "2", "--master": "127.0.0.1:1", "--steps": "1", "--batch": "8",
