@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -41,6 +41,7 @@ import numpy as np
 from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph, ParamSpec
 from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, map_refs
+from fusion.plan import BottleneckSpec
 
 #: what ``--bottleneck auto`` tries: ranks D // k for these k (at least 1), see :func:`auto_ranks`
 AUTO_DIVISORS = (64, 32, 16, 8)
@@ -70,61 +71,6 @@ class CutEdge:
     @property
     def dsts(self) -> tuple[str, ...]:
         return tuple(d for d, _ in self.users)
-
-
-@dataclass(frozen=True)
-class BottleneckSpec:
-    """What the pass inserted at one cut edge (``plan.json`` ``bottlenecks[i]``).
-
-    producer, index: the cut tensor x (as :class:`CutEdge`); src: the part that encodes; dsts: the parts that
-    decode, each with its own decoder. width: D, x's last dim; rank: R, the code's last dim; dtype: x's dtype.
-    projection: name of the fixed buffer P (D x R, orthonormal columns); encoder: name of W_enc (D x R);
-    decoders: names of W_dec (R x D), one per part of ``dsts``, same order.
-    code: the node whose output z (R wide) crosses the cut; outputs: per ``dsts`` the node whose output y
-    replaces x there. nodes: every inserted node -> the part it runs on. seed: the seed P was drawn from.
-    """
-
-    producer: str
-    index: int | None
-    src: str
-    dsts: tuple[str, ...]
-    width: int
-    rank: int
-    dtype: str
-    projection: str
-    encoder: str
-    decoders: tuple[str, ...]
-    code: str
-    outputs: tuple[str, ...]
-    nodes: dict[str, str] = field(default_factory=dict)
-    seed: int = 0
-
-    @property
-    def edge(self) -> str:
-        return self.producer if self.index is None else f"{self.producer}[{self.index}]"
-
-    @property
-    def trainable_params(self) -> int:
-        """Trainable parameters added: W_enc (D R) and one W_dec (R D) per destination part."""
-        return self.width * self.rank * (1 + len(self.dsts))
-
-    @property
-    def param_names(self) -> list[str]:
-        return [self.projection, self.encoder, *self.decoders]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"producer": self.producer, "index": self.index, "src": self.src, "dsts": list(self.dsts),
-                "width": self.width, "rank": self.rank, "dtype": self.dtype, "projection": self.projection,
-                "encoder": self.encoder, "decoders": list(self.decoders), "code": self.code,
-                "outputs": list(self.outputs), "nodes": dict(self.nodes), "seed": self.seed}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "BottleneckSpec":
-        if not isinstance(d, dict):
-            raise TypeError(f"a bottleneck entry must be a map, got {type(d).__name__}")
-        return cls(str(d["producer"]), d.get("index"), str(d["src"]), tuple(d["dsts"]), int(d["width"]),
-                   int(d["rank"]), str(d["dtype"]), str(d["projection"]), str(d["encoder"]), tuple(d["decoders"]),
-                   str(d["code"]), tuple(d["outputs"]), dict(d.get("nodes", {})), int(d.get("seed", 0)))
 
 
 # -- which edges --------------------------------------------------------------------------------------------------
@@ -292,3 +238,38 @@ def initial_values(specs: list[BottleneckSpec]) -> dict[str, np.ndarray]:
 def wire_reduction(specs: list[BottleneckSpec]) -> float:
     """D / R of the bottlenecked edges together (bytes dense over bytes of the code; equal rows per edge)."""
     return sum(s.width for s in specs) / max(1, sum(s.rank for s in specs))
+
+
+@dataclass(frozen=True)
+class BottleneckRequest:
+    """What ``fusion compile --bottleneck`` asks for.
+
+    rank:     R for every chosen edge, or ``"auto"``: the compiler prices, for k in :data:`AUTO_DIVISORS`, every
+              edge at rank ``max(1, D // k)`` and keeps the smallest ranks whose predicted iteration is within
+              :data:`AUTO_SLACK` of the best (one k for all edges).
+    edges:    ``--bottleneck-edges``: edge names (``producer`` or ``producer[index]``); None: every cut edge of
+              the residual width (:func:`cut_edges`).
+    optional: True when ``--compress auto --allow-architecture-change`` lets the compiler choose: the
+              bottleneck is kept only where the predicted iteration is shorter than without it.
+    """
+
+    rank: int | str
+    edges: tuple[str, ...] | None = None
+    optional: bool = False
+
+
+#: ``auto`` keeps the smallest rank whose predicted iteration is within this fraction of the best
+AUTO_SLACK = 0.05
+
+
+def parse_rank(value: str, flag: str = "--bottleneck") -> int | str:
+    """``auto`` or an integer >= 1; BottleneckError otherwise."""
+    if value.strip() == "auto":
+        return "auto"
+    try:
+        r = int(value)
+    except ValueError:
+        raise BottleneckError(f"{flag} {value}: expected a rank (an integer >= 1) or auto") from None
+    if r < 1:
+        raise BottleneckError(f"{flag} {value}: the rank must be an integer >= 1 (or auto)")
+    return r
