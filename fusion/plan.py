@@ -602,7 +602,9 @@ class Plan:
                 if p is None or tuple(p.shape) != shape or p.trainable != trainable:
                     raise PlanError(f"{where}: graph parameter {name!r} must exist with shape {list(shape)}"
                                     f"{'' if trainable else ', not trainable'}")
-            for node, part in {**b.nodes, b.code: b.src}.items():
+            if b.nodes.get(b.code) != b.src:
+                raise PlanError(f"{where}: the code node {b.code!r} must be one of its nodes, on part {b.src!r}")
+            for node, part in b.nodes.items():
                 if self.assignment.get(node) != part:
                     raise PlanError(f"{where}: node {node!r} must be on part {part!r} (assignment: "
                                     f"{self.assignment.get(node)!r})")

@@ -87,7 +87,8 @@ def residual_width(graph: OpGraph) -> int | None:
 
 
 def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | None = None) -> list[CutEdge]:
-    """The edges to put a bottleneck on, for the cut ``assignment`` (node -> part).
+    """The edges to put a bottleneck on, for the cut ``assignment`` (node -> part), in the graph's order of
+    their producers.
 
     names None: every cut edge carrying a float tensor whose last dim is :func:`residual_width` (the
     residual stream); others stay as they are. names given (``--bottleneck-edges``): exactly those edges
@@ -101,8 +102,9 @@ def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | 
                 users = found.setdefault((ref.node, ref.index), {}).setdefault(dst, [])
                 if node.name not in users:
                     users.append(node.name)
+    position = {n: k for k, n in enumerate(graph.nodes)}
     edges = [CutEdge(p, i, assignment[p], tuple((d, tuple(u)) for d, u in by_dst.items()))
-             for (p, i), by_dst in found.items()]
+             for (p, i), by_dst in sorted(found.items(), key=lambda kv: (position[kv[0][0]], kv[0][1] or 0))]
     if names is None:
         width = residual_width(graph)
         return [e for e in edges if _float_meta(graph, e) is not None and _float_meta(graph, e).shape[-1] == width]
