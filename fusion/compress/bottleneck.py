@@ -275,3 +275,45 @@ def parse_rank(value: str, flag: str = "--bottleneck") -> int | str:
     if r < 1:
         raise BottleneckError(f"{flag} {value}: the rank must be an integer >= 1 (or auto)")
     return r
+
+
+# -- export: the trained bottlenecks and where they sit ------------------------------------------------------------
+#: the safetensors metadata key of ``fusion export``'s bottleneck file: JSON, one entry per bottleneck
+EXPORT_KEY = "fusion.bottlenecks"
+
+
+def export_description(graph: OpGraph, specs: list[BottleneckSpec]) -> list[dict[str, Any]]:
+    """Where each bottleneck sits, as plain data: its :class:`BottleneckSpec` fields plus ``users`` (dst part
+    -> the graph nodes that read the decoder's output there, i.e. the users of x the bottleneck stands in for)."""
+    out = []
+    for s in specs:
+        users = {dst: [n.name for n in graph.nodes.values() if y in n.producers()] for dst, y in zip(s.dsts, s.outputs)}
+        out.append({**s.to_dict(), "users": users})
+    return out
+
+
+def apply_export(model, description: list[dict[str, Any]], tensors: Mapping[str, Any]):
+    """``model`` (a fusion ``Model`` of the graph the run was compiled from, e.g. the user's module loaded with the
+    exported ``state_dict`` and traced again) with the exported bottlenecks put back where they sat and their
+    trained values: the model the run trained, for inference through fusion. BottleneckError naming the edge
+    when the graph has no such producer or user (another model than the one the run trained)."""
+    from fusion.ir.model import Model
+
+    edges, ranks = [], {}
+    for d in description:
+        for n in (d["producer"], *(u for us in d["users"].values() for u in us)):
+            if n not in model.graph.nodes:
+                raise BottleneckError(f"bottleneck {d['producer']}: the model has no node {n!r}; is this the model "
+                                      "the run trained?")
+        e = CutEdge(d["producer"], d.get("index"), d["src"], tuple((k, tuple(v)) for k, v in d["users"].items()))
+        edges.append(e)
+        ranks[e.name] = int(d["rank"])
+    seeds = {int(d.get("seed", 0)) for d in description} or {0}
+    g, specs = insert_bottlenecks(model.graph, edges, ranks, seeds.pop())
+    params = dict(model.params)
+    for s in specs:
+        for name in s.param_names:
+            if name not in tensors:
+                raise BottleneckError(f"bottleneck {s.edge}: no tensor {name!r} in the exported bottlenecks")
+            params[name] = tensors[name]
+    return Model(g, params, dict(model.example)), specs

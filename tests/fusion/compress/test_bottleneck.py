@@ -235,3 +235,44 @@ def test_cli_compile_inspect_and_bad_input(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("ta "))
     assert row.split()[:6] == ["ta", "part0->part1", "16", "->", "4", "128"]
     assert "bneck.ta.W_enc, bneck.ta.W_dec.part1 (+ fixed bneck.ta.P, 64)" in row
+
+
+def test_export_writes_bottlenecks_with_placement_and_loads_back(tmp_path, capsys):
+    """``fusion export`` of a run with bottlenecks: the model's own keys in OUT, the bottlenecks and where they sit
+    beside it; :func:`apply_export` puts them back into the model, which computes what the trained run computes."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from fusion.cli import main
+    from fusion.compress.bottleneck import EXPORT_KEY, apply_export
+    from fusion.executors.reference import ReferenceExecutor
+    from fusion.plan import save_plan
+
+    plan = _compile(tmp_path, bottleneck=BottleneckRequest(R))
+    params = {**_mlp().params, **initial_values(plan.bottlenecks)}
+    run = tmp_path / "run"
+    save_plan(plan, run / "plan", params)
+    ex = ReferenceExecutor(Model(plan.graph, params), plan.assignment, OptimizerConfig("sgd", lr=0.5))
+    for s in range(2):
+        ex.step(_batch(s))
+    trained = {k: torch.as_tensor(v) for k, v in ex.state().items()}
+    save_file(trained, str(run / "final.safetensors"))
+    (tmp_path / "model.py").write_text(MODEL_SRC)
+    out = tmp_path / "mlp.safetensors"
+    assert main(["export", str(run), "-o", str(out), "--model", f"{tmp_path / 'model.py'}:mlp"]) == 0
+    assert "wrote " + str(tmp_path / "mlp.bottlenecks.safetensors") + ": 2 bottleneck(s) at the cut (ta 16->4, tb " \
+           "16->4)" in capsys.readouterr().out
+    own = load_file(str(out))
+    assert set(own) == set(_mlp().params), "OUT holds the model's own weights only"
+    with safe_open(str(tmp_path / "mlp.bottlenecks.safetensors"), "pt") as f:
+        desc = json.loads(f.metadata()[EXPORT_KEY])
+        side = {k: f.get_tensor(k) for k in f.keys()}
+    assert [(d["producer"], d["src"], d["users"], d["width"], d["rank"]) for d in desc] == [
+        ("ta", "part0", {"part1": ["res"]}, D, R), ("tb", "part0", {"part1": ["res"]}, D, R)]
+    base = _mlp()
+    base.params = dict(own)
+    back, specs = apply_export(base, desc, side)
+    assert specs == plan.bottlenecks
+    batch = _batch(9)
+    want = ReferenceExecutor(Model(plan.graph, trained), plan.assignment).forward_backward(batch)
+    np.testing.assert_allclose(ReferenceExecutor(back).forward_backward(batch), want, rtol=1e-6)
