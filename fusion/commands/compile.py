@@ -101,7 +101,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "the estimator picks D/64 .. D/8 (docs/compression.md, \"Bottlenecks at the cut\")"),
         g.add_argument("--bottleneck-edges", default=None, metavar="NODE[,NODE...]",
                        help="the cut edges to bottleneck, by producer node (NODE[INDEX] for one output of a "
-                            "multi-output node); default: every cut edge of the residual width"),
+                            "multi-output node), or all (every float cut edge, e.g. an MLP's hidden layer where the "
+                            "cut falls inside a block); default: every cut edge of the residual width"),
         g.add_argument("--allow-architecture-change", action="store_true",
                        help="let --compress auto add bottlenecks at the cut (new parameters) where the estimator "
                             "says the iteration gets shorter; without it auto only picks codecs"),

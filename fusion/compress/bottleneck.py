@@ -93,6 +93,7 @@ def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | 
     names None: every cut edge carrying a float tensor whose last dim is :func:`residual_width` (the
     residual stream); others stay as they are. names given (``--bottleneck-edges``): exactly those edges
     (``producer`` or ``producer[index]``); BottleneckError for one that is not cut or not a float tensor.
+    ``["all"]``: every cut edge carrying a float tensor of >= 2 dims, whatever its width.
     """
     found: dict[tuple[str, int | None], dict[str, list[str]]] = {}
     for node in graph.nodes.values():
@@ -108,6 +109,8 @@ def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | 
     if names is None:
         width = residual_width(graph)
         return [e for e in edges if _float_meta(graph, e) is not None and _float_meta(graph, e).shape[-1] == width]
+    if list(names) == ["all"]:
+        return [e for e in edges if _float_meta(graph, e) is not None]
     by_name = {e.name: e for e in edges}
     out = []
     for name in names:

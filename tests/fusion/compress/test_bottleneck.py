@@ -34,7 +34,7 @@ MODEL_SRC = '''
 import torch
 from fusion.ir.builder import GraphBuilder
 
-def mlp():
+def mlp(rows=4):
     b = GraphBuilder()
     x, y = b.input("x"), b.label("y")
     h = b.function("ta", "torch.tanh", b.module("a", "torch.nn.Linear", x, in_features=8, out_features=16))
@@ -43,14 +43,15 @@ def mlp():
     o = b.module("c", "torch.nn.Linear", s, in_features=16, out_features=5)
     b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
     g = torch.Generator().manual_seed(1)
-    return b.build(example={"x": torch.randn(4, 8, generator=g), "y": torch.randint(0, 5, (4,), generator=g)}, seed=0)
+    return b.build(example={"x": torch.randn(rows, 8, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)},
+                   seed=0)
 '''
 
 
-def _mlp() -> Model:
+def _mlp(rows: int = 4) -> Model:
     ns: dict = {}
     exec(MODEL_SRC, ns)  # the same source the CLI tests load as a model file
-    return ns["mlp"]()
+    return ns["mlp"](rows)
 
 
 def _batch(step: int) -> dict:
@@ -157,6 +158,7 @@ def test_bad_input_one_line():
     asg = {**SPLIT, "y": "p0"}  # the int64 label now crosses the cut
     with pytest.raises(BottleneckError, match=r"--bottleneck-edges y: edge y \(p0 -> p1\) is a int64 tensor"):
         cut_edges(model.graph, asg, ["y"])
+    assert [e.name for e in cut_edges(model.graph, asg, ["all"])] == ["ta", "b"], "all: the float edges, not y"
     with pytest.raises(BottleneckError, match="not a cut edge of this plan"):
         cut_edges(model.graph, SPLIT, ["c"])
     with pytest.raises(BottleneckError, match="no node 'nope'"):
@@ -164,12 +166,12 @@ def test_bad_input_one_line():
     assert auto_ranks(16) == [1, 2] and auto_ranks(1024) == [16, 32, 64, 128]
 
 
-def _compile(tmp_path, **kw):
+def _compile(tmp_path, rows=4, **kw):
     from fusion.cluster.model import load_cluster
     from fusion.compile import compile_model
 
     (tmp_path / "c.yaml").write_text(CLUSTER)
-    return compile_model(_mlp(), load_cluster(str(tmp_path / "c.yaml")), strategy="equal-count", **kw)
+    return compile_model(_mlp(rows), load_cluster(str(tmp_path / "c.yaml")), strategy="equal-count", **kw)
 
 
 def test_compile_prices_records_and_checks_bottlenecks(tmp_path):
@@ -196,6 +198,12 @@ def test_compile_prices_records_and_checks_bottlenecks(tmp_path):
     d["bottlenecks"][0]["rank"] = D
     with pytest.raises(PlanError, match=r"bottlenecks\[0\] \(ta\): rank 16 must be >= 1 and smaller than the width 16"):
         Plan.from_dict(d)
+    # a codec applies to the code edge like to any edge where it pays (4-bit quant of the code; 4096 rows)
+    from fusion.compress.policy import request
+
+    q = _compile(tmp_path, 4096, bottleneck=BottleneckRequest(R), compress=request("quant:bits=4"))
+    assert {c.producer for c in q.compression} == {"bneck_ta_code", "bneck_tb_code"}
+    assert all(c.codec("fwd")["bits"] == 4 for c in q.compression)
     # auto: one of D/64 .. D/8 (here 1 or 2); optional (--compress auto --allow-architecture-change) keeps it
     # only where the estimator says the iteration gets shorter
     auto = _compile(tmp_path, bottleneck=BottleneckRequest("auto"))
