@@ -124,7 +124,7 @@ def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | 
         e = by_name[name]
         if _float_meta(graph, e) is None:
             m = graph.output_meta(e.producer, e.index)
-            what = f"a {m.dtype} tensor of shape {list(m.shape)}" if isinstance(m, TensorMeta) else "not a tensor"
+            what = f"a tensor of dtype {m.dtype}, shape {list(m.shape)}" if isinstance(m, TensorMeta) else "not a tensor"
             raise BottleneckError(f"--bottleneck-edges {name}: edge {name} {src_dst(e)} is {what}; a bottleneck "
                                   "needs a float tensor of at least 2 dims (float32, float64 or float16)")
         out.append(e)
@@ -163,7 +163,7 @@ def insert_bottlenecks(graph: OpGraph, cut_edges: list[CutEdge], rank: int | Map
         m = _float_meta(g, e)
         if m is None:
             meta = g.output_meta(e.producer, e.index)
-            what = f"a {meta.dtype} tensor" if isinstance(meta, TensorMeta) else "not a tensor"
+            what = f"a tensor of dtype {meta.dtype}" if isinstance(meta, TensorMeta) else "not a tensor"
             raise BottleneckError(f"bottleneck on edge {e.name} {src_dst(e)}: it is {what}; a bottleneck needs a "
                                   "float tensor of at least 2 dims (float32, float64 or float16)")
         d = m.shape[-1]

@@ -156,7 +156,7 @@ def test_bad_input_one_line():
     with pytest.raises(BottleneckError, match="integer >= 1"):
         insert_bottlenecks(model.graph, edges, 0, 0)
     asg = {**SPLIT, "y": "p0"}  # the int64 label now crosses the cut
-    with pytest.raises(BottleneckError, match=r"--bottleneck-edges y: edge y \(p0 -> p1\) is a int64 tensor"):
+    with pytest.raises(BottleneckError, match=r"--bottleneck-edges y: edge y \(p0 -> p1\) is a tensor of dtype int64"):
         cut_edges(model.graph, asg, ["y"])
     assert [e.name for e in cut_edges(model.graph, asg, ["all"])] == ["ta", "b"], "all: the float edges, not y"
     with pytest.raises(BottleneckError, match="not a cut edge of this plan"):
@@ -230,6 +230,8 @@ def test_cli_compile_inspect_and_bad_input(tmp_path, capsys):
     # --compress auto alone never changes the model; with consent it may
     assert main([*base, "--compress", "auto", "-o", str(tmp_path / "auto")]) == 0
     assert "bottleneck" not in capsys.readouterr().out
+    assert main([*base, "--compress", "auto", "--allow-architecture-change", "-o", str(tmp_path / "auto2")]) == 0
+    assert "2 bottlenecks (ta 16->" in capsys.readouterr().out  # priced shorter on 5 Mbit/s: chosen, and said
     assert main([*base, "--bottleneck", "4", "--bottleneck-edges", "ta", "-o", str(tmp_path / "plan")]) == 0
     assert "1 bottleneck (ta 16->4)" in capsys.readouterr().out
     from fusion.plan import load_plan, load_weights
