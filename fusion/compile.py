@@ -120,12 +120,19 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     clusters = device_clusters(cluster, seed)
     if compress is not None:  # compression-aware partitioning: every candidate cut priced with its codec
         cm.codec_prices = codec_prices(cm, compress)
+    bneck_priced = bottleneck is not None and compress is None and not v_stages
+    if bneck_priced:  # bottleneck-aware partitioning: OP-Fence prices each cut with the code's wire bytes
+        from fusion.compress.bottleneck import partition_prices
+
+        cm.codec_prices = partition_prices(cm, bottleneck)
     tied = _tied_codec(cm, tied_codec)
     ipart = _interleaved_partition(cm, cluster, strategy, v_stages) if v_stages else None
     if schedule == "interleaved":
         part, prices = ipart, {}
     else:
         part = _partition(cm, cluster, clusters, strategy, seed, retry_recompute=recompute == "auto")
+        if bneck_priced:
+            cm.codec_prices = None  # the cut is chosen; from here the model without and with the pass is priced
         prices = _price_schedules(cm, part, recompute)
     if ipart is not None:
         prices["interleaved"] = _price_interleaved(cm, ipart, recompute)
@@ -224,8 +231,8 @@ def _bottleneck(model: Model, cm: CostModel, part: Partition, req, seed: int, re
         if req.optional:
             info["chosen"] = None
             return model, cm, part, [], info
-        raise CompileError("--bottleneck: no cut edge of this plan carries the residual stream (the float tensors of "
-                           "the graph's most common width); name edges with --bottleneck-edges")
+        raise CompileError("--bottleneck: no cut edge of this plan carries the residual stream (a sum's float output "
+                           "of the graph's most common width); name edges with --bottleneck-edges NODE,... or all")
     width = {e.name: model.graph.output_meta(e.producer, e.index).shape[-1] for e in edges}
     if req.rank == "auto":
         candidates = list({tuple(max(1, w // k) for w in width.values()): None for k in AUTO_DIVISORS})

@@ -86,12 +86,24 @@ def residual_width(graph: OpGraph) -> int | None:
     return max(widths, key=lambda w: (widths[w], w))
 
 
+#: op targets of a residual sum: a default bottleneck edge is the output of one of these (the residual stream)
+ADD_TARGETS = ("operator.add", "torch.add", "torch.Tensor.add", "aten.add.Tensor", "onnx.Add")
+
+
+def is_residual(graph: OpGraph, producer: str, index: int | None, width: int | None) -> bool:
+    """Whether ``(producer, index)`` is the residual stream as the default picks it: the output of a sum
+    (:data:`ADD_TARGETS`), a float tensor of >= 2 dims whose last dim is ``width`` (:func:`residual_width`)."""
+    m = graph.output_meta(producer, index)
+    return (graph[producer].target in ADD_TARGETS and isinstance(m, TensorMeta) and m.dtype in FLOAT_DTYPES
+            and len(m.shape) >= 2 and m.shape[-1] == width)
+
+
 def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | None = None) -> list[CutEdge]:
     """The edges to put a bottleneck on, for the cut ``assignment`` (node -> part), in the graph's order of
     their producers.
 
-    names None: every cut edge carrying a float tensor whose last dim is :func:`residual_width` (the
-    residual stream); others stay as they are. names given (``--bottleneck-edges``): exactly those edges
+    names None: every cut edge carrying the residual stream (:func:`is_residual`: a sum's float output whose
+    last dim is :func:`residual_width`); others (an attention's q, k, v, an MLP's hidden layer) stay as they are. names given (``--bottleneck-edges``): exactly those edges
     (``producer`` or ``producer[index]``); BottleneckError for one that is not cut or not a float tensor.
     ``["all"]``: every cut edge carrying a float tensor of >= 2 dims, whatever its width.
     """
@@ -108,7 +120,7 @@ def cut_edges(graph: OpGraph, assignment: Mapping[str, str], names: list[str] | 
              for (p, i), by_dst in sorted(found.items(), key=lambda kv: (position[kv[0][0]], kv[0][1] or 0))]
     if names is None:
         width = residual_width(graph)
-        return [e for e in edges if _float_meta(graph, e) is not None and _float_meta(graph, e).shape[-1] == width]
+        return [e for e in edges if is_residual(graph, e.producer, e.index, width)]
     if list(names) == ["all"]:
         return [e for e in edges if _float_meta(graph, e) is not None]
     by_name = {e.name: e for e in edges}
@@ -320,3 +332,33 @@ def apply_export(model, description: list[dict[str, Any]], tensors: Mapping[str,
                 raise BottleneckError(f"bottleneck {s.edge}: no tensor {name!r} in the exported bottlenecks")
             params[name] = tensors[name]
     return Model(g, params, dict(model.example)), specs
+
+
+def partition_prices(cm, req: BottleneckRequest):
+    """What a bottleneck would make each tensor of ``cm`` cost on the wire, as the estimator's candidate codec
+    prices (:class:`fusion.cost.estimate.CodecPrices`, one candidate per direction), so that OP-Fence prices
+    every candidate cut as it would be after the pass: a tensor the pass would bottleneck (the residual stream,
+    :func:`is_residual`, or a named edge) sends R / D of its bytes both ways (``auto``: its smallest candidate,
+    D / 64); others stay dense. The encoder and decoder's few FLOPs are left out here; the plan prices the real
+    nodes after the pass."""
+    from fusion.cost.estimate import CodecPrices
+
+    n = len(cm.t_key)
+    wire = np.full(n, np.inf)
+    width = residual_width(cm.graph)
+    names = set(req.edges) if req.edges is not None else None
+    for t, (producer, index) in enumerate(cm.t_key):
+        m = cm.graph.output_meta(producer, index)
+        if not (isinstance(m, TensorMeta) and m.dtype in FLOAT_DTYPES and len(m.shape) >= 2):
+            continue
+        name = producer if index is None else f"{producer}[{index}]"
+        if names is None and not is_residual(cm.graph, producer, index, width) \
+                or names is not None and names != {"all"} and name not in names:
+            continue
+        d = m.shape[-1]
+        r = max(1, d // AUTO_DIVISORS[0]) if req.rank == "auto" else int(req.rank)
+        if r < d:
+            wire[t] = m.nbytes * r / d
+    zeros = np.zeros(n)
+    cfg = [{"algo": "bottleneck"}]
+    return CodecPrices(wire, zeros, wire.copy(), zeros.copy(), None, cfg, list(cfg))

@@ -61,7 +61,7 @@ def _batch(step: int) -> dict:
 
 def _bottlenecked(seed=7):
     model = _mlp()
-    edges = cut_edges(model.graph, SPLIT)
+    edges = cut_edges(model.graph, SPLIT, ["all"])  # tanh and Linear outputs: named, not the default's sums
     g, specs = insert_bottlenecks(model.graph, edges, R, seed)
     return model, Model(g, {**model.params, **initial_values(specs)}, model.example), specs
 
@@ -92,6 +92,9 @@ def _plain(P, steps: int):
 def test_pass_inserts_resbm_bottlenecks_deterministically():
     model, bmodel, specs = _bottlenecked()
     assert residual_width(model.graph) == D
+    # the default: the residual stream, i.e. a sum's output of width D, not any tensor of that width
+    assert cut_edges(model.graph, SPLIT) == []
+    assert [e.name for e in cut_edges(model.graph, {**SPLIT, "y": "p2", "c": "p2", "loss": "p2"})] == ["res"]
     assert [(s.edge, s.src, s.dsts, s.width, s.rank) for s in specs] == [("ta", "p0", ("p1",), D, R),
                                                                          ("b", "p0", ("p1",), D, R)]
     assert len(model.graph) == 9, "the pass must not change its input graph"
@@ -149,7 +152,7 @@ def test_bottlenecked_parts_train_as_plain_pytorch_and_send_the_code(engine):
 
 def test_bad_input_one_line():
     model = _mlp()
-    edges = cut_edges(model.graph, SPLIT)
+    edges = cut_edges(model.graph, SPLIT, ["all"])
     with pytest.raises(BottleneckError, match=r"--bottleneck 16: the rank must be smaller than the width of edge ta "
                                               r"\(p0 -> p1\), which is 16"):
         insert_bottlenecks(model.graph, edges, D, 0)
@@ -176,7 +179,7 @@ def _compile(tmp_path, rows=4, **kw):
 
 def test_compile_prices_records_and_checks_bottlenecks(tmp_path):
     dense = _compile(tmp_path)
-    plan = _compile(tmp_path, bottleneck=BottleneckRequest(R))
+    plan = _compile(tmp_path, bottleneck=BottleneckRequest(R, ("ta", "tb")))
     assert [b.edge for b in plan.bottlenecks] == ["ta", "tb"] and plan.assignment["bneck_ta_code"] == "part0"
     # priced: the link carries R of D numbers per row, the parts compute the encoder / decoder's FLOPs
     link, dlink = plan.predicted["links"]["part0->part1"], dense.predicted["links"]["part0->part1"]
@@ -201,14 +204,15 @@ def test_compile_prices_records_and_checks_bottlenecks(tmp_path):
     # a codec applies to the code edge like to any edge where it pays (4-bit quant of the code; 4096 rows)
     from fusion.compress.policy import request
 
-    q = _compile(tmp_path, 4096, bottleneck=BottleneckRequest(R), compress=request("quant:bits=4"))
+    q = _compile(tmp_path, 4096, bottleneck=BottleneckRequest(R, ("all",)), compress=request("quant:bits=4"))
     assert {c.producer for c in q.compression} == {"bneck_ta_code", "bneck_tb_code"}
     assert all(c.codec("fwd")["bits"] == 4 for c in q.compression)
     # auto: one of D/64 .. D/8 (here 1 or 2); optional (--compress auto --allow-architecture-change) keeps it
     # only where the estimator says the iteration gets shorter
-    auto = _compile(tmp_path, bottleneck=BottleneckRequest("auto"))
+    auto = _compile(tmp_path, bottleneck=BottleneckRequest("auto", ("all",)))
     assert {b.rank for b in auto.bottlenecks} <= {1, 2} and len(auto.predicted["bottleneck"]["candidates"]) == 2
-    opt = _compile(tmp_path, bottleneck=BottleneckRequest("auto", optional=True))
+    opt = _compile(tmp_path, bottleneck=BottleneckRequest("auto", ("all",), optional=True))
+    assert not _compile(tmp_path, bottleneck=BottleneckRequest("auto", optional=True)).bottlenecks  # no sum is cut
     assert opt.bottlenecks and opt.predicted["bottleneck"]["chosen"]
 
 
@@ -219,7 +223,9 @@ def test_cli_compile_inspect_and_bad_input(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(CLUSTER)
     base = ["compile", f"{tmp_path / 'model.py'}:mlp", "--cluster", str(tmp_path / "c.yaml"),
             "--strategy", "equal-count"]
-    assert main([*base, "--bottleneck", "16", "-o", str(tmp_path / "bad")]) == 2
+    assert main([*base, "--bottleneck", "4", "-o", str(tmp_path / "bad")]) == 2
+    assert "no cut edge of this plan carries the residual stream" in one_line(capsys)
+    assert main([*base, "--bottleneck", "16", "--bottleneck-edges", "all", "-o", str(tmp_path / "bad")]) == 2
     assert "rank must be smaller than the width of edge ta (part0 -> part1), which is 16" in one_line(capsys)
     assert main([*base, "--bottleneck", "4", "--bottleneck-edges", "y", "-o", str(tmp_path / "bad")]) == 2
     assert "--bottleneck-edges y: not a cut edge" in one_line(capsys)
@@ -230,7 +236,8 @@ def test_cli_compile_inspect_and_bad_input(tmp_path, capsys):
     # --compress auto alone never changes the model; with consent it may
     assert main([*base, "--compress", "auto", "-o", str(tmp_path / "auto")]) == 0
     assert "bottleneck" not in capsys.readouterr().out
-    assert main([*base, "--compress", "auto", "--allow-architecture-change", "-o", str(tmp_path / "auto2")]) == 0
+    assert main([*base, "--compress", "auto", "--allow-architecture-change", "--bottleneck-edges", "all", "-o",
+                 str(tmp_path / "auto2")]) == 0
     assert "2 bottlenecks (ta 16->" in capsys.readouterr().out  # priced shorter on 5 Mbit/s: chosen, and said
     assert main([*base, "--bottleneck", "4", "--bottleneck-edges", "ta", "-o", str(tmp_path / "plan")]) == 0
     assert "1 bottleneck (ta 16->4)" in capsys.readouterr().out
@@ -258,7 +265,7 @@ def test_export_writes_bottlenecks_with_placement_and_loads_back(tmp_path, capsy
     from fusion.executors.reference import ReferenceExecutor
     from fusion.plan import save_plan
 
-    plan = _compile(tmp_path, bottleneck=BottleneckRequest(R))
+    plan = _compile(tmp_path, bottleneck=BottleneckRequest(R, ("all",)))
     params = {**_mlp().params, **initial_values(plan.bottlenecks)}
     run = tmp_path / "run"
     save_plan(plan, run / "plan", params)
