@@ -252,11 +252,6 @@ def initial_values(specs: list[BottleneckSpec]) -> dict[str, np.ndarray]:
     return out
 
 
-def wire_reduction(specs: list[BottleneckSpec]) -> float:
-    """D / R of the bottlenecked edges together (bytes dense over bytes of the code; equal rows per edge)."""
-    return sum(s.width for s in specs) / max(1, sum(s.rank for s in specs))
-
-
 @dataclass(frozen=True)
 class BottleneckRequest:
     """What ``fusion compile --bottleneck`` asks for.
