@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from fusion.compress.bottleneck import (BottleneckError, BottleneckRequest, auto_ranks, cut_edges, initial_values,
                                         insert_bottlenecks, residual_width, with_bottleneck_nodes)
-from fusion.ir.builder import GraphBuilder
 from fusion.ir.model import Model
 from fusion.plan import OptimizerConfig, Plan, PlanError
 from tests.fusion.cli_helpers import one_line
