@@ -12,6 +12,11 @@ its ``state_dict`` keys, so ``module.load_state_dict(load_file(OUT), strict=True
 - a graph tensor that is no ``state_dict`` key (a non-persistent buffer): left out.
 
 A model built node by node (a fusion ``Model`` or ``OpGraph``) has no module: its weights are written as they are.
+
+A run whose plan has bottlenecks at the cut (``fusion compile --bottleneck``) trained parameters the module does not
+have: they go to a second file, ``OUT`` with ``.bottlenecks.safetensors`` in place of its suffix, with a description
+of where each one sits in its metadata (:func:`fusion.compress.bottleneck.export_description`);
+:func:`fusion.compress.bottleneck.apply_export` puts them back into the model for inference through fusion.
 """
 from __future__ import annotations
 
@@ -91,6 +96,29 @@ def state_dict_weights(module, trained: dict, spec: str) -> tuple[dict, dict[str
     return out, counts
 
 
+def bottleneck_file(out: Path) -> Path:
+    """Where ``fusion export -o OUT`` writes a run's bottlenecks: ``OUT`` with ``.bottlenecks.safetensors``."""
+    return out.with_name(out.name.removesuffix(".safetensors") + ".bottlenecks.safetensors")
+
+
+def _bottlenecks(run_dir: Path, trained: dict):
+    """(description, tensors) of the bottlenecks of the run's plan (``RUN/plan``), None without any."""
+    from fusion.compress.bottleneck import export_description
+    from fusion.plan import load_plan
+
+    if not (run_dir / "plan" / "plan.json").is_file():
+        return None
+    plan = load_plan(run_dir / "plan")
+    if not plan.bottlenecks:
+        return None
+    desc = export_description(plan.graph, plan.bottlenecks)
+    names = [n for b in plan.bottlenecks for n in b.param_names]
+    missing = [n for n in names if n not in trained]
+    if missing:
+        raise FusionError(f"{run_dir}: the plan has bottleneck parameter {missing[0]!r}, the weights do not")
+    return desc, {n: trained[n].contiguous() for n in names}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import load_file, save_file
@@ -99,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.ir.model import Model
     from fusion.loader import load_function, user_error
     from fusion.ir.files import atomic_write
+    from fusion.compress.bottleneck import EXPORT_KEY
 
     run_dir = Path(args.run_dir)
     out = Path(args.output)
@@ -124,8 +153,19 @@ def run(args: argparse.Namespace) -> int:
         tensors, counts = state_dict_weights(module, trained, spec)
     else:
         raise FusionError(f"model {spec!r}: returned {type(module).__name__}, not a torch module or fusion Model")
+    bneck = _bottlenecks(run_dir, trained)
+    if bneck is not None:  # the module's own keys in OUT; the bottlenecks beside it
+        names = set(bneck[1])
+        tensors = {k: v for k, v in tensors.items() if k not in names}
+        counts["left_out"] -= len(names) if isinstance(module, torch.nn.Module) else 0
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     atomic_write(out, lambda t: save_file(tensors, str(t)))
+    if bneck is not None:
+        side = bottleneck_file(out)
+        atomic_write(side, lambda t: save_file(bneck[1], str(t), metadata={EXPORT_KEY: json.dumps(bneck[0])}))
+        print(f"wrote {side}: {len(bneck[0])} bottleneck(s) at the cut ("
+              + ", ".join(f"{d['producer']} {d['width']}->{d['rank']}" for d in bneck[0])
+              + "), with where they sit")
     print(f"wrote {out}: {len(tensors)} tensors of {type(module).__name__} ({counts['tied']} tied, "
           f"{counts['module']} buffers as the module has them, {counts['left_out']} run tensors that are no "
           f"state_dict key left out)")
