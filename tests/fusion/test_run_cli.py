@@ -1,7 +1,9 @@
-"""`fusion run` on a MODEL (compiled first) and its error messages."""
+"""`fusion run` on a MODEL (compiled first) and its error messages.
+
+Each `fusion` command runs in a process of its own forked from one that has imported torch once
+(tests/fusion/forked_cli.py): the argv, folder, output and exit status of `python -m fusion.cli`."""
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,35 +11,42 @@ import pytest
 
 from fusion.cluster.scenarios import load_scenario
 from tests.fusion.cli_helpers import CNN_SRC
+from tests.fusion.forked_cli import ForkedCli
 
 MODEL_SRC = CNN_SRC
 
 
-def _fusion(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    with ForkedCli(dict(os.environ), tmp_path_factory.mktemp("cli-outputs")) as server:
+        yield server
 
 
-def test_missing_plan_or_model_is_a_one_line_error(tmp_path):
-    r = _fusion("run", str(tmp_path / "nope.py:fn"), "--cluster", "x.json", "--out", str(tmp_path / "o"))
+def _fusion(cli, *args, timeout=120, cwd=None):
+    return cli.run(list(args), Path.cwd() if cwd is None else cwd, timeout)
+
+
+def test_missing_plan_or_model_is_a_one_line_error(cli, tmp_path):
+    r = _fusion(cli, "run", str(tmp_path / "nope.py:fn"), "--cluster", "x.json", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stderr.startswith("fusion run: error:")
-    r = _fusion("run", str(tmp_path / "model.py:fn"), "--out", str(tmp_path / "o"))
+    r = _fusion(cli, "run", str(tmp_path / "model.py:fn"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "--cluster" in r.stderr
 
 
-def _run_model(tmp_path, *args):
+def _run_model(cli, tmp_path, *args):
     """``fusion run`` of MODEL_SRC's cnn on the two-site scenario into ``tmp_path/run``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "model.py").write_text(MODEL_SRC)
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(load_scenario("local-4-two-sites").to_dict()))
     out = tmp_path / "run"
-    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--no-progress",
-                *args, timeout=240)
+    r = _fusion(cli, "run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out),
+                "--no-progress", *args, timeout=240)
     return r, out
 
 
-def test_run_compiles_a_model_then_trains_it(tmp_path):
-    r, out = _run_model(tmp_path, "--steps", "2", "--micro-batches", "2")
+def test_run_compiles_a_model_then_trains_it(cli, tmp_path):
+    r, out = _run_model(cli, tmp_path, "--steps", "2", "--micro-batches", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "plan" / "plan.json").exists() and (out / "final.safetensors").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
@@ -47,13 +56,12 @@ def test_run_compiles_a_model_then_trains_it(tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_readme_main_job_gpt_on_four_compnodes(tmp_path):
+def test_readme_main_job_gpt_on_four_compnodes(cli, tmp_path):
     """The README main job (fewer steps): the traced tiny GPT compiled with equal-flops onto all
     four CPUs of local-4-two-sites, trained on the generated corpus, with progress bar, metrics and traces."""
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", "examples/models/gpt.py:tiny",
-                        "--cluster", "examples/clusters/local-4-two-sites.yaml", "--strategy", "equal-flops",
-                        "--steps", "4", "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
+    r = _fusion(cli, "run", "examples/models/gpt.py:tiny", "--cluster", "examples/clusters/local-4-two-sites.yaml",
+                "--strategy", "equal-flops", "--steps", "4", "--out", str(out), timeout=240, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train:" in r.stderr and "4/4" in r.stderr  # the tqdm progress bar
     plan = json.loads((out / "plan" / "plan.json").read_text())
@@ -75,8 +83,8 @@ def test_readme_main_job_gpt_on_four_compnodes(tmp_path):
     assert lines[-1]["loss"] < lines[0]["loss"]
 
 
-def test_run_rejects_an_unknown_strategy(tmp_path):
-    r = _fusion("run", "examples/models/gpt.py:tiny", "--cluster", "x.yaml", "--strategy", "bogus",
+def test_run_rejects_an_unknown_strategy(cli, tmp_path):
+    r = _fusion(cli, "run", "examples/models/gpt.py:tiny", "--cluster", "x.yaml", "--strategy", "bogus",
                 "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "--strategy" in r.stderr
 
@@ -96,7 +104,7 @@ def bad(step):
 '''
 
 
-def test_run_trains_on_the_users_data_function(tmp_path):
+def test_run_trains_on_the_users_data_function(cli, tmp_path):
     """--data file.py:function: the CompNodes train on the user's batches, exactly as the in-process reference does."""
     from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
@@ -104,7 +112,7 @@ def test_run_trains_on_the_users_data_function(tmp_path):
     from fusion.plan import load_plan
 
     (tmp_path / "data.py").write_text(DATA_SRC)
-    r, out = _run_model(tmp_path, "--steps", "4", "--micro-batches", "4", "--strategy", "equal-count",
+    r, out = _run_model(cli, tmp_path, "--steps", "4", "--micro-batches", "4", "--strategy", "equal-count",
                         "--data", f"{tmp_path / 'data.py'}:templates")
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -116,7 +124,7 @@ def test_run_trains_on_the_users_data_function(tmp_path):
     want = [ref.step(templates(s)).loss for s in range(4)]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
 
-    r = _fusion("run", str(out / "plan"), "--out", str(tmp_path / "bad"), "--steps", "1",
+    r = _fusion(cli, "run", str(out / "plan"), "--out", str(tmp_path / "bad"), "--steps", "1",
                 "--data", f"{tmp_path / 'data.py'}:bad", "--no-progress")
     assert r.returncode == 2 and "field 'y' has shape [7], the plan expects [8]" in r.stderr, r.stderr
 
@@ -142,7 +150,7 @@ def by_step(step):
 '''
 
 
-def test_run_trains_on_a_dataloader_as_on_the_same_step_function(tmp_path):
+def test_run_trains_on_a_dataloader_as_on_the_same_step_function(cli, tmp_path):
     """--data file.py:fn returning a torch DataLoader (tuples of a TensorDataset, batches of 2 filling a global batch
     of 4): a 2-part, 3-step run gives the losses of the same steps from the equivalent step function, in plain PyTorch."""
     from fusion.data import make_batches
@@ -158,8 +166,8 @@ def test_run_trains_on_a_dataloader_as_on_the_same_step_function(tmp_path):
                        "  - {name: cpu-1, peak_flops: 50 GFLOPS, memory: 4 GB}\n"
                        "links:\n  default: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
     out = tmp_path / "run"
-    r = _fusion("run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out), "--no-progress",
-                "--steps", "3", "--micro-batches", "2", "--strategy", "equal-count",
+    r = _fusion(cli, "run", f"{tmp_path / 'model.py'}:cnn", "--cluster", str(cluster), "--out", str(out),
+                "--no-progress", "--steps", "3", "--micro-batches", "2", "--strategy", "equal-count",
                 "--data", f"{tmp_path / 'data.py'}:loader", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -171,32 +179,31 @@ def test_run_trains_on_a_dataloader_as_on_the_same_step_function(tmp_path):
     np.testing.assert_allclose(losses, [ref.step(by_step(s)).loss for s in range(3)], rtol=1e-5)
 
 
-def test_run_compiles_with_the_optimizer_and_compression_options(tmp_path):
+def test_run_compiles_with_the_optimizer_and_compression_options(cli, tmp_path):
     """`fusion run MODEL` takes the same compile options as `fusion compile`; a PLAN refuses them."""
     from fusion.plan import load_plan
 
-    r, out = _run_model(tmp_path, "--steps", "1", "--micro-batches", "2", "--strategy", "equal-count",
+    r, out = _run_model(cli, tmp_path, "--steps", "1", "--micro-batches", "2", "--strategy", "equal-count",
                         "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.1", "--compress-ratio", "10",
                         "--schedule", "1f1b", "--seed", "7")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = load_plan(out / "plan")
     assert plan.optimizer["name"] == "adamw" and plan.optimizer["lr"] == 0.003 and plan.optimizer["weight_decay"] == 0.1
     assert plan.schedule == "1f1b" and plan.seed == 7 and plan.micro_batches == 2 and plan.compression
-    r = _fusion("run", str(out / "plan"), "--out", str(tmp_path / "again"), "--lr", "0.1", "--schedule", "gpipe")
+    r = _fusion(cli, "run", str(out / "plan"), "--out", str(tmp_path / "again"), "--lr", "0.1", "--schedule", "gpipe")
     assert r.returncode == 2 and "--lr" in r.stderr and "only apply when compiling a MODEL" in r.stderr, r.stderr
 
 
-def test_bfloat16_gpt_trains_on_four_compnodes_and_saves_bfloat16(tmp_path):
+def test_bfloat16_gpt_trains_on_four_compnodes_and_saves_bfloat16(cli, tmp_path):
     """`fusion run examples/models/gpt.py:tiny_bf16`: bf16 weights, activations and gradients across
     four processes; the loss falls and final.safetensors holds bfloat16 tensors torch can load."""
     import torch
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", "examples/models/gpt.py:tiny_bf16",
-                        "--cluster", "examples/clusters/local-4-two-sites.yaml", "--strategy", "equal-flops",
-                        "--steps", "12", "--optimizer", "adamw", "--lr", "0.01", "--out", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=240, cwd=REPO)
+    r = _fusion(cli, "run", "examples/models/gpt.py:tiny_bf16", "--cluster", "examples/clusters/local-4-two-sites.yaml",
+                "--strategy", "equal-flops", "--steps", "12", "--optimizer", "adamw", "--lr", "0.01", "--out", str(out),
+                "--no-progress", timeout=240, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert np.isfinite(losses).all() and np.mean(losses[-3:]) < losses[0] - 0.3, losses
@@ -208,27 +215,27 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_device_and_part_flags_reach_every_compnode(tmp_path):
+def test_device_and_part_flags_reach_every_compnode(cli, tmp_path):
     """``--device cpu --interpreted-parts`` is passed to each executor: they log it, and losses equal the default run."""
-    a, out_a = _run_model(tmp_path / "a", "--steps", "2")
-    b, out_b = _run_model(tmp_path / "b", "--steps", "2", "--device", "cpu", "--interpreted-parts")
+    a, out_a = _run_model(cli, tmp_path / "a", "--steps", "2")
+    b, out_b = _run_model(cli, tmp_path / "b", "--steps", "2", "--device", "cpu", "--interpreted-parts")
     assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
     assert np.allclose(_losses(out_a), _losses(out_b), rtol=1e-6, atol=0)
     logs = [p.read_text() for p in sorted((out_b / "logs").glob("*.log"))]
     assert logs and all("engine on cpu, compiled=False" in log for log in logs), logs[0][-2000:]
 
 
-def test_a_device_this_host_lacks_is_one_line_before_anything_starts(tmp_path):
+def test_a_device_this_host_lacks_is_one_line_before_anything_starts(cli, tmp_path):
     import torch
 
     cases = ["tpu9", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda:0"]) + \
         (["cuda:%d" % torch.cuda.device_count()] if torch.cuda.is_available() else [])
     for dev in cases:
-        r, out = _run_model(tmp_path / dev.replace(":", "_"), "--steps", "1", "--device", dev)
+        r, out = _run_model(cli, tmp_path / dev.replace(":", "_"), "--steps", "1", "--device", dev)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and dev in lines[0], r.stderr
         assert not out.exists()
-    r = _fusion("executor", str(tmp_path / "noplan"), "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
+    r = _fusion(cli, "executor", str(tmp_path / "noplan"), "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
                 "--device", "tpu9")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "tpu9" in r.stderr, r.stderr
 
