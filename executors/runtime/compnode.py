@@ -48,7 +48,7 @@ from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox
 from fusion.executors.runtime.inbox import Inbox
 from fusion.executors.runtime.join import adopt, join_arrays
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
-from fusion.executors.runtime.limits import allreduce_message_limit, part_message_limit
+from fusion.executors.runtime.limits import allreduce_message_limit, coordinator_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_schedule, splits_backward
@@ -284,9 +284,54 @@ class CompNode:
                     self.ring.accept(sender, msg)
                 self._cv.notify_all()
             return
-        od = opdata_from_message(msg)
+        try:
+            od = opdata_from_message(msg)
+        except WireError as e:  # (its payload, say): what the header says it is may still be an input this part awaits
+            self._refused_input(sender, msg.kind == "pgrad", msg.header if isinstance(msg.header, dict) else {}, str(e))
+            raise
         with self._cv:
-            self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
+            try:
+                self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
+            except WireError as e:
+                self._refused_input(sender, msg.kind == "pgrad", od, str(e))
+                raise
+            self._cv.notify_all()
+
+    def _refused_input(self, sender: str, pgrad: bool, od: "OpData | dict", reason: str) -> None:
+        """A refused OP-Data message that this part's schedule waits for stops the part at once, naming the message,
+        its sender and why (the coordinator then ends the step with that line) instead of waiting ``--data-timeout``
+        for a message its sender believes delivered. It is one when it comes from the part that sends it (``src`` is
+        the sender), to this part, for the iteration under way or the next (one that arrives early is lost as well),
+        on a route this part takes (a producer's activation, a consumer's gradient, a co-owner's tied gradient), and
+        is not a second copy. Anything else is only logged and counted, as before: a stranger's packets, another
+        part's claims, stale messages of an iteration that is over."""
+        get = od.get if isinstance(od, dict) else (lambda k: getattr(od, k, None))
+        src, dst, name, index = get("src"), get("dst"), get("name"), get("index")
+        it, mb, is_grad = get("local_iter"), get("micro_batch"), get("is_grad")
+        if not (isinstance(src, str) and src == sender and dst == self.me and isinstance(name, str)
+                and type(it) is int and type(mb) is int and type(is_grad) is bool
+                and (index is None or type(index) is int)):
+            return
+        if reason.startswith("duplicate "):  # the first copy arrived: nothing is missing
+            return
+        with self._cv:
+            inbox = self.inbox
+            if not inbox.open or it not in (inbox.expected_iter, inbox.expected_iter + 1):
+                return
+            if pgrad:
+                ours = sender in inbox.shared.get(name, ())
+                what = f"gradient of tied parameter {name!r}"
+            else:
+                key = (name, index)
+                ours = 0 <= mb < inbox.n_micro and (sender in inbox.routes.grads_from.get(key, ()) if is_grad
+                                                    else inbox.routes.recv_from.get(key) == sender)
+                what = (f"{'gradient' if is_grad else 'activation'} {name}{'' if index is None else f'[{index}]'} "
+                        f"of micro-batch {mb}")
+            if not ours:
+                return
+            why = f"refused the {what} of iteration {it} from {sender}, which this part waits for: {reason}"
+            log.error("%s: %s", self.me, why)
+            self._aborted = self._aborted or why
             self._cv.notify_all()
 
     def _check_feeds(self, c: "Step | Eval") -> None:
@@ -451,7 +496,16 @@ class CompNode:
         if self._emulate:
             m = link_model(self.plan.cluster, self.plan.parts[self.me].device, self.plan.parts[p].device)
             link = EmulatedLink(m) if (m.alpha_s > 0 or m.beta_s_per_byte > 0) else None
-        self.transport.connect(p, address, link, direct=True)  # only the engine loop sends to peers
+        # only the engine loop sends to peers; a message over the peer's receive limit is refused before it is sent
+        self.transport.connect(p, address, link, direct=True, max_bytes=self._peer_limit(p))
+
+    def _peer_limit(self, p: str) -> int:
+        """The receive limit of peer ``p`` as ``p`` computes it (the plan's, or ``--max-message-bytes`` of the run):
+        a replica of this part's stage has this part's own limit (the same buckets); another stage at least
+        :func:`part_message_limit` of its stage (its own data-parallel group only adds to it)."""
+        if self.cfg.max_message_bytes or self.plan.stage_of(p) == self.plan.stage_of(self.me):
+            return self.transport.max_message_bytes
+        return part_message_limit(self.plan, self.plan.stage_of(p))
 
     def _set_members(self, group: list[str], n: int) -> None:
         """(Under ``_cv``) this stage's live replicas are ``group`` and each runs ``n`` micro-batches per step:
@@ -871,7 +925,8 @@ class CompNode:
                  self.engine_name, self.cfg.advertise or address)
         if self.cfg.security is None:
             log.warning("%s", insecure_warning(self.me, address))
-        self.transport.connect(COORDINATOR, self.cfg.coordinator)
+        self.transport.connect(COORDINATOR, self.cfg.coordinator,
+                               max_bytes=self.cfg.max_message_bytes or coordinator_message_limit(self.plan))
         self.transport.send(COORDINATOR, Hello(part=self.me, address=self.cfg.advertise or address,
                                                 pid=os.getpid(), engine=self.engine_name,
                                                 digest=self.cfg.plan_digest).frames())

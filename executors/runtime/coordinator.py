@@ -36,7 +36,7 @@ from fusion.ir.node import NodeKind
 from fusion.ir.wire import Message
 from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
-from fusion.executors.runtime.limits import coordinator_message_limit
+from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
 from fusion.executors.runtime.logtail import last_error
 from fusion.executors.runtime.outer import replica_micro_batches
 from fusion.executors.runtime.clip import total_norm
@@ -235,6 +235,14 @@ class Coordinator:
             self._errors.setdefault(peer, reason)
             self._cv.notify_all()
 
+    def _part_limit(self, p: str) -> int | None:
+        """What part ``p`` receives at most (its ``--max-message-bytes``, the run's; else the plan's bound of its
+        stage): a larger step is refused here, naming it, instead of dropped by the part while both sides wait.
+        None (unchecked here) for a data-parallel part without that option, whose bound its group's buckets raise."""
+        if self.cfg.max_message_bytes:
+            return self.cfg.max_message_bytes
+        return part_message_limit(self.plan, self.plan.stage_of(p)) if len(self.plan.dp_group(p)) == 1 else None
+
     def _failure(self, parts: list[str]) -> CompNodeFailure | None:
         """The first failed part among ``parts`` (error report, dead process, silence), if any."""
         now = time.monotonic()
@@ -322,7 +330,7 @@ class Coordinator:
             if c.part != p:
                 raise CompNodeFailure(p, f"says hello as {c.part!r}")
             self.addresses[p] = c.address
-            self.transport.connect(p, c.address)
+            self.transport.connect(p, c.address, max_bytes=self._part_limit(p))
             bad = digest_mismatch(self.cfg.plan_digest, c.digest, f"CompNode {p!r}", "the coordinator's")
             if bad:  # told at once; the start fails once the others have said hello, or HELLO_GRACE_S later
                 self.transport.send(p, Abort(reason=bad).frames())
@@ -433,7 +441,7 @@ class Coordinator:
             self._refuse_joiner(r, [], str(e))
             return None
         for p, h in hellos.items():
-            self.transport.connect(p, h.address)
+            self.transport.connect(p, h.address, max_bytes=self._part_limit(p))
         for p, h in hellos.items():
             bad = (f"CompNode {p!r} says hello as {h.part!r}" if h.part != p else
                    digest_mismatch(self.cfg.plan_digest, h.digest, f"joining CompNode {p!r}", "the coordinator's"))

@@ -145,9 +145,14 @@ def _dealer(t: "Transport", address: str, peer: str):
 class _Sender(threading.Thread):
     """Owns the DEALER socket to one peer; emulates the link when given one."""
 
-    def __init__(self, transport: "Transport", peer: str, address: str, link: EmulatedLink | None):
+    def __init__(self, transport: "Transport", peer: str, address: str, link: EmulatedLink | None,
+                 max_bytes: int | None = None):
         super().__init__(name=f"send-{peer}", daemon=True)
         self.t, self.peer, self.address, self.link = transport, peer, address, link
+        #: the most bytes one message to this peer may have (the peer's receive limit; None: unchecked here)
+        self.max_bytes = max_bytes
+        #: why this link can send no more (its thread failed); a send after that raises instead of queueing unread
+        self.failed: str | None = None
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = LinkStats()
         self._seq = itertools.count()
@@ -159,10 +164,11 @@ class _Sender(threading.Thread):
         self.q.put(_Stop(linger_s))
 
     def run(self) -> None:
-        sock = _dealer(self.t, self.address, self.peer)
         heap: list[_Pending] = []
         stopping: _Stop | None = None
+        sock = None
         try:
+            sock = _dealer(self.t, self.address, self.peer)
             while True:
                 now = time.monotonic()
                 while heap and heap[0].deliver_at <= now:
@@ -185,8 +191,15 @@ class _Sender(threading.Thread):
                 else:
                     s, e, d = self.link.schedule(nbytes, now)
                     heapq.heappush(heap, _Pending(d, next(self._seq), frames, nbytes, label, (s, e)))
+        except Exception as e:  # noqa: BLE001 - a dead sender thread would swallow every later message unsent
+            lost = len(heap) + self.q.qsize()
+            self.failed = (f"the link to {self.peer} at {self.address} failed ({type(e).__name__}: {str(e)[:200]}); "
+                           f"{lost} queued message(s) were not sent")
+            log.exception("%s: %s", self.t.name, self.failed)
+            self.t.report_error(self.peer, self.failed)
         finally:
-            sock.close(linger=int((stopping.linger_s if stopping else self.t.linger_s) * 1000))
+            if sock is not None:
+                sock.close(linger=int((stopping.linger_s if stopping else self.t.linger_s) * 1000))
 
     def _send(self, sock, p: _Pending) -> None:
         t0 = time.monotonic()
@@ -215,8 +228,8 @@ class _Direct(_Sender):
     """A link without emulation used by one thread only: the caller's thread sends (ZeroMQ's I/O thread still
     moves the bytes in the background), saving a thread hand-off per message. Created and used by that thread."""
 
-    def __init__(self, transport: "Transport", peer: str, address: str):
-        super().__init__(transport, peer, address, None)
+    def __init__(self, transport: "Transport", peer: str, address: str, max_bytes: int | None = None):
+        super().__init__(transport, peer, address, None, max_bytes)
         self._sock = None
 
     def start(self) -> None:  # no thread; connect now, so that this process holds its identity at the peer from
@@ -308,16 +321,21 @@ class Transport:
             raise TransportError(f"{self.name}: cannot bind {self.bind_addr}: {self._bind_error}")
         return self.address
 
-    def connect(self, peer: str, address: str, link: EmulatedLink | None = None, direct: bool = False) -> None:
+    def connect(self, peer: str, address: str, link: EmulatedLink | None = None, direct: bool = False,
+                max_bytes: int | None = None) -> None:
         """Open the outbound link to ``peer`` (idempotent).
 
         direct: the link is used by one thread only and not emulated; that
         thread then hands messages to ZeroMQ itself instead of through a
         sender thread (ZeroMQ's own I/O thread still sends in the background).
+        max_bytes: the peer's receive limit (``limits.py``, the same function of the plan on both ends): a larger
+        message is refused here by :meth:`send`, naming it, instead of being dropped by the receiver (ZeroMQ drops
+        a frame over ``ZMQ_MAXMSGSIZE`` and the connection without a word to either side).
         """
         if peer in self.senders:
             return
-        s = _Direct(self, peer, address) if direct and link is None else _Sender(self, peer, address, link)
+        s = (_Direct(self, peer, address, max_bytes) if direct and link is None
+             else _Sender(self, peer, address, link, max_bytes))
         self.senders[peer] = s
         s.start()
 
@@ -326,6 +344,17 @@ class Transport:
         s = self.senders.get(peer)
         if s is None:
             raise TransportError(f"{self.name}: no link to {peer!r}")
+        if s.failed:
+            raise TransportError(f"{self.name}: cannot send {label or 'a message'} to {peer}: {s.failed}")
+        if len(frames) > MAX_FRAMES - 1:  # (the receiver's count includes the ROUTER's identity frame)
+            raise TransportError(f"{self.name}: {label or 'a message'} to {peer} has {len(frames)} frames, more than "
+                                 f"the {MAX_FRAMES - 1} a receiver takes")
+        if s.max_bytes is not None:
+            nbytes = frames_nbytes(frames)
+            if nbytes > s.max_bytes:
+                raise TransportError(f"{self.name}: {label or 'a message'} to {peer} is {nbytes} bytes, over {peer}'s "
+                                     f"limit of {s.max_bytes} bytes (executors/runtime/limits.py); the receiver would "
+                                     "drop it")
         s.put(frames, label)
 
     def close(self, timeout_s: float = 5.0, linger_s: float | None = None) -> None:
