@@ -264,12 +264,12 @@ def run(args: argparse.Namespace) -> int:
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan
 
+    if args.max_restarts and not args.checkpoint_every:  # before the plan is read
+        raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
+                          "from its latest complete checkpoint")
     plan = load_plan(args.plan)
     if args.resume and not args.out:
         raise FusionError("--resume continues the run in --out RUN: name it")
-    if args.max_restarts and not args.checkpoint_every:
-        raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
-                          "from its latest complete checkpoint")
     out = Path(args.out) if args.out else default_run_dir(run_name(Path(args.plan)))
     batch_fn = make_batches(plan, args.data, plan.seed, args.val_split / 100)  # fail before anything waits
     joins = joins_from_args(args, plan)

@@ -117,9 +117,46 @@ def test_a_killed_executor_started_again_resumes_the_standalone_run_with_the_sam
 def test_coordinator_max_restarts_needs_checkpoints(tmp_path, capsys):
     from fusion.cli import main
 
-    plan_dir = save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2)
+    plan_dir = tmp_path / "plan"  # refused before anything is read
     assert main(["coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--out", str(tmp_path / "r"),
                  "--max-restarts", "1", "--insecure"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "needs --checkpoint-every" in lines[0], lines
     assert not (tmp_path / "r").exists()
+
+
+def test_a_second_hello_names_the_replaced_part_and_is_handed_to_the_next_coordinator(tmp_path):
+    """In-process: what the coordinator does with a new executor's hello while it trains, and with messages from a part
+    that has not said hello to it (late ones of an executor of the previous coordinator at that address)."""
+    from fusion.executors.runtime.control import Done, Hb, Hello
+    from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
+    from fusion.ir.wire import decode
+    from fusion.plan import load_plan
+
+    plan = load_plan(save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2))
+    msg = lambda c: decode(c.frames())  # noqa: E731
+    hello = lambda pid: msg(Hello(part="p1", address="tcp://127.0.0.1:9", pid=pid, engine="torch", digest=""))  # noqa: E731
+    old, new = Coordinator(plan, CoordinatorConfig()), Coordinator(plan, CoordinatorConfig())
+    try:
+        old._on_message("p0", msg(Done(it=0, losses=[], stats={})))  # before p0's hello: dropped, not a sign of life
+        old._on_message("p0", msg(Hb()))
+        assert not old._inbox["p0"] and "p0" not in old._last_seen
+        old._on_message("p1", hello(11))
+        assert old._failure(["p1"]) is None  # the first hello is start-up
+        old._inbox["p1"].clear()  # (taken by start)
+        old._on_message("p1", hello(12))  # a new executor of p1 while the run trains
+        fail = old._failure(["p0", "p1"])
+        assert fail is not None and fail.part == "p1" and "a new executor said hello (pid 12)" in fail.reason
+        sent = []
+        old.transport.send = lambda p, frames: sent.append(p)
+        old.transport.senders.update({"p0": None, "p1": None})
+        old.abort("restart")
+        assert sent == ["p0"]  # the abort is not sent to the link that may reach the new p1
+        pending = old.pending_hellos()
+        assert [(p, c.pid) for p, c in pending] == [("p1", 12)]
+        new.take_hellos(pending)
+        assert [c.pid for c in new._inbox["p1"]] == [12] and new._failure(["p0", "p1"]) is None
+    finally:
+        old.transport.senders.clear()
+        old.close(linger_s=0)
+        new.close(linger_s=0)
