@@ -190,6 +190,12 @@ class Coordinator:
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
         self._last_seen: dict[str, float] = {}
         self._errors: dict[str, str] = {}
+        #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
+        #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
+        self._greeted: set[str] = set()
+        #: parts whose executor said hello a second time: a new executor replaces one that stopped (a supervisor
+        #: restarted it); it is not sent this coordinator's abort, and its hello waits for the next coordinator
+        self._replaced: set[str] = set()
         self.addresses: dict[str, str] = {}
         self.step_index = 0
         self.transport = Transport(COORDINATOR, cfg.bind, self.parts, self._on_message,
@@ -221,6 +227,14 @@ class Coordinator:
             raise WireError(f"{msg.kind} message sent to the coordinator")
         c = decode_ctrl(msg, TO_COORDINATOR)
         with self._cv:
+            if c.op == "hello":
+                if sender in self._greeted:  # a new executor of a part that is set up: the previous one is gone
+                    self._replaced.add(sender)
+                    self._errors.setdefault(sender, f"a new executor said hello (pid {c.pid}): "
+                                                    "the one it replaces has stopped")
+                self._greeted.add(sender)
+            elif sender not in self._greeted:
+                return  # from an executor of a previous coordinator at this address, not of this run's parts
             self._last_seen[sender] = time.monotonic()
             if isinstance(c, Error):
                 self._errors.setdefault(sender, c.reason)
@@ -719,7 +733,28 @@ class Coordinator:
 
     def _abort_locked(self, reason: str) -> None:
         for p in list(self.transport.senders):
-            self.transport.send(p, Abort(reason=reason).frames())
+            if p not in self._replaced:  # (the link may reach the new executor at the same address)
+                self.transport.send(p, Abort(reason=reason).frames())
+
+    def abort(self, reason: str) -> None:
+        """Tell every executor to stop (exit status 1), except one that has already been replaced."""
+        with self._cv:
+            self._abort_locked(reason)
+
+    def pending_hellos(self) -> list[tuple[str, Control]]:
+        """(sender, hello) of each hello received and not taken: of new executors that replace stopped ones
+        (``--max-restarts`` of a standalone coordinator hands them to the next coordinator at this address)."""
+        with self._cv:
+            return [(p, c) for p, box in self._inbox.items() for c in box if c.op == "hello"]
+
+    def take_hellos(self, hellos: list[tuple[str, Control]]) -> None:
+        """Hellos received by a previous coordinator at this address (:meth:`pending_hellos`), as if sent here."""
+        with self._cv:
+            for p, c in hellos:
+                self._greeted.add(p)
+                self._last_seen[p] = time.monotonic()
+                self._inbox[p].append(c)
+            self._cv.notify_all()
 
     def stop(self) -> None:
         """Tell every executor to finish (they flush traces and exit 0; a dropped replica's were aborted)."""

@@ -193,6 +193,8 @@ class LocalCluster:
         if self.coordinator is not None and graceful:
             self.coordinator.stop()
         status = _wait_all(self.processes, timeout_s if graceful else 0.5)
+        if graceful and self.trace:  # a long run's traces take a while to write: wait while they still grow
+            status = _wait_while_writing(self.processes, status, self.run_dir / "trace", timeout_s)
         for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
             left = [p for p, rc in status.items() if rc is None]
             if not left:
@@ -229,6 +231,24 @@ def package_root() -> str:
     import fusion
 
     return str(Path(fusion.__file__).resolve().parent.parent)
+
+
+def _wait_while_writing(processes: Mapping[str, subprocess.Popen], status: dict[str, int | None], folder: Path,
+                        idle_s: float, cap_s: float = 900.0) -> dict[str, int | None]:
+    """Wait on for the executors still running after a stop while a file in ``folder`` (their traces) was written to
+    within the last ``idle_s`` seconds, at most ``cap_s``: a long run's trace (tens of MB streamed from its spill
+    file) can take longer than the stop's grace under load, and was cut off by SIGTERM (issue 28, 10,000 steps)."""
+    deadline = time.monotonic() + cap_s
+    while any(rc is None for rc in status.values()) and time.monotonic() < deadline:
+        try:
+            newest = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
+        except OSError:
+            newest = 0.0
+        if time.time() - newest > idle_s:
+            break  # nothing written for idle_s: the executors are not writing traces, they hang
+        left = {p: processes[p] for p, rc in status.items() if rc is None}
+        status.update(_wait_all(left, 1.0))
+    return status
 
 
 def _wait_all(processes: Mapping[str, subprocess.Popen], timeout_s: float) -> dict[str, int | None]:

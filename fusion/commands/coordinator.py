@@ -38,6 +38,8 @@ non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must be 0 o
 positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
 #: a finite number > 0 (not a time)
 positive_finite = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number")
+#: a finite number of seconds >= 0
+non_negative_seconds = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
 
 
 def zmq_address(text: str) -> str:
@@ -153,6 +155,18 @@ def add_parser(sub) -> None:
     p.add_argument("--startup-timeout", type=positive_float, default=120.0,
                    help="give up when the executors have not all said hello after this long (s)")
     add_common(p)
+    # recovery without a human (issue 28): wait for a part to come back
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                   help="when a CompNode dies or stops answering, tell every executor to stop, wait for a new "
+                        "executor of every part (started by you or a supervisor such as systemd with "
+                        "Restart=on-failure) and train on from the latest complete checkpoint, at most N times "
+                        "(needs --checkpoint-every; each restart is an event line in metrics.jsonl; default 0: the "
+                        "run ends at the first failure)")
+    p.add_argument("--restart-wait", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="with --max-restarts: how long a restart waits for a new executor of every part (default 300)")
+    p.add_argument("--log-every", type=non_negative_seconds, default=30.0, metavar="SECONDS",
+                   help="when stderr is not a terminal (a log file, CI), a one-line step log at most this often, "
+                        "even with --no-progress (0: every step)")
     from fusion.commands.keys import add_security_options
 
     add_security_options(p)
@@ -250,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan
 
+    if args.max_restarts and not args.checkpoint_every:  # before the plan is read
+        raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
+                          "from its latest complete checkpoint")
     plan = load_plan(args.plan)
     if args.resume and not args.out:
         raise FusionError("--resume continues the run in --out RUN: name it")
@@ -266,7 +283,13 @@ def run(args: argparse.Namespace) -> int:
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),
                             drop_failed_replicas=args.drop_failed_replicas, joins=joins)
-    coord = Coordinator(plan, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    coord = Coordinator(plan, cfg, report=say)
+    from fusion.commands.restarts import WaitForParts
+
+    parts = WaitForParts(coord, lambda c: Coordinator(plan, c, report=say), args.restart_wait, say)
     interrupted = False
     try:
         print(f"run folder {out}", file=sys.stderr)
@@ -283,13 +306,20 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         first = coord.start(resume=args.resume)
         try:
-            train(coord, batch_fn, first, args.steps, out, not args.no_progress, evaluation=evaluation)
+            if args.max_restarts:
+                from fusion.commands.restarts import train_with_restarts
+
+                train_with_restarts(parts, batch_fn, first, args.steps, out, not args.no_progress, args.max_restarts,
+                                    say, log_every_s=args.log_every, evaluation=evaluation)
+            else:
+                train(coord, batch_fn, first, args.steps, out, not args.no_progress, log_every_s=args.log_every,
+                      evaluation=evaluation)
         except KeyboardInterrupt:
             interrupted = True
-        coord.stop()
+        parts.coordinator.stop()
         time.sleep(0.5)  # let stop messages leave before the sockets close
     finally:
-        coord.close()
+        parts.coordinator.close()  # (the coordinator of the latest restart)
         finish_run(out, f"{run_name(Path(args.plan))}: {len(plan.parts)} CompNodes")
     print(f"{'interrupted' if interrupted else 'done'}; run folder {out} (metrics.jsonl, loss.png, final.safetensors)",
           file=sys.stderr)

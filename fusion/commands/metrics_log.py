@@ -15,7 +15,7 @@ import logging
 import math
 from pathlib import Path
 
-from fusion.commands.report import read_metrics
+from fusion.commands.report import iter_metrics
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +28,24 @@ def _scalars(row: dict) -> dict[str, float]:
 
 
 def write_csv(metrics: Path, out: Path) -> Path | None:
-    """``metrics.csv`` from ``metrics.jsonl``: the scalar fields of each step line; None when there are no steps."""
-    rows = [_scalars(r) for r in read_metrics(metrics)]
-    if not rows:
+    """``metrics.csv`` from ``metrics.jsonl``: the scalar fields of each step line; None when there are no steps.
+
+    Two passes over the file, one line at a time (the columns, then the rows): a long run's rows are never all in
+    memory (issue 28)."""
+    found: set[str] = set()
+    n = 0
+    for r in iter_metrics(metrics):
+        found.update(_scalars(r))
+        n += 1
+    if not n:
         return None
-    cols = [c for c in FIRST if any(c in r for r in rows)]
-    cols += sorted({k for r in rows for k in r} - set(cols))
+    cols = [c for c in FIRST if c in found]
+    cols += sorted(found - set(cols))
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, restval="")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(_scalars(r) for r in iter_metrics(metrics))
     tmp.replace(out)
     return out
 
@@ -51,8 +58,7 @@ def write_tensorboard(metrics: Path, out: Path) -> Path | None:
     except ImportError:
         log.info("tensorboard is not installed: no TensorBoard log (metrics.csv and metrics.jsonl hold the same)")
         return None
-    rows = read_metrics(metrics)
-    if not rows:
+    if next(iter_metrics(metrics), None) is None:
         return None
     import shutil
 
@@ -60,7 +66,7 @@ def write_tensorboard(metrics: Path, out: Path) -> Path | None:
         shutil.rmtree(out)  # rebuilt whole from metrics.jsonl (a resumed run replays steps)
     w = SummaryWriter(str(out))
     try:
-        for r in rows:
+        for r in iter_metrics(metrics):  # one line at a time
             for k, v in _scalars(r).items():
                 if k not in ("step", "time") and math.isfinite(v):
                     w.add_scalar(f"train/{k}", v, int(r["step"]), walltime=r.get("time"))

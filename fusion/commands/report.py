@@ -30,49 +30,70 @@ def read_metrics(path: Path) -> list[dict]:
     return list(iter_metrics(path))
 
 
+def _num(v) -> float:
+    """A plotted number (NaN, a gap in the line, for a missing one)."""
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+def _plot_columns(metrics: Path) -> dict:
+    """What ``loss.png`` draws, read from ``metrics.jsonl`` one line at a time: per step only the numbers drawn
+    (step, loss, samples/s as float arrays, 8 bytes each), plus the few marked steps (DiLoCo outer steps, replicas
+    that left or joined, restarts, held-out losses). A long run's rows are never all held as dicts (issue 28)."""
+    from array import array
+
+    cols = {"step": array("d"), "loss": array("d"), "samples_per_s": array("d"), "outer": array("d"),
+            "val_step": array("d"), "val_loss": array("d"), "marks": [], "restarts": []}
+    for r in iter_metrics(metrics):
+        if "event" in r:  # restarts (--max-restarts): drawn, not plotted as steps
+            if r.get("event") == "restart" and isinstance(r.get("resumed_step"), int):
+                cols["restarts"].append((r["resumed_step"], r.get("restart"), r.get("part")))
+        elif "loss" in r:
+            cols["step"].append(r["step"])
+            cols["loss"].append(_num(r["loss"]))
+            cols["samples_per_s"].append(_num(r.get("samples_per_s")))
+            if r.get("outer"):
+                cols["outer"].append(r["step"])
+            for d in r.get("dropped") or []:
+                cols["marks"].append((r["step"], "tab:red", f"replica {d.get('replica')} left"))
+            for d in r.get("joined") or []:
+                cols["marks"].append((r["step"], "tab:green", f"replica {d.get('replica')} joined"))
+        elif "val_loss" in r:  # evaluation lines: {"step", "val_loss"}
+            cols["val_step"].append(r["step"])
+            cols["val_loss"].append(_num(r["val_loss"]))
+    return cols
+
+
 def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
     """Loss (and the held-out loss of ``--eval-every``) and samples/s per step as a PNG; None when there are no steps."""
-    rows = read_metrics(metrics)
-    events = [r for r in rows if "event" in r]  # restarts (--max-restarts): drawn, not plotted as steps
-    vals = [r for r in rows if "val_loss" in r and "loss" not in r]  # evaluation lines: {"step", "val_loss"}
-    rows = [r for r in rows if "event" not in r and "loss" in r]
-    if not rows:
+    c = _plot_columns(metrics)
+    if not c["step"]:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
+    steps, few = c["step"], len(c["step"]) < 60
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 60 else None, color="tab:blue", label="train")
-    if vals:
-        a1.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], marker="o", color="tab:orange",
-                label="validation (held out)")
+    a1.plot(steps, c["loss"], marker="." if few else None, color="tab:blue", label="train")
+    if c["val_step"]:
+        a1.plot(c["val_step"], c["val_loss"], marker="o", color="tab:orange", label="validation (held out)")
         a1.legend()
-    for r in rows:  # DiLoCo's outer steps (faint), replicas that left (red), where the run had them
-        if r.get("outer"):
-            a1.axvline(r["step"], color="0.85", lw=0.8, zorder=0)
-        for d in r.get("dropped") or []:
-            a1.axvline(r["step"], color="tab:red", ls="--", lw=1)
-            a1.annotate(f"replica {d.get('replica')} left", (r["step"], 1), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
-        for d in r.get("joined") or []:  # replicas that joined (green), before the step they first trained
-            a1.axvline(r["step"], color="tab:green", ls="--", lw=1)
-            a1.annotate(f"replica {d.get('replica')} joined", (r["step"], 1), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=8, color="tab:green")
-    for ev in events:  # the run restarted its CompNodes and went back to a checkpoint's step
-        if ev.get("event") == "restart" and isinstance(ev.get("resumed_step"), int):
-            a1.axvline(ev["resumed_step"], color="tab:orange", ls=":", lw=1.2)
-            a1.annotate(f"restart {ev.get('restart')} ({ev.get('part')})", (ev["resumed_step"], 1),
-                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
-                        color="tab:orange")
+    for s in c["outer"]:  # DiLoCo's outer steps (faint)
+        a1.axvline(s, color="0.85", lw=0.8, zorder=0)
+    for s, color, text in c["marks"]:  # replicas that left (red) or joined (green, before the step they first trained)
+        a1.axvline(s, color=color, ls="--", lw=1)
+        a1.annotate(text, (s, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
+                    color=color)
+    for s, number, part in c["restarts"]:  # the run restarted its CompNodes and went back to a checkpoint's step
+        a1.axvline(s, color="tab:orange", ls=":", lw=1.2)
+        a1.annotate(f"restart {number} ({part})", (s, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                    ha="right", fontsize=8, color="tab:orange")
     a1.set_xlabel("step")
     a1.set_ylabel("loss")
     a1.set_title("training loss")
     a1.grid(alpha=0.3)
-    a2.plot(steps, [r.get("samples_per_s", float("nan")) for r in rows], marker="." if len(rows) < 60 else None,
-            color="tab:green")
+    a2.plot(steps, c["samples_per_s"], marker="." if few else None, color="tab:green")
     a2.set_xlabel("step")
     a2.set_ylabel("samples/s")
     a2.set_title("throughput")

@@ -8,12 +8,19 @@ there. Steps after that checkpoint are recomputed; the runs are deterministic, s
 and weights are the same bits as a run without the failure. Each restart is one event line in
 ``metrics.jsonl`` (:func:`restart_event`), drawn in ``loss.png``. After ``N`` restarts the
 next failure ends the run as without the option (named, exit status 2).
+
+``fusion coordinator --max-restarts N`` cannot start processes (the executors run on other hosts, started by
+hand or by a supervisor such as systemd). Its :class:`WaitForParts` "restarts" by waiting: every executor is told
+to stop (exit status 1, so that a supervisor with ``Restart=on-failure`` starts it again), a new coordinator
+binds the same address, and once a new executor of every part has said hello (within ``--restart-wait``
+seconds) each reloads the latest complete checkpoint, as after ``fusion run``'s restart.
 """
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable
 
 #: the ``event`` of a restart's line in metrics.jsonl
@@ -70,3 +77,33 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                 failed_step = cluster.coordinator.step_index
             failure, t_fail = e, time.monotonic()
             report(f"{e}; restarting every CompNode from the latest checkpoint (restart {restarts} of {max_restarts})")
+
+
+class WaitForParts:
+    """The restarts of a standalone coordinator (``fusion coordinator --max-restarts``): it waits for the parts.
+
+    ``coordinator``: the running :class:`~fusion.executors.runtime.coordinator.Coordinator` (bound, started);
+    ``make``: a new coordinator for the same plan and options with the given config; ``wait_s``: how long a
+    restart waits for a new executor of every part (``--restart-wait``). Used by :func:`train_with_restarts` as
+    ``fusion run``'s LocalCluster is: ``.coordinator`` and ``.restart()``."""
+
+    def __init__(self, coordinator, make: Callable, wait_s: float, report: Callable[[str], None]):
+        self.coordinator, self.make, self.wait_s, self.report = coordinator, make, wait_s, report
+
+    def restart(self) -> int:
+        """Stop every executor (the parts still running are told to abort: each must reload the checkpoint in a
+        fresh process), bind a new coordinator at the same address, wait up to ``wait_s`` for a new executor of
+        every part and set them up from the latest complete checkpoint; returns the step the run resumes at.
+        A new executor that said hello to the old coordinator while it trained is handed on, not lost."""
+        old = self.coordinator
+        old.abort("the run restarts from its latest checkpoint (fusion coordinator --max-restarts): "
+                  "start this executor again")
+        old.close(linger_s=0.5)  # the aborts leave; then nothing more arrives at the old sockets
+        hellos = old.pending_hellos()
+        cfg = replace(old.cfg, bind=old.address or old.cfg.bind, startup_timeout_s=self.wait_s)  # the port bound
+        self.coordinator = new = self.make(cfg)
+        new.take_hellos(hellos)
+        parts = list(new.parts)
+        self.report(f"waiting up to {self.wait_s:.0f} s for a new executor of every part ({', '.join(parts)}) at "
+                    f"{new.bind()}: start them again (a supervisor such as systemd with Restart=on-failure does)")
+        return new.start(resume=True)

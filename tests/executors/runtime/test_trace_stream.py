@@ -73,3 +73,34 @@ def test_a_torn_compnode_trace_keeps_what_was_written(tmp_path):
     out = merge_traces(tmp_path / "trace", tmp_path / "trace.json")
     merged = json.loads(out.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in merged) >= 10
+
+
+def test_a_stopped_run_waits_for_executors_still_writing_their_traces(tmp_path):
+    """A 10,000-step run under load lost trace.json: writing each executor's 30 MB trace outlasted the 10 s grace after
+    stop and SIGTERM cut it off. An executor still writing is waited for; one that writes nothing is not."""
+    import subprocess
+    import sys
+    import time
+
+    from fusion.executors.runtime.launcher import _wait_all, _wait_while_writing
+
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    writer = ("import sys, time\nfor i in range(12):\n    open(sys.argv[1], 'a').write('x' * 1000)\n"
+              "    time.sleep(0.25)\n")  # ~3 s of writing, then exit 0
+    procs = {"p0": subprocess.Popen([sys.executable, "-c", writer, str(folder / "p0.json.tmp")]),
+             "p1": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])}  # hangs, writes nothing
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "p0.json.tmp").exists() and time.monotonic() < deadline:  # (a slow start under load)
+            time.sleep(0.05)
+        status = _wait_all(procs, 0.5)
+        assert status == {"p0": None, "p1": None}  # the grace is over: before, both were terminated here
+        t0 = time.monotonic()
+        status = _wait_while_writing(procs, status, folder, idle_s=3.0)
+        assert status["p0"] == 0, status  # its trace finished
+        assert status["p1"] is None and time.monotonic() - t0 < 30  # no wait for a process that writes nothing
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
