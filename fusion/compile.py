@@ -33,6 +33,7 @@ from fusion.plan import SCHEDULE_NAMES, Part, Plan, boundary_tables
 from fusion.cluster.topology import device_clusters
 
 if TYPE_CHECKING:
+    from fusion.compress.bottleneck import BottleneckRequest
     from fusion.cost.node_times import NodeTimes
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
                   compress: CompressRequest | None = None, recompute: str = "auto",
                   tied_codec: dict | str | None = None, virtual_stages: int | None = None,
-                  node_times: "NodeTimes | None" = None) -> Plan:
+                  node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -85,6 +86,12 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                     iteration gets shorter with it, else none.
     node_times:     measured per-node seconds (:class:`fusion.cost.node_times.NodeTimes`, ``--node-times``):
                     the estimator prices the timed nodes by them (FusionError if measured on another graph).
+    bottleneck:     learned bottlenecks at the cut (:mod:`fusion.compress.bottleneck`): after partitioning, the
+                    chosen cut edges get an encoder/decoder pair (new parameters), the plan's graph is the
+                    rewritten one, the estimator prices it (smaller wire bytes, extra FLOPs and memory), and
+                    ``plan.bottlenecks`` says what was inserted. The returned plan's graph has new parameters:
+                    their initial values are :func:`fusion.compress.bottleneck.initial_values` of
+                    ``plan.bottlenecks``. Not with an interleaved schedule or ``node_times``.
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -129,6 +136,25 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
             part = ipart
         log.info("schedule auto: %s (%s)", schedule, ", ".join(
             f"{n} {p.iteration_s:.4g} s{'' if p.fits else ' (does not fit)'}" for n, p in prices.items()))
+    bspecs, binfo = [], None
+    if bottleneck is not None:
+        if v_stages or node_times is not None:
+            raise CompileError("--bottleneck is not built with " + ("--node-times (measured on the graph before the "
+                               "pass)" if node_times is not None else "an interleaved schedule (--virtual-stages)"))
+
+        def build(g):
+            c = CostModel.build(g, measure_costs(g), cluster, micro_batches, cm.schedule,
+                                optimizer_slots(optimizer.name, optimizer.momentum), samples_per_micro_batch(g))
+            c.recompute_all = cm.recompute_all
+            if compress is not None:
+                c.codec_prices = codec_prices(c, compress)
+            return c
+
+        model, cm, part, bspecs, binfo = _bottleneck(model, cm, part, bottleneck, seed, recompute, build)
+        graph = model.graph
+        if bspecs:
+            tied = _tied_codec(cm, tied_codec)
+            prices = _price_schedules(cm, part, recompute, tuple(n for n in prices if n in CUT_SCHEDULES))
     rc = _recompute_choice(cm, part, recompute)
     tied = _tied_pays(cm, part, rc, tied, tied_codec == "auto")
     tied_prices_ = (cm.tied_wire, cm.tied_codec_s)
@@ -155,6 +181,9 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     plan = _assemble(model, cluster, cm, part, names, est, dense, compression, clusters, strategy, schedule,
                      micro_batches, optimizer, seed)
     plan.tied_codec = tied
+    plan.bottlenecks = bspecs
+    if binfo is not None:
+        plan.predicted["bottleneck"] = binfo
     plan.predicted["schedules"] = {n: p.to_dict() for n, p in prices.items()}
     plan.predicted["schedule_choice"] = "auto" if auto else "fixed"
     if node_times is not None:
@@ -174,6 +203,61 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     log.info("compiled %d nodes onto %d of %d devices with %s: predicted %.4g s/iteration",
              len(graph), len(names), len(cluster), strategy, plan.predicted["iteration_s"])
     return plan
+
+
+def _bottleneck(model: Model, cm: CostModel, part: Partition, req, seed: int, recompute: str, build):
+    """The bottleneck pass on the cut ``part`` (:mod:`fusion.compress.bottleneck`): ``(model, cost model,
+    partition, specs, info)`` of the rewritten graph, each candidate rank priced by the estimator on that same cut
+    (``auto``: the smallest ranks within ``AUTO_SLACK`` of the best; ``optional``: nothing unless it shortens the
+    iteration). ``info`` is ``plan.predicted["bottleneck"]``."""
+    from fusion.compress.bottleneck import (AUTO_DIVISORS, AUTO_SLACK, cut_edges, initial_values,
+                                            insert_bottlenecks, with_bottleneck_nodes)
+
+    names = [f"part{k}" for k in range(len(part.part_device))]
+    assignment = {n: names[int(p)] for n, p in zip(cm.names, part.node_part)}
+    edges = cut_edges(model.graph, assignment, list(req.edges) if req.edges is not None else None)
+    rc0 = _recompute_choice(cm, part, recompute)
+    without = float(cm.evaluate(part.node_part, part.part_device, recompute=rc0).iteration_s)
+    # with_s / without_s: Eq. 3's iteration (what the partitioners minimise) on this cut, with and without
+    info: dict[str, Any] = {"request": req.rank, "optional": req.optional, "without_s": without, "candidates": []}
+    if not edges:
+        if req.optional:
+            info["chosen"] = None
+            return model, cm, part, [], info
+        raise CompileError("--bottleneck: no cut edge of this plan carries the residual stream (the float tensors of "
+                           "the graph's most common width); name edges with --bottleneck-edges")
+    width = {e.name: model.graph.output_meta(e.producer, e.index).shape[-1] for e in edges}
+    if req.rank == "auto":
+        candidates = list({tuple(max(1, w // k) for w in width.values()): None for k in AUTO_DIVISORS})
+        candidates = [dict(zip(width, c)) for c in candidates if all(r < w for r, w in zip(c, width.values()))]
+        if not candidates:
+            raise CompileError(f"--bottleneck auto: the cut edges are too narrow for a bottleneck (widths {width})")
+    else:
+        candidates = [dict.fromkeys(width, req.rank)]
+    priced = []
+    for ranks in candidates:
+        g2, specs = insert_bottlenecks(model.graph, edges, ranks, seed)
+        asg2 = with_bottleneck_nodes(assignment, specs)
+        cm2 = build(g2)
+        index = {n: k for k, n in enumerate(names)}
+        node_part = np.array([index[asg2[n]] for n in cm2.names], dtype=np.int64)
+        p2 = Partition(node_part, list(part.part_device), 0.0, part.info)
+        rc = _recompute_choice(cm2, p2, recompute)
+        p2.iteration_s = float(cm2.evaluate(node_part, part.part_device, recompute=rc).iteration_s)
+        info["candidates"].append({"ranks": ranks, "iteration_s": p2.iteration_s})
+        priced.append((p2.iteration_s, g2, specs, cm2, p2))
+    best = min(t for t, *_ in priced)
+    t, g2, specs, cm2, p2 = next(x for x in priced if x[0] <= best * (1 + AUTO_SLACK))
+    if req.optional and not t < without:
+        log.info("bottleneck: %.4g s/iteration with it, %.4g s without: left out", t, without)
+        info["chosen"] = None
+        return model, cm, part, [], info
+    info["chosen"] = {s.edge: s.rank for s in specs}
+    info["with_s"] = t
+    log.info("bottleneck on %s: predicted %.4g s/iteration (%.4g s without)",
+             ", ".join(f"{s.edge} {s.width}->{s.rank}" for s in specs), t, without)
+    params = {**model.params, **initial_values(specs)} if model.params else {}
+    return Model(g2, params, model.example), cm2, p2, specs, info
 
 
 def _partition(cm: CostModel, cluster: Cluster, clusters, strategy: str, seed: int, retry_recompute: bool) -> Partition:

@@ -182,6 +182,7 @@ def plan_report(plan: Plan) -> str:
                      f"{codec_label(plan.tied_codec)}):")
         for name, owners in tied.items():
             lines.append(f"  {name}: {', '.join(owners)}")
+    lines += bottleneck_lines(plan)
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")
@@ -191,6 +192,27 @@ def plan_report(plan: Plan) -> str:
         lines.append(f"{e['tensor'][:24]:<24} {e['src'] + '->' + e['dst']:<16} {_fmt_bytes(e['bytes']):>10} {link:<36} "
                      f"{e['dense_s']:>9.4g} {e['fwd']:<22} {e['bwd']:<22}")
     return "\n".join(lines)
+
+
+def bottleneck_lines(plan: Plan) -> list[str]:
+    """Every module ``fusion compile --bottleneck`` inserted (``plan.bottlenecks``): its edge, parts, D -> R and
+    the parameters it added (the model changed: trainable count, and the fixed projection P)."""
+    if not plan.bottlenecks:
+        return []
+    total = sum(b.trainable_params for b in plan.bottlenecks)
+    info = plan.predicted.get("bottleneck") or {}
+    lines = ["", f"bottlenecks at the cut ({len(plan.bottlenecks)}; the model is changed: {total} trainable "
+                 "parameters added; encoder z = x P + x W_enc on the producing part, decoder y = z P^T + z W_dec "
+                 "on each consuming part, P fixed orthonormal):"]
+    lines.append(f"{'edge':<24} {'parts':<24} {'D -> R':>12} {'params':>9}  parameters")
+    for b in plan.bottlenecks:
+        parts = f"{b.src}->{','.join(b.dsts)}"
+        lines.append(f"{b.edge[:24]:<24} {parts[:24]:<24} {f'{b.width} -> {b.rank}':>12} {b.trainable_params:>9}  "
+                     f"{b.encoder}, {', '.join(b.decoders)} (+ fixed {b.projection}, {b.width * b.rank})")
+    if "with_s" in info:
+        lines.append(f"  estimator (Eq. 3 on this cut): {info['with_s']:.4g} s/iteration with them, "
+                     f"{info['without_s']:.4g} s without (--bottleneck {info.get('request')})")
+    return lines
 
 
 def virtual_stages(plan: Plan) -> dict[str, str]:

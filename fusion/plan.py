@@ -253,6 +253,64 @@ class EdgeCompression:
         return None
 
 
+@dataclass(frozen=True)
+class BottleneckSpec:
+    """What the bottleneck pass (:mod:`fusion.compress.bottleneck`, ``fusion compile --bottleneck``) inserted at
+    one cut edge (``plan.json`` ``bottlenecks[i]``): an encoder ``z = x @ P + x @ W_enc`` on ``src`` and, on each
+    part of ``dsts``, a decoder ``y = z @ P^T + z @ W_dec`` whose output replaces x there (ResBM's residual
+    bottleneck with a low-rank identity path).
+
+    producer, index: the cut tensor x (as :class:`CutEdge`); src: the part that encodes; dsts: the parts that
+    decode, each with its own decoder. width: D, x's last dim; rank: R, the code's last dim; dtype: x's dtype.
+    projection: name of the fixed buffer P (D x R, orthonormal columns); encoder: name of W_enc (D x R);
+    decoders: names of W_dec (R x D), one per part of ``dsts``, same order.
+    code: the node whose output z (R wide) crosses the cut; outputs: per ``dsts`` the node whose output y
+    replaces x there. nodes: every inserted node -> the part it runs on. seed: the seed P was drawn from.
+    """
+
+    producer: str
+    index: int | None
+    src: str
+    dsts: tuple[str, ...]
+    width: int
+    rank: int
+    dtype: str
+    projection: str
+    encoder: str
+    decoders: tuple[str, ...]
+    code: str
+    outputs: tuple[str, ...]
+    nodes: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def edge(self) -> str:
+        return self.producer if self.index is None else f"{self.producer}[{self.index}]"
+
+    @property
+    def trainable_params(self) -> int:
+        """Trainable parameters added: W_enc (D R) and one W_dec (R D) per destination part."""
+        return self.width * self.rank * (1 + len(self.dsts))
+
+    @property
+    def param_names(self) -> list[str]:
+        return [self.projection, self.encoder, *self.decoders]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"producer": self.producer, "index": self.index, "src": self.src, "dsts": list(self.dsts),
+                "width": self.width, "rank": self.rank, "dtype": self.dtype, "projection": self.projection,
+                "encoder": self.encoder, "decoders": list(self.decoders), "code": self.code,
+                "outputs": list(self.outputs), "nodes": dict(self.nodes), "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "BottleneckSpec":
+        if not isinstance(d, dict):
+            raise TypeError(f"a bottleneck entry must be a map, got {type(d).__name__}")
+        return cls(str(d["producer"]), d.get("index"), str(d["src"]), tuple(d["dsts"]), int(d["width"]),
+                   int(d["rank"]), str(d["dtype"]), str(d["projection"]), str(d["encoder"]), tuple(d["decoders"]),
+                   str(d["code"]), tuple(d["outputs"]), dict(d.get("nodes", {})), int(d.get("seed", 0)))
+
+
 @dataclass
 class Part:
     """One CompNode: name (part id), the cluster device it runs on, its
@@ -335,6 +393,10 @@ class Plan:
                    (bfloat16 bits where its producer was an autocast bf16 op, e.g. a matmul: half the bytes;
                    float32 where it was fp32, e.g. a residual sum or a LayerNorm), so the run equals one process
                    under autocast (``docs/training.md``, "Mixed precision").
+    bottlenecks:   what ``fusion compile --bottleneck`` inserted into ``graph`` at the cut (:class:`BottleneckSpec`,
+                   one per bottlenecked edge; ``docs/compression.md``, "Bottlenecks at the cut"); their nodes and
+                   parameters are ordinary graph nodes and parameters, this list says where they sit. Left out of
+                   plan.json when empty, so older plans read and hash as before.
     """
 
     graph: OpGraph
@@ -356,6 +418,7 @@ class Plan:
     dp_algo: dict[str, str] = field(default_factory=dict)
     dp_sync: DPSync = field(default_factory=DPSync)
     precision: str = "fp32"
+    bottlenecks: list[BottleneckSpec] = field(default_factory=list)
 
     PRECISIONS = ("fp32", "bf16")
 
@@ -442,6 +505,7 @@ class Plan:
             "global_batch": self.global_batch, "dp_codec": self.dp_codec, "tied_codec": self.tied_codec,
             "dp_algo": self.dp_algo, "dp_sync": self.dp_sync.to_dict(),
             **({"precision": self.precision} if self.precision != "fp32" else {}),
+            **({"bottlenecks": [b.to_dict() for b in self.bottlenecks]} if self.bottlenecks else {}),
         }
 
     @classmethod
@@ -460,15 +524,16 @@ class Plan:
             except GraphError as e:
                 raise PlanError(f"{source}: graph: {e}") from None
             parts = {n: Part(**p) for n, p in d["parts"].items()}
+            bnecks = [BottleneckSpec.from_dict(b) for b in d.get("bottlenecks", [])]
             comp = [EdgeCompression(**{**c, "directions": tuple(c.get("directions", ("fwd", "bwd")))}) for c in d.get("compression", [])]
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, KeyError) as e:
             raise PlanError(f"{source}: malformed field ({e})") from None
         plan = cls(graph, d["cluster"], parts, dict(d["assignment"]), comp, d.get("schedule", "gpipe"),
                    _int_field(d, "micro_batches", 1, source), dict(d.get("optimizer", {})), _int_field(d, "seed", 0, source),
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
                    d.get("tied_codec"), d.get("dp_algo", {}), DPSync.from_dict(d.get("dp_sync"), f"{source}: dp_sync"),
-                   d.get("precision", "fp32"))
+                   d.get("precision", "fp32"), bnecks)
         plan.check(source)
         return plan
 
@@ -518,6 +583,7 @@ class Plan:
                 if p.device not in names:
                     raise PlanError(f"{source}: parts.{p.name}.device names unknown device {p.device!r} (not in cluster.devices)")
         self._check_replicas(source)
+        self._check_bottlenecks(source)
         from fusion.ir.boundary import part_order
         from fusion.ir.errors import GraphError
 
@@ -531,6 +597,27 @@ class Plan:
                 if self.boundaries.get(part) != want.get(part):
                     raise PlanError(f"{source}: boundaries.{part} does not match the graph and assignment")
 
+
+    def _check_bottlenecks(self, source: str) -> None:
+        """Each bottleneck's parameters and nodes are in the graph where it says: P fixed, W_enc (D x R) and
+        W_dec (R x D) trainable, R < D, every node on the part it names."""
+        for i, b in enumerate(self.bottlenecks):
+            where = f"{source}: bottlenecks[{i}] ({b.edge})"
+            if not 1 <= b.rank < b.width:
+                raise PlanError(f"{where}: rank {b.rank} must be >= 1 and smaller than the width {b.width}")
+            if len(b.decoders) != len(b.dsts) or len(b.outputs) != len(b.dsts):
+                raise PlanError(f"{where}: one decoder and one output per destination part (dsts {list(b.dsts)})")
+            want = {b.projection: ((b.width, b.rank), False), b.encoder: ((b.width, b.rank), True),
+                    **{d: ((b.rank, b.width), True) for d in b.decoders}}
+            for name, (shape, trainable) in want.items():
+                p = self.graph.params.get(name)
+                if p is None or tuple(p.shape) != shape or p.trainable != trainable:
+                    raise PlanError(f"{where}: graph parameter {name!r} must exist with shape {list(shape)}"
+                                    f"{'' if trainable else ', not trainable'}")
+            for node, part in {**b.nodes, b.code: b.src}.items():
+                if self.assignment.get(node) != part:
+                    raise PlanError(f"{where}: node {node!r} must be on part {part!r} (assignment: "
+                                    f"{self.assignment.get(node)!r})")
 
     def _check_precision(self, source: str) -> None:
         """``precision`` is fp32 or bf16; bf16 (autocast) runs on torch parts with dense cut edges only."""

@@ -95,6 +95,18 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "convergence study shows to converge (default: none)"),
         g.add_argument("--compress-bwd", default=None, metavar="none|auto|CODEC[:K=V,...]",
                        help="codec for the gradients sent back (default: as --compress)"),
+        g.add_argument("--bottleneck", default=None, metavar="RANK|auto",
+                       help="learned bottlenecks at the cut (changes the model): each cut edge of the residual stream "
+                            "(or --bottleneck-edges) gets an encoder D->RANK on the producing part and a decoder "
+                            "RANK->D on the consuming part (ResBM: a fixed orthonormal low-rank identity path plus "
+                            "trained W_enc, W_dec, zero at start), so the edge sends RANK of D numbers per row; auto: "
+                            "the estimator picks D/64 .. D/8 (docs/compression.md, \"Bottlenecks at the cut\")"),
+        g.add_argument("--bottleneck-edges", default=None, metavar="NODE[,NODE...]",
+                       help="the cut edges to bottleneck, by producer node (NODE[INDEX] for one output of a "
+                            "multi-output node); default: every cut edge of the residual width"),
+        g.add_argument("--allow-architecture-change", action="store_true",
+                       help="let --compress auto add bottlenecks at the cut (new parameters) where the estimator "
+                            "says the iteration gets shorter; without it auto only picks codecs"),
         g.add_argument("--samples", type=positive_int, default=None, metavar="N",
                        help="training samples in the data set (distinct sample ids the data gives, visited again "
                             "every epoch): sizes delta (AQ-SGD) buffers in the memory model and lets --compress auto "
@@ -218,6 +230,9 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                           "leave out --replicas or use --schedule 1f1b/zb1")
     node_times = _node_times(args)
     if args.strategy in DP_STRATEGIES:
+        if getattr(args, "bottleneck", None) is not None:
+            raise FusionError(f"--bottleneck with --strategy {args.strategy}: the data-parallel planners do not "
+                              "insert bottlenecks yet; use opfence, equal-flops or equal-count (with --replicas)")
         if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
                               "a tied codec yet; leave it out")
@@ -237,10 +252,17 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
         # the default --micro-batches gives way to what the global batch makes; another value must agree with it
         micro = split_global_batch(args.global_batch, args.replicas, 0 if micro == MICRO_BATCHES else micro,
                                    rows.pop() if len(rows) == 1 else None)
+    bneck = bottleneck_from_args(args)
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
-                         virtual_stages=args.virtual_stages, node_times=node_times)
+                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck)
+    if plan.bottlenecks:  # the model is now the one with bottlenecks: its graph and initial weights
+        from fusion.compress.bottleneck import initial_values
+
+        model.graph = plan.graph
+        if model.params:
+            model.params = {**model.params, **initial_values(plan.bottlenecks)}
     if dp_codec is not None and args.replicas < 2:
         raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
@@ -254,6 +276,28 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     set_precision(plan, args.precision)
     record_codec_plugins(plan)
     return plan
+
+
+def bottleneck_from_args(args: argparse.Namespace):
+    """The :class:`~fusion.compress.bottleneck.BottleneckRequest` of ``--bottleneck``, ``--bottleneck-edges`` and
+    ``--compress auto --allow-architecture-change`` (None: the model stays as it is); FusionError, one line, for
+    a bad rank or an edge list without a bottleneck."""
+    from fusion.compress.bottleneck import BottleneckRequest, parse_rank
+    from fusion.ir.errors import FusionError
+
+    rank, names = getattr(args, "bottleneck", None), getattr(args, "bottleneck_edges", None)
+    edges = tuple(n.strip() for n in names.split(",") if n.strip()) if names is not None else None
+    consent = getattr(args, "allow_architecture_change", False)
+    if rank is not None:
+        if getattr(args, "precision", "fp32") != "fp32":
+            raise FusionError("--bottleneck with --precision bf16 is not built (the bottleneck is fp32 matmuls)")
+        return BottleneckRequest(parse_rank(rank), edges)
+    if (getattr(args, "compress", None) or "").strip() == "auto" and consent:
+        return BottleneckRequest("auto", edges, optional=True)
+    if edges is not None:
+        raise FusionError("--bottleneck-edges names the edges of --bottleneck RANK|auto (or of --compress auto "
+                          "--allow-architecture-change); give one of them")
+    return None
 
 
 def set_precision(plan, precision: str) -> None:
@@ -691,7 +735,10 @@ def describe_plan(plan, cluster) -> str:
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "
-            f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges; engines "
+            f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges"
+            + (f", {len(plan.bottlenecks)} bottleneck{'s' if len(plan.bottlenecks) > 1 else ''} "
+               f"({', '.join(f'{b.edge} {b.width}->{b.rank}' for b in plan.bottlenecks)})" if plan.bottlenecks else "")
+            + "; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)"
             + ("; mixed precision bf16 (torch autocast, fp32 weights)" if plan.precision == "bf16" else ""))
@@ -709,6 +756,7 @@ def run(args: argparse.Namespace) -> int:
     check_output(Path(args.output), args.force)
     dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
     optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
+    bottleneck_from_args(args)  # and a bad --bottleneck rank
     cluster = load_cluster(args.cluster)
     model = choose_loss(load_model(args.model), args.loss, args.model)
     plan = compile_from_args(args, model, cluster)
