@@ -200,7 +200,8 @@ def one_run(cfg: StudyConfig, run: str, built, train_tokens: np.ndarray, vset, s
     log.info("seed %d %-18s val %.4f (train %.4f)  %.1f simulated s (compute %.1f, comm %.1f), %.3f MB across the "
              "cut, %.0f s wall", seed, run, out["final_val"], out["final_train_loss"], out["sim_s"],
              out["compute_s"], out["comm_s"], out["cut_bytes"] / 1e6, out["wall_s"])
-    log.info("seed %d %s val curve %s", seed, run, out["val_curve"])
+    log.info("seed %d %s val curve %s, simulated s at those steps %s", seed, run, out["val_curve"],
+             [round(out["times"][st - 1], 2) for st, _ in out["val_curve"]])
     return out
 
 
