@@ -88,6 +88,7 @@ RUNS = {
     "bottleneck": (True, None, "adamw"),
     "bottleneck+quant4": (True, "quant4", "adamw"),
     "bottleneck+muon": (True, None, "muon"),
+    "dense+muon": (False, None, "muon"),  # bottleneck+muon's comparator: the same optimizer without the bottleneck
 }
 
 
