@@ -23,8 +23,8 @@ the original nodes identically.
 
 Runs (every seed, same initial weights of the shared parameters and same batches): ``dense``; ``quant4`` (every
 cut edge, both directions, 4-bit block quantisation, :data:`convergence.CODEC_RUNS`); ``bottleneck``;
-``bottleneck+quant4`` (the code through the 4-bit codec); ``bottleneck+muon`` (``--optimizer muon``). All with
-AdamW at ``lr`` (constant) except the last.
+``bottleneck+quant4`` (the code through the 4-bit codec); ``bottleneck+muon`` (``--optimizer muon``) and its
+comparator ``dense+muon``. All with AdamW at ``lr`` (constant) except the two Muon runs.
 
 Training and clock: in one process with fusion's :class:`~fusion.executors.reference.ReferenceExecutor`
 (:func:`convergence.train`, the same ``PartRuntime`` codec path as the runtime): **the simulated clock** of
