@@ -208,10 +208,16 @@ def codec_edges(model, assignment, cfg) -> list[EdgeCompression]:
             for e in uniform_edges(model, assignment, 1.0)]
 
 
-def train(model, plan, compression, batches, lr: float):
-    """Losses and simulated seconds per iteration (compute measured, communication from the link model)."""
-    ex = ReferenceExecutor(model, plan.assignment, OptimizerConfig("adamw", lr=lr), micro_batches=plan.micro_batches,
-                           compression=compression)
+def train(model, plan, compression, batches, lr: float, optimizer: OptimizerConfig | None = None, after_step=None,
+          timer=time.perf_counter):
+    """Losses and simulated seconds per iteration (compute measured, communication from the link model).
+
+    optimizer: the plan's optimizer (default AdamW at ``lr``); after_step: ``f(step, executor)`` called after
+    every step (1-based), outside the clock (an evaluation's forward is not counted); timer: the clock compute is
+    measured with (``time.thread_time``: CPU seconds of this thread, what a dedicated core would take, unaffected
+    by other processes on a loaded host)."""
+    ex = ReferenceExecutor(model, plan.assignment, optimizer or OptimizerConfig("adamw", lr=lr),
+                           micro_batches=plan.micro_batches, compression=compression)
     links = {}
     for a in plan.parts.values():
         for b in plan.parts.values():
@@ -229,15 +235,15 @@ def train(model, plan, compression, batches, lr: float):
                 clock["comm"] += links[(m.src, m.dst)].time(n)
 
         def f(*a, **kw):
-            t = time.perf_counter()
+            t = timer()
             out, loss = fwd(*a, **kw)
-            account(out, time.perf_counter() - t)
+            account(out, timer() - t)
             return out, loss
 
         def b(*a, **kw):
-            t = time.perf_counter()
+            t = timer()
             out = bwd(*a, **kw)
-            account(out, time.perf_counter() - t)
+            account(out, timer() - t)
             return out
 
         part.forward, part.backward = f, b
@@ -245,9 +251,11 @@ def train(model, plan, compression, batches, lr: float):
     for part in ex.parts.values():
         wrap(part)
     losses, times = [], []
-    for batch in batches:
+    for step, batch in enumerate(batches, 1):
         losses.append(ex.step(batch).loss)
         times.append(clock["compute"] + clock["comm"])
+        if after_step is not None:
+            after_step(step, ex)
     return np.array(losses), np.array(times), clock
 
 

@@ -24,7 +24,8 @@ from fusion.ir.opdata import OpData
 from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads, total_norm
 from fusion.executors.runtime.compression import check_edges
 from fusion.executors.runtime.tied import TiedCodec, sum_in_order
-from fusion.executors.engines.select import check_engines, engine_options_for, make_engine_part, make_optimizer
+from fusion.executors.engines.select import (check_engines, check_optimizer, engine_options_for, make_engine_part,
+                                             make_optimizer)
 from fusion.plan import OptimizerConfig
 from fusion.executors.runtime.part import PartRuntime
 from fusion.executors.runtime.schedule import LANE_SCHEDULES, ActionKind, make_lanes, make_schedule, splits_backward
@@ -114,6 +115,7 @@ class ReferenceExecutor:
                               if schedule in LANE_SCHEDULES else None)
         names = dict(engines or {})
         check_engines(g, self.assignment, names)
+        check_optimizer(optimizer.name, {p: names.get(p, "torch") for p in self.order})
         self.engines = {p: make_engine_part(names.get(p, "torch"), g, subs[p], model.params,
                                             options=engine_options_for(p, names.get(p, "torch"), engine_options))
                         for p in self.order}

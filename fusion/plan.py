@@ -32,11 +32,19 @@ PLAN_VERSION = 1
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zb1", "interleaved")
 
 
+#: the optimizers a plan may name (``OptimizerConfig.name``, ``fusion compile --optimizer``): the one list of names;
+#: each engine maps the names it has to its update (the torch engine's ``TORCH_OPTIMIZERS``: all of them; the NumPy
+#: engine's ``NumpyOptimizer.NAMES``: sgd and adamw), and ``check_optimizer`` refuses a part whose engine lacks one
+OPTIMIZER_NAMES = ("sgd", "adamw", "muon")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer of every part (``fusion compile --optimizer/--lr/...``), with its training knobs.
 
-    name:          ``"sgd"`` or ``"adamw"`` (torch's update formulas on every engine).
+    name:          ``"sgd"``, ``"adamw"`` (torch's update formulas on every engine) or ``"muon"`` (torch engine only:
+                   ``torch.optim.Muon`` on the 2-D weights that no embedding op reads, AdamW on the rest, both at
+                   ``lr`` and ``weight_decay``; docs/training.md, "Muon").
     lr:            the base learning rate.
     momentum, weight_decay, betas, eps: the usual hyper-parameters.
     lr_schedule:   ``"constant"``, ``"linear"`` or ``"cosine"`` (``--lr-schedule``): optimizer step ``k`` (0-based,
@@ -50,7 +58,8 @@ class OptimizerConfig:
                    (tied parameters once), after the data-parallel average: every gradient is scaled by
                    ``min(1, clip / (norm + 1e-6))`` before the step, as ``torch.nn.utils.clip_grad_norm_`` in one
                    process; None: no clipping.
-    The four knobs are left off ``to_dict`` at their defaults, so a plan without them reads as before.
+    muon_momentum: Muon's momentum mu (Nesterov), ``muon`` only (its AdamW group uses ``betas``).
+    The four knobs and ``muon_momentum`` are left off ``to_dict`` at their defaults, so a plan without them reads as before.
     """
 
     name: str = "sgd"
@@ -63,12 +72,15 @@ class OptimizerConfig:
     warmup_steps: int = 0
     total_steps: int = 0
     clip_grad_norm: float | None = None
+    muon_momentum: float = 0.95
 
     def __post_init__(self):
         from fusion.ir.lr_schedule import check_schedule
 
-        if self.name not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer.name must be 'sgd' or 'adamw', got {self.name!r}")
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         bad = check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps)
@@ -88,7 +100,7 @@ class OptimizerConfig:
         d = asdict(self)
         d["betas"] = list(self.betas)
         for k, default in (("lr_schedule", "constant"), ("warmup_steps", 0), ("total_steps", 0),
-                           ("clip_grad_norm", None)):
+                           ("clip_grad_norm", None), ("muon_momentum", 0.95)):
             if d[k] == default:
                 del d[k]
         return d

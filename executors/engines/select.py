@@ -25,7 +25,7 @@ from fusion.ir.boundary import SubGraph
 from fusion.ir.errors import FusionError, GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import IDLE_KINDS
-from fusion.plan import OptimizerConfig
+from fusion.plan import OPTIMIZER_NAMES, OptimizerConfig
 from fusion.executors.engines.base import EnginePart
 
 
@@ -53,21 +53,25 @@ Factory = Callable[..., Any]
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """part: factory (or ``"module:attr"``) of the engine part; optimizer: factory of its optimizer."""
+    """part: factory (or ``"module:attr"``) of the engine part; optimizer: factory of its optimizer;
+    optimizers: the ``OptimizerConfig.name``s that optimizer implements (of ``fusion.plan.OPTIMIZER_NAMES``)."""
 
     part: Factory | str
     optimizer: Factory | str
+    optimizers: tuple[str, ...] = ("sgd", "adamw")
 
 
 _ENGINES: dict[str, EngineSpec] = {
-    "torch": EngineSpec("fusion.executors.engines.torch.engine:TorchPart", "fusion.executors.engines.torch.optimizer:TorchOptimizer"),
+    "torch": EngineSpec("fusion.executors.engines.torch.engine:TorchPart", "fusion.executors.engines.torch.optimizer:TorchOptimizer",
+                        OPTIMIZER_NAMES),
     "numpy": EngineSpec("fusion.executors.engines.numpy.engine:NumpyPart", "fusion.executors.engines.numpy.optim:NumpyOptimizer.for_part"),
 }
 
 
-def register_engine(name: str, part: Factory | str, optimizer: Factory | str) -> None:
-    """Make engine ``name`` available to CompNodes."""
-    _ENGINES[name] = EngineSpec(part, optimizer)
+def register_engine(name: str, part: Factory | str, optimizer: Factory | str,
+                    optimizers: tuple[str, ...] = ("sgd", "adamw")) -> None:
+    """Make engine ``name`` available to CompNodes (its optimizer implementing ``optimizers``)."""
+    _ENGINES[name] = EngineSpec(part, optimizer, tuple(optimizers))
 
 
 def engine_names() -> list[str]:
@@ -124,6 +128,17 @@ def engine_options_for(part: str, engine: str, options: Mapping[str, Mapping[str
     out = {k: v for k, v in options.get("*", {}).items() if k in known}
     out.update(options.get(part, {}))
     return out
+
+
+def check_optimizer(name: str, engines: Mapping[str, str]) -> None:
+    """FusionError naming the first part (of ``engines``: part -> engine name) whose engine has no optimizer
+    ``name``; the plan's optimizer steps every part, so one such part refuses the plan."""
+    for part, engine in sorted(engines.items()):
+        have = _spec(engine).optimizers
+        if name not in have:
+            raise FusionError(f"part {part!r} runs the {engine} engine, which has no {name!r} optimizer (its "
+                              f"optimizers: {', '.join(have)}); run that part on an engine that has it "
+                              f"(--engine {part}=torch) or choose another --optimizer")
 
 
 def make_optimizer(engine: str, part: EnginePart, cfg: OptimizerConfig) -> LocalOptimizer:

@@ -40,7 +40,7 @@ from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
                                               Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
                                               Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
-from fusion.executors.engines.select import engine_options_for, make_engine_part, make_optimizer
+from fusion.executors.engines.select import check_optimizer, engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
 from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
@@ -441,6 +441,7 @@ class CompNode:
         self.runtime = PartRuntime(self.graph, self.me, self.sub, self.assignment, engine,
                                    self.plan.replica_compression(self.replica))
         self.optcfg = OptimizerConfig.from_dict(self.plan.optimizer or {})
+        check_optimizer(self.optcfg.name, {self.me: self.engine_name})
         self.opt = make_optimizer(self.engine_name, engine, self.optcfg)
         self._scheduled = self.optcfg.lr_schedule != "constant" or self.optcfg.warmup_steps > 0
         if self._scheduled and not hasattr(self.opt, "set_lr"):

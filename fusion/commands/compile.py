@@ -34,6 +34,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
 
     Returns option dest -> default.
     """
+    from fusion.plan import OPTIMIZER_NAMES
+
     g = p.add_argument_group(f"compiling{note}")
     actions = [
         g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops", *DP_STRATEGIES],
@@ -134,7 +136,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                             "the estimator prices those nodes by them (scaled by profiling host speed / device "
                             "speed) instead of FLOPs / lambda; one pipeline only (not with --replicas, "
                             "--global-batch or --strategy dp|dtfm)"),
-        g.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="optimizer of every part"),
+        g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_NAMES),
+                       help="optimizer of every part; muon: torch.optim.Muon on the 2-D weights, AdamW on "
+                            "embeddings, norms and biases, one --lr (torch engine only; docs/training.md)"),
         g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
         g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
         g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
@@ -678,7 +682,7 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
     Raises FusionError naming the unknown engine or part, or (``check_engines``) every node and op its
     part's engine lacks.
     """
-    from fusion.executors.engines.select import check_engines, engine_names
+    from fusion.executors.engines.select import check_engines, check_optimizer, engine_names
     from fusion.ir.errors import FusionError
 
     engines = {p: part.engine for p, part in plan.parts.items()}
@@ -696,6 +700,7 @@ def assign_engines(plan, specs: list[str]) -> dict[str, str]:
         if plan.parts[p].recompute and engine != "torch":
             raise FusionError(f"--engine {p}={engine}: {p} fits its device only with activation recomputation, "
                               f"which the {engine} engine does not do (only torch)")
+    check_optimizer((plan.optimizer or {}).get("name", "sgd"), engines)
     for r in range(plan.replicas):
         check_engines(plan.graph, plan.replica_assignment(r), engines)
     for p, engine in engines.items():

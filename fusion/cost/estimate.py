@@ -627,8 +627,9 @@ def tensor_bytes(graph: OpGraph, producer: str, index: int | None) -> float:
 
 
 def optimizer_slots(name: str, momentum: float = 0.0) -> int:
-    """Optimizer state tensors per trainable parameter."""
-    if name == "adamw":
+    """Optimizer state tensors per trainable parameter (muon: 2, an upper bound: its matrices keep 1, the momentum
+    buffer, its AdamW group 2)."""
+    if name in ("adamw", "muon"):
         return 2
     return 1 if momentum else 0
 

@@ -19,8 +19,10 @@ class NumpyOptimizer:
     part: the part whose ``params`` / ``grads()`` / ``zero_grad()`` it drives.
     """
 
+    NAMES = ("sgd", "adamw")  #: the optimizers it has (its engine's ``EngineSpec.optimizers``; no Muon)
+
     def __init__(self, cfg: Any, part: Any):
-        if cfg.name not in ("sgd", "adamw"):
+        if cfg.name not in self.NAMES:
             raise ValueError(f"the numpy engine has no optimizer {cfg.name!r}")
         self.cfg, self.part = cfg, part
         self.slots: dict[str, dict[str, Any]] = {}  #: per-parameter state (momentum, exp_avg, step, ...)

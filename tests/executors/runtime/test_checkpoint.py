@@ -31,7 +31,8 @@ def test_commit_latest_and_pruning(tmp_path):
     assert not list(tmp_path.rglob("*.tmp*"))
 
 
-@pytest.mark.parametrize("cfg", [OptimizerConfig("adamw", lr=0.01), OptimizerConfig("sgd", lr=0.1, momentum=0.9)])
+@pytest.mark.parametrize("cfg", [OptimizerConfig("adamw", lr=0.01), OptimizerConfig("sgd", lr=0.1, momentum=0.9),
+                                 OptimizerConfig("muon", lr=0.01)])  # muon: fc.weight on Muon, the rest on AdamW
 def test_optimizer_state_round_trip_continues_identically(tmp_path, cfg):
     model = branching_cnn(mb=2)
     sub = partition(model.graph, CNN_SPLITS[2])["p1"]
