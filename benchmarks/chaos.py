@@ -93,8 +93,11 @@ def draw_faults(parts: list[str], n: int, steps: int, rng: random.Random, marker
     n_step = n - n_save - n_start
     at = [("step", s) for s in rng.sample(range(1, steps - 1), n_step)]
     at += [("save", s) for s in rng.sample(range(EVERY, steps - 1, EVERY), n_save)]
-    at += [("start", 0)] + [("start", s) for s in sorted(rng.sample(range(EVERY, steps - 2 * EVERY), n_start - 1))] \
-        if n_start else []
+    # a start-N fires at the first start-up resuming at step N or later: N at most the checkpoint that the
+    # restart after the last step fault resumes from, so that every one of them fires
+    last = max(s for p, s in at if p == "step") // EVERY * EVERY if n_step else EVERY
+    at += [("start", 0)] + [("start", s) for s in sorted(rng.choices(range(EVERY, max(EVERY, last) + 1, EVERY),
+                                                                    k=n_start - 1))] if n_start else []
     faults = []
     for point, s in at:
         sig = "STOP" if rng.random() < 1 / 3 else "KILL"
