@@ -20,7 +20,7 @@ draw; every fault fires once (a marker file, whose mtime is the fault's time):
   coordinator-KILL+resume  ``fusion run`` itself SIGKILLed right after it committed a checkpoint and before
                            that step's metrics line; this script kills the orphaned executors and resumes with
                            ``--resume`` as a user would (one per run)
-  link-cut                 the faulted run runs in its own network namespace; once it trains live at a random step, its
+  link-cut                 the faulted run runs in its own network namespace; once it trains at a random step, its
                            loopback goes down (every link of the run: coordinator <-> executors and between
                            executors) for ``--peer-timeout`` + 1.5 s, then up again (one per run; skipped, and
                            said so, where namespaces cannot be made: not root, no ``ip``)
