@@ -170,14 +170,15 @@ def drop_netns(name: str) -> None:
 
 def cut_link_at(run: Path, netns: str, at_step: int, hold_s: float, marker: str, stop: threading.Event) -> None:
     """Once ``run`` is training live at step ``at_step`` or later (a new step line since the last look, under a
-    second old: not restarting), take the namespace's loopback down (every link of the run: coordinator <->
+    second old: not restarting; no fault marker in the folder of ``marker`` newer than 10 s), take the namespace's loopback down (every link of the run: coordinator <->
     executors and executor <-> executor) for ``hold_s`` seconds, then up. ``marker`` is created when the link
     goes down (its mtime: the fault's time)."""
     last = None
     while not stop.is_set():
         done = [r for r in rows(run) if "event" not in r]
+        quiet = all(time.time() - m.stat().st_mtime > 10 for m in Path(marker).parent.iterdir())  # no fault just now
         if done and last is not None and len(done) > last and max(r["step"] for r in done) >= at_step \
-                and time.time() - done[-1]["time"] < 1.0:
+                and time.time() - done[-1]["time"] < 1.0 and quiet:
             break
         last = len(done)
         stop.wait(0.1)
@@ -206,7 +207,8 @@ def soak(kind: str, plan: Path, parts: list[str], n_faults: int, rng: random.Ran
     env = {"FUSION_TEST_FAULT": ",".join(":".join(f[:4]) for f in faults)}
     cut = None
     if netns is not None:
-        cut = (rng.randrange(3, steps - 3), str(markers / "link-cut"))
+        near = {int(f[1]) + d for f in faults if f[1].isdigit() for d in (-1, 0, 1, 2)}  # away from step faults
+        cut = (rng.choice([s for s in range(3, steps - 3) if s not in near] or [3]), str(markers / "link-cut"))
         faults.append(("every link", str(cut[0]), "lo down", cut[1], "link-cut"))
     common = ["--peer-timeout", str(peer_timeout)]
     ref, run = work / f"{kind}-unfaulted", work / f"{kind}-faulted"
