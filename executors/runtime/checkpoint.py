@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from fusion.executors.runtime import faults
 from fusion.ir.errors import FusionError
 from fusion.ir.files import atomic_write, fsync_dir, remove_stale_tmp, sha256_file
 
@@ -91,8 +92,9 @@ def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.nd
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(d, f"{part}.")
-    sums = {f"{part}.params.safetensors": _save_arrays(d / f"{part}.params.safetensors", params),
-            f"{part}.optim.safetensors": _save_arrays(d / f"{part}.optim.safetensors", opt_arrays)}
+    sums = {f"{part}.params.safetensors": _save_arrays(d / f"{part}.params.safetensors", params)}
+    faults.maybe_fail(part, step, "save")  # FUSION_TEST_FAULT save-N: a crash or freeze in the middle of the write
+    sums[f"{part}.optim.safetensors"] = _save_arrays(d / f"{part}.optim.safetensors", opt_arrays)
     if delta is not None:
         sums[f"{part}.{DELTA}"] = _save_arrays(d / f"{part}.{DELTA}", delta)
     if outer is not None:

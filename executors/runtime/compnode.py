@@ -422,6 +422,7 @@ class CompNode:
         if bad:
             raise ExecutorAbort(bad)
         resume = c.resume_step
+        faults.maybe_fail(self.me, int(resume or 0), "start")  # FUSION_TEST_FAULT start-N: a crash at start-up
         source = self._resume_source(self.me if c.resume_from is None else c.resume_from) if resume is not None else self.me
         if resume is not None:
             # a part whose replica was dropped before this checkpoint loads its stage's surviving copy

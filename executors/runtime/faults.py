@@ -3,9 +3,14 @@
 ``FUSION_TEST_FAULT=PART:STEP:SIGNAL[:MARKER][,...]`` in the environment of ``fusion run`` (its executors
 inherit it) makes the process that runs ``PART`` send itself ``SIGNAL`` (``KILL`` or ``STOP``):
 
-- an executor, when the coordinator asks it for iteration ``STEP``, before it computes anything of it;
-- ``PART`` = ``coordinator`` (the ``fusion run`` process itself), right after it committed the checkpoint
-  of step ``STEP`` and before the step's metrics line is written (the window of issue 28).
+- ``STEP`` = ``N``: an executor, when the coordinator asks it for iteration ``N``, before it computes anything
+  of it; ``PART`` = ``coordinator`` (the ``fusion run`` process itself), right after it committed the
+  checkpoint of step ``N`` and before the step's metrics line is written (the window of issue 28);
+- ``STEP`` = ``save-N``: an executor in the middle of writing its checkpoint of step ``N`` (``N`` completed
+  steps): its parameters file is in place, its optimizer file and JSON sidecar are not (``checkpoint.save_part``);
+- ``STEP`` = ``start-N``: an executor during start-up (the coordinator's setup received, the part not yet
+  built nor ready), in a start that resumes at step ``N`` or later (``start-0``: the first start too).
+  Without a marker such a fault fires at every later start, so give it one.
 
 With ``MARKER`` (a file path) a fault fires once: the marker is created first, and a process that finds it
 already there (an executor restarted by ``--max-restarts``, a resumed run) carries on. Several faults are
@@ -29,13 +34,20 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 @dataclass(frozen=True)
 class Fault:
-    """part: the CompNode that fails; step: the executor iteration at whose start it fails; signal: KILL or
-    STOP; marker: a file that makes the fault fire once ('' = every time)."""
+    """part: the CompNode that fails; step: the step it fails at (see ``point``); signal: KILL or STOP;
+    marker: a file that makes the fault fire once ('' = every time); point: where in that step ("step": the
+    start of iteration ``step``, "save": inside the checkpoint write of ``step`` completed steps, "start":
+    start-up of a run resuming at ``step`` or later)."""
 
     part: str
     step: int
     signal: str
     marker: str = ""
+    point: str = "step"
+
+
+#: the points a fault can fire at: ``STEP`` prefixes (``save-4``, ``start-0``) -> point names
+POINTS = ("save", "start")
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -43,9 +55,10 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
     out = []
     for item in text.split(","):
         bits = item.split(":", 3)
-        if len(bits) < 3 or not bits[0] or not bits[1].isdigit() or bits[2] not in SIGNALS:
-            raise FusionError(f"{ENV}={text!r}: expected PART:STEP:KILL|STOP[:MARKER], comma-separated")
-        out.append(Fault(bits[0], int(bits[1]), bits[2], bits[3] if len(bits) > 3 else ""))
+        point, _, n = bits[1].rpartition("-") if len(bits) > 1 else ("", "", "")
+        if len(bits) < 3 or not bits[0] or not n.isdigit() or point not in ("", *POINTS) or bits[2] not in SIGNALS:
+            raise FusionError(f"{ENV}={text!r}: expected PART:[save-|start-]STEP:KILL|STOP[:MARKER], comma-separated")
+        out.append(Fault(bits[0], int(n), bits[2], bits[3] if len(bits) > 3 else "", point or "step"))
     return tuple(out)
 
 
@@ -55,10 +68,11 @@ def _configured() -> tuple[Fault, ...]:
     return parse_faults(text) if text else ()
 
 
-def maybe_fail(part: str, step: int) -> None:
-    """Send this process the signal of a fault configured for ``part`` at ``step`` (see the module doc)."""
+def maybe_fail(part: str, step: int, point: str = "step") -> None:
+    """Send this process the signal of a fault configured for ``part`` at ``step`` and ``point`` (see the module
+    doc; at "start", ``step`` is the step the run resumes at and a fault of that step or an earlier one fires)."""
     for f in _configured():
-        if f.part != part or f.step != step:
+        if f.part != part or f.point != point or (f.step > step if point == "start" else f.step != step):
             continue
         if f.marker:
             try:
@@ -66,5 +80,5 @@ def maybe_fail(part: str, step: int) -> None:
             except FileExistsError:
                 continue  # fired already (this is the restarted executor, or the resumed run)
             os.close(fd)
-        log.warning("%s: %s: sending myself SIG%s at step %d", part, ENV, f.signal, step)
+        log.warning("%s: %s: sending myself SIG%s at %s %d", part, ENV, f.signal, point, step)
         os.kill(os.getpid(), SIGNALS[f.signal])

@@ -27,24 +27,34 @@ from typing import Callable
 RESTART = "restart"
 
 
-def restart_event(number: int, limit: int, failed_step: int, part: str, reason: str, resumed_step: int,
-                  recovery_s: float) -> dict:
+def restart_event(number: int, limit: int, failed_step: int, part: str, reason: str, resumed_step: int | None,
+                  recovery_s: float, start_failed: str = "") -> dict:
     """One restart's line in ``metrics.jsonl``.
 
     number/limit: this is restart ``number`` of at most ``limit``; failed_step: the step that was running
-    when ``part`` failed for ``reason``; resumed_step: the first step run again (the checkpoint's step);
-    recovery_s: from the failure being detected to every CompNode ready again."""
-    return {"event": RESTART, "restart": number, "max_restarts": limit, "failed_step": failed_step, "part": part,
+    when ``part`` failed for ``reason``; resumed_step: the first step run again (the checkpoint's step), None
+    when the restart's own start-up failed; recovery_s: from the failure being detected to every CompNode
+    ready again (or to the start-up failing); start_failed (only then): the failure that ended this restart's
+    start-up, which the next restart's line names as its own reason."""
+    line = {"event": RESTART, "restart": number, "max_restarts": limit, "failed_step": failed_step, "part": part,
             "reason": reason, "resumed_step": resumed_step, "recovery_s": round(recovery_s, 3), "time": time.time()}
+    return {**line, "start_failed": start_failed} if start_failed else line
+
+
+def _append(out: Path, line: dict) -> None:
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path,
                         progress: bool, max_restarts: int, report: Callable[[str], None],
-                        log_every_s: float | None = None, evaluation=None) -> dict:
-    """``train`` on ``cluster`` (a LocalCluster, started), restarting it up to ``max_restarts`` times.
+                        log_every_s: float | None = None, evaluation=None, resume: bool = False) -> dict:
+    """Start ``cluster`` (a LocalCluster, ``resume``: from its latest checkpoint) and ``train`` on it, restarting
+    it up to ``max_restarts`` times; a failure during the first start-up is restarted too.
 
-    Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is raised with the
-    count of restarts in its reason."""
+    first: the step the run starts at if the first start-up fails before saying (``cluster.start`` returns
+    the real one). Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is
+    raised with the count of restarts in its reason."""
     from fusion.commands.coordinator import train
     from fusion.executors.runtime.coordinator import CompNodeFailure
 
@@ -52,14 +62,19 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
     failure: CompNodeFailure | None = None
     failed_step = first
     t_fail = 0.0
+    started = False
     while True:
         try:
-            if failure is not None:
+            if not started:
+                started = True
+                first = cluster.start(resume=resume)
+                report(f"all {len(cluster.plan.parts)} CompNodes ready"
+                       + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
+            elif failure is not None:
                 first = cluster.restart()
                 event = restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, first,
                                       time.monotonic() - t_fail)
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(event) + "\n")
+                _append(out, event)
                 report(f"restart {restarts} of {max_restarts}: every CompNode up again after "
                        f"{event['recovery_s']:.1f} s; resuming at step {first}")
                 failure = None
@@ -67,6 +82,9 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                             log_every_s=log_every_s, evaluation=evaluation)
             return {**summary, "restarts": restarts}
         except CompNodeFailure as e:
+            if failure is not None:  # this restart's own start-up failed: its line too (each restart has one)
+                _append(out, restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, None,
+                                           time.monotonic() - t_fail, start_failed=str(e)))
             if restarts >= max_restarts:
                 if not restarts:
                     raise

@@ -268,17 +268,18 @@ def run(args: argparse.Namespace) -> int:
     previous = _sigterm_as_interrupt()
     t_launch = time.monotonic()
     try:
-        first = cluster.start(resume=args.resume)
-        _say(f"all {n} CompNodes ready, {time.monotonic() - t_launch:.1f} s after launch "
-             f"({time.monotonic() - t_start:.1f} s since the command started)"
-             + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
+        if not args.max_restarts:  # (with --max-restarts, a failure at start-up is restarted too: started there)
+            first = cluster.start(resume=args.resume)
+            _say(f"all {n} CompNodes ready, {time.monotonic() - t_launch:.1f} s after launch "
+                 f"({time.monotonic() - t_start:.1f} s since the command started)"
+                 + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
         try:
             if args.max_restarts:
                 from fusion.commands.restarts import train_with_restarts
 
-                summary = train_with_restarts(cluster, batch_fn, first, args.steps, out, not args.no_progress,
+                summary = train_with_restarts(cluster, batch_fn, 0, args.steps, out, not args.no_progress,
                                               args.max_restarts, _say, log_every_s=args.log_every,
-                                              evaluation=evaluation)
+                                              evaluation=evaluation, resume=args.resume)
             else:
                 summary = train(cluster.coordinator, batch_fn, first, args.steps, out, not args.no_progress,
                                 log_every_s=args.log_every, evaluation=evaluation)
