@@ -32,7 +32,9 @@ dropped). Throughput: samples per second of the training steps (from the first s
 end, evaluations taken out, process start-up not counted), on both sides; ``wall_s`` (the time axis of the
 validation curves) counts the evaluations. ``time_to_torch_final_val_loss_ratio``: fusion auto's wall time until
 its held-out loss first is <= torch's final one, over torch's whole wall time (median of the seeds; a seed that
-never gets there counts as infinite and is listed with its gap).
+never gets there counts as infinite and is listed with its gap). ``between_sites_bytes_per_step``: what crossed the
+slow link (both ways, read from the inter-site veth's tc counters around each side's run, start-up and evaluations
+included) over the steps.
 
     python benchmarks/bench_wan.py [--profiles 20mbit,5mbit] [--seeds 0,1,2] [--steps N] [--quick]
 
@@ -111,6 +113,27 @@ def _run(cmd: list[str], what: str, env: dict[str, str], timeout: float = 600) -
     return r.stdout
 
 
+def _cli(args: list[str], what: str, env: dict[str, str]) -> None:
+    """A short ``fusion`` command (compile, keys) in this process, under ``env`` (restored after): it saves a
+    process start, which costs more than the command itself on a loaded host."""
+    from fusion.cli import main as fusion_main
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        rc = fusion_main(args)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if rc:
+        raise RuntimeError(f"{what} failed ({rc}); its error is above")
+
+
 def _env() -> dict[str, str]:
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -160,13 +183,13 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
 
 def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path) -> dict:
     s = setup
-    cmd = _fusion("compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy,
+    cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy,
                   "--micro-batches", str(s.micro_batches), "--optimizer", "adamw", "--lr", repr(s.lr),
                   "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed), "--compress", compress,
-                  "-o", str(out), "--force")
+                  "-o", str(out), "--force"]
     if node_times is not None:
         cmd += ["--node-times", str(node_times)]
-    _run(cmd, f"fusion compile ({strategy}, --compress {compress})", s.env)
+    _cli(cmd, f"fusion compile ({strategy}, --compress {compress})", s.env)
     return json.loads((out / "plan.json").read_text())
 
 
@@ -174,7 +197,7 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int)
     work.mkdir(parents=True, exist_ok=True)
     plan = json.loads((plan_dir / "plan.json").read_text())
     keys, run, logf = work / "keys", work / "run", work / "fusion.log"
-    _run(_fusion("keys", str(plan_dir), "--out", str(keys), "--force"), "fusion keys", {})
+    _cli(["keys", str(plan_dir), "--out", str(keys), "--force"], "fusion keys", {})
     env = {**_env(), **setup.env}
     coord = f"tcp://{sites.ip['coord']}:{port}"
     with open(logf, "wb") as lf:
@@ -239,10 +262,13 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
     setup = wan_setup(args.torch_script, args.model, seed)
     row: dict = {"seed": seed}
     log.info("%s seed %d: torch", profile.name, seed)
+    b0 = sites.between_sent_bytes()
     row["torch"] = run_torch(sites, args.torch_script, args, setup, work / "torch", port)
+    b1 = sites.between_sent_bytes()
     dense = compile_plan(setup, cluster, node_times, "equal-flops", "none", work / "dense.plan")
     log.info("%s seed %d: fusion dense (%d parts)", profile.name, seed, len(dense["parts"]))
     row["fusion_dense"] = run_fusion(sites, work / "dense.plan", setup, args, work / "dense", port + 1)
+    b2 = sites.between_sent_bytes()
     auto = compile_plan(setup, cluster, node_times, "opfence", "auto", work / "auto.plan")
     row["auto_strategy"] = "opfence"
     if len(auto["parts"]) < 2:
@@ -250,6 +276,10 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
         compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan")
     log.info("%s seed %d: fusion auto (%s)", profile.name, seed, row["auto_strategy"])
     row["fusion_auto"] = run_fusion(sites, work / "auto.plan", setup, args, work / "auto", port + 2)
+    b3 = sites.between_sent_bytes()
+    # bytes that crossed the slow link between the sites per training step, both ways, start-up and evaluations in
+    for side, (x, y) in (("torch", (b0, b1)), ("fusion_dense", (b1, b2)), ("fusion_auto", (b2, b3))):
+        row[side]["between_sites_bytes_per_step"] = (y - x) / args.steps
     t = row["torch"]
     target = t["val"][-1][2]
     hit = time_to(row["fusion_auto"]["val"], target)
@@ -307,6 +337,8 @@ def summarise(results: dict, args, latency: str | None) -> dict:
                              "final_val": {s: round(r[s]["val"][-1][2], 4)
                                            for s in ("torch", "fusion_dense", "fusion_auto")},
                              "first_loss": r["first_loss"],
+                             "between_sites_bytes_per_step": {s: round(r[s]["between_sites_bytes_per_step"])
+                                                              for s in ("torch", "fusion_dense", "fusion_auto")},
                              "step_s": {s: {"measured": round(r[s]["step_s_measured"], 4),
                                             "predicted": round(r[s]["step_s_predicted"], 4)}
                                         for s in ("fusion_dense", "fusion_auto")},
@@ -326,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches per evaluation (default 4)")
     ap.add_argument("--torch-script", type=Path, default=BENCH / "wan_torch.py",
                     help="the torch.distributed.pipelining side (default benchmarks/wan_torch.py)")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds one side may take (900; --quick 120)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds one side may take (900; --quick 400)")
     ap.add_argument("--work", type=Path, default=None, help="keep plans, runs and logs here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="1 profile, 1 seed, 6 steps, the tiny model, no profiling")
     args = ap.parse_args(argv)
@@ -341,7 +373,7 @@ def main(argv=None) -> int:
         args.profiles, args.seeds = args.profiles[:1], args.seeds[:1]
     args.model = args.model or ("tiny" if args.quick else "small")
     args.steps = args.steps or (6 if args.quick else 300)
-    args.timeout = args.timeout or (120.0 if args.quick else 900.0)
+    args.timeout = args.timeout or (400.0 if args.quick else 900.0)
     args.eval_every = args.eval_every or max(1, args.steps // (2 if args.quick else 10))
     args.eval_batches = args.eval_batches or (2 if args.quick else 4)
     reason = namespaces_available()

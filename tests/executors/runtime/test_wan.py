@@ -18,6 +18,7 @@ sys.path.insert(0, str(BENCH))
 from netns_sites import namespaces_available  # noqa: E402
 
 
+@pytest.mark.timeout(600)  # 7 processes start one after another: ~1 min on a quiet host, several under heavy load
 def test_bench_wan_quick(tmp_path, capsys):
     reason = namespaces_available()
     if reason:
