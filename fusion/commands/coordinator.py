@@ -304,14 +304,14 @@ def run(args: argparse.Namespace) -> int:
               f"`fusion executor {args.plan} --node PART --coordinator tcp://THIS_HOST:PORT`)"
               + (f"; {', '.join(late)} join(s) later (--join-at): start them by hand too" if late else ""),
               file=sys.stderr, flush=True)
-        first = coord.start(resume=args.resume)
         try:
-            if args.max_restarts:
+            if args.max_restarts:  # (a failure in the first start-up is restarted too: train_with_restarts starts it)
                 from fusion.commands.restarts import train_with_restarts
 
-                train_with_restarts(parts, batch_fn, first, args.steps, out, not args.no_progress, args.max_restarts,
-                                    say, log_every_s=args.log_every, evaluation=evaluation)
+                train_with_restarts(parts, batch_fn, 0, args.steps, out, not args.no_progress, args.max_restarts,
+                                    say, log_every_s=args.log_every, evaluation=evaluation, resume=args.resume)
             else:
+                first = coord.start(resume=args.resume)
                 train(coord, batch_fn, first, args.steps, out, not args.no_progress, log_every_s=args.log_every,
                       evaluation=evaluation)
         except KeyboardInterrupt:

@@ -103,10 +103,15 @@ class WaitForParts:
     ``coordinator``: the running :class:`~fusion.executors.runtime.coordinator.Coordinator` (bound, started);
     ``make``: a new coordinator for the same plan and options with the given config; ``wait_s``: how long a
     restart waits for a new executor of every part (``--restart-wait``). Used by :func:`train_with_restarts` as
-    ``fusion run``'s LocalCluster is: ``.coordinator`` and ``.restart()``."""
+    ``fusion run``'s LocalCluster is: ``.plan``, ``.coordinator``, ``.start()`` and ``.restart()``."""
 
     def __init__(self, coordinator, make: Callable, wait_s: float, report: Callable[[str], None]):
         self.coordinator, self.make, self.wait_s, self.report = coordinator, make, wait_s, report
+        self.plan = coordinator.plan
+
+    def start(self, resume: bool = False) -> int:
+        """The first start-up: wait for every part's executor (``--startup-timeout``); returns the first step."""
+        return self.coordinator.start(resume=resume)
 
     def restart(self) -> int:
         """Stop every executor (the parts still running are told to abort: each must reload the checkpoint in a
