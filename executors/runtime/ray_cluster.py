@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fusion.ir.errors import FusionError
+from fusion.executors.runtime import faults
 from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
 from fusion.executors.runtime.keys import PUBLIC_KEYS_FILE
 from fusion.executors.runtime.launcher import _ENTRY, package_root
@@ -219,7 +220,8 @@ class RayCluster:
     """Executors as Ray actors on the nodes matching their devices, plus a coordinator in this process.
 
     Same use as :class:`~fusion.executors.runtime.launcher.LocalCluster`: ``start()`` returns the first
-    step, ``coordinator`` trains, ``close(graceful)`` tears everything down.
+    step, ``coordinator`` trains, ``restart()`` starts every part again from the latest checkpoint
+    (``--max-restarts``), ``close(graceful)`` tears everything down.
 
     address:   the Ray cluster (``HOST:PORT`` of the head's GCS, ``auto``, or ``ray://HOST:PORT``).
     plan_dir:  a saved plan; its files are shipped to every node through Ray's object store.
@@ -308,7 +310,10 @@ class RayCluster:
                           "being placed on the Ray nodes of their devices")
         files = ray.put(plan_files(self.plan_dir))
         env = {"PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
-                                           if self.threads else {})}
+                                           if self.threads else {}),
+               # FUSION_TEST_FAULT reaches the executors as it does those of a local run (only this variable:
+               # an executor otherwise has its Ray node's environment, not this process's)
+               **({faults.ENV: os.environ[faults.ENV]} if os.environ.get(faults.ENV) else {})}
         node_ip.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
         ips = {p: node_ip[n["node_id"]] for p, n in nodes.items()}
         pids = self._get({p: a.start.remote(files, self._argv(p, addr), env, ips[p], keys.get(p))
@@ -322,6 +327,54 @@ class RayCluster:
         self._log_thread = threading.Thread(target=self._stream_logs, name="ray-logs", daemon=True)
         self._log_thread.start()
         return self.coordinator.start(resume=resume)
+
+    def restart(self) -> int:
+        """Kill every executor and start them all again on new actors from the latest complete checkpoint
+        (``fusion run --ray ... --max-restarts N``, as :meth:`LocalCluster.restart
+        <fusion.executors.runtime.launcher.LocalCluster.restart>` does on one host).
+
+        Every executor is SIGKILLed by its actor (a stopped one too, never continued first), the logs so far
+        are pulled, the actors are killed and the coordinator's sockets released; :meth:`start` then places
+        new actors by their device's resource, on whichever live node declares it (so a second node started
+        with the same ``fusion-dev:<device>`` resource is the spare of a lost one), and every part reloads the
+        newest complete checkpoint. The Ray connection is kept. Returns the step the run resumes at."""
+        ray = self._ray
+        for a in self.actors.values():
+            a.signal.remote(int(signal.SIGKILL))
+        refs = {p: a.wait.remote(10.0) for p, a in self.actors.items()}
+        left = []
+        for p, r in refs.items():
+            try:
+                if ray.get(r, timeout=15.0) is None:
+                    left.append(p)
+            except Exception:  # the actor (or its node) is gone, and its executor with it
+                pass
+        if left:
+            raise FusionError(f"could not kill the executor of {', '.join(sorted(left))} to restart it")
+        self._stop_logs.set()
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=15.0)
+            self._log_thread = None
+        self._stop_logs = threading.Event()  # for the next start's log thread
+        try:
+            self._pull_logs()
+        except Exception as e:
+            log.warning("the executor logs before the restart could not all be fetched: %s", e)
+        for a in self.actors.values():
+            try:
+                ray.get(a.cleanup.remote(), timeout=10.0)  # its temporary plan folder
+            except Exception:
+                pass
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if self.coordinator is not None:
+            self.coordinator.close(linger_s=0.0)
+        self.actors.clear()
+        self.processes.clear()  # (the dict the next coordinator polls)
+        self._offsets.clear()  # the new actors' log files start empty; RUN/logs/<part>.log is appended to
+        return self.start(resume=True)
 
     def _keys(self) -> dict[str, dict[str, bytes]]:
         """With CURVE: fresh key pairs for this run in RUN/keys (the coordinator's in ``cfg.security``) and

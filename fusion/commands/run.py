@@ -133,15 +133,12 @@ def _refuse_untrusted(plan, plan_dir, trust: bool) -> None:
 
 
 def _check_restarts(args: argparse.Namespace) -> None:
-    """--max-restarts resumes from checkpoints, on this host: one line when that cannot be."""
+    """--max-restarts resumes from checkpoints: one line when there are none."""
     from fusion.ir.errors import FusionError
 
     if args.max_restarts and not args.checkpoint_every:
         raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
                           "from its latest complete checkpoint")
-    if args.max_restarts and args.ray:
-        raise FusionError("--max-restarts is not built for --ray yet (executors are restarted on this host only); "
-                          "leave it out and --resume after a failure")
 
 
 def run(args: argparse.Namespace) -> int:

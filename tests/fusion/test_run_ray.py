@@ -1,8 +1,8 @@
 """`fusion run ... --ray ADDRESS` on a real two-node Ray cluster started on this host.
 
 The head node holds the resource of device host-a, the second node that of host-b; a two-part plan must
-put part0 on the head and part1 on the second node, train over ZeroMQ, and give the same losses as
-`fusion run` without Ray. Both nodes run on this host (see ``ray_cluster``). Skips, saying why, where Ray is not installed or its nodes cannot start.
+put part0 on the head and part1 on the second node, train over ZeroMQ, and give the same losses and weights
+as `fusion run` without Ray, also when part1's executor is killed and `--max-restarts` starts both again. Both nodes run on this host (see ``ray_cluster``). Skips, saying why, where Ray is not installed or its nodes cannot start.
 Each node is `ray start --block` in a session of its own, ended by its process group id (never
 `ray stop`, which would end every Ray process of the machine).
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fusion.executors.runtime.faults import ENV as FAULT_ENV
 from fusion.executors.runtime.ray_cluster import device_resource, missing_devices, part_resources
 from tests.fusion.cli_helpers import free_ports, sigint_default
 
@@ -42,9 +43,9 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _fusion(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def _fusion(*args: str, cwd: Path, timeout: float = 150, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], cwd=cwd, env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_ray_missing_says_how_to_install(tmp_path):
@@ -155,8 +156,14 @@ def ray_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final(run: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run / "final.safetensors"))
 
 
 def ray_recipe(md: Path) -> list[str]:
@@ -180,8 +187,11 @@ def test_the_ray_recipe_is_the_one_tested():
 
 
 def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
-    """docs/runtime.md's recipe as written (address, --out, --steps 3 substituted; one thread, no progress bar)
-    against the same `fusion run` without `--ray`."""
+    """docs/runtime.md's recipe as written (address, --out, --steps 5 substituted; one thread, no progress bar,
+    a checkpoint every 2 steps) against the same `fusion run` without `--ray`. The Ray run also has
+    `--max-restarts 1` and FUSION_TEST_FAULT: part1's executor SIGKILLs itself at step 3, RayCluster.restart
+    places both parts on new actors, they reload the checkpoint of step 2, and the run still ends with the
+    local run's losses and weights, bit for bit."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'fusion[ray]')")
     t0 = time.monotonic()
     compile_cmd, run_cmd = [shlex.split(ln) for ln in ray_recipe(ROOT / "docs" / "runtime.md") if ln.startswith("fusion ")]
@@ -194,21 +204,24 @@ def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
 
     def as_here(out: str, ray: str | None) -> list[str]:
         cmd = list(run_cmd[1:])
-        cmd[cmd.index("--steps") + 1] = "3"
+        cmd[cmd.index("--steps") + 1] = "5"
         cmd[cmd.index("--out") + 1] = str(tmp_path / out)
         i = cmd.index("--ray")
         if ray:
             cmd[i + 1] = ray
         else:
             del cmd[i:i + 2]
-        return [*cmd, "--threads", "1", "--no-progress"]
+        return [*cmd, "--threads", "1", "--no-progress", "--checkpoint-every", "2",
+                *(["--max-restarts", "1"] if ray else [])]
 
     local = subprocess.Popen([sys.executable, "-m", "fusion.cli", *as_here("local", None)], cwd=tmp_path, env=_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         address = request.getfixturevalue("ray_cluster")
         t_ray = time.monotonic()
-        on_ray = _fusion(*as_here("ray", address), cwd=tmp_path)
+        marker = tmp_path / "fired-part1"  # (the executor on the Ray node creates it: the same host here)
+        on_ray = _fusion(*as_here("ray", address), cwd=tmp_path, timeout=240,
+                         env={FAULT_ENV: f"part1:3:KILL:{marker}"})
         wall = time.monotonic() - t_ray
         _, local_err = local.communicate(timeout=120)
     finally:
@@ -217,18 +230,35 @@ def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
             local.wait(10)
     assert local.returncode == 0, local_err
     assert on_ray.returncode == 0, on_ray.stderr
-    np.testing.assert_allclose(_losses(tmp_path / "ray"), _losses(tmp_path / "local"), rtol=1e-6)
+    assert marker.exists(), on_ray.stderr  # the fault reached the executor on its Ray node and fired
+    assert "CompNode 'part1' failed" in on_ray.stderr and "restart 1 of 1" in on_ray.stderr, on_ray.stderr
+    rows, local_rows = _rows(tmp_path / "ray"), _rows(tmp_path / "local")
+    events = [r for r in rows if "event" in r]
+    assert [(e["event"], e["part"], e["failed_step"], e["resumed_step"]) for e in events] == \
+        [("restart", "part1", 3, 2)], events
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(5)), rows  # each step exactly once
+    assert [r["loss"] for r in steps] == [r["loss"] for r in local_rows], (steps, local_rows)
+    fr, fl = _final(tmp_path / "ray"), _final(tmp_path / "local")
+    assert set(fr) == set(fl)
+    for k in fl:  # restarted on new actors from the checkpoint: the same bits as the local run
+        np.testing.assert_array_equal(fr[k], fl[k], err_msg=k)
     # each part on the node holding its device's resource, announced as it is placed
-    nodes = dict(re.findall(r"(part\d) placed on Ray node [\d.]+ \(host \S+, node id (\w+), device", on_ray.stderr))
+    placed = re.findall(r"(part\d) placed on Ray node [\d.]+ \(host \S+, node id (\w+), device", on_ray.stderr)
+    nodes = dict(placed)
     assert set(nodes) == {"part0", "part1"} and nodes["part0"] != nodes["part1"], on_ray.stderr
+    assert len(placed) == 4 and dict(placed[:2]) == nodes, placed  # the restart: on the same devices' nodes
     run = tmp_path / "ray"
     for p in ("part0", "part1"):  # logs streamed back, traces fetched, the merged trace written
         assert "said hello to the coordinator" in (run / "logs" / f"{p}.log").read_text()
         assert json.loads((run / "trace" / f"{p}.json").read_text())
     assert (run / "trace.json").exists() and (run / "final.safetensors").exists()
-    for pid in map(int, re.findall(r"executor pid (\d+)", on_ray.stderr)):  # nothing outlives the run
+    pids = list(map(int, re.findall(r"executor pid (\d+)", on_ray.stderr)))
+    assert len(pids) == 4, on_ray.stderr
+    for pid in pids:  # nothing outlives the run, the executors killed by the restart included
         assert not _alive(pid), pid
-    print(f"fusion run --ray: 3 steps in {wall:.1f} s; the whole test {time.monotonic() - t0:.1f} s")
+    print(f"fusion run --ray: 5 steps and one restart in {wall:.1f} s (restart line: {events[0]}); "
+          f"the whole test {time.monotonic() - t0:.1f} s")
 
 
 def _alive(pid: int) -> bool:

@@ -153,8 +153,7 @@ def test_fault_variable_and_max_restarts_options_are_checked(tmp_path, capsys):
         with pytest.raises(FusionError, match=ENV):
             parse_faults(bad)
     plan_dir = tmp_path / "plan"  # refused before anything is read
-    for extra, says in ((["--max-restarts", "1"], "needs --checkpoint-every"),
-                        (["--max-restarts", "1", "--checkpoint-every", "2", "--ray", "auto"], "not built for --ray")):
+    for extra, says in ((["--max-restarts", "1"], "needs --checkpoint-every"),):
         capsys.readouterr()
         assert main(["run", str(plan_dir), "--out", str(tmp_path / "r"), *extra]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
