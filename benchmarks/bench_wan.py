@@ -257,6 +257,30 @@ def calibrate(work: Path, sites: Sites, profile, setup, quick: bool) -> tuple[Pa
     return cluster, node_times
 
 
+def cut_tensors(plan_dir: Path) -> list[str]:
+    """The tensors that cross between the plan's parts (``fusion inspect``'s cut edges)."""
+    from fusion.inspect import cut_edges
+    from fusion.plan import load_plan
+
+    return sorted({e["tensor"] for e in cut_edges(load_plan(plan_dir))})
+
+
+def split_cluster(setup, cluster: Path, node_times, work: Path) -> Path:
+    """``cluster`` with each device's memory set to 0.7 of what the whole model needs (the summed part memory
+    of an equal-flops plan): the model no longer fits one device, as for any model one pipelines, so OP-Fence
+    must cut it in two and chooses where (the cheapest edge it prices), instead of keeping it on one device."""
+    import yaml
+
+    probe = compile_plan(setup, cluster, node_times, "equal-flops", "none", work / "probe.plan")
+    need = sum(p["memory_bytes"] for p in probe["parts"].values())
+    c = yaml.safe_load(cluster.read_text())
+    for d in c["devices"]:
+        d["memory"] = f"{0.7 * need / 2**20:.3f} MB"
+    out = work / "cluster-split.yaml"
+    out.write_text(yaml.safe_dump(c, sort_keys=False))
+    return out
+
+
 def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, node_times, port: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     setup = wan_setup(args.torch_script, args.model, seed)
@@ -265,15 +289,22 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
     b0 = sites.between_sent_bytes()
     row["torch"] = run_torch(sites, args.torch_script, args, setup, work / "torch", port)
     b1 = sites.between_sent_bytes()
-    dense = compile_plan(setup, cluster, node_times, "equal-flops", "none", work / "dense.plan")
-    log.info("%s seed %d: fusion dense (%d parts)", profile.name, seed, len(dense["parts"]))
+    if args.split == "memory":  # the devices hold half the model: OP-Fence must cut, where it prices cheapest
+        cluster = split_cluster(setup, cluster, node_times, work)
+    strategy = "opfence" if args.split == "memory" else "equal-flops"
+    dense = compile_plan(setup, cluster, node_times, strategy, "none", work / "dense.plan")
+    row["dense_strategy"] = strategy
+    row["dense_cut"] = cut_tensors(work / "dense.plan")
+    log.info("%s seed %d: fusion dense (%s, %d parts, cut %s)", profile.name, seed, strategy, len(dense["parts"]),
+             row["dense_cut"])
     row["fusion_dense"] = run_fusion(sites, work / "dense.plan", setup, args, work / "dense", port + 1)
     b2 = sites.between_sent_bytes()
     auto = compile_plan(setup, cluster, node_times, "opfence", "auto", work / "auto.plan")
     row["auto_strategy"] = "opfence"
     if len(auto["parts"]) < 2:
         row["auto_strategy"] = "equal-flops (OP-Fence kept the model on one device)"
-        compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan")
+        auto = compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan")
+    row["auto_cut"] = cut_tensors(work / "auto.plan")
     log.info("%s seed %d: fusion auto (%s)", profile.name, seed, row["auto_strategy"])
     row["fusion_auto"] = run_fusion(sites, work / "auto.plan", setup, args, work / "auto", port + 2)
     b3 = sites.between_sent_bytes()
@@ -326,7 +357,10 @@ def summarise(results: dict, args, latency: str | None) -> dict:
            "predicted_over_measured": {
                f"{p}/{side}": _median([r[side]["predicted_over_measured"] for r in rows])
                for p, rows in results.items() for side in ("fusion_dense", "fusion_auto")},
+           "split": args.split,
            "per_seed": {p: [{"seed": r["seed"], "auto_strategy": r["auto_strategy"],
+                             "dense_strategy": r["dense_strategy"], "dense_cut": r["dense_cut"],
+                             "auto_cut": r["auto_cut"],
                              "torch_schedule": r["torch"]["schedule"],
                              "samples_per_s": {s: round(r[s]["samples_per_s"], 3)
                                                for s in ("torch", "fusion_dense", "fusion_auto")},
@@ -360,6 +394,10 @@ def main(argv=None) -> int:
                     help="the torch.distributed.pipelining side (default benchmarks/wan_torch.py)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds one side may take (900; --quick 400)")
     ap.add_argument("--work", type=Path, default=None, help="keep plans, runs and logs here (default: a temp dir)")
+    ap.add_argument("--split", choices=("memory", "equal-flops"), default="memory",
+                    help="memory (default): devices hold 0.7 of the model, so OP-Fence cuts it where it prices "
+                         "cheapest, for fusion dense (no compression) and auto; equal-flops: dense on the "
+                         "equal-flops split, auto on OP-Fence's choice (the model may stay on one device)")
     ap.add_argument("--quick", action="store_true", help="1 profile, 1 seed, 6 steps, the tiny model, no profiling")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
