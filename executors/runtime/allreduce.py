@@ -170,6 +170,12 @@ def _nat(h: dict, key: str) -> int:
     return v
 
 
+class NotYourTurn(WireError):
+    """An all-reduce message from a member of the group that the current ring or tree does not take from that
+    member: after a replica is dropped, a survivor that regrouped first sends in the new ring before this part has
+    regrouped. The CompNode keeps it for the next group (:meth:`CompNode._set_members`) instead of losing it."""
+
+
 class RingInbox:
     """What one CompNode accepts of its group's all-reduce messages (not thread-safe: the CompNode locks it).
 
@@ -223,7 +229,7 @@ class RingInbox:
             raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} receives "
                             "nothing at that step")
         if self.group[s[1]] != sender:
-            raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} takes that "
+            raise NotYourTurn(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} takes that "
                             f"step from {self.group[s[1]]!r} only")
         return 0
 
@@ -233,7 +239,7 @@ class RingInbox:
             raise WireError(f"all-reduce message from {sender!r}, which is not in {self.me}'s data-parallel group "
                             f"{self.group}")
         if self.algo == "ring" and sender != self.prev:
-            raise WireError(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
+            raise NotYourTurn(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
         h = msg.header
         if h.get("src") != sender or h.get("dst") != self.me:
             raise WireError(f"all-reduce message says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{self.me!r}")

@@ -35,7 +35,7 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges, faults
-from fusion.executors.runtime.allreduce import RingInbox, average, flatten, make_buckets, unflatten
+from fusion.executors.runtime.allreduce import NotYourTurn, RingInbox, average, flatten, make_buckets, unflatten
 from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
                                               Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
@@ -58,6 +58,9 @@ from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport, pump_any
 
 log = logging.getLogger(__name__)
+#: all-reduce messages kept for the next ring after a regroup (:class:`NotYourTurn`), at most; a survivor sends at
+#: most one step per bucket ahead of this part's regroup, so this bounds memory, not correctness, for sane groups
+MAX_EARLY_RING = 256
 
 COORDINATOR = "coordinator"
 #: control messages waiting for the engine loop (the coordinator sends one at a time; more is a flood)
@@ -203,6 +206,9 @@ class CompNode:
         # built before any socket opens, so a peer's round that arrives before this part's setup is kept
         self._delayed = (DelayedInbox(self.me, self.dp_group, self.ring.buckets, plan.dp_sync.codec)
                          if self.diloco and plan.dp_sync.delay else None)
+        # all-reduce messages of a group member that the current ring does not take from it (NotYourTurn): a
+        # survivor that regrouped first already sends in the new ring; offered to the next ring (_set_members)
+        self._early_ring: deque = deque(maxlen=MAX_EARLY_RING)
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -281,7 +287,12 @@ class CompNode:
                         raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
                     self._pseudo_inbox().accept(sender, msg)
                 else:
-                    self.ring.accept(sender, msg)
+                    try:
+                        self.ring.accept(sender, msg)
+                    except NotYourTurn:
+                        self._early_ring.append((sender, msg))
+                        log.debug("%s: kept an all-reduce message of %s for after the regroup", self.me, sender)
+                        return
                 self._cv.notify_all()
             return
         try:
@@ -517,10 +528,26 @@ class CompNode:
         self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                      self.devices)[self.me]
         self.dp_group = group
-        self.ring = (RingInbox(self.me, group, self._dp_buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
-                     if len(group) > 1 else None)
+        self._new_ring(self._dp_buckets)
+
+    def _new_ring(self, buckets: list) -> None:
+        """(Under ``_cv``) the ring (or tree) over ``self.dp_group`` (None for one part), at this part's
+        iteration; the messages a survivor already sent in it (kept as NotYourTurn) are offered to it."""
+        self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
+                     if len(self.dp_group) > 1 else None)
         if self.ring is not None:
             self.ring.expected_iter = self.inbox.expected_iter
+        early, self._early_ring = list(self._early_ring), deque(maxlen=MAX_EARLY_RING)
+        for sender, msg in early:  # sent in this ring by a survivor that regrouped before this part did
+            try:
+                if self.ring is None:
+                    raise WireError(f"{self.me} has no data-parallel group now")
+                self.ring.accept(sender, msg)
+            except WireError as e:
+                log.warning("%s: dropped an all-reduce message of %s kept from before the regroup: %s", self.me,
+                            sender, e)
+        if early:
+            self._cv.notify_all()
 
     def _admit(self, c: Admit) -> None:
         """A replica joins before iteration ``c.it`` (an outer boundary; join.py): connect to its parts, take
@@ -802,11 +829,7 @@ class CompNode:
             self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                          self.devices)[self.me]
             self.dp_group = [p for p in self.dp_group if p not in drop]
-            buckets = self.ring.buckets if self.ring is not None else []
-            self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
-                         if len(self.dp_group) > 1 else None)
-            if self.ring is not None:
-                self.ring.expected_iter = self.inbox.expected_iter
+            self._new_ring(self.ring.buckets if self.ring is not None else [])
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
                     ", ".join(sorted(drop)), it, self.dp_group, n)
         self.transport.send(COORDINATOR, Regrouped(it=self.inbox.expected_iter).frames())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.executors.runtime.allreduce import KIND, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
+from fusion.executors.runtime.allreduce import KIND, NotYourTurn, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
 from fusion.ir.errors import WireError
 from fusion.ir.wire import decode, encode, encode_payload
 from fusion.plan import OptimizerConfig, PlanError, load_plan, save_plan
@@ -174,6 +174,22 @@ def _msg(**over):
     h.update(over)
     frames = encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"])
     return decode(frames)
+
+
+def test_a_survivors_message_sent_in_the_new_ring_is_kept_for_it():
+    """A replica is dropped; r1.p0 regroups first and sends its chunk in the two-part ring before p0 has regrouped
+    (seen in CI under load: p0 rejected it and waited 300 s). The three-part ring says NotYourTurn (the CompNode
+    keeps the message for its next ring), a stranger is still a plain refusal, and the two-part ring takes it."""
+    buckets = make_buckets({"w": ((5,), "float32")})
+    early = _msg(src="r1.p0", chunk=0, data=np.ones(5, np.float32))
+    with pytest.raises(NotYourTurn, match=r"takes them from 'r2.p0' only"):
+        RingInbox("p0", ["p0", "r1.p0", "r2.p0"], buckets).accept("r1.p0", early)
+    with pytest.raises(WireError) as stranger:
+        RingInbox("p0", ["p0", "r1.p0", "r2.p0"], buckets).accept("p1", _msg(src="p1"))
+    assert not isinstance(stranger.value, NotYourTurn)
+    two = RingInbox("p0", ["p0", "r1.p0"], buckets)
+    two.accept("r1.p0", early)
+    np.testing.assert_array_equal(two.take(0, 0, 0), np.ones(5, np.float32))
 
 
 def test_ring_inbox_rejects_what_the_ring_does_not_expect():
