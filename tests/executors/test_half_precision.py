@@ -120,7 +120,7 @@ def test_bfloat16_optimizer_state_survives_a_checkpoint_round_trip():
     assert back.keys() == arrays.keys()
     for k in arrays:
         np.testing.assert_array_equal(back[k], arrays[k], err_msg=k)
-    moments = [v for k, v in fresh.opt.state_dict()["state"][0].items() if k != "step"]
+    moments = [v for k, v in fresh.groups[0][0].state_dict()["state"][0].items() if k != "step"]  # adamw: one torch optimizer
     assert all(m.dtype == torch.bfloat16 for m in moments)
 
 
