@@ -360,15 +360,7 @@ class RayCluster:
             self._pull_logs()
         except Exception as e:
             log.warning("the executor logs before the restart could not all be fetched: %s", e)
-        for a in self.actors.values():
-            try:
-                ray.get(a.cleanup.remote(), timeout=10.0)  # its temporary plan folder
-            except Exception:
-                pass
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
+        self._free_actors(ray)
         if self.coordinator is not None:
             self.coordinator.close(linger_s=0.0)
         self.actors.clear()
@@ -475,15 +467,7 @@ class RayCluster:
                 log.warning("the last executor logs could not be fetched: %s", e)
             if self.trace:
                 self._fetch_traces()
-            for p, a in self.actors.items():
-                try:
-                    ray.get(a.cleanup.remote(), timeout=10.0)
-                except Exception:
-                    pass
-                try:
-                    ray.kill(a)
-                except Exception:
-                    pass
+            self._free_actors(ray)
         if self.coordinator is not None:
             self.coordinator.close()
         if ray is not None:
@@ -491,6 +475,18 @@ class RayCluster:
             self._ray = None
         self.actors.clear()
         return status
+
+    def _free_actors(self, ray) -> None:
+        """Each actor removes its temporary plan folder, then is killed; best effort (a lost node's actor is gone)."""
+        for a in self.actors.values():
+            try:
+                ray.get(a.cleanup.remote(), timeout=10.0)
+            except Exception:
+                pass
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
 
     def _fetch_traces(self) -> None:
         ray = self._ray
