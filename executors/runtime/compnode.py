@@ -289,10 +289,9 @@ class CompNode:
                 else:
                     try:
                         self.ring.accept(sender, msg)
-                    except NotYourTurn:
+                    except NotYourTurn as e:  # refused by this ring (logged and counted), kept for the next
                         self._early_ring.append((sender, msg))
-                        log.debug("%s: kept an all-reduce message of %s for after the regroup", self.me, sender)
-                        return
+                        raise WireError(f"{e} (kept in case this part regroups: a survivor may send first)") from None
                 self._cv.notify_all()
             return
         try:
