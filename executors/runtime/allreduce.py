@@ -16,12 +16,16 @@ Two replicas skip the ring: each sends its whole buffer to the other and both co
 ``(a + b) / 2`` (IEEE addition is commutative, so the two get the same bits). On full-duplex links
 that moves the same bytes as the two-step ring in one step: one latency instead of two.
 
-Messages are wire messages of kind ``"allreduce"`` (header ``it, bucket, step, chunk, src, dst``,
+Messages are wire messages of kind ``"allreduce"`` (header ``it, bucket, step, chunk, src, dst, group``,
 ``payload``: the chunk as the wire carries any payload, :func:`fusion.ir.wire.encode_payload`; dense, one
-1-D tensor). A receiver accepts one only from its ring predecessor, for the current
-iteration, with the chunk, dtype and length that step must carry, and not twice; anything else
-raises :class:`~fusion.ir.errors.WireError` (the transport logs and drops it, nothing is applied).
-In particular a message from a CompNode outside the group is rejected by name.
+1-D tensor). ``group`` is the sender's group (its members in rank order): after a replica is dropped (or
+joins) the members rebuild the ring one after another, and a member that did so first may already send in
+the new group while this one still runs the old (the same iteration, the same step numbers). A message for
+another group that names both the sender and this part raises :class:`NotYourTurn`: the CompNode keeps it
+for the group it regroups into next. For this group, a receiver accepts one only from its ring predecessor
+(the tree: the rank the step names), for the current iteration, with the chunk, dtype and length that step
+must carry, and not twice; anything else raises :class:`~fusion.ir.errors.WireError` (the transport logs and
+drops it, nothing is applied). In particular a message from a CompNode outside the group is rejected by name.
 
 Codec (``Plan.dp_codec``, ``--dp-codec quant:bits=8``): every chunk travels encoded by a codec of the
 registry that may serve data-parallel gradients (``Role.DP_GRADIENT``: block quantisation,
@@ -147,12 +151,13 @@ def make_buckets(params: Mapping[str, tuple[Sequence[int], str]]) -> list[Bucket
     return [Bucket(d, tuple(ns), tuple(tuple(int(x) for x in params[n][0]) for n in ns)) for d, ns in sorted(by.items())]
 
 
-def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any) -> list[Any]:
+def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str, data: Any,
+                 group: Sequence[str]) -> list[Any]:
     """Frames of one ring message; ``data`` a 1-D array or any payload the wire carries (a codec's, as
-    :class:`~fusion.kernels.codecs.registry.FlatCodec` made it)."""
+    :class:`~fusion.kernels.codecs.registry.FlatCodec` made it); ``group`` the sender's group in rank order."""
     meta, arrays = encode_payload(data)
     return encode(KIND, {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst,
-                         "payload": meta}, arrays)
+                         "group": list(group), "payload": meta}, arrays)
 
 
 def _payload(msg: Message) -> Any:
@@ -171,9 +176,27 @@ def _nat(h: dict, key: str) -> int:
 
 
 class NotYourTurn(WireError):
-    """An all-reduce message from a member of the group that the current ring or tree does not take from that
-    member: after a replica is dropped, a survivor that regrouped first sends in the new ring before this part has
-    regrouped. The CompNode keeps it for the next group (:meth:`CompNode._set_members`) instead of losing it."""
+    """An all-reduce message sent in another group than this part's (its header's ``group``), naming both its
+    sender and this part: after a replica is dropped, a survivor that regrouped first sends in the new group
+    before this part has regrouped. The CompNode keeps it for its next group (:meth:`CompNode._new_ring`)
+    instead of losing it."""
+
+
+def check_group(header: Mapping[str, Any], group: Sequence[str], me: str, sender: str, what: str,
+                stage: Sequence[str] | None = None) -> None:
+    """Raise unless ``sender`` is a member of ``group`` (this part's, rank order) and ``header`` says it was sent
+    in it: :class:`NotYourTurn` for another group of ``stage``'s parts (the plan's replicas of this part's stage;
+    default ``group``) holding ``sender`` and ``me``, a regroup this part has not made yet; WireError for
+    anything else."""
+    g = header.get("group")
+    names = isinstance(g, list) and all(isinstance(x, str) for x in g)
+    if names and g != list(group) and sender in g and me in g and set(g) <= set(stage or group):
+        raise NotYourTurn(f"{what} from {sender!r} sent in the group {g}; {me}'s group is {list(group)}")
+    if sender not in group:
+        raise WireError(f"{what} from {sender!r}, which is not in {me}'s data-parallel group {list(group)}")
+    if g != list(group):
+        raise WireError(f"{what} from {sender!r} says it was sent in the group {repr(g)[:80]}; {me}'s group is "
+                        f"{list(group)}")
 
 
 class RingInbox:
@@ -183,14 +206,16 @@ class RingInbox:
     buckets: as :func:`make_buckets` of this part's parameters (the same on every replica);
     codec: the plan's ``dp_codec`` (``{"algo": "quant", "bits": 8, ...}``, any codec serving ``Role.DP_GRADIENT``)
            or None (dense chunks);
-    algo: ``"ring"`` (two replicas: one exchange) or ``"tree"`` (binomial reduce + broadcast).
+    algo: ``"ring"`` (two replicas: one exchange) or ``"tree"`` (binomial reduce + broadcast);
+    stage: every replica's part of this stage in the plan, the members any later group may have (default: group).
     """
 
     def __init__(self, me: str, group: Sequence[str], buckets: Sequence[Bucket], codec: Mapping[str, Any] | None = None,
-                 algo: str = "ring"):
+                 algo: str = "ring", stage: Sequence[str] | None = None):
         if algo not in ALGOS:
             raise FusionError(f"all-reduce algorithm {algo!r}: expected one of {list(ALGOS)}")
         self.me, self.group, self.buckets = me, list(group), list(buckets)
+        self.stage = list(stage) if stage is not None else self.group
         self.codec = dict(codec) if codec else None
         self.flat = FlatCodec(self.codec, Role.DP_GRADIENT)  # the chunks' codec (dense: a copy)
         self.algo = algo
@@ -229,17 +254,16 @@ class RingInbox:
             raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} receives "
                             "nothing at that step")
         if self.group[s[1]] != sender:
-            raise NotYourTurn(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} takes that "
+            raise WireError(f"all-reduce message from {sender!r} for step {step}; in the tree {self.me} takes that "
                             f"step from {self.group[s[1]]!r} only")
         return 0
 
     def accept(self, sender: str, msg: Message) -> None:
-        """Keep an all-reduce message from ``sender`` or raise WireError saying why not."""
-        if sender not in self.group:
-            raise WireError(f"all-reduce message from {sender!r}, which is not in {self.me}'s data-parallel group "
-                            f"{self.group}")
+        """Keep an all-reduce message from ``sender`` or raise WireError saying why not (NotYourTurn: sent in
+        another group, see :func:`check_group`)."""
+        check_group(msg.header, self.group, self.me, sender, "all-reduce message", self.stage)
         if self.algo == "ring" and sender != self.prev:
-            raise NotYourTurn(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
+            raise WireError(f"all-reduce message from {sender!r}; in the ring {self.me} takes them from {self.prev!r} only")
         h = msg.header
         if h.get("src") != sender or h.get("dst") != self.me:
             raise WireError(f"all-reduce message says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{self.me!r}")
@@ -317,7 +341,7 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
     if inbox.exchange:
         mine = [enc(buf) for buf in buffers]
         for b, q in zip(index, mine):
-            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, q), f"allreduce b{b}")
+            send(inbox.next, encode_chunk(it, b, 0, 0, inbox.me, inbox.next, q, inbox.group), f"allreduce b{b}")
         for i, (b, buf) in enumerate(zip(index, buffers)):
             got = wait(lambda: inbox.take(it, b, 0), f"all-reduce of bucket {b} from {inbox.prev}")
             if codec:  # both sides average the two decoded buffers: the same bits on both
@@ -336,7 +360,7 @@ def ring_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
                 payload = enc(buf[lo:hi])
                 if codec and not reduce:  # the owner's averaged chunk: keep what the others will decode
                     buf[lo:hi] = dec(payload, "own chunk")
-            send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, payload), f"allreduce b{b} s{step}")
+            send(inbox.next, encode_chunk(it, b, step, send_c, inbox.me, inbox.next, payload, inbox.group), f"allreduce b{b} s{step}")
             got = wait(lambda: inbox.take(it, b, step), f"all-reduce step {step} of bucket {b} from {inbox.prev}")
             lo, hi = bounds[recv_c]
             if reduce:
@@ -379,7 +403,7 @@ def tree_average(inbox: RingInbox, it: int, buffers: list[np.ndarray], send: Cal
         if kind == "send":
             for i, (b, buf) in enumerate(zip(index, buffers)):
                 payload = enc(buf) if reduce else forward[i]
-                send(name, encode_chunk(it, b, step, 0, inbox.me, name, payload), f"allreduce b{b} t{step}")
+                send(name, encode_chunk(it, b, step, 0, inbox.me, name, payload, inbox.group), f"allreduce b{b} t{step}")
             continue
         got_all = []
         for b, buf in zip(index, buffers):

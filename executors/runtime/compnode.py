@@ -194,7 +194,8 @@ class CompNode:
             buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
                                         if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
             self._dp_buckets = buckets  # (kept: a group that shrinks to one part at start has no ring)
-            self.ring = RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me))
+            self.ring = RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me),
+                                  plan.dp_group(self.me))
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
         if self.shares and not self.diloco:
@@ -206,8 +207,8 @@ class CompNode:
         # built before any socket opens, so a peer's round that arrives before this part's setup is kept
         self._delayed = (DelayedInbox(self.me, self.dp_group, self.ring.buckets, plan.dp_sync.codec)
                          if self.diloco and plan.dp_sync.delay else None)
-        # all-reduce messages of a group member that the current ring does not take from it (NotYourTurn): a
-        # survivor that regrouped first already sends in the new ring; offered to the next ring (_set_members)
+        # all-reduce messages sent in a group this part has not regrouped into yet (NotYourTurn): a survivor that
+        # regrouped first already sends in the new group; offered to the next ring (_new_ring)
         self._early_ring: deque = deque(maxlen=MAX_EARLY_RING)
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
@@ -282,14 +283,10 @@ class CompNode:
                         raise WireError(f"delayed pseudo-gradient from {sender!r}, but {self.me} runs no delayed "
                                         "outer step")
                     self._delayed.accept(sender, msg)
-                elif msg.header.get("gather") is True:  # an encoded DiLoCo pseudo-gradient (outer.py)
-                    if self.outer is None or self.plan.dp_sync.codec is None:
-                        raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
-                    self._pseudo_inbox().accept(sender, msg)
                 else:
                     try:
-                        self.ring.accept(sender, msg)
-                    except NotYourTurn as e:  # refused by this ring (logged and counted), kept for the next
+                        self._accept_ring(sender, msg)
+                    except NotYourTurn as e:  # refused by this group (logged and counted), kept for the next
                         self._early_ring.append((sender, msg))
                         raise WireError(f"{e} (kept in case this part regroups: a survivor may send first)") from None
                 self._cv.notify_all()
@@ -529,19 +526,33 @@ class CompNode:
         self.dp_group = group
         self._new_ring(self._dp_buckets)
 
+    def _accept_ring(self, sender: str, msg) -> None:
+        """(Under ``_cv``, ``self.ring`` set) an all-reduce message of the group: a ring or tree step, or (header
+        ``gather``) an encoded DiLoCo pseudo-gradient (outer.py). NotYourTurn: sent in another group."""
+        if msg.header.get("gather") is True:
+            if self.outer is None or self.plan.dp_sync.codec is None:
+                raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
+            self._pseudo_inbox().accept(sender, msg)
+        else:
+            self.ring.accept(sender, msg)
+
     def _new_ring(self, buckets: list) -> None:
         """(Under ``_cv``) the ring (or tree) over ``self.dp_group`` (None for one part), at this part's
-        iteration; the messages a survivor already sent in it (kept as NotYourTurn) are offered to it."""
-        self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me))
-                     if len(self.dp_group) > 1 else None)
+        iteration; the messages a member already sent in this group (kept as NotYourTurn) are offered to it, and
+        those sent in yet another group of this iteration are kept again (two regroups in one step)."""
+        self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me),
+                               self.plan.dp_group(self.me)) if len(self.dp_group) > 1 else None)
         if self.ring is not None:
             self.ring.expected_iter = self.inbox.expected_iter
         early, self._early_ring = list(self._early_ring), deque(maxlen=MAX_EARLY_RING)
-        for sender, msg in early:  # sent in this ring by a survivor that regrouped before this part did
+        for sender, msg in early:  # sent in this group by a member that regrouped before this part did
             try:
                 if self.ring is None:
                     raise WireError(f"{self.me} has no data-parallel group now")
-                self.ring.accept(sender, msg)
+                self._accept_ring(sender, msg)
+            except NotYourTurn:
+                if msg.header.get("it") == self.inbox.expected_iter:
+                    self._early_ring.append((sender, msg))
             except WireError as e:
                 log.warning("%s: dropped an all-reduce message of %s kept from before the regroup: %s", self.me,
                             sender, e)

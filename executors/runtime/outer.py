@@ -26,8 +26,9 @@ or ``topk``), each replica encodes its own pseudo-gradient (plus, with ``error_f
 did not send last time) once and sends the same payload to every other member of its group; every replica
 decodes all payloads and sums them in replica order, so all apply the same bits (as ``TiedCodec`` does for
 tied gradients). These messages are wire messages of kind ``"allreduce"`` whose header carries
-``"gather": true`` (:class:`PseudoInbox` accepts them: from a member of the group, for the current
-iteration, of the bucket's dtype and length, once each).
+``"gather": true`` and the sender's ``group`` (:class:`PseudoInbox` accepts them: from a member of the group,
+sent in this group, for the current iteration, of the bucket's dtype and length, once each; one sent in a
+group this part has not regrouped into yet is kept for it, as the ring's are).
 
 Streaming fragments (``dp_sync.fragments`` F, :func:`fragment_buckets`): the parameters in F runs, fragment
 f's outer step after the steps t with ``t % H == (f H) // F``; unequal shares (``dp_sync.shares``,
@@ -77,7 +78,7 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode, encode_payload
-from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, average, flatten, make_buckets, unflatten
+from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, check_group, average, flatten, make_buckets, unflatten
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
 
@@ -181,8 +182,9 @@ class PseudoInbox:
 
     def accept(self, sender: str, msg: Message) -> None:
         r = self.ring
-        if sender not in r.group or sender == r.me:
-            raise WireError(f"pseudo-gradient from {sender!r}, which is not in {r.me}'s data-parallel group {r.group}")
+        if sender == r.me:
+            raise WireError(f"pseudo-gradient from {sender!r} to itself")
+        check_group(msg.header, r.group, r.me, sender, "pseudo-gradient", r.stage)  # (NotYourTurn: sent in another group)
         h = msg.header
         if h.get("src") != sender or h.get("dst") != r.me:
             raise WireError(f"pseudo-gradient says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{r.me!r}")
@@ -406,7 +408,7 @@ class OuterLoop:
                 for p in group:
                     if p != me:
                         counted(p, encode(KIND, {"it": it, "bucket": b, "step": 0, "chunk": 0, "src": me, "dst": p,
-                                                 "gather": True, "payload": meta}, frames), f"pseudo-gradient b{b}")
+                                                 "group": list(group), "gather": True, "payload": meta}, frames), f"pseudo-gradient b{b}")
             for j, b in enumerate(only):
                 parts = [own[j] if p == me else
                          wait(lambda p=p: pseudo.take(it, b, p), f"pseudo-gradient of bucket {b} from {p}")

@@ -343,7 +343,7 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
     """An encoded pseudo-gradient is taken only from a member of the group, addressed to this part, for the
     current iteration, of the bucket's dtype and length, and once; anything else is a WireError (logged and
     dropped by the transport, never applied)."""
-    from fusion.executors.runtime.allreduce import KIND, RingInbox, make_buckets
+    from fusion.executors.runtime.allreduce import KIND, NotYourTurn, RingInbox, make_buckets
     from fusion.executors.runtime.outer import PseudoInbox, encode_pseudo
     from fusion.ir.errors import WireError
     from fusion.ir.wire import decode, encode
@@ -354,10 +354,12 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
 
     def msg(n=10, c=codec, **over):
         meta, frames = encode_pseudo(np.arange(n, dtype=np.float32), c)
-        h = {"it": 0, "bucket": 0, "step": 0, "chunk": 0, "src": "r1.p0", "dst": "p0", "gather": True, "payload": meta}
+        h = {"it": 0, "bucket": 0, "step": 0, "chunk": 0, "src": "r1.p0", "dst": "p0", "gather": True,
+             "group": ["p0", "r1.p0", "r2.p0"], "payload": meta}
         return decode(encode(KIND, {**h, **over}, frames))
 
     for sender, m, says in [("r9.p0", msg(src="r9.p0"), "not in p0's data-parallel group"),
+                            ("r1.p0", msg(group=None), "says it was sent in the group None"),
                             ("r1.p0", msg(src="r2.p0"), "but came"),
                             ("r1.p0", msg(it=1), "iteration 1, this part is at iteration 0"),
                             ("r1.p0", msg(bucket=1), "bucket 1"),
@@ -365,10 +367,15 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
                             ("r1.p0", msg(c={"algo": "topk", "ratio": 2}), "not what quant makes")]:
         with pytest.raises(WireError, match=says):
             box.accept(sender, m)
+    with pytest.raises(NotYourTurn):  # sent after a regroup this part has not made yet: kept by the CompNode
+        box.accept("r1.p0", msg(group=["p0", "r1.p0"]))
     box.accept("r1.p0", msg())
     with pytest.raises(WireError, match="duplicate"):
         box.accept("r1.p0", msg())
     np.testing.assert_allclose(box.take(0, 0, "r1.p0"), np.arange(10, dtype=np.float32), atol=0.05)
+    after = PseudoInbox(RingInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((10,), "float32")})), codec)
+    after.accept("r1.p0", msg(group=["p0", "r1.p0"]))  # the survivor's resend, taken by the regrouped inbox
+    assert after.take(0, 0, "r1.p0") is not None
 
 
 @pytest.mark.parametrize("codec", [None, {"algo": "quant", "bits": 8}], ids=["exact", "quant8"])

@@ -170,26 +170,44 @@ def test_ring_steps_average_exactly_once_per_chunk(g):
 
 
 def _msg(**over):
-    h = dict(it=0, bucket=0, step=0, chunk=1, src="r2.p0", dst="p0", data=np.zeros(3, np.float32))
+    h = dict(it=0, bucket=0, step=0, chunk=1, src="r2.p0", dst="p0", data=np.zeros(3, np.float32),
+             group=["p0", "r1.p0", "r2.p0"])
     h.update(over)
-    frames = encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"])
-    return decode(frames)
+    if h["group"] is None:  # a message that names no group
+        meta, arrays = encode_payload(h.pop("data"))
+        del h["group"]
+        return decode(encode(KIND, {**h, "payload": meta}, arrays))
+    return decode(encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"], h["group"]))
 
 
-def test_a_survivors_message_sent_in_the_new_ring_is_kept_for_it():
-    """A replica is dropped; r1.p0 regroups first and sends its chunk in the two-part ring before p0 has regrouped
-    (seen in CI under load: p0 rejected it and waited 300 s). The three-part ring says NotYourTurn (the CompNode
-    keeps the message for its next ring), a stranger is still a plain refusal, and the two-part ring takes it."""
+def test_a_survivors_message_sent_in_the_new_group_is_kept_for_it():
+    """A replica is dropped and the survivors rebuild the ring one after the other; a survivor that regrouped
+    first sends its chunk in the two-part group before this part has regrouped (seen in CI under load: the
+    message was refused, or taken by the old ring as its own step, and the part waited 300 s). Both ways round
+    (p0 is r1.p0's old predecessor, r2.p0 is p0's) the three-part ring says NotYourTurn (the CompNode keeps the
+    message for its next group), a stranger and a message that names no group are plain refusals, and the
+    two-part ring takes it."""
     buckets = make_buckets({"w": ((5,), "float32")})
-    early = _msg(src="r1.p0", chunk=0, data=np.ones(5, np.float32))
-    with pytest.raises(NotYourTurn, match=r"takes them from 'r2.p0' only"):
-        RingInbox("p0", ["p0", "r1.p0", "r2.p0"], buckets).accept("r1.p0", early)
-    with pytest.raises(WireError) as stranger:
-        RingInbox("p0", ["p0", "r1.p0", "r2.p0"], buckets).accept("p1", _msg(src="p1"))
-    assert not isinstance(stranger.value, NotYourTurn)
-    two = RingInbox("p0", ["p0", "r1.p0"], buckets)
-    two.accept("r1.p0", early)
-    np.testing.assert_array_equal(two.take(0, 0, 0), np.ones(5, np.float32))
+    three, two = ["p0", "r1.p0", "r2.p0"], ["p0", "r1.p0"]
+    early = _msg(src="r1.p0", chunk=0, data=np.ones(5, np.float32), group=two)
+    with pytest.raises(NotYourTurn, match=r"sent in the group \['p0', 'r1.p0'\]; p0's group is"):
+        RingInbox("p0", three, buckets).accept("r1.p0", early)
+    from_pred = _msg(src="p0", dst="r1.p0", chunk=0, data=np.full(5, 2, np.float32), group=two)
+    with pytest.raises(NotYourTurn):  # the old ring would take p0's step 0 as its own (chunk 0 of a third)
+        RingInbox("r1.p0", three, buckets).accept("p0", from_pred)
+    for sender, msg in [("p1", _msg(src="p1")), ("p1", _msg(src="p1", group=["p0", "p1"])),
+                        ("r1.p0", _msg(src="r1.p0", chunk=0, group=None))]:
+        with pytest.raises(WireError) as refused:  # (p1 is a part of the plan, but not of this stage)
+            RingInbox("p0", three, buckets, stage=three).accept(sender, msg)
+        assert not isinstance(refused.value, NotYourTurn)
+    pair = RingInbox("p0", two, buckets)
+    pair.accept("r1.p0", early)
+    np.testing.assert_array_equal(pair.take(0, 0, 0), np.ones(5, np.float32))
+    pair = RingInbox("r1.p0", two, buckets, stage=three)
+    pair.accept("p0", from_pred)
+    np.testing.assert_array_equal(pair.take(0, 0, 0), np.full(5, 2, np.float32))
+    with pytest.raises(NotYourTurn):  # the old group's message arriving late: kept, and refused by every later ring
+        pair.accept("p0", _msg(src="p0", dst="r1.p0", chunk=0, data=np.zeros(2, np.float32), group=three))
 
 
 def test_ring_inbox_rejects_what_the_ring_does_not_expect():
@@ -213,8 +231,8 @@ def test_ring_inbox_rejects_what_the_ring_does_not_expect():
     np.testing.assert_array_equal(inbox.take(0, 0, 0), np.ones(1, np.float32))
     pair = RingInbox("p0", ["p0", "r1.p0"], make_buckets({"w": ((5,), "float32")}))  # two: one whole exchange
     with pytest.raises(WireError, match=r"expected float32\[5\]"):
-        pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(2, np.float32)))
-    pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(5, np.float32)))
+        pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(2, np.float32), group=["p0", "r1.p0"]))
+    pair.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(5, np.float32), group=["p0", "r1.p0"]))
 
 
 def test_ring_inbox_takes_only_the_payloads_its_codec_makes():
@@ -225,24 +243,25 @@ def test_ring_inbox_takes_only_the_payloads_its_codec_makes():
 
     q8 = {"algo": "quant", "bits": 8}
     buckets = make_buckets({"w": ((6,), "float32")})
-    quant = RingInbox("p0", ["p0", "r1.p0"], buckets, codec=q8)
-    dense = RingInbox("p0", ["p0", "r1.p0"], buckets)
+    PAIR = ["p0", "r1.p0"]
+    quant = RingInbox("p0", PAIR, buckets, codec=q8)
+    dense = RingInbox("p0", PAIR, buckets)
     good = FlatCodec(q8, Role.DP_GRADIENT).encode(np.arange(6, dtype=np.float32))
     topk = FlatCodec({"algo": "topk", "ratio": 3}, Role.ACTIVATION)
     with pytest.raises(WireError, match="is dense; this group sends encoded chunks"):
-        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=np.zeros(6, np.float32)))
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, group=PAIR, data=np.zeros(6, np.float32)))
     with pytest.raises(WireError, match="not what quant makes"):
-        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=topk.encode(np.arange(6, dtype=np.float32))))
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, group=PAIR, data=topk.encode(np.arange(6, dtype=np.float32))))
     with pytest.raises(WireError, match=r"expected float32\[6\]"):
         short = FlatCodec(q8, Role.DP_GRADIENT).encode(np.arange(4, dtype=np.float32))
-        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=short))
+        quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, group=PAIR, data=short))
     with pytest.raises(WireError, match="is encoded; this group sends dense chunks"):
-        dense.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=good))
+        dense.accept("r1.p0", _msg(src="r1.p0", chunk=0, group=PAIR, data=good))
     meta, arrays = encode_payload(good)
-    h = dict(it=0, bucket=0, step=0, chunk=0, src="r1.p0", dst="p0", payload=meta)
+    h = dict(it=0, bucket=0, step=0, chunk=0, src="r1.p0", dst="p0", group=PAIR, payload=meta)
     with pytest.raises(WireError, match="all-reduce message: quant payload needs 3 tensor frames"):
         quant.accept("r1.p0", decode(encode(KIND, h, arrays[:2])))
-    quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, data=good))
+    quant.accept("r1.p0", _msg(src="r1.p0", chunk=0, group=PAIR, data=good))
     np.testing.assert_allclose(FlatCodec(q8, Role.DP_GRADIENT).decode(quant.take(0, 0, 0), "chunk"),
                                np.arange(6, dtype=np.float32), atol=0.05)
 
@@ -259,13 +278,39 @@ def test_compnode_logs_and_drops_an_allreduce_message_from_outside_its_group(tmp
     try:
         assert node.dp_group == ["p0", "r1.p0"] and "p1" in node.transport.allowed
         n = node.ring.bounds[0][0][1]  # two replicas: the whole buffer in one exchange
-        frames = encode_chunk(0, 0, 0, 0, "p1", "p0", np.zeros(n, np.float32))
+        frames = encode_chunk(0, 0, 0, 0, "p1", "p0", np.zeros(n, np.float32), node.dp_group)
         node.transport._handle([_Frame(b"p1"), *frames])
         assert node.transport.rejected == 1 and not node.ring._got
         assert "not in p0's data-parallel group" in caplog.text
-        frames = encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32))
+        frames = encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32), node.dp_group)
         node.transport._handle([_Frame(b"r1.p0"), *frames])
         assert node.transport.rejected == 1 and len(node.ring._got) == 1  # the group member's is kept
+    finally:
+        node.transport.close(timeout_s=1.0, linger_s=0.0)
+
+
+def test_compnode_keeps_a_message_sent_in_the_group_it_regroups_into(tmp_path, caplog):
+    """Three replicas; r2.p0 is dropped and p0 regroups first: its exchange for the two-part group reaches r1.p0
+    while r1.p0 still runs the three-part ring, in which p0 is its predecessor (the CI hang of the
+    mid-outer-exchange test: the old ring refused it as a duplicate or a wrong length, and r1.p0 waited for it
+    300 s). Through the real receive path it is logged as refused and kept; the regroup hands it to the new ring."""
+    from fusion.executors.runtime.compnode import CompNode, ExecutorConfig
+
+    build, splits, _, _ = MODELS["cnn"]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, splits[2], 3, micro_batches=MICRO)
+    node = CompNode(load_plan(plan_dir), plan_dir, ExecutorConfig("r1.p0", "tcp://127.0.0.1:1"))
+    try:
+        assert node.dp_group == ["p0", "r1.p0", "r2.p0"] and node.ring.prev == "p0"
+        n = node.ring.buckets[0].total  # two replicas: the whole buffer in one exchange
+        frames = encode_chunk(0, 0, 0, 0, "p0", "r1.p0", np.ones(n, np.float32), ["p0", "r1.p0"])
+        node.transport._handle([_Frame(b"p0"), *frames])
+        assert node.transport.rejected == 1 and not node.ring._got and len(node._early_ring) == 1
+        assert "sent in the group ['p0', 'r1.p0']" in caplog.text
+        with node._cv:
+            node._set_members(["p0", "r1.p0"], MICRO)
+        np.testing.assert_array_equal(node.ring.take(0, 0, 0), np.ones(n, np.float32))
+        assert not node._early_ring
     finally:
         node.transport.close(timeout_s=1.0, linger_s=0.0)
 

@@ -120,9 +120,10 @@ def test_quantised_tree_keeps_the_ranks_bit_identical(g):
 
 
 def _msg(**over):
-    h = dict(it=0, bucket=0, step=0, chunk=0, src="r1.p0", dst="p0", data=np.zeros(5, np.float32))
+    h = dict(it=0, bucket=0, step=0, chunk=0, src="r1.p0", dst="p0", data=np.zeros(5, np.float32),
+             group=["p0", "r1.p0", "r2.p0", "r3.p0"])
     h.update(over)
-    return decode(encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"]))
+    return decode(encode_chunk(h["it"], h["bucket"], h["step"], h["chunk"], h["src"], h["dst"], h["data"], h["group"]))
 
 
 def test_tree_inbox_rejects_what_the_schedule_does_not_expect():
@@ -257,10 +258,11 @@ def test_compnode_logs_and_drops_tree_messages_from_outside_the_group_or_at_the_
         for sender, rejected, why in [("p1", 1, "not in p0's data-parallel group"),
                                       ("r2.p0", 2, "p0 takes that step from 'r1.p0' only")]:
             node.transport._handle([_Frame(sender.encode()), *encode_chunk(0, 0, 0, 0, sender, "p0",
-                                                                             np.zeros(n, np.float32))])
+                                                                             np.zeros(n, np.float32), node.dp_group)])
             assert node.transport.rejected == rejected and not node.ring._got
             assert why in caplog.text
-        node.transport._handle([_Frame(b"r1.p0"), *encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32))])
+        node.transport._handle([_Frame(b"r1.p0"), *encode_chunk(0, 0, 0, 0, "r1.p0", "p0", np.zeros(n, np.float32),
+                                                              node.dp_group)])
         assert node.transport.rejected == 2 and len(node.ring._got) == 1
     finally:
         node.transport.close(timeout_s=1.0, linger_s=0.0)
