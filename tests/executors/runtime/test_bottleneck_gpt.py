@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fusion.plan import OptimizerConfig
 from tests.executors.dist_models import TWO_SITES_YAML, assert_matches_plain, run_distributed
-from tests.executors.runtime.test_distributed_gpt import REPO, _gpt_module
+from tests.executors.runtime.test_distributed_gpt import REPO, _gpt_module, plain_sgd
 
 STEPS, MICRO, RANK = 3, 2, 4
 OPT = OptimizerConfig("sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -44,21 +44,8 @@ def _plain(module, extra, residual, batches):
     params = dict(module.named_parameters())
     for name, (P, We, Wd) in extra.items():
         params[f"bneck.{name}.W_enc"], params[f"bneck.{name}.W_dec.{residual[name]}"] = We, Wd
-    opt = torch.optim.SGD(list(params.values()), lr=0.1, momentum=0.9, weight_decay=0.01)
-    out = []
-    for b in batches:
-        opt.zero_grad()
-        loss = 0.0
-        for idx, tg in zip(torch.as_tensor(b["idx"]).chunk(MICRO), torch.as_tensor(b["targets"]).chunk(MICRO)):
-            lc = loss_of(idx, tg) / MICRO
-            lc.backward()
-            loss += lc.item()
-        grads = {k: p.grad.detach().clone().numpy() for k, p in params.items()}
-        opt.step()
-        after = {k: p.detach().clone().numpy() for k, p in params.items()}
-        after.update({f"bneck.{n}.P": P.numpy() for n, (P, _, _) in extra.items()})
-        out.append((loss, grads, after))
-    return out
+    fixed = {f"bneck.{n}.P": P.numpy() for n, (P, _, _) in extra.items()}
+    return [(loss, grads, {**after, **fixed}) for loss, grads, after in plain_sgd(params, loss_of, batches, MICRO, OPT)]
 
 
 @pytest.mark.parametrize("n_parts,schedule", [(2, "gpipe"), (4, "1f1b")])

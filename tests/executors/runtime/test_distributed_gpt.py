@@ -37,22 +37,28 @@ def _gpt_module():
     return mod
 
 
+def plain_sgd(params, loss_of, batches, micro, opt=OPT):
+    """Single-process PyTorch: ``opt`` (SGD) over ``params`` (name -> tensor), each batch's loss ``loss_of(idx,
+    targets)`` accumulated over ``micro`` micro-batches; per step (loss, grads, params after the step)."""
+    sgd = torch.optim.SGD(list(params.values()), lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    out = []
+    for b in batches:
+        sgd.zero_grad()
+        loss = 0.0
+        for idx, tg in zip(torch.as_tensor(b["idx"]).chunk(micro), torch.as_tensor(b["targets"]).chunk(micro)):
+            lc = loss_of(idx, tg) / micro
+            lc.backward()
+            loss += lc.item()
+        grads = {k: p.grad.detach().clone().numpy() for k, p in params.items()}
+        sgd.step()
+        out.append((loss, grads, {k: p.detach().clone().numpy() for k, p in params.items()}))
+    return out
+
+
 def _plain(module, batches):
     """Single-process PyTorch on the module itself: per step (loss, grads, params after the step)."""
     module.train()
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    out = []
-    for b in batches:
-        opt.zero_grad()
-        loss = 0.0
-        for idx, tg in zip(torch.as_tensor(b["idx"]).chunk(MICRO), torch.as_tensor(b["targets"]).chunk(MICRO)):
-            lc = module(idx, tg) / MICRO
-            lc.backward()
-            loss += lc.item()
-        grads = {k: p.grad.detach().clone().numpy() for k, p in module.named_parameters()}
-        opt.step()
-        out.append((loss, grads, {k: p.detach().clone().numpy() for k, p in module.named_parameters()}))
-    return out
+    return plain_sgd(dict(module.named_parameters()), module, batches, MICRO)
 
 
 # both schedules at both sizes: 4 cases, ~25 s together on 2 cores
