@@ -28,7 +28,11 @@ from pathlib import Path
 _SERVER = r'''
 import json, os, sys
 import numpy, torch, torch._dynamo, torch.export  # noqa: F401  what nearly every command imports
-import fusion.cli
+import matplotlib
+matplotlib.use("Agg")  # what fusion's plots select before they import pyplot
+import matplotlib.pyplot  # noqa: F401  every `fusion run` draws loss.png, `fusion inspect` plan.png
+import fusion.cli, fusion.commands.compile, fusion.commands.run, fusion.compile  # noqa: F401
+import fusion.executors.runtime.launcher  # noqa: F401  (imports zmq; no context exists before a fork)
 
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_RDWR), 1)  # a stray print of the server's cannot corrupt the replies
