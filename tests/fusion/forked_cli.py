@@ -34,6 +34,8 @@ import matplotlib.pyplot  # noqa: F401  every `fusion run` draws loss.png, `fusi
 import fusion.cli, fusion.commands.compile, fusion.commands.run, fusion.compile  # noqa: F401
 import fusion.executors.runtime.launcher  # noqa: F401  (imports zmq; no context exists before a fork)
 
+import gc
+gc.freeze()  # the imported modules' objects: never traversed by a child's collector, so never copied into it
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_RDWR), 1)  # a stray print of the server's cannot corrupt the replies
 reply.write("{}\n")
