@@ -22,14 +22,20 @@ import time
 from pathlib import Path
 
 #: the server: imports what most commands import, then forks a child per request line
-#: ({"argv", "cwd", "stdout", "stderr"}) and answers {"pid"} at the fork and {"rc"} at the child's exit
+#: ({"argv", "cwd", "env", "stdout", "stderr"}) and answers {"pid"} at the fork and {"rc"} at the child's exit
 #: (and {} once it has imported them).
 #: The child leaves the loop by sys.exit, so the interpreter exits it as it exits any script.
 _SERVER = r'''
 import json, os, sys
 import numpy, torch, torch._dynamo, torch.export  # noqa: F401  what nearly every command imports
-import fusion.cli
+import matplotlib
+matplotlib.use("Agg")  # what fusion's plots select before they import pyplot
+import matplotlib.pyplot  # noqa: F401  every `fusion run` draws loss.png, `fusion inspect` plan.png
+import fusion.cli, fusion.commands.compile, fusion.commands.run, fusion.compile  # noqa: F401
+import fusion.executors.runtime.launcher  # noqa: F401  (imports zmq; no context exists before a fork)
 
+import gc
+gc.freeze()  # the imported modules' objects: never traversed by a child's collector, so never copied into it
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_RDWR), 1)  # a stray print of the server's cannot corrupt the replies
 reply.write("{}\n")
@@ -46,6 +52,7 @@ while True:
         os.dup2(os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
         os.dup2(os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
         os.chdir(req["cwd"])
+        os.environ.update(req["env"])  # what the test adds for this command (read at run time, as by the data code)
         sys.path[0] = os.getcwd()  # as `python -m` puts it
         sys.argv = [fusion.cli.__file__, *req["argv"]]
         numpy.random.seed()  # a fresh process's global NumPy state is drawn anew; Python's random reseeds at fork
@@ -56,6 +63,14 @@ while True:
     reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
     reply.flush()
 '''
+
+
+def fusion_env() -> dict[str, str]:
+    """The environment of the `fusion` commands tests run: this checkout's fusion first on the path (whatever
+    folder a command runs in), one intra-op thread."""
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
 
 
 class ForkedCli:
@@ -98,13 +113,15 @@ class ForkedCli:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: Path, timeout: float,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """``fusion ARGV`` in ``cwd``: its exit status, stdout and stderr; killed (and TimeoutExpired raised) after
-        ``timeout`` seconds, as subprocess.run does."""
+        ``timeout`` seconds, as subprocess.run does. ``env``: variables added to the server's environment for this
+        command (and the executors it starts); only what is read at run time, since the interpreter has started."""
         self._n += 1
         out, err = self.scratch / f"{self._n}.out", self.scratch / f"{self._n}.err"
-        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)})
-                              .encode() + b"\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "env": dict(env or {}), "stdout": str(out),
+                                          "stderr": str(err)}).encode() + b"\n")
         self.proc.stdin.flush()
         pid = self._reply(120)["pid"]
         try:

@@ -7,6 +7,7 @@ help with defaults, the bandwidth a user wrote kept as written, YAML errors with
 `fusion graph` edges.
 """
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,13 +28,10 @@ def broken():
 '''
 
 
-def fusion(*args, cwd=None, timeout=180):
-    """``python -m fusion.cli ARGS`` importing this checkout's fusion, from any folder."""
-    import os
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT, env=env)
+def fusion(cli, *args, cwd=None, timeout=180):
+    """``python -m fusion.cli ARGS`` importing this checkout's fusion, in ``cwd`` (default: the checkout's root):
+    a process of its own forked from the session's command server (the ``cli`` fixture, tests/fusion/forked_cli.py)."""
+    return cli.run([str(a) for a in args], Path(cwd or ROOT), timeout)
 
 
 def one_line_error(r, command):
@@ -52,12 +50,12 @@ links: {default: {latency: 1 ms, bandwidth: 1 Gbit/s}}
 
 
 @pytest.fixture(scope="module")
-def cnn_plan(tmp_path_factory):
+def cnn_plan(cli, tmp_path_factory):
     """A 2-part plan of the small CNN (equal-count on two CPUs), compiled once."""
     d = tmp_path_factory.mktemp("cnn")
     (d / "model.py").write_text(CNN)
     (d / "two.yaml").write_text(TWO)
-    r = fusion("compile", f"{d / 'model.py'}:cnn", "--cluster", d / "two.yaml", "--strategy", "equal-count",
+    r = fusion(cli, "compile", f"{d / 'model.py'}:cnn", "--cluster", d / "two.yaml", "--strategy", "equal-count",
                "--micro-batches", "2", "-o", d / "cnn.plan")
     assert r.returncode == 0, r.stderr
     return d / "cnn.plan"
@@ -69,10 +67,10 @@ def steps_of(run: Path) -> list[int]:
 
 # -- run folders ---------------------------------------------------------------------------------
 
-def test_run_folders_are_never_reused_by_accident(cnn_plan, tmp_path):
+def test_run_folders_are_never_reused_by_accident(cli, cnn_plan, tmp_path):
     run = tmp_path / "run"
     common = ["--no-progress", "--data", "synthetic"]
-    r = fusion("run", cnn_plan, "--out", run, "--steps", "3", "--checkpoint-every", "2", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "3", "--checkpoint-every", "2", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps_of(run) == [0, 1, 2]
     # the outputs of a finished run: metrics, the loss plot, one merged trace beside the per-CompNode ones
@@ -87,18 +85,30 @@ def test_run_folders_are_never_reused_by_accident(cnn_plan, tmp_path):
 
     # the same --out again: refused, nothing touched
     before = (run / "metrics.jsonl").read_text()
-    r = fusion("run", cnn_plan, "--out", run, "--steps", "2", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "2", *common)
     assert "is not empty" in one_line_error(r, "run") and "--resume" in r.stderr and "--overwrite" in r.stderr
     assert (run / "metrics.jsonl").read_text() == before
 
     # --resume continues from the checkpoint of step 2: step 2 is replayed, its line replaced, not appended
-    r = fusion("run", cnn_plan, "--out", run, "--steps", "4", "--resume", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "4", "--resume", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming at step 2" in r.stderr
     assert steps_of(run) == [0, 1, 2, 3]
 
+    # --resume with a plan that did not write the run folder failed deep in an executor ("no initial value for
+    # parameter ..."); now the plan's digest is compared with the one recorded in run.json (issue 28)
+    other = tmp_path / "other.plan"
+    shutil.copytree(cnn_plan, other)
+    doc = json.loads((other / "plan.json").read_text())
+    doc["seed"] = doc.get("seed", 0) + 1  # another plan: same graph, another seed
+    (other / "plan.json").write_text(json.dumps(doc))
+    r = fusion(cli, "run", other, "--out", run, "--steps", "5", "--resume", *common)
+    line = one_line_error(r, "run")
+    assert "written by another plan" in line and str(other) in line, line
+    assert steps_of(run) == [0, 1, 2, 3]  # nothing of the run was touched
+
     # --overwrite replaces a previous run
-    r = fusion("run", cnn_plan, "--out", run, "--steps", "1", "--overwrite", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "1", "--overwrite", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps_of(run) == [0] and not (run / "checkpoints").exists()
 
@@ -106,37 +116,37 @@ def test_run_folders_are_never_reused_by_accident(cnn_plan, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    r = fusion("run", cnn_plan, "--out", mine, "--steps", "1", "--overwrite", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", mine, "--steps", "1", "--overwrite", *common)
     assert "no run.json" in one_line_error(r, "run") and (mine / "notes.txt").exists()
-    r = fusion("run", cnn_plan, "--out", cnn_plan, "--steps", "1", *common)
+    r = fusion(cli, "run", cnn_plan, "--out", cnn_plan, "--steps", "1", *common)
     assert "plan folder" in one_line_error(r, "run")
 
 
-def test_run_of_a_plan_writes_into_a_new_timestamped_folder_not_the_plan(cnn_plan, tmp_path):
-    r = fusion("run", cnn_plan, "--steps", "1", "--no-progress", "--data", "synthetic", cwd=tmp_path)
+def test_run_of_a_plan_writes_into_a_new_timestamped_folder_not_the_plan(cli, cnn_plan, tmp_path):
+    r = fusion(cli, "run", cnn_plan, "--steps", "1", "--no-progress", "--data", "synthetic", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("cnn-") and steps_of(runs[0]) == [0]
     assert sorted(p.name for p in cnn_plan.iterdir()) == ["plan.json", "weights.safetensors"]
 
 
-def test_compile_refuses_to_write_into_an_unrelated_folder(tmp_path):
+def test_compile_refuses_to_write_into_an_unrelated_folder(cli, tmp_path):
     (tmp_path / "model.py").write_text(CNN)
     other = tmp_path / "photos"
     other.mkdir()
     (other / "cat.jpg").write_bytes(b"x")
-    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", other)
+    r = fusion(cli, "compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", other)
     assert "not a plan and not empty" in one_line_error(r, "compile")
     assert sorted(p.name for p in other.iterdir()) == ["cat.jpg"]
     # a plan folder is replaced only with --force (issue 26: it was overwritten silently)
     plan = tmp_path / "p.plan"
-    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan)
+    r = fusion(cli, "compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan)
     assert r.returncode == 0, r.stderr
     before = (plan / "plan.json").read_bytes()
-    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5")
+    r = fusion(cli, "compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5")
     assert "holds a plan already; give --force" in one_line_error(r, "compile")
     assert (plan / "plan.json").read_bytes() == before
-    r = fusion("compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5", "--force")
+    r = fusion(cli, "compile", f"{tmp_path / 'model.py'}:cnn", "--cluster", LOCAL, "-o", plan, "--lr", "0.5", "--force")
     assert r.returncode == 0, r.stderr
     assert (plan / "plan.json").read_bytes() != before
 
@@ -144,38 +154,38 @@ def test_compile_refuses_to_write_into_an_unrelated_folder(tmp_path):
 # -- user errors: one line, exit 2 ----------------------------------------------------------------
 
 @pytest.mark.parametrize("steps", ["-1", "0", "ten"])
-def test_steps_must_be_positive(tmp_path, steps):
-    r = fusion("run", "examples/models/gpt.py:tiny", "--cluster", LOCAL, "--steps", steps, "--out", tmp_path / "o")
+def test_steps_must_be_positive(cli, tmp_path, steps):
+    r = fusion(cli, "run", "examples/models/gpt.py:tiny", "--cluster", LOCAL, "--steps", steps, "--out", tmp_path / "o")
     assert "--steps" in one_line_error(r, "run")
     assert not (tmp_path / "o").exists()
 
 
-def test_a_model_that_raises_is_one_line_naming_the_line(tmp_path):
+def test_a_model_that_raises_is_one_line_naming_the_line(cli, tmp_path):
     (tmp_path / "model.py").write_text(CNN)
-    r = fusion("compile", f"{tmp_path / 'model.py'}:broken", "--cluster", LOCAL, "-o", tmp_path / "p")
+    r = fusion(cli, "compile", f"{tmp_path / 'model.py'}:broken", "--cluster", LOCAL, "-o", tmp_path / "p")
     line = one_line_error(r, "compile")
     assert "broken() raised ValueError: width 3 is not a multiple of 4 (model.py:16)" in line, line
 
 
-def test_addresses_must_say_tcp(tmp_path, cnn_plan):
-    r = fusion("coordinator", cnn_plan, "--bind", "localhost:5600", "--out", tmp_path / "o")
+def test_addresses_must_say_tcp(cli, tmp_path, cnn_plan):
+    r = fusion(cli, "coordinator", cnn_plan, "--bind", "localhost:5600", "--out", tmp_path / "o")
     assert "expected tcp://HOST:PORT" in one_line_error(r, "coordinator")
-    r = fusion("executor", cnn_plan, "--node", "part0", "--coordinator", "10.0.0.1:5600")
+    r = fusion(cli, "executor", cnn_plan, "--node", "part0", "--coordinator", "10.0.0.1:5600")
     assert "expected tcp://HOST:PORT" in one_line_error(r, "executor")
 
 
-def test_executor_with_an_unknown_part_names_the_parts(cnn_plan):
-    r = fusion("executor", cnn_plan, "--node", "p0", "--coordinator", "tcp://127.0.0.1:5600")
+def test_executor_with_an_unknown_part_names_the_parts(cli, cnn_plan):
+    r = fusion(cli, "executor", cnn_plan, "--node", "p0", "--coordinator", "tcp://127.0.0.1:5600")
     assert "no part 'p0' (parts: part0, part1)" in one_line_error(r, "executor")
 
 
-def test_executor_whose_port_is_taken_says_so_in_one_line(cnn_plan):
+def test_executor_whose_port_is_taken_says_so_in_one_line(cli, cnn_plan):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen()
     port = s.getsockname()[1]
     try:
-        r = fusion("executor", cnn_plan, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
+        r = fusion(cli, "executor", cnn_plan, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
                    "--bind", f"tcp://127.0.0.1:{port}", "--insecure", timeout=60)
     finally:
         s.close()
@@ -183,26 +193,25 @@ def test_executor_whose_port_is_taken_says_so_in_one_line(cnn_plan):
     assert f"cannot bind tcp://127.0.0.1:{port}" in line and "in use" in line, line
 
 
-def test_executor_checks_its_weights_before_listening(cnn_plan, tmp_path):
-    import shutil
-
+def test_executor_checks_its_weights_before_listening(cli, cnn_plan, tmp_path):
     bad = tmp_path / "bad.plan"
     shutil.copytree(cnn_plan, bad)
     w = bad / "weights.safetensors"
     w.write_bytes(w.read_bytes()[:-40])  # truncated
-    r = fusion("executor", bad, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1", "--bind", "tcp://127.0.0.1:*",
+    r = fusion(cli, "executor", bad, "--node", "part0", "--coordinator", "tcp://127.0.0.1:1",
+               "--bind", "tcp://127.0.0.1:*",
                "--insecure", "--startup-timeout", "60", timeout=60)
     assert "weights.safetensors" in one_line_error(r, "executor")
 
 
-def test_executor_without_a_coordinator_says_what_it_waits_for_and_gives_up(cnn_plan):
+def test_executor_without_a_coordinator_says_what_it_waits_for_and_gives_up(cli, cnn_plan):
     """No coordinator ever appears: the executor logs what it waits for, then stops with a one-line reason
     within its --startup-timeout (it used to wait in silence)."""
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    r = fusion("executor", cnn_plan, "--node", "part1", "--coordinator", f"tcp://127.0.0.1:{port}",
+    r = fusion(cli, "executor", cnn_plan, "--node", "part1", "--coordinator", f"tcp://127.0.0.1:{port}",
                "--bind", "tcp://127.0.0.1:*", "--insecure", "--startup-timeout", "3", timeout=90)
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
@@ -213,7 +222,7 @@ def test_executor_without_a_coordinator_says_what_it_waits_for_and_gives_up(cnn_
     assert took < 40, took  # 3 s of waiting plus interpreter and plan start-up on a loaded 2-core host
 
 
-def test_long_engine_refusal_is_summarised(tmp_path):
+def test_long_engine_refusal_is_summarised(cli, tmp_path):
     """A part full of ops its engine lacks: the count, the ops and a few names, on one short line."""
     (tmp_path / "many.py").write_text('''
 import torch
@@ -234,7 +243,8 @@ def model():
     b.loss("loss", "torch.nn.functional.cross_entropy", o, y)
     return b.build(example={"x": torch.randn(2, 4), "y": torch.randint(0, 3, (2,))}, seed=0)
 ''')
-    r = fusion("compile", f"{tmp_path / 'many.py'}:model", "--cluster", LOCAL, "--engine", "numpy", "-o", tmp_path / "p")
+    r = fusion(cli, "compile", f"{tmp_path / 'many.py'}:model", "--cluster", LOCAL, "--engine", "numpy",
+               "-o", tmp_path / "p")
     line = one_line_error(r, "compile")
     assert "40 node(s) placed on an engine that lacks their op (1 op(s))" in line, line
     assert "node 'w0', node 'w1', node 'w2', ... (40 nodes)" in line and "w39" not in line
@@ -243,10 +253,10 @@ def model():
 
 # -- flags ------------------------------------------------------------------------------------------
 
-def test_verbose_after_the_command(tmp_path):
-    r = fusion("graph", "examples/models/gpt.py:tiny", "-v")
+def test_verbose_after_the_command(cli, tmp_path):
+    r = fusion(cli, "graph", "examples/models/gpt.py:tiny", "-v")
     assert r.returncode == 0 and " INFO " in r.stderr, r.stderr[-2000:]
-    r = fusion("graph", "examples/models/gpt.py:tiny")
+    r = fusion(cli, "graph", "examples/models/gpt.py:tiny")
     assert r.returncode == 0 and " INFO " not in r.stderr
 
 
@@ -265,7 +275,7 @@ def test_help_shows_defaults_and_one_micro_batches_default():
 
 # -- clusters ---------------------------------------------------------------------------------------
 
-def test_bandwidth_round_trips_as_written(tmp_path):
+def test_bandwidth_round_trips_as_written(cli, tmp_path):
     from fusion.cluster.model import Cluster, load_cluster
     from fusion.cluster.units import format_bandwidth
 
@@ -278,10 +288,10 @@ def test_bandwidth_round_trips_as_written(tmp_path):
     assert [format_bandwidth(b) for b in (1e9, 20e6, 999.5e6, 1.5e3, 12)] == \
         ["1 Gbit/s", "20 Mbit/s", "999.5 Mbit/s", "1.5 kbit/s", "12 bit/s"]
     # and what `fusion inspect` prints for the 1 Gbit/s link
-    r = fusion("compile", "examples/models/gpt.py:tiny", "--cluster", LOCAL, "--strategy", "equal-flops",
+    r = fusion(cli, "compile", "examples/models/gpt.py:tiny", "--cluster", LOCAL, "--strategy", "equal-flops",
                "-o", tmp_path / "t.plan")
     assert r.returncode == 0, r.stderr
-    r = fusion("inspect", tmp_path / "t.plan", "--no-png")
+    r = fusion(cli, "inspect", tmp_path / "t.plan", "--no-png")
     assert "1 Gbit/s" in r.stdout and "1e+03" not in r.stdout and "20 Mbit/s" in r.stdout, r.stdout
 
 
@@ -292,18 +302,18 @@ def test_bandwidth_round_trips_as_written(tmp_path):
     ("name: x\ndevices:\n  - {name: a, count: 2, peak_flops: 1 TFLOPS, memory: 4 GB}\nlinks:\n"
      "  default: {latency: 1 ms}\n", ":5:12:", "missing field 'bandwidth'"),
 ])
-def test_yaml_errors_give_line_and_column(tmp_path, text, where, words):
+def test_yaml_errors_give_line_and_column(cli, tmp_path, text, where, words):
     f = tmp_path / "c.yaml"
     f.write_text(text)
-    r = fusion("compile", "examples/models/gpt.py:tiny", "--cluster", f, "-o", tmp_path / "p")
+    r = fusion(cli, "compile", "examples/models/gpt.py:tiny", "--cluster", f, "-o", tmp_path / "p")
     line = one_line_error(r, "compile")
     assert f"{f}{where}" in line and words in line, line
 
 
 # -- graph ------------------------------------------------------------------------------------------
 
-def test_graph_prints_a_header_and_the_edges():
-    r = fusion("graph", "examples/cnn_fig7.py:model")
+def test_graph_prints_a_header_and_the_edges(cli):
+    r = fusion(cli, "graph", "examples/cnn_fig7.py:model")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("examples/cnn_fig7.py:model: 10 nodes, 9 edges")
@@ -333,7 +343,7 @@ def _png_stats(path):
     (None, "equal-count", LOCAL, True),                           # the Figure 7 CNN: 10 nodes
     (120, "opfence", "fusionllm-48", False),                      # a 120-block GPT on the meta device: ~970 nodes
 ])
-def test_plan_png_is_readable_small_and_large(tmp_path, n_layers, strategy, cluster, labelled):
+def test_plan_png_is_readable_small_and_large(cli, tmp_path, n_layers, strategy, cluster, labelled):
     from fusion.inspect import dag_layout, draw_plan, part_colors
     from fusion.plan import load_plan
 
@@ -344,7 +354,7 @@ def test_plan_png_is_readable_small_and_large(tmp_path, n_layers, strategy, clus
             "from tests.testing_models import gpt_model\n\n"
             f"def model():\n    return gpt_model({n_layers}, 64, 4, 128, 16, 1, device='meta')\n")
         spec = f"{tmp_path / 'big.py'}:model"
-    r = fusion("compile", spec, "--cluster", cluster, "--strategy", strategy, "-o", tmp_path / "p.plan")
+    r = fusion(cli, "compile", spec, "--cluster", cluster, "--strategy", strategy, "-o", tmp_path / "p.plan")
     assert r.returncode == 0, r.stderr
     plan = load_plan(tmp_path / "p.plan")
     png = draw_plan(plan, tmp_path / "plan.png")
@@ -397,43 +407,21 @@ def test_ctrl_c_still_writes_weights_plot_and_trace(cnn_plan, tmp_path):
     assert sorted(p.name for p in (run / "trace").iterdir()) == ["part0.json", "part1.json"]
 
 
-def test_run_quotes_the_reason_an_executor_failed_at_start_up(cnn_plan, tmp_path):
+def test_run_quotes_the_reason_an_executor_failed_at_start_up(cli, cnn_plan, tmp_path):
     """An executor that fails at start-up (here: a truncated weights file) used to be reported as only "exited with
     status 2", its reason left in logs/ (issue 28); fusion run now quotes the executor's own error line."""
-    import shutil
-
     bad = tmp_path / "bad.plan"
     shutil.copytree(cnn_plan, bad)
     w = bad / "weights.safetensors"
     w.write_bytes(w.read_bytes()[:-40])  # truncated
-    r = fusion("run", bad, "--out", tmp_path / "run", "--steps", "2", "--no-progress", "--data", "synthetic",
+    r = fusion(cli, "run", bad, "--out", tmp_path / "run", "--steps", "2", "--no-progress", "--data", "synthetic",
                timeout=240)
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]  # after the start-up lines: the one error line
     assert line.startswith("fusion run: error:") and "exited with status 2" in line and "weights.safetensors" in line and "logs" in line, line
 
 
-def test_resume_with_another_plan_is_refused_in_one_line(cnn_plan, tmp_path):
-    """--resume with a plan that did not write the run folder failed deep in an executor ("no initial value for
-    parameter ..."); now the plan's digest is compared with the one recorded in run.json (issue 28)."""
-    import shutil
-
-    run = tmp_path / "run"
-    common = ["--no-progress", "--data", "synthetic", "--checkpoint-every", "1"]
-    r = fusion("run", cnn_plan, "--out", run, "--steps", "1", *common)
-    assert r.returncode == 0, r.stderr[-2000:]
-    other = tmp_path / "other.plan"
-    shutil.copytree(cnn_plan, other)
-    doc = json.loads((other / "plan.json").read_text())
-    doc["seed"] = doc.get("seed", 0) + 1  # another plan: same graph, another seed
-    (other / "plan.json").write_text(json.dumps(doc))
-    r = fusion("run", other, "--out", run, "--steps", "2", "--resume", *common)
-    line = one_line_error(r, "run")
-    assert "written by another plan" in line and str(other) in line, line
-    assert steps_of(run) == [0]  # nothing of the run was touched
-
-
-def test_a_mistyped_plan_folder_is_named_as_such(tmp_path):
-    r = fusion("run", tmp_path / "no-such.plan", "--steps", "1")
+def test_a_mistyped_plan_folder_is_named_as_such(cli, tmp_path):
+    r = fusion(cli, "run", tmp_path / "no-such.plan", "--steps", "1")
     line = one_line_error(r, "run")
     assert "not a plan folder" in line and "no-such.plan" in line, line

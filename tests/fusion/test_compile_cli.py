@@ -1,7 +1,5 @@
 """`fusion compile` / `fusion inspect` / `fusion profile` through the real CLI; bad input exits 2 with one line."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,10 +113,9 @@ def test_inspect_bad_plan_exits_2(tmp_path, capsys):
     assert "plan.json" in _err(capsys)
 
 
-def test_subprocess_exit_status_and_one_line(tmp_path, model_file):
+def test_subprocess_exit_status_and_one_line(cli, tmp_path, model_file):
     bad = _bad_cluster(tmp_path, DEV + "links: {default: {latency: 1 ms, bandwidth: 0 Mbps}}\n")
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{model_file}:model", "--cluster", bad,
-                        "-o", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    r = cli.run(["compile", f"{model_file}:model", "--cluster", bad, "-o", str(tmp_path / "x")], Path.cwd(), 120)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "broken-cluster.yaml" in lines[0] and "bandwidth" in lines[0], r.stderr

@@ -101,15 +101,12 @@ def _cnn_loss(P, batch):
 
 
 @pytest.mark.parametrize("sig,at", [("SIGKILL", 2), ("SIGSTOP", 3)], ids=["killed-mid-window", "stopped-at-outer-step"])
-def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(tmp_path, sig, at):
+def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(cli, tmp_path, sig, at):
     """`fusion run --dp-sync diloco --drop-failed-replicas`: replica 1 is killed (or stopped) before step ``at``;
     it leaves there (its inner steps since the last outer step are lost), the survivor takes the whole global
     batch and goes on; metrics.jsonl and loss.png record it, every loss and the final weights equal the
     plain-PyTorch DiLoCo reference with the same drop, and no step is lost or applied twice."""
     import json
-    import os
-    import subprocess
-    import sys
 
     import numpy as np
     import torch
@@ -120,12 +117,11 @@ def test_a_replica_that_dies_or_stops_leaves_and_the_others_go_on(tmp_path, sig,
 
     (tmp_path / "data.py").write_text(DATA_SRC)
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
-                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
-                        "--dp-sync", "diloco", "--inner-steps", "2", "--steps", "6", "--no-progress",
-                        "--drop-failed-replicas", "--peer-timeout", "4", "--data", f"{tmp_path / 'data.py'}:batches"],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "DILOCO_RUN": str(out), "DILOCO_AT": str(at), "DILOCO_SIG": sig})
+    r = cli.run(["run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                 "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                 "--dp-sync", "diloco", "--inner-steps", "2", "--steps", "6", "--no-progress",
+                 "--drop-failed-replicas", "--peer-timeout", "4", "--data", f"{tmp_path / 'data.py'}:batches"],
+                Path.cwd(), 300, env={"DILOCO_RUN": str(out), "DILOCO_AT": str(at), "DILOCO_SIG": sig})
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"dropped replica 1 at step {at}" in r.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -2,8 +2,6 @@
 two-replica job at an outer step (recorded, the losses and weights equal the plain-PyTorch reference with the
 same join, `--resume` after it bit-exact), and join schedules that cannot run are one line, exit 2."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,7 @@ def _batch(step):
     return {"x": g.standard_normal((12, 3, 6, 6)).astype(np.float32), "y": g.integers(0, 5, 12).astype(np.int64)}
 
 
-def test_a_replica_joins_at_an_outer_step_and_resume_after_the_join_is_bit_exact(tmp_path):
+def test_a_replica_joins_at_an_outer_step_and_resume_after_the_join_is_bit_exact(cli, tmp_path):
     """Replicas 0 and 1 start (3 of the global batch's 6 micro-batches each); before step 2, after the first
     outer step, replica 2's executor starts, takes the global weights and outer momentum of replica 0 and
     the batch is re-split 2/2/2. metrics.jsonl records it, the outer steps average 2, then 3 replicas, and
@@ -48,9 +46,9 @@ def test_a_replica_joins_at_an_outer_step_and_resume_after_the_join_is_bit_exact
 
     (tmp_path / "data.py").write_text(DATA_SRC)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out), *RUN,
+    cmd = ["run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out), *RUN,
            "--checkpoint-every", "4", "--data", f"{tmp_path / 'data.py'}:batches"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = cli.run(cmd, Path.cwd(), 300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "replica 2 joined at step 2 (global weights and outer momentum from part0)" in r.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -71,7 +69,7 @@ def test_a_replica_joins_at_an_outer_step_and_resume_after_the_join_is_bit_exact
     for k, v in want[-1][1].items():
         np.testing.assert_allclose(final[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
 
-    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    r = cli.run([*cmd, "--resume"], Path.cwd(), 300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming at step 4" in r.stderr and "joined" not in r.stderr  # all three start: the join is behind
     again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

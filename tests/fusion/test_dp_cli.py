@@ -1,7 +1,5 @@
 """`fusion compile/run --replicas R --global-batch ROWS` through the real CLI; bad input exits 2 with one line."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +10,12 @@ from tests.fusion.cli_helpers import cnn_model as _model, one_line as _one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "examples" / "clusters" / "local-4-two-sites.yaml")
+
+
+def _fusion(cli, argv, env=None):
+    """``python -m fusion.cli ARGV`` in this folder, a process forked from the session's command server
+    (tests/fusion/forked_cli.py); ``env``: variables added for this command."""
+    return cli.run(argv, Path.cwd(), 300, env=env)
 
 
 def test_compile_places_replicas_on_the_next_fastest_free_devices(tmp_path, capsys):
@@ -49,7 +53,7 @@ def test_bad_global_batch_and_too_many_replicas_exit_2_with_one_line(tmp_path, c
     assert load_plan(tmp_path / "f").dp_codec == {"algo": "quant", "bits": 8}
 
 
-def test_run_with_replicas_trains_like_one_process_on_the_global_batch(tmp_path):
+def test_run_with_replicas_trains_like_one_process_on_the_global_batch(cli, tmp_path):
     """`fusion run MODEL --replicas 2`: two CompNode processes, each on half of every global batch, average their
     gradients; the logged losses and the final weights equal the single-process reference on the whole batch."""
     from fusion.data import make_batches
@@ -57,9 +61,9 @@ def test_run_with_replicas_trains_like_one_process_on_the_global_batch(tmp_path)
     from fusion.loader import load_model
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
-                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
-                        "--steps", "3", "--no-progress"], capture_output=True, text=True, timeout=300)
+    r = _fusion(cli, ["run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                      "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                      "--steps", "3", "--no-progress"])
     assert r.returncode == 0, r.stderr[-3000:]
     plan = load_plan(out / "plan")
     assert plan.replicas == 2 and plan.micro_batches == 2
@@ -88,20 +92,18 @@ def batches(step):
 '''
 
 
-def test_run_drops_a_dead_replica_and_records_it(tmp_path):
+def test_run_drops_a_dead_replica_and_records_it(cli, tmp_path):
     """`fusion run --drop-failed-replicas`: replica 1's CompNode is killed before step 2; the run goes on with
     replica 0, metrics.jsonl records the drop at step 2, and every loss equals the reference on the global batch."""
-    import os
-
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_function, load_model
 
     (tmp_path / "data.py").write_text(DATA_SRC)
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
-                        "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
-                        "--steps", "4", "--no-progress", "--drop-failed-replicas", "--data", f"{tmp_path / 'data.py'}:batches"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "DP_TEST_RUN": str(out)})
+    r = _fusion(cli, ["run", _model(tmp_path), "--cluster", LOCAL, "--out", str(out),
+                      "--replicas", "2", "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9",
+                      "--steps", "4", "--no-progress", "--drop-failed-replicas",
+                      "--data", f"{tmp_path / 'data.py'}:batches"], env={"DP_TEST_RUN": str(out)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dropped replica 1 at step 2" in r.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -134,7 +136,7 @@ def test_dp_planners_need_a_global_batch_and_choose_the_replicas(tmp_path, capsy
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(tmp_path):
+def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(cli, tmp_path):
     """`fusion run MODEL --strategy dp|dtfm --global-batch 8`: the planner picks replicas, cut and devices, the
     plan carries its prediction (all-reduce included), and the CompNodes train like one process on the global batch."""
     from fusion.data import make_batches
@@ -143,9 +145,9 @@ def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(tmp_path):
 
     for strategy in ("dp", "dtfm"):
         out = tmp_path / strategy
-        r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out",
-                            str(out), "--strategy", strategy, "--global-batch", "8", "--lr", "0.1", "--steps", "2",
-                            "--no-progress"], capture_output=True, text=True, timeout=300)
+        r = _fusion(cli, ["run", _model(tmp_path), "--cluster", LOCAL, "--out",
+                          str(out), "--strategy", strategy, "--global-batch", "8", "--lr", "0.1", "--steps", "2",
+                          "--no-progress"])
         assert r.returncode == 0, r.stderr[-3000:]
         plan = load_plan(out / "plan")
         assert plan.strategy == strategy and plan.global_batch == 8
@@ -157,14 +159,12 @@ def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(tmp_path):
         np.testing.assert_allclose(losses, [ref.step(batch(s)).loss for s in range(2)], rtol=1e-5, err_msg=strategy)
 
 
-def test_a_run_that_lost_a_replica_resumes_the_full_plan_from_the_survivors_checkpoint(tmp_path):
+def test_a_run_that_lost_a_replica_resumes_the_full_plan_from_the_survivors_checkpoint(cli, tmp_path):
     """`fusion run --drop-failed-replicas --checkpoint-every 2`: replica 1 dies before step 2, the checkpoint after
     step 4 is written by replica 0 alone, step 4 runs and the run ends. `fusion run OUT/plan --out OUT --resume`
     brings both replicas back from that checkpoint (r1.part0 loads part0's copy) and trains steps 4..6:
     metrics.jsonl holds steps 0..6 once each, every loss equals the one-process reference on the global batches,
     and both replicas' saved weights after step 6 are the same bits."""
-    import os
-
     from safetensors.numpy import load_file
 
     from fusion.executors.reference import ReferenceExecutor
@@ -174,16 +174,15 @@ def test_a_run_that_lost_a_replica_resumes_the_full_plan_from_the_survivors_chec
     out = tmp_path / "run"
     common = ["--out", str(out), "--no-progress", "--drop-failed-replicas", "--checkpoint-every", "2",
               "--data", f"{tmp_path / 'data.py'}:batches"]
-    env = {**os.environ, "DP_TEST_RUN": str(out)}
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2",
-                        "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--steps", "5",
-                        *common], capture_output=True, text=True, timeout=300, env=env)
+    env = {"DP_TEST_RUN": str(out)}
+    r = _fusion(cli, ["run", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2",
+                      "--global-batch", "8", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--steps", "5",
+                      *common], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dropped replica 1 at step 2" in r.stderr
     complete = json.loads((out / "checkpoints" / "step-00000004" / "COMPLETE.json").read_text())
     assert complete["parts"] == ["part0"] and complete["dropped"][0]["replica"] == 1
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", str(out / "plan"), "--steps", "7", "--resume", *common],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = _fusion(cli, ["run", str(out / "plan"), "--steps", "7", "--resume", *common], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming at step 4" in r.stderr and "r1.part0 loads part0's copy" in r.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -220,7 +219,7 @@ def test_a_plan_whose_replicas_differ_in_cut_exits_2_with_one_line(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
-def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(tmp_path):
+def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(cli, tmp_path):
     """A data function whose batch has 6 rows for a plan of global batch 8 (2 replicas x 2 micro-batches of 2 rows):
     the run stops at step 0 with one line naming the field and both shapes (exit 2); nothing hangs."""
     (tmp_path / "data.py").write_text(
@@ -228,9 +227,9 @@ def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(tmp_path):
         "def batches(step):\n"
         "    g = np.random.default_rng(step)\n"
         "    return {'x': g.standard_normal((6, 3, 6, 6)).astype(np.float32), 'y': g.integers(0, 5, 6).astype(np.int64)}\n")
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", _model(tmp_path), "--cluster", LOCAL, "--out",
-                        str(tmp_path / "run"), "--replicas", "2", "--global-batch", "8", "--steps", "2", "--no-progress",
-                        "--data", f"{tmp_path / 'data.py'}:batches"], capture_output=True, text=True, timeout=300)
+    r = _fusion(cli, ["run", _model(tmp_path), "--cluster", LOCAL, "--out",
+                      str(tmp_path / "run"), "--replicas", "2", "--global-batch", "8", "--steps", "2", "--no-progress",
+                      "--data", f"{tmp_path / 'data.py'}:batches"])
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "step 0: field 'x' has shape [6, 3, 6, 6], the plan expects [8, 3, 6, 6] (4 micro-batch(es) of [2, 3, 6, 6])" \

@@ -8,12 +8,12 @@ printed output (`fusion compile: error: ...`) are not commands. `pip` and `pytho
 what CI runs; `python benchmarks/...` lines are benchmarks, run on their own. A block with `--ray` is the
 recipe for a real Ray cluster: tests/fusion/test_run_ray.py runs it on a two-node Ray cluster it starts.
 
-Each command runs in a process of its own, forked from one that has imported torch (tests/fusion/forked_cli.py:
-the same argv, folder, output and exit status as `python -m fusion.cli`, without 2-4 s of imports per command).
+Each command runs in a process of its own, forked from one that has imported torch (tests/fusion/forked_cli.py,
+the session's `cli` fixture: the same argv, folder, output and exit status as `python -m fusion.cli`, without
+2-4 s of imports per command).
 A command that names no output and reads nothing but examples/ and benchmarks/ (the same copies on every page)
 runs once even where several pages show it.
 """
-import os
 import re
 import shlex
 import shutil
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.fusion.cli_helpers import free_ports
-from tests.fusion.forked_cli import ForkedCli
+from tests.fusion.forked_cli import ForkedCli, fusion_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -69,18 +69,6 @@ def test_the_docs_hold_the_commands_we_expect():
     runtime = [c for b in commands(ROOT / "docs" / "runtime.md") for c in b]
     assert any(c.startswith("fusion executor plan/ --node part1") for c in runtime)
     assert not any("--node p0" in c or "--node p1" in c for b in map(commands, DOCS) for cc in b for c in cc)
-
-
-def _fusion_env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    """Runs each command in a process of its own (see the module's docstring)."""
-    with ForkedCli(_fusion_env(), tmp_path_factory.mktemp("cli-outputs")) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +182,7 @@ def test_two_host_recipe_runs_on_loopback(tmp_path, cli):
     try:
         for c in live:
             procs.append(subprocess.Popen([sys.executable, "-m", "fusion.cli", *shlex.split(c)[1:]], cwd=cwd,
-                                          env=_fusion_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                          env=fusion_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:

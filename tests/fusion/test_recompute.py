@@ -2,8 +2,6 @@
 time, turned on only for the parts that would not fit otherwise, and run by the executors."""
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +88,14 @@ def test_opfence_counts_on_recomputation_when_nothing_fits_without_it(gpt):
     assert all(v["memory_bytes"] <= v["memory_limit"] for v in plan.predicted["parts"].values())
 
 
-def _run(plan_dir: Path, out: Path) -> list[float]:
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", str(plan_dir), "--out", str(out), "--steps", "2",
-                        "--no-progress"], capture_output=True, text=True, timeout=300)
+def _run(cli, plan_dir: Path, out: Path) -> list[float]:
+    """``fusion run PLAN_DIR`` for 2 steps (forked from the session's command server); its losses."""
+    r = cli.run(["run", str(plan_dir), "--out", str(out), "--steps", "2", "--no-progress"], Path.cwd(), 300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_executors_recompute_where_the_plan_says_and_train_the_same(gpt, tmp_path):
+def test_executors_recompute_where_the_plan_says_and_train_the_same(cli, gpt, tmp_path):
     cluster, squeezed = _tight_cluster(gpt)
     plan = compile_model(gpt, cluster, strategy="equal-flops", micro_batches=MICRO)
     with_rc = save_plan(plan, tmp_path / "rc", params=gpt.params)
@@ -105,7 +103,7 @@ def test_executors_recompute_where_the_plan_says_and_train_the_same(gpt, tmp_pat
         part.recompute = False
     without = save_plan(plan, tmp_path / "plain", params=gpt.params)
     assert load_plan(with_rc).parts[squeezed].recompute and not load_plan(without).parts[squeezed].recompute
-    a, b = _run(with_rc, tmp_path / "run_rc"), _run(without, tmp_path / "run_plain")
+    a, b = _run(cli, with_rc, tmp_path / "run_rc"), _run(cli, without, tmp_path / "run_plain")
     assert np.allclose(a, b, rtol=1e-6, atol=0), (a, b)
     log = (tmp_path / "run_rc" / "logs" / f"{squeezed}.log").read_text()
     assert "recompute=True" in log

@@ -1,9 +1,8 @@
 """`fusion run` on a MODEL (compiled first) and its error messages.
 
 Each `fusion` command runs in a process of its own forked from one that has imported torch once
-(tests/fusion/forked_cli.py): the argv, folder, output and exit status of `python -m fusion.cli`."""
+(tests/fusion/forked_cli.py; the session's `cli` fixture of tests/fusion/conftest.py): the argv, folder, output and exit status of `python -m fusion.cli`."""
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +10,8 @@ import pytest
 
 from fusion.cluster.scenarios import load_scenario
 from tests.fusion.cli_helpers import CNN_SRC
-from tests.fusion.forked_cli import ForkedCli
 
 MODEL_SRC = CNN_SRC
-
-
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    with ForkedCli(dict(os.environ), tmp_path_factory.mktemp("cli-outputs")) as server:
-        yield server
 
 
 def _fusion(cli, *args, timeout=120, cwd=None):

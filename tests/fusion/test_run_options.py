@@ -29,14 +29,12 @@ def test_bad_option_values_are_one_line_before_the_trace(tmp_path, capsys, cmd, 
     assert not (tmp_path / "r").exists() and not (tmp_path / "p").exists()
 
 
-def test_run_config_results_on_stdout_step_log_and_csv(tmp_path):
+def test_run_config_results_on_stdout_step_log_and_csv(cli, tmp_path):
     """One run from a config file (the command line overrides its --steps): the result is the one line on stdout;
     stderr, not a terminal, gets a step log although --no-progress; metrics.csv holds metrics.jsonl's steps.
     Before: stdout was empty, nothing was printed per step with --no-progress, there was no CSV and no --config."""
     import csv
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     from tests.fusion.cli_helpers import cnn_model
@@ -47,8 +45,7 @@ def test_run_config_results_on_stdout_step_log_and_csv(tmp_path):
                    "steps: 50\nmicro_batches: 1\nlr: 0.05\nno-progress: true\ntrace: 'off'\ninsecure: true\n"
                    "log-every: 0\ndata: synthetic\n")
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", "--config", str(cfg), "--steps", "3", "--out", str(out)],
-                       capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    r = cli.run(["run", "--config", str(cfg), "--steps", "3", "--out", str(out)], tmp_path, 280)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3

@@ -1,8 +1,6 @@
 """A traced `transformers` model trained by `fusion run` on four CompNode processes
 matches the in-process reference executor (issue 18)."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,7 @@ def test_loader_takes_module_example_and_trace_options(tmp_path):
         load_model(f"{tmp_path / 'bad.py'}:bad")
 
 
-def test_traced_llama_trains_on_four_compnodes_like_the_reference(tmp_path):
+def test_traced_llama_trains_on_four_compnodes_like_the_reference(cli, tmp_path):
     from fusion.plan import OptimizerConfig
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_function, load_model
@@ -41,11 +39,9 @@ def test_traced_llama_trains_on_four_compnodes_like_the_reference(tmp_path):
     (tmp_path / "data.py").write_text(DATA_SRC)
     spec = f"{REPO / 'tests/ir/hf_models.py'}:llama"
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", spec,
-                        "--cluster", "examples/clusters/local-4-two-sites.yaml", "--strategy", "equal-count",
-                        "--micro-batches", "2", "--steps", "3", "--optimizer", "adamw", "--lr", "0.001",
-                        "--data", f"{tmp_path / 'data.py'}:tokens", "--out", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=280, cwd=REPO)
+    r = cli.run(["run", spec, "--cluster", "examples/clusters/local-4-two-sites.yaml", "--strategy", "equal-count",
+                 "--micro-batches", "2", "--steps", "3", "--optimizer", "adamw", "--lr", "0.001",
+                 "--data", f"{tmp_path / 'data.py'}:tokens", "--out", str(out), "--no-progress"], REPO, 280)
     assert r.returncode == 0, r.stderr[-3000:]
     plan = load_plan(out / "plan")
     assert len(plan.parts) == 4

@@ -3,7 +3,7 @@ compiler priced fastest, exactly as if that schedule had been given; bad values 
 import numpy as np
 
 from fusion.plan import load_plan
-from tests.fusion.test_run_cli import _fusion, _losses, _run_model, cli  # noqa: F401  (cli: the forked-command fixture)
+from tests.fusion.test_run_cli import _fusion, _losses, _run_model
 
 ARGS = ("--strategy", "equal-flops", "--micro-batches", "4", "--steps", "2")
 

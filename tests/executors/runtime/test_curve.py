@@ -6,9 +6,8 @@ must be private; plans with another digest are refused at hello; CURVE training 
 """
 import os
 import re
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -31,9 +30,9 @@ from fusion.ir.wire import encode, encode_opdata
 from fusion.plan import OptimizerConfig, load_plan
 
 
-def _fusion(*args, timeout=60, **kw):
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+def _fusion(cli, *args, timeout=60):
+    """``fusion ARGS``, forked from the session's command server (tests/fusion/forked_cli.py)."""
+    return cli.run(list(args), Path.cwd(), timeout)
 
 
 def _one_line_error(r, cmd):
@@ -172,35 +171,35 @@ def test_secret_key_files_must_be_private(tmp_path):
         load_secret(path)
 
 
-def test_fusion_keys_and_the_executor_and_coordinator_key_rules(tmp_path):
+def test_fusion_keys_and_the_executor_and_coordinator_key_rules(cli, tmp_path):
     model = branching_cnn(mb=2)
     plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2)
     common = ["--coordinator", "tcp://127.0.0.1:9", "--startup-timeout", "1"]
     # without keys: an executor listening beyond loopback is refused unless --insecure
-    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://0.0.0.0:*")
+    r = _fusion(cli, "executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://0.0.0.0:*")
     assert "without CURVE keys" in _one_line_error(r, "executor") and "--insecure" in r.stderr
     # secure by default (issue 28): on loopback too, an executor or coordinator without keys is refused, saying how
     # to make them (it used to run without CURVE after one warning, and any local process could forge an abort)
-    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
+    r = _fusion(cli, "executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
     line = _one_line_error(r, "executor")
     assert "without CURVE keys" in line and f"`fusion keys {plan_dir}`" in line and "--insecure" in line, line
-    r = _fusion("coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--out", str(tmp_path / "run0"),
+    r = _fusion(cli, "coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--out", str(tmp_path / "run0"),
                 "--startup-timeout", "1")
     assert "without CURVE keys" in _one_line_error(r, "coordinator")
     keys = tmp_path / "keys"
-    r = _fusion("keys", str(plan_dir), "--out", str(keys))
+    r = _fusion(cli, "keys", str(plan_dir), "--out", str(keys))
     assert r.returncode == 0, r.stderr
     assert set(load_public(plan_dir / PUBLIC_KEYS_FILE)) == {"coordinator", "p0", "p1"}
     assert all((keys / f"{n}.secret").stat().st_mode & 0o777 == 0o600 for n in ("coordinator", "p0", "p1"))
-    assert "pass --force" in _one_line_error(_fusion("keys", str(plan_dir), "--out", str(keys)), "keys")
+    assert "pass --force" in _one_line_error(_fusion(cli, "keys", str(plan_dir), "--out", str(keys)), "keys")
     # the plan lists keys: an executor without --key is refused, even on loopback
-    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
+    r = _fusion(cli, "executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*")
     assert "pass --key FILE" in _one_line_error(r, "executor")
     # another part's key is not this part's
-    r = _fusion("executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "p1.secret"))
+    r = _fusion(cli, "executor", str(plan_dir), "--node", "p0", *common, "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "p1.secret"))
     assert "is not the one" in _one_line_error(r, "executor")
     os.chmod(keys / "coordinator.secret", 0o640)
-    r = _fusion("coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "coordinator.secret"),
+    r = _fusion(cli, "coordinator", str(plan_dir), "--bind", "tcp://127.0.0.1:*", "--key", str(keys / "coordinator.secret"),
                 "--out", str(tmp_path / "run"), "--startup-timeout", "1")
     assert "readable by others (mode 0640)" in _one_line_error(r, "coordinator")
 

@@ -5,8 +5,6 @@ The tiny GPT (tied embedding / LM head) cut so that the tied weight is held by t
 The multi-process run equals the in-process reference executor with the same codec exactly (the same NumPy
 quantiser on the same bytes), both owners end with identical weights, and the codec really ran.
 """
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -135,11 +133,10 @@ def test_auto_takes_8_bit_quant_only_where_it_shortens_the_iteration(tmp_path):
     assert len(fast.parts) == 2 and fast.tied_codec is None  # encoding would cost more than the link saves
 
 
-def test_compile_refuses_a_bad_tied_codec_with_exit_2_and_one_line(tmp_path):
+def test_compile_refuses_a_bad_tied_codec_with_exit_2_and_one_line(cli, tmp_path):
     (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{REPO}/examples/models/gpt.py:tiny",
-                        "--cluster", str(tmp_path / "c.yaml"), "--tied-codec", "delta:bits=4", "-o", str(tmp_path / "p")],
-                       capture_output=True, text=True, timeout=120)
+    r = cli.run(["compile", f"{REPO}/examples/models/gpt.py:tiny", "--cluster", str(tmp_path / "c.yaml"),
+                 "--tied-codec", "delta:bits=4", "-o", str(tmp_path / "p")], tmp_path, 120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--tied-codec" in r.stderr and "cannot compress tied-parameter gradients" in r.stderr
     assert not (tmp_path / "p").exists()

@@ -3,7 +3,6 @@
 plain payload (no pickle), decoded through the registry; unknown codecs and malformed payloads refused."""
 import json
 import logging
-import subprocess
 import sys
 import string
 import textwrap
@@ -134,22 +133,23 @@ def _batches(steps: int):
     return [{"x": g.standard_normal((8, 16)).astype(np.float32), "y": g.integers(0, 4, 8)} for _ in range(steps)]
 
 
-def _compile(tmp_path, model_file, *extra):
+def _compile(cli, tmp_path, model_file, *extra):
+    """``fusion compile`` of the model file on two sites (forked from the session's command server)."""
     out = tmp_path / "plan"
     (tmp_path / "c.yaml").write_text(TWO_SITES_YAML)
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", f"{model_file}:model", "--cluster",
-                        str(tmp_path / "c.yaml"), "--strategy", "equal-count", "--micro-batches", "2",
-                        "--optimizer", "adamw", "--lr", "0.01", "-o", str(out), *extra],
-                       capture_output=True, text=True, timeout=120)
+    r = cli.run(["compile", f"{model_file}:model", "--cluster", str(tmp_path / "c.yaml"), "--strategy", "equal-count",
+                 "--micro-batches", "2", "--optimizer", "adamw", "--lr", "0.01", "-o", str(out), *extra],
+                tmp_path, 120)
     return r, out
 
 
-def test_compile_names_the_user_codec_and_carries_its_plugin_then_processes_equal_the_reference(tmp_path, model_file):
+def test_compile_names_the_user_codec_and_carries_its_plugin_then_processes_equal_the_reference(cli, tmp_path,
+                                                                                                 model_file):
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.loader import load_model
     from fusion.plan import load_plan
 
-    r, out = _compile(tmp_path, model_file, "--compress", "int8")
+    r, out = _compile(cli, tmp_path, model_file, "--compress", "int8")
     assert r.returncode == 0, r.stderr
     plan = load_plan(out)
     assert plan.graph.plugins == ["plugins/int8_model.py"] and (out / "plugins" / "int8_model.py").is_file()
@@ -175,27 +175,27 @@ def test_compile_names_the_user_codec_and_carries_its_plugin_then_processes_equa
             np.testing.assert_array_equal(state[k], v)
 
 
-def test_executors_refuse_the_plan_without_trust_and_an_unknown_codec_with_one_line(tmp_path, model_file):
+def test_executors_refuse_the_plan_without_trust_and_an_unknown_codec_with_one_line(cli, tmp_path, model_file):
     from fusion.plan import load_plan, save_plan
 
-    r, out = _compile(tmp_path, model_file, "--compress", "int8")
+    r, out = _compile(cli, tmp_path, model_file, "--compress", "int8")
     assert r.returncode == 0, r.stderr
-    run = [sys.executable, "-m", "fusion.cli", "executor", str(out), "--node", "part1", "--coordinator",
+    run = ["executor", str(out), "--node", "part1", "--coordinator",
            "tcp://127.0.0.1:9", "--bind", "tcp://127.0.0.1:*", "--insecure", "--startup-timeout", "5"]
-    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    p = cli.run(run, tmp_path, 120)
     assert p.returncode == 2 and "--trust-plugins" in p.stderr
     plan = load_plan(out)
     plan.compression = [EdgeCompression(e.producer, e.index, e.src, e.dst, fwd_codec={"algo": "nosuch"},
                                         bwd_codec=e.bwd_codec) for e in plan.compression]
     save_plan(plan, out)
-    p = subprocess.run([*run, "--trust-plugins"], capture_output=True, text=True, timeout=120)
+    p = cli.run([*run, "--trust-plugins"], tmp_path, 120)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "WARNING" not in ln and "INFO" not in ln]
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1 and "unknown codec 'nosuch'" in lines[0] and "->part1 (fwd)" in lines[0], p.stderr
 
 
-def test_compile_refuses_an_unknown_codec_with_one_line(tmp_path, model_file):
-    r, _ = _compile(tmp_path, model_file, "--compress", "nosuch:bits=3")
+def test_compile_refuses_an_unknown_codec_with_one_line(cli, tmp_path, model_file):
+    r, _ = _compile(cli, tmp_path, model_file, "--compress", "nosuch:bits=3")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "unknown codec 'nosuch'" in r.stderr
 
 
@@ -281,7 +281,7 @@ def test_a_compnode_rejects_malformed_user_payloads_and_keeps_serving(tmp_path, 
         node.transport.close(timeout_s=1, linger_s=0)
 
 
-def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(tmp_path):
+def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(cli, tmp_path):
     """A plan without plugins cannot get the codec from anywhere: refused before any executor starts."""
     from fusion.executors.runtime.launcher import hand_plan
     from fusion.plan import save_plan
@@ -291,8 +291,7 @@ def test_fusion_run_refuses_a_plan_naming_an_unknown_codec_with_one_line(tmp_pat
     plan = hand_plan(model, CNN_SPLITS[4], micro_batches=2)
     plan.compression = [EdgeCompression("relu_a", None, "p1", "p3", fwd_codec={"algo": "nosuch"})]
     out = save_plan(plan, tmp_path / "plan", params=model.params)
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "run", str(out), "--steps", "1", "--out",
-                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    r = cli.run(["run", str(out), "--steps", "1", "--out", str(tmp_path / "run")], tmp_path, 120)
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and "compression of relu_a[None] p1->p3 (fwd): unknown codec 'nosuch'" in errors[0]

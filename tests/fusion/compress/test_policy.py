@@ -1,6 +1,4 @@
 """--compress: parsing codec specs, and compressing only the cut edges where the cost model says it pays."""
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +69,9 @@ def test_edges_are_compressed_only_where_it_pays(bandwidth, compressed):
                      "ends of every delta edge, and the compiler sizes those buffers by the data set: give --samples "
                      "N (the number of distinct sample ids your data gives)"),
 ])
-def test_cli_refuses_a_bad_compress_value_in_one_line(tmp_path, spec, line):
-    r = subprocess.run([sys.executable, "-m", "fusion.cli", "compile", str(ROOT / "examples/models/gpt.py:tiny"),
-                        "--cluster", "local-4-two-sites", "--compress", spec, "-o", str(tmp_path / "p")],
-                       capture_output=True, text=True, timeout=120)
+def test_cli_refuses_a_bad_compress_value_in_one_line(cli, tmp_path, spec, line):
+    r = cli.run(["compile", str(ROOT / "examples/models/gpt.py:tiny"), "--cluster", "local-4-two-sites",
+                 "--compress", spec, "-o", str(tmp_path / "p")], Path.cwd(), 120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"fusion compile: error: {line}"]
     assert not (tmp_path / "p").exists()
