@@ -196,6 +196,9 @@ class Coordinator:
         #: parts whose executor said hello a second time: a new executor replaces one that stopped (a supervisor
         #: restarted it); it is not sent this coordinator's abort, and its hello waits for the next coordinator
         self._replaced: set[str] = set()
+        #: parts told at their hello that they run another plan (digest): they exit when told, which is not a
+        #: failure of its own while the start waits out the others' hellos to name the mismatch to them too
+        self._refused: set[str] = set()
         self.addresses: dict[str, str] = {}
         self.step_index = 0
         self.transport = Transport(COORDINATOR, cfg.bind, self.parts, self._on_message,
@@ -266,7 +269,7 @@ class Coordinator:
                 return CompNodeFailure(p, self._errors[p])
         for p in watched:
             proc = self.processes.get(p)
-            rc = proc.poll() if proc is not None else None
+            rc = proc.poll() if proc is not None and p not in self._refused else None
             if rc is not None:
                 why = last_error(self.logs.get(p))
                 return CompNodeFailure(p, f"its process (pid {proc.pid}) exited with status {rc}"
@@ -347,6 +350,7 @@ class Coordinator:
             self.transport.connect(p, c.address, max_bytes=self._part_limit(p))
             bad = digest_mismatch(self.cfg.plan_digest, c.digest, f"CompNode {p!r}", "the coordinator's")
             if bad:  # told at once; the start fails once the others have said hello, or HELLO_GRACE_S later
+                self._refused.add(p)
                 self.transport.send(p, Abort(reason=bad).frames())
                 self.report(bad)
                 mismatched.append((time.monotonic(), bad))
@@ -366,8 +370,15 @@ class Coordinator:
                         + f"; starting with {len(self.live_replicas())} of {self.plan.replicas}, {self.n_micro} "
                           "micro-batches each")
         mismatched: list[tuple[float, str]] = []
-        hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0,
-                               until=lambda: bool(mismatched) and time.monotonic() > mismatched[0][0] + HELLO_GRACE_S)
+        try:
+            hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0,
+                                   abort=False,
+                                   until=lambda: bool(mismatched) and time.monotonic() > mismatched[0][0] + HELLO_GRACE_S)
+        except CompNodeFailure as e:
+            if not mismatched:
+                self.abort(str(e))
+                raise
+            # another part failed after one was told it runs another plan: the mismatch is named first
         if mismatched:  # every part that said hello is connected: the abort names the mismatched part to all
             self._abort_locked(mismatched[0][1])
             raise FusionError(mismatched[0][1])
