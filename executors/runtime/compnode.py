@@ -190,12 +190,14 @@ class CompNode:
         # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
         # (only a group of 2 or more has buckets: a single pipeline keeps any dtype, bfloat16 included)
         self.ring, self._fragments, self._dp_buckets = None, None, []
+        # all-reduce messages sent in a group this part has not regrouped into yet (NotYourTurn): a survivor that
+        # regrouped first already sends in the new group; offered to the next ring (_new_ring)
+        self._early_ring: deque = deque(maxlen=MAX_EARLY_RING)
         if len(self.dp_group) > 1:
-            buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
-                                        if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
-            self._dp_buckets = buckets  # (kept: a group that shrinks to one part at start has no ring)
-            self.ring = RingInbox(self.me, self.dp_group, buckets, plan.dp_codec, plan.dp_algo_of(self.me),
-                                  plan.dp_group(self.me))
+            # (kept for every later ring: a group that shrinks to one part has none, and may grow again by a join)
+            self._dp_buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
+                                                 if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
+            self._new_ring()
         # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
         self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
         if self.shares and not self.diloco:
@@ -207,9 +209,6 @@ class CompNode:
         # built before any socket opens, so a peer's round that arrives before this part's setup is kept
         self._delayed = (DelayedInbox(self.me, self.dp_group, self.ring.buckets, plan.dp_sync.codec)
                          if self.diloco and plan.dp_sync.delay else None)
-        # all-reduce messages sent in a group this part has not regrouped into yet (NotYourTurn): a survivor that
-        # regrouped first already sends in the new group; offered to the next ring (_new_ring)
-        self._early_ring: deque = deque(maxlen=MAX_EARLY_RING)
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -524,7 +523,7 @@ class CompNode:
         self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                      self.devices)[self.me]
         self.dp_group = group
-        self._new_ring(self._dp_buckets)
+        self._new_ring()
 
     def _accept_ring(self, sender: str, msg) -> None:
         """(Under ``_cv``, ``self.ring`` set) an all-reduce message of the group: a ring or tree step, or (header
@@ -536,12 +535,13 @@ class CompNode:
         else:
             self.ring.accept(sender, msg)
 
-    def _new_ring(self, buckets: list) -> None:
+    def _new_ring(self) -> None:
         """(Under ``_cv``) the ring (or tree) over ``self.dp_group`` (None for one part), at this part's
         iteration; the messages a member already sent in this group (kept as NotYourTurn) are offered to it, and
         those sent in yet another group of this iteration are kept again (two regroups in one step)."""
-        self.ring = (RingInbox(self.me, self.dp_group, buckets, self.plan.dp_codec, self.plan.dp_algo_of(self.me),
-                               self.plan.dp_group(self.me)) if len(self.dp_group) > 1 else None)
+        self.ring = (RingInbox(self.me, self.dp_group, self._dp_buckets, self.plan.dp_codec,
+                               self.plan.dp_algo_of(self.me), self.plan.dp_group(self.me))
+                     if len(self.dp_group) > 1 else None)
         if self.ring is not None:
             self.ring.expected_iter = self.inbox.expected_iter
         early, self._early_ring = list(self._early_ring), deque(maxlen=MAX_EARLY_RING)
@@ -839,7 +839,7 @@ class CompNode:
             self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                          self.devices)[self.me]
             self.dp_group = [p for p in self.dp_group if p not in drop]
-            self._new_ring(self.ring.buckets if self.ring is not None else [])
+            self._new_ring()
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
                     ", ".join(sorted(drop)), it, self.dp_group, n)
         self.transport.send(COORDINATOR, Regrouped(it=self.inbox.expected_iter).frames())

@@ -370,15 +370,8 @@ class Coordinator:
                         + f"; starting with {len(self.live_replicas())} of {self.plan.replicas}, {self.n_micro} "
                           "micro-batches each")
         mismatched: list[tuple[float, str]] = []
-        try:
-            hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0,
-                                   abort=False,
-                                   until=lambda: bool(mismatched) and time.monotonic() > mismatched[0][0] + HELLO_GRACE_S)
-        except CompNodeFailure as e:
-            if not mismatched:
-                self.abort(str(e))
-                raise
-            # another part failed after one was told it runs another plan: the mismatch is named first
+        hellos = self._collect("hello", self.live, self.cfg.startup_timeout_s, "starting up", hello, remind_s=10.0,
+                               until=lambda: bool(mismatched) and time.monotonic() > mismatched[0][0] + HELLO_GRACE_S)
         if mismatched:  # every part that said hello is connected: the abort names the mismatched part to all
             self._abort_locked(mismatched[0][1])
             raise FusionError(mismatched[0][1])

@@ -78,7 +78,8 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode, encode_payload
-from fusion.executors.runtime.allreduce import KIND, Bucket, RingInbox, check_group, average, flatten, make_buckets, unflatten
+from fusion.executors.runtime.allreduce import (KIND, Bucket, RingInbox, average, check_group, flatten, make_buckets,
+                                                unflatten)
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
 
@@ -184,7 +185,7 @@ class PseudoInbox:
         r = self.ring
         if sender == r.me:
             raise WireError(f"pseudo-gradient from {sender!r} to itself")
-        check_group(msg.header, r.group, r.me, sender, "pseudo-gradient", r.stage)  # (NotYourTurn: sent in another group)
+        check_group(msg.header, r.group, r.me, sender, "pseudo-gradient", r.stage)  # NotYourTurn: another group
         h = msg.header
         if h.get("src") != sender or h.get("dst") != r.me:
             raise WireError(f"pseudo-gradient says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{r.me!r}")
@@ -408,7 +409,8 @@ class OuterLoop:
                 for p in group:
                     if p != me:
                         counted(p, encode(KIND, {"it": it, "bucket": b, "step": 0, "chunk": 0, "src": me, "dst": p,
-                                                 "group": list(group), "gather": True, "payload": meta}, frames), f"pseudo-gradient b{b}")
+                                                 "group": list(group), "gather": True, "payload": meta}, frames),
+                                f"pseudo-gradient b{b}")
             for j, b in enumerate(only):
                 parts = [own[j] if p == me else
                          wait(lambda p=p: pseudo.take(it, b, p), f"pseudo-gradient of bucket {b} from {p}")
