@@ -209,11 +209,11 @@ def test_a_plan_with_another_digest_is_refused_at_hello(tmp_path):
     plan_dir = save_hand_plan(tmp_path, model, CNN_SPLITS[2], micro_batches=2)
     mine = plan_digest(plan_dir)
     # the coordinator's copy differs: it refuses every executor's hello, naming both digests, and aborts them. p1
-    # starts 1.5 s late (a sitecustomize that sleeps), so p0, told first, has exited while p1's hello is awaited: the
+    # starts 1 s late (a sitecustomize that sleeps), so p0, told first, has exited while p1's hello is awaited: the
     # start fails for the digest, not for p0's exit (it once did, under load), and p1 is told too
     late = tmp_path / "late-site"
     late.mkdir()
-    (late / "sitecustomize.py").write_text("import time\ntime.sleep(1.5)\n")
+    (late / "sitecustomize.py").write_text("import time\ntime.sleep(1.0)\n")
     env = {"p1": {"PYTHONPATH": os.pathsep.join([str(late), *filter(None, [os.environ.get("PYTHONPATH")])])}}
     with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=20, plan_digest="ab" * 32),
                       threads=1, trace=False, curve=True, part_env=env) as lc:
