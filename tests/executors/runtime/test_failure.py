@@ -54,6 +54,41 @@ def _finish(proc, timeout):
     return proc.returncode, err
 
 
+class _TimedStderr:
+    """Reads a process's stderr as it comes, each line with the monotonic time it arrived, so a test can time
+    when something was *said* (a failure detected and reported) apart from how long the process then takes to
+    exit (tearing down executors, writing the plot and trace: seconds more on a loaded host)."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc, self.lines = proc, []
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line))
+
+    def first(self, text: str) -> float | None:
+        """When the first line containing ``text`` arrived (None: not yet)."""
+        return next((t for t, line in list(self.lines) if text in line), None)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self._t.join(10)
+            pytest.fail(f"fusion did not finish within {timeout} s:\n{self.text()[-3000:]}")
+        self._t.join(10)
+        return self.proc.returncode, self.text()
+
+    def text(self) -> str:
+        return "".join(line for _, line in list(self.lines))
+
+
 def _final(run: Path) -> dict:
     from safetensors.numpy import load_file
 
@@ -75,6 +110,7 @@ def test_killed_compnode_is_reported_and_resume_loses_no_step(tmp_path):
     uninterrupted = _fusion("run", str(plan_dir), "--out", str(tmp_path / "a"), *common)
     run = tmp_path / "b"
     proc = _fusion("run", str(plan_dir), "--out", str(run), "--checkpoint-every", "3", *common)
+    watched = _TimedStderr(proc)
     try:  # p1 dies while steps are in flight
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
@@ -86,8 +122,8 @@ def test_killed_compnode_is_reported_and_resume_loses_no_step(tmp_path):
         pids = json.loads((run / "pids.json").read_text())
         os.kill(pids["p1"], signal.SIGKILL)
         t_kill = time.monotonic()
-        rc, err = _finish(proc, 60)
-        reported_after = time.monotonic() - t_kill
+        rc, err = watched.finish(60)
+        reported = watched.first("CompNode 'p1' failed")
     except BaseException:
         for p in (proc, uninterrupted):
             p.kill()
@@ -96,7 +132,9 @@ def test_killed_compnode_is_reported_and_resume_loses_no_step(tmp_path):
     assert rc_a == 0, err_a[-3000:]
     assert rc != 0
     assert "CompNode 'p1' failed" in err and "exited with status -9" in err, err[-2000:]
-    assert reported_after < 15.0
+    # detection, not the whole exit: the failure is said within 15 s of the kill (a few seconds on a quiet host;
+    # the exit after it, which tears the other executors down and writes the plot, took 20 s at load 39)
+    assert reported is not None and reported - t_kill < 15.0, (reported and reported - t_kill, err[-2000:])
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
