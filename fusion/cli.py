@@ -46,6 +46,37 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown option is reported by the subcommand it was given to (``fusion run:
+        error: unrecognized arguments: --batch-size 8 (did you mean --batch?)``), not by ``fusion``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+            owner = sub.choices.get(getattr(ns, "command", None)) if sub is not None else None
+            (owner or self).error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(extras, owner or self)}")
+        return ns
+
+
+#: names other training tools use for an option fusion spells otherwise
+OTHER_NAMES = {"--batch-size": "--global-batch", "--max-steps": "--steps", "--learning-rate": "--lr",
+               "--num-steps": "--steps", "--train-steps": "--steps", "--dataset": "--data"}
+
+
+def _did_you_mean(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """`` (did you mean --x?)`` for the first unknown option that another tool's name for one of ``parser``'s
+    (:data:`OTHER_NAMES`) or close to one of them, else ''."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for e in extras:
+        if e.startswith("--"):
+            name = e.split("=", 1)[0]
+            close = [OTHER_NAMES[name]] if OTHER_NAMES.get(name) in known else \
+                difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
 
 VERBOSE_HELP = "more logging (-v info, -vv debug); before or after the command"
 TRACEBACK_HELP = ("on an error, also print the traceback of its cause (your model's or data function's own, when "

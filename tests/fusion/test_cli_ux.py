@@ -273,6 +273,22 @@ def test_help_shows_defaults_and_one_micro_batches_default():
     assert sub.choices["compile"].get_default("micro_batches") == sub.choices["run"].get_default("micro_batches") == 4
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["run", "x.plan", "--batch-size", "8"],
+     "fusion run: error: unrecognized arguments: --batch-size 8 (did you mean --global-batch?)"),
+    (["run", "x.plan", "--stepz=3"], "fusion run: error: unrecognized arguments: --stepz=3 (did you mean --steps?)"),
+    (["graph", "m.py:f", "--qqqq"], "fusion graph: error: unrecognized arguments: --qqqq (see"),
+    (["--bogus-top"], "fusion: error: unrecognized arguments: --bogus-top"),
+])
+def test_an_unknown_option_is_named_by_its_command_with_a_suggestion(capsys, argv, line):
+    from fusion.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
 # -- clusters ---------------------------------------------------------------------------------------
 
 def test_bandwidth_round_trips_as_written(cli, tmp_path):
