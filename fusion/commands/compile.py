@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fusion.commands.coordinator import positive_int
+from fusion.commands.coordinator import positive_int, seed_int
 
 
 def add_parser(sub) -> None:
@@ -143,7 +143,7 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
         g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
         *add_training_knobs(g),
-        g.add_argument("--seed", type=int, default=0, help="seed of the data and of anything random in compiling"),
+        g.add_argument("--seed", type=seed_int, default=0, help="seed of the data and of anything random in compiling"),
         g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                        help="bf16: mixed precision: torch parts run forward and backward under torch.autocast "
                             "(bfloat16), parameters and optimizer state stay fp32; activations autocast made "

@@ -38,6 +38,8 @@ non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must be 0 o
 positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
 #: a finite number > 0 (not a time)
 positive_finite = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive number")
+#: a seed NumPy and torch both take: a whole number from 0 to 2**32 - 1
+seed_int = _number(int, "a whole number", lambda v: 0 <= v < 2 ** 32, "must be 0 to 4294967295")
 #: a finite number of seconds >= 0
 non_negative_seconds = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
 

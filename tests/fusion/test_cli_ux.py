@@ -279,8 +279,10 @@ def test_help_shows_defaults_and_one_micro_batches_default():
     (["run", "x.plan", "--stepz=3"], "fusion run: error: unrecognized arguments: --stepz=3 (did you mean --steps?)"),
     (["graph", "m.py:f", "--qqqq"], "fusion graph: error: unrecognized arguments: --qqqq (see"),
     (["--bogus-top"], "fusion: error: unrecognized arguments: --bogus-top"),
+    (["run", "m.py:f", "--seed", "-1"], "fusion run: error: argument --seed: must be 0 to 4294967295, got -1"),
+    (["compile", "m.py:f", "--seed", "4294967296"], "fusion compile: error: argument --seed: must be 0 to"),
 ])
-def test_an_unknown_option_is_named_by_its_command_with_a_suggestion(capsys, argv, line):
+def test_a_bad_option_is_one_line_from_its_command_before_any_work(capsys, argv, line):
     from fusion.cli import main
 
     with pytest.raises(SystemExit) as e:
