@@ -120,6 +120,9 @@ class StepReport:
     #: with gradient clipping (``optimizer.clip_grad_norm``): each live replica's global gradient norm before
     #: clipping (synchronous DP: all equal), in replica order; empty without clipping
     grad_norms: list[float] = field(default_factory=list)
+    #: the learning rate this step's optimizer step ran with (``OptimizerConfig.lr_at``: the schedule's value;
+    #: DiLoCo's inner steps); None when the plan names no optimizer
+    lr: float | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -133,6 +136,8 @@ class StepReport:
                      "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in self.parts.items()}
         line = {"step": self.step, "loss": self.loss, "iteration_s": round(self.iteration_s, 6),
                 "samples_per_s": round(self.samples_per_s, 3), "time": time.time(), "parts": parts}
+        if self.lr is not None:
+            line["lr"] = self.lr
         if self.dropped:
             line["dropped"] = self.dropped  # replicas lost during this step: which one, why, redone or not
         if self.joined:
@@ -505,6 +510,14 @@ class Coordinator:
     def _failover(self) -> bool:
         return bool(self.cfg.drop_failed_replicas and self.plan.replicas > 1)
 
+    def _lr_at(self, step: int) -> float | None:
+        """The learning rate of optimizer step ``step`` as the plan's schedule gives it (None: no optimizer)."""
+        if not self.plan.optimizer:
+            return None
+        from fusion.plan import OptimizerConfig
+
+        return OptimizerConfig.from_dict(self.plan.optimizer).lr_at(step)
+
     def live_replicas(self) -> list[int]:
         return sorted({self.replica_of[p] for p in self.live})
 
@@ -705,7 +718,8 @@ class Coordinator:
         # committed before a replica was lost reports the survivors' shares only (the lost one's losses are gone)
         r = StepReport(it, float(np.sum(losses) / (len(covered) or n * R)), dt, rows, {p: done[p].stats for p in self.live},
                        grads, list(self._drops), list(self._joins),
-                       grad_norms=[self._norms[r] for r in self.live_replicas() if r in self._norms])
+                       grad_norms=[self._norms[r] for r in self.live_replicas() if r in self._norms],
+                       lr=self._lr_at(it))
         if ckpt:
             unsaved = [p for p in self.live if done[p].stats.get("checkpoint_step") != it + 1]
             if unsaved:

@@ -223,17 +223,14 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     bar.update(1)
                 if step_log and (time.monotonic() - t_logged >= log_every_s or step + 1 == steps):
                     t_logged = time.monotonic()
-                    print(f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
-                          f"({t_logged - t0:.0f} s)", file=sys.stderr, flush=True)
+                    _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
+                              f"({t_logged - t0:.0f} s)")
                 if evaluation is not None and (step + 1) % evaluation.every == 0:
                     val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
                     mf.write(json.dumps({"step": r.step, "val_loss": val, "time": time.time()}) + "\n")
                     mf.flush()
-                    say = f"step {step + 1}: val_loss {val:.4f} ({len(evaluation.batches)} held-out batches)"
-                    if bar is not None:
-                        bar.write(say, file=sys.stderr)
-                    else:
-                        print(say, file=sys.stderr, flush=True)
+                    _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
+                              f"batches; metrics.jsonl step {r.step})")
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -249,6 +246,15 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     if interrupted:
         raise KeyboardInterrupt(summary)
     return summary
+
+
+def _say(bar, text: str) -> None:
+    """A line on stderr, above the progress bar when there is one (``tqdm.write``: a bar drawn into a log file
+    ends without a newline, and a plain print would be glued to it)."""
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def run_name(plan_dir: Path) -> str:

@@ -112,7 +112,7 @@ def test_run_with_knobs_and_evaluation_writes_them_and_eval_leaves_the_weights_a
               "--lr-schedule", "cosine", "--warmup-steps", "1", "--clip-grad-norm", "0.05"]
     assert main([*common, "--out", str(tmp_path / "a"), "--eval-every", "2", "--eval-batches", "2"]) == 0
     err = capsys.readouterr().err
-    assert "step 2: val_loss" in err
+    assert "step 2/3: val_loss" in err and "metrics.jsonl step 1)" in err  # printed: steps done; stored: 0-based
     assert main([*common, "--out", str(tmp_path / "b")]) == 0
     plan = json.loads((tmp_path / "a" / "plan" / "plan.json").read_text())
     assert {k: plan["optimizer"][k] for k in ("lr_schedule", "warmup_steps", "total_steps", "clip_grad_norm")} == \
@@ -121,6 +121,8 @@ def test_run_with_knobs_and_evaluation_writes_them_and_eval_leaves_the_weights_a
     lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == [0, 1, 2] and all(m["grad_norm"] > 0.05 for m in steps)  # the clip binds
+    # the schedule as it ran (0.01 base, warmup 1, cosine over 3 steps): 0, then the base, then half of it
+    assert [m["lr"] for m in steps] == pytest.approx([0.0, 0.01, 0.005])
     vals = [m for m in lines if "val_loss" in m]
     assert [m["step"] for m in vals] == [1] and np.isfinite(vals[0]["val_loss"])
     assert (tmp_path / "a" / "loss.png").stat().st_size > 0

@@ -3,6 +3,7 @@
 Each `fusion` command runs in a process of its own forked from one that has imported torch once
 (tests/fusion/forked_cli.py; the session's `cli` fixture of tests/fusion/conftest.py): the argv, folder, output and exit status of `python -m fusion.cli`."""
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,8 @@ def test_readme_main_job_gpt_on_four_compnodes(cli, tmp_path):
                 "--strategy", "equal-flops", "--steps", "4", "--out", str(out), timeout=240, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train:" in r.stderr and "4/4" in r.stderr  # the tqdm progress bar
+    # stderr is no terminal: the step log's last line, on a line of its own (not glued to the bar's)
+    assert re.search(r"(^|[\r\n])step 4/4 loss \d", r.stderr), r.stderr[-2000:]
     plan = json.loads((out / "plan" / "plan.json").read_text())
     assert plan["strategy"] == "equal-flops"
     assert sorted(p["device"] for p in plan["parts"].values()) == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
