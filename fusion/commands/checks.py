@@ -42,3 +42,27 @@ def check_compile_options(args: argparse.Namespace) -> None:
             if engine != "torch" and getattr(args, "precision", "fp32") == "bf16":
                 raise FusionError(f"--precision bf16 with --engine {spec}: mixed precision is torch autocast; "
                                   f"the {engine} engine runs fp32 only")
+
+
+def check_data_options(args: argparse.Namespace) -> None:
+    """``--data`` and ``--val-split`` of ``fusion run`` / ``fusion coordinator``, checked before anything is traced,
+    compiled or started: a text file or a data function's file that does not exist, and a ``--val-split`` that
+    would be silently ignored (only ``--data text:PATH`` holds part of its text out)."""
+    data = getattr(args, "data", "auto") or "auto"
+    val = getattr(args, "val_split", 0.0) or 0.0
+    if data.startswith("text:"):
+        from fusion.textdata import TextSpec
+
+        path = TextSpec.parse(data).path
+        if not path.exists():
+            raise FusionError(f"--data {data}: no such file or folder {str(path)!r}")
+    elif data not in ("auto", "text", "synthetic") and ":" in data:
+        from pathlib import Path
+
+        file = data.rpartition(":")[0]
+        if file.endswith(".py") and not Path(file).is_file():
+            raise FusionError(f"--data {data}: no such file {file!r}")
+    if val > 0 and not data.startswith("text:"):
+        raise FusionError(f"--val-split {val:g} holds out part of --data text:PATH, but --data is {data}: nothing "
+                          "would be held out (--eval-every takes its held-out batches from the data source: "
+                          "docs/training.md)")

@@ -275,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not args.checkpoint_every:  # before the plan is read
         raise FusionError(f"--max-restarts {args.max_restarts} needs --checkpoint-every N: a restarted run resumes "
                           "from its latest complete checkpoint")
+    from fusion.commands.checks import check_data_options
+
+    check_data_options(args)
     plan = load_plan(args.plan)
     if args.resume and not args.out:
         raise FusionError("--resume continues the run in --out RUN: name it")

@@ -142,8 +142,9 @@ def _check_restarts(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusion.commands.checks import check_compile_options
+    from fusion.commands.checks import check_compile_options, check_data_options
 
+    check_data_options(args)  # a missing data file is said now, not after the compile
     if not (Path(args.target).is_dir() or Path(args.target).name == "plan.json"):  # a MODEL (file.py:fn, .onnx):
         check_compile_options(args)  # its option values, before torch is imported or the model traced
     from fusion.commands.report import finish_run

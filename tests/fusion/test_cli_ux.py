@@ -291,6 +291,22 @@ def test_a_bad_option_is_one_line_from_its_command_before_any_work(capsys, argv,
     assert e.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("extra, line", [
+    (["--data", "text:no/such/corpus.txt"], "fusion run: error: --data text:no/such/corpus.txt: no such file or folder"),
+    (["--data", "no_such_data.py:batches"], "fusion run: error: --data no_such_data.py:batches: no such file"),
+    (["--val-split", "10"], "fusion run: error: --val-split 10 holds out part of --data text:PATH, but --data is auto"),
+    (["--data", "synthetic", "--val-split", "5"], "fusion run: error: --val-split 5 holds out part of --data text:PATH"),
+])
+def test_data_options_are_checked_before_the_compile(capsys, tmp_path, extra, line):
+    """A missing data file or an ignored --val-split is one line at once, before any trace or compile (the model
+    file does not even exist here: nothing was imported)."""
+    from fusion.cli import main
+
+    assert main(["run", str(tmp_path / "never_read.py:model"), "--cluster", "c.yaml", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
 # -- clusters ---------------------------------------------------------------------------------------
 
 def test_bandwidth_round_trips_as_written(cli, tmp_path):
