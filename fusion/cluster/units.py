@@ -73,6 +73,25 @@ def _example(kind: str) -> str:
             "bytes": "'24 GB', '16 GiB'", "flops": "'165 TFLOPS', '5e13'", "byte_rate": "'900 GB/s'"}[kind]
 
 
+#: below these a number written without a unit is a forgotten unit, not a device: 4 (bytes of memory), 50 (FLOP/s),
+#: 20 (bit/s). Plain numbers in base units stay valid above them (the JSON cluster format writes 4e9).
+_BARE_FLOOR = {"bytes": 2.0 ** 20, "flops": 1e6, "byte_rate": 1e6, "bandwidth": 1e3}
+
+
+def forgotten_unit(value: object, kind: str) -> str | None:
+    """Why ``value``, a number written without a unit, cannot be meant (``memory: 4`` reads as 4 bytes), or None."""
+    floor = _BARE_FLOOR.get(kind)
+    bare = isinstance(value, (int, float)) and not isinstance(value, bool) or \
+        isinstance(value, str) and (m := _NUM.match(value)) is not None and not (m.group(2) or "").strip()
+    if floor is None or not bare:
+        return None
+    v = float(value)
+    if v >= floor:
+        return None
+    base = {"bytes": "bytes", "flops": "FLOP/s", "byte_rate": "bytes/s", "bandwidth": "bit/s"}[kind]
+    return f"{value!r} has no unit, so it reads as {v:g} {base}; write the unit (e.g. {_example(kind)})"
+
+
 def format_bandwidth(bps: float) -> str:
     """``1 Gbit/s``, ``20 Mbit/s``, ``2.5 kbit/s``: the largest unit that keeps the number >= 1 (4 digits)."""
     if not math.isfinite(bps):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fusion.cluster.model import Cluster, ClusterError, Device, check_unique, overheads_from_dict, require_fields
-from fusion.cluster.units import UnitError, parse_quantity
+from fusion.cluster.units import UnitError, forgotten_unit, parse_quantity
 
 _DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address",
                 "node_overhead_s", "message_overhead_s", "step_overhead_s", "feed_overhead_s", "feed_byte_s",
@@ -59,6 +59,9 @@ def _q(e: dict, key: str, kind: str, where: str, required: bool = True) -> float
         v = parse_quantity(e[key], kind)
     except UnitError as err:
         raise ClusterError(f"{where}.{key}: {err}") from None
+    why = forgotten_unit(e[key], kind)
+    if why is not None and v > 0:
+        raise ClusterError(f"{where}.{key}: {why}")
     if kind == "seconds":
         if v < 0:
             raise ClusterError(f"{where}.{key}: must be >= 0, got {e[key]!r}")

@@ -82,6 +82,12 @@ GOOD_DEV = "devices:\n  - {name: a, peak_flops: 1 TFLOPS, memory: 1 GB}\n  - {na
     (GOOD_DEV + "links: {default: {latency: 1 ms, bandwidth: fast}}\n", "links.default.bandwidth"),
     ("devices:\n  - {name: a, peak_flops: 1 TFLOPS, memory: 1 GB}\n  - {name: a, peak_flops: 1 TFLOPS, memory: 1 GB}\n"
      "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}}\n", "duplicate device name"),
+    # a forgotten unit: 4 bytes of memory, 50 FLOP/s, 20 bit/s are not devices (line and column too)
+    (GOOD_DEV.replace("memory: 1 GB}\n  - {name: b", "memory: 4}\n  - {name: b") +
+     "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}}\n", "bad.yaml:2:45: devices[0] (a).memory: 4 has no unit"),
+    (GOOD_DEV.replace("peak_flops: 1 TFLOPS", "peak_flops: '50'", 1) +
+     "links: {default: {latency: 1 ms, bandwidth: 1 Gbps}}\n", "peak_flops: '50' has no unit, so it reads as 50 FLOP/s"),
+    (GOOD_DEV + "links: {default: {latency: 1 ms, bandwidth: 20}}\n", "links.default.bandwidth: 20 has no unit"),
 ])
 def test_yaml_errors_name_file_and_field(tmp_path, text, field):
     with pytest.raises(ClusterError) as e:
@@ -89,6 +95,14 @@ def test_yaml_errors_name_file_and_field(tmp_path, text, field):
     msg = str(e.value)
     assert "bad.yaml" in msg and field in msg, msg
     assert "\n" not in msg
+
+
+def test_plain_numbers_in_base_units_still_load(tmp_path):
+    """Above the floors a unitless number is base units, as the JSON format writes them (4e9 bytes)."""
+    c = load_cluster(_yaml(tmp_path, "devices:\n  - {name: a, peak_flops: 1e12, memory: 4000000000}\n"
+                                     "  - {name: b, peak_flops: 1e12, memory: 4e9}\n"
+                                     "links: {default: {latency: 0.001, bandwidth: 1e9}}\n"))
+    assert [d.memory_bytes for d in c.devices] == [4e9, 4e9]
 
 
 def test_scenario_json_errors(tmp_path):
