@@ -334,4 +334,8 @@ def run(args: argparse.Namespace) -> int:
         finish_run(out, f"{run_name(Path(args.plan))}: {len(plan.parts)} CompNodes")
     print(f"{'interrupted' if interrupted else 'done'}; run folder {out} (metrics.jsonl, loss.png, final.safetensors)",
           file=sys.stderr)
+    if interrupted:
+        from fusion.commands.rundir import resume_hint
+
+        print(resume_hint(out, args.checkpoint_every), file=sys.stderr)
     return 130 if interrupted else 0

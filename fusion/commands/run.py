@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         check_compile_options(args)  # its option values, before torch is imported or the model traced
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
-                                        record_plan_digest)
+                                        record_plan_digest, resume_hint)
     from fusion.data import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
@@ -297,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
     if interrupted:
         steps = summary["steps"] if summary else "?"
         _say(f"interrupted after {steps} steps; {what}")
+        _say(resume_hint(out, args.checkpoint_every))
         print(f"interrupted: {steps} steps, {result}, run folder {out}", flush=True)  # the result: on stdout
         return 130
     restarts = (summary or {}).get("restarts")

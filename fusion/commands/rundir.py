@@ -83,6 +83,15 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path 
     (out / MARKER).write_text(json.dumps({**info, "runs": [*runs, info][-20:]}, indent=1))
 
 
+def resume_hint(out: Path, checkpoint_every: int) -> str:
+    """What ``--resume`` will do with the run in ``out`` after an interruption: continue from its last complete
+    checkpoint, or, with no checkpoints (``--checkpoint-every 0``, the default), start over from step 0."""
+    if not checkpoint_every:
+        return (f"no checkpoints were written (--checkpoint-every 0): --resume --out {out} would start over from step "
+                "0; final.safetensors holds the latest weights")
+    return f"--resume --out {out} continues from the last complete checkpoint (one every {checkpoint_every} steps)"
+
+
 def record_plan_digest(out: Path, digest: str) -> None:
     """Note in ``run.json`` (this run's entry) the digest of the plan the run executes, for ``--resume`` to compare."""
     try:

@@ -434,6 +434,7 @@ def test_ctrl_c_still_writes_weights_plot_and_trace(cnn_plan, tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted after" in err and "Traceback" not in err, err[-3000:]
+    assert "no checkpoints were written (--checkpoint-every 0): --resume" in err and "start over from step 0" in err
     n = len(steps_of(run))
     assert n >= 3 and (run / "final.safetensors").exists() and (run / "loss.png").exists()
     merged = json.loads((run / "trace.json").read_text())["traceEvents"]
