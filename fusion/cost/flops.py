@@ -170,6 +170,19 @@ def node_inputs(graph: OpGraph, node: OpNode, params: dict[str, torch.Tensor], t
     return map_refs(node.args, get), map_refs(node.kwargs, get)
 
 
+def _to_meta_devices(args, kwargs):
+    """``args``, ``kwargs`` with every device a node names (``x.to(device=...)``, ``torch.arange(..., device=...)``
+    as traced from transformers models) made the meta device: measured on meta, a copy to the CPU would need data
+    (``Cannot copy out of meta tensor``), and where a tensor would live does not change its FLOPs or bytes."""
+    from torch.utils._pytree import tree_map
+
+    meta = torch.device("meta")
+    args, kwargs = tree_map(lambda v: meta if isinstance(v, torch.device) else v, (args, kwargs))
+    if isinstance(kwargs.get("device"), str):
+        kwargs = {**kwargs, "device": meta}
+    return args, kwargs
+
+
 def _measure(graph: OpGraph, node: OpNode) -> NodeCost:
     from fusion.ir.torch_ops import build_module, make_call, node_callable
 
@@ -184,7 +197,7 @@ def _measure(graph: OpGraph, node: OpNode) -> NodeCost:
                 t.requires_grad_(graph.params[gname].trainable and t.is_floating_point())
                 params[gname] = t
         fn = make_call(call, obj, module)
-        args, kwargs = node_inputs(graph, node, params)
+        args, kwargs = _to_meta_devices(*node_inputs(graph, node, params))
         param_ids = {id(p) for p in params.values()}
         saved: dict[int, torch.Tensor] = {}
 
