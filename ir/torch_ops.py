@@ -67,14 +67,18 @@ def build_module(node: OpNode, cls: type) -> nn.Module:
 
 
 def set_module_tensor(mod: nn.Module, path: str, value: torch.Tensor, trainable: bool) -> None:
-    """Put ``value`` at dotted attribute ``path`` as a parameter or buffer."""
+    """Put ``value`` at dotted attribute ``path`` as a parameter (trainable) or a buffer, in place of what the module
+    had there: a frozen parameter (``requires_grad=False``, as Whisper's sinusoidal position table) becomes a buffer,
+    and the module keeps no second, meta copy of it under its parameters."""
     *parents, leaf = path.split(".")
     owner = mod
     for p in parents:
         owner = getattr(owner, p)
     if trainable:
+        owner._buffers.pop(leaf, None)
         owner._parameters[leaf] = value
     else:
+        owner._parameters.pop(leaf, None)
         owner._buffers[leaf] = value
 
 
