@@ -390,6 +390,7 @@ class Coordinator:
                                                             {p: self.plan.stage_of(p) for p in self.parts},
                                                             self._skipped_checkpoint)
             if resume_step is not None:
+                self._check_checkpoint_plan(resume_step)
                 sources = found
                 copied = {p: q for p, q in sources.items() if p != q and p in self.live}
                 if copied:
@@ -509,6 +510,23 @@ class Coordinator:
     @property
     def _failover(self) -> bool:
         return bool(self.cfg.drop_failed_replicas and self.plan.replicas > 1)
+
+    def _check_checkpoint_plan(self, step: int) -> None:
+        """FusionError when complete checkpoint ``step`` was written by another plan than this run's (its
+        ``COMPLETE.json`` names the digest of the plan that wrote it): resuming another cut's or another
+        optimizer's state on these weights would train silently wrong. Checkpoints that name no digest (written
+        before they did) are not judged."""
+        import json
+
+        try:
+            written = json.loads((checkpoint.step_dir(self.cfg.checkpoint_dir, step) / checkpoint.COMPLETE)
+                                 .read_text()).get("plan_digest")
+        except (OSError, ValueError, AttributeError):
+            return
+        if written and self.cfg.plan_digest and written != self.cfg.plan_digest:
+            raise FusionError(f"{checkpoint.step_dir(self.cfg.checkpoint_dir, step)}: the checkpoint was written by "
+                              f"another plan (digest {written[:16]}) than this run's ({self.cfg.plan_digest[:16]}); "
+                              "resume it with the plan that wrote it, or start a new run")
 
     def _lr_at(self, step: int) -> float | None:
         """The learning rate of optimizer step ``step`` as the plan's schedule gives it (None: no optimizer)."""
@@ -728,7 +746,8 @@ class Coordinator:
             # After a drop the live parts hold every stage: a resume gives the dropped parts their copies
             # The step's metrics line goes into COMPLETE.json: a crash before train() writes it loses nothing
             extra = {"time": time.time(), **({"dropped": self.dropped} if self.dropped else {}),
-                     **({"joined": self.joined} if self.joined else {}), "metrics": r.metrics_line()}
+                     **({"joined": self.joined} if self.joined else {}), "metrics": r.metrics_line(),
+                     **({"plan_digest": self.cfg.plan_digest} if self.cfg.plan_digest else {})}
             checkpoint.commit(self.cfg.checkpoint_dir, it + 1, list(self.live), extra, check_files=False)
             faults.maybe_fail(COORDINATOR, it + 1)  # FUSION_TEST_FAULT: a crash before the metrics line
         self.step_index = it + 1

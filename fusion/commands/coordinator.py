@@ -266,7 +266,8 @@ def run_name(plan_dir: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
-    from fusion.commands.rundir import default_run_dir, prepare_run_dir
+    from fusion.commands.rundir import (check_resumable, check_resume_recipe, default_run_dir, prepare_run_dir,
+                                        recipe)
     from fusion.data import make_batches
     from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
     from fusion.ir.errors import FusionError
@@ -289,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
     from fusion.executors.runtime.plandigest import plan_digest
 
     security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], COORDINATOR, args.bind)  # no folder yet
-    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan))
+    if args.resume:  # nothing to resume, or other data than the run's: refused, the run untouched
+        check_resumable(out)
+        check_resume_recipe(out, recipe(args), is_plan=True)
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan), run_recipe=recipe(args))
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),

@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.target).is_dir() or Path(args.target).name == "plan.json"):  # a MODEL (file.py:fn, .onnx):
         check_compile_options(args)  # its option values, before torch is imported or the model traced
     from fusion.commands.report import finish_run
-    from fusion.commands.rundir import (check_resume_plan, check_run_dir, default_run_dir, prepare_run_dir,
-                                        record_plan_digest, resume_hint)
+    from fusion.commands.rundir import (check_resumable, check_resume_plan, check_resume_recipe, check_run_dir,
+                                        default_run_dir, prepare_run_dir, recipe, record_plan_digest, resume_hint)
     from fusion.data import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         name = Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
     out = Path(args.out) if args.out else default_run_dir(name)
     check_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)  # before a long compile
+    if args.resume:  # nothing to resume, or another model / options / data than the run's: refused, run untouched
+        check_resumable(out)
+        check_resume_recipe(out, recipe(args), is_plan)
     plan = model = None
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
@@ -229,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and plan_dir is not None:  # a plan folder given: it must be the plan that wrote the run
         digest = plan_digest(plan_dir)
         check_resume_plan(out, digest, plan_dir)
-    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir, run_recipe=recipe(args))
     if plan is not None:
         plan_dir = save_plan(plan, out / "plan", params=model.params)
     elif plan_dir is None:

@@ -62,9 +62,58 @@ def check_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path | 
     return entries
 
 
+def check_resumable(out: Path) -> None:
+    """FusionError (one line) for ``--resume`` of a run that holds no complete checkpoint: it would start over
+    from step 0 and overwrite the run's weights, metrics and plot (with another model or options, another run's
+    under this one's name). The run is left as it is."""
+    from fusion.executors.runtime.checkpoint import complete_steps
+
+    if not complete_steps(out / "checkpoints"):
+        raise FusionError(f"--resume {out}: nothing to resume: the run holds no complete checkpoint (it ran without "
+                          "--checkpoint-every, or stopped before the first); its weights and metrics are kept. Start "
+                          "it over with --overwrite, or choose another --out")
+
+
+def recipe(args) -> dict:
+    """What a run was started with that ``--resume`` must not change: the model target (its file made absolute)
+    and every compile option (a MODEL is compiled once, into RUN/plan; a resume runs that plan), the data source
+    and its held-out split. JSON-able."""
+    target = str(getattr(args, "target", "") or "")
+    file, sep, fn = target.rpartition(":")
+    if sep and file.endswith(".py"):
+        target = f"{Path(file).resolve()}:{fn}"
+    compile_opts = {k: getattr(args, k, None) for k in sorted(getattr(args, "compile_defaults", {}) or {})}
+    return json.loads(json.dumps({"target": target, "compile": compile_opts, "data": getattr(args, "data", None),
+                                  "val_split": getattr(args, "val_split", None)}, default=str))
+
+
+def check_resume_recipe(out: Path, now: dict, is_plan: bool) -> None:
+    """FusionError (one line naming the first difference) when ``--resume`` of ``out`` names another model, compile
+    option or data source than the run was started with (they were silently ignored, or trained other data).
+    With a PLAN target the plan's digest is judged instead (:func:`check_resume_plan`), so only the data is compared.
+    Runs that recorded no recipe are not judged."""
+    try:
+        runs = json.loads((out / MARKER).read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return
+    was = next((r.get("recipe") for r in reversed(runs) if isinstance(r, dict) and r.get("recipe")), None)
+    if not was:
+        return
+    pairs = [("--data", was.get("data"), now.get("data")), ("--val-split", was.get("val_split"), now.get("val_split"))]
+    if not is_plan:
+        pairs.insert(0, ("the model", was.get("target"), now.get("target")))
+        for k in sorted(set(was.get("compile", {})) | set(now.get("compile", {}))):
+            pairs.append((f"--{k.replace('_', '-')}", was.get("compile", {}).get(k), now.get("compile", {}).get(k)))
+    for what, before, given in pairs:
+        if before != given:
+            raise FusionError(f"--resume {out}: the run was started with {what} {before}, this command says {given}; "
+                              "resume with the options it was started with, or start a new --out")
+
+
 def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path | None = None,
-                    argv: list[str] | None = None) -> None:
-    """:func:`check_run_dir`, then empty ``out`` for ``--overwrite``, create it and write ``run.json``."""
+                    argv: list[str] | None = None, run_recipe: dict | None = None) -> None:
+    """:func:`check_run_dir`, then empty ``out`` for ``--overwrite``, create it and write ``run.json`` (this run's
+    entry with its :func:`recipe`, ``run_recipe``, for a later ``--resume`` to compare)."""
     entries = check_run_dir(out, resume=resume, overwrite=overwrite, plan_dir=plan_dir)
     if entries and not resume:
         for name in entries:
@@ -73,6 +122,8 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, plan_dir: Path 
     out.mkdir(parents=True, exist_ok=True)
     info = {"argv": list(argv if argv is not None else sys.argv), "cwd": os.getcwd(), "started": time.time(),
             "plan": str(plan_dir) if plan_dir is not None else None}
+    if run_recipe is not None:
+        info["recipe"] = run_recipe
     runs = []
     if resume and (out / MARKER).exists():
         try:
@@ -87,8 +138,8 @@ def resume_hint(out: Path, checkpoint_every: int) -> str:
     """What ``--resume`` will do with the run in ``out`` after an interruption: continue from its last complete
     checkpoint, or, with no checkpoints (``--checkpoint-every 0``, the default), start over from step 0."""
     if not checkpoint_every:
-        return (f"no checkpoints were written (--checkpoint-every 0): --resume --out {out} would start over from step "
-                "0; final.safetensors holds the latest weights")
+        return (f"no checkpoints were written (--checkpoint-every 0), so this run cannot be resumed: final.safetensors "
+                f"holds the latest weights; --overwrite --out {out} starts it over")
     return f"--resume --out {out} continues from the last complete checkpoint (one every {checkpoint_every} steps)"
 
 

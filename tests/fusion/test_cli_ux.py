@@ -107,10 +107,34 @@ def test_run_folders_are_never_reused_by_accident(cli, cnn_plan, tmp_path):
     assert "written by another plan" in line and str(other) in line, line
     assert steps_of(run) == [0, 1, 2, 3]  # nothing of the run was touched
 
+    # other data than the run's: refused (it trained other batches from the resumed step on, exit 0; issue 39)
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "5", "--resume", "--no-progress", "--data", "auto")
+    line = one_line_error(r, "run")
+    assert "was started with --data synthetic, this command says auto" in line, line
+    assert steps_of(run) == [0, 1, 2, 3]
+
+    # a checkpoint written by another plan (run.json's record lost or edited): the checkpoint itself says so
+    complete = run / "checkpoints" / "step-00000002" / "COMPLETE.json"
+    doc = json.loads(complete.read_text())
+    assert len(doc["plan_digest"]) == 64
+    complete.write_text(json.dumps({**doc, "plan_digest": "f" * 64}))
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "5", "--resume", *common)
+    assert r.returncode == 2 and "checkpoint was written by another plan (digest ffffffffffffffff)" in r.stderr, \
+        r.stderr[-2000:]
+    assert steps_of(run) == [0, 1, 2, 3]
+    complete.write_text(json.dumps(doc))
+
     # --overwrite replaces a previous run
     r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "1", "--overwrite", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps_of(run) == [0] and not (run / "checkpoints").exists()
+
+    # nothing to resume (no checkpoint): refused, the run's weights and metrics kept (it started over at step 0
+    # and overwrote them, also with another model; issue 39)
+    weights = (run / "final.safetensors").read_bytes()
+    r = fusion(cli, "run", cnn_plan, "--out", run, "--steps", "3", "--resume", *common)
+    assert "nothing to resume: the run holds no complete checkpoint" in one_line_error(r, "run")
+    assert steps_of(run) == [0] and (run / "final.safetensors").read_bytes() == weights
 
     # ... but never empties a folder that no run wrote, nor the plan folder
     mine = tmp_path / "mine"
@@ -120,6 +144,27 @@ def test_run_folders_are_never_reused_by_accident(cli, cnn_plan, tmp_path):
     assert "no run.json" in one_line_error(r, "run") and (mine / "notes.txt").exists()
     r = fusion(cli, "run", cnn_plan, "--out", cnn_plan, "--steps", "1", *common)
     assert "plan folder" in one_line_error(r, "run")
+
+
+def test_resume_of_a_model_run_refuses_other_compile_options(cli, cnn_plan, tmp_path):
+    """A MODEL run compiles once into RUN/plan; a --resume that names another model or compile option had it
+    silently ignored (issue 39): now refused, naming the option, the run untouched."""
+    model = cnn_plan.parent / "model.py"
+    run = tmp_path / "run"
+    common = ["--cluster", cnn_plan.parent / "two.yaml", "--strategy", "equal-count", "--micro-batches", "2",
+              "--no-progress", "--data", "synthetic", "--out", run, "--checkpoint-every", "1"]
+    r = fusion(cli, "run", f"{model}:cnn", "--steps", "2", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for extra, words in ((["--lr", "0.5"], "was started with --lr 0.01, this command says 0.5"),
+                         (["--seed", "7"], "was started with --seed 0, this command says 7")):
+        r = fusion(cli, "run", f"{model}:cnn", "--steps", "3", "--resume", *common, *extra)
+        assert words in one_line_error(r, "run")
+    r = fusion(cli, "run", f"{model}:broken", "--steps", "3", "--resume", *common)
+    assert "was started with the model" in one_line_error(r, "run")
+    assert steps_of(run) == [0, 1]
+    r = fusion(cli, "run", f"{model}:cnn", "--steps", "3", "--resume", *common)  # the same options: continues
+    assert r.returncode == 0 and "resuming at step 2" in r.stderr, r.stderr[-3000:]
+    assert steps_of(run) == [0, 1, 2]
 
 
 def test_run_of_a_plan_writes_into_a_new_timestamped_folder_not_the_plan(cli, cnn_plan, tmp_path):
@@ -434,7 +479,7 @@ def test_ctrl_c_still_writes_weights_plot_and_trace(cnn_plan, tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted after" in err and "Traceback" not in err, err[-3000:]
-    assert "no checkpoints were written (--checkpoint-every 0): --resume" in err and "start over from step 0" in err
+    assert "no checkpoints were written (--checkpoint-every 0), so this run cannot be resumed" in err
     n = len(steps_of(run))
     assert n >= 3 and (run / "final.safetensors").exists() and (run / "loss.png").exists()
     merged = json.loads((run / "trace.json").read_text())["traceEvents"]
