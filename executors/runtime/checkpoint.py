@@ -105,11 +105,25 @@ def save_part(root: str | Path, step: int, part: str, params: Mapping[str, np.nd
 
 
 def prune_part(root: str | Path, part: str, keep: int = 2) -> None:
-    """Delete ``part``'s files except its ``keep`` newest saves (an executor on its own host cleans up after itself)."""
+    """Delete ``part``'s files of old saves (an executor on its own host cleans up after itself), keeping what a
+    fallback may need: its saves of the ``keep`` newest *complete* steps and every save newer than them (a save
+    is pruned right after it is written, before the coordinator commits it, and a fault may keep it from ever
+    being complete). Where this disk holds no ``COMPLETE.json`` (the coordinator writes those on its own host),
+    the ``keep + 1`` newest saves: the one in progress and the ``keep`` before it. Counting the incomplete save
+    as one of ``keep`` had pruned the previous complete step on most parts, leaving a corrupt newest checkpoint
+    nothing to fall back to."""
     for d in Path(root).glob("step-*"):
         remove_stale_tmp(d, f"{part}.")
     mine = sorted(p for p in Path(root).glob("step-*") if (p / f"{part}.json").exists())
-    for d in mine[:-keep] if keep > 0 else []:
+    complete = [d for d in mine if (d / COMPLETE).exists()]
+    if keep <= 0:
+        drop: list[Path] = []
+    elif complete:
+        oldest_kept = complete[-keep] if len(complete) >= keep else complete[0]
+        drop = [d for d in mine if d.name < oldest_kept.name]
+    else:
+        drop = mine[:-(keep + 1)]
+    for d in drop:
         for suffix in (".params.safetensors", ".optim.safetensors", f".{DELTA}", f".{OUTER}", ".json"):
             (d / f"{part}{suffix}").unlink(missing_ok=True)
         if not any(d.iterdir()):

@@ -62,8 +62,33 @@ def test_optimizer_state_round_trip_continues_identically(tmp_path, cfg):
 
 
 def test_each_part_prunes_its_own_files(tmp_path):
+    """A disk without COMPLETE.json (the coordinator's is elsewhere): the save just written and the two before it."""
     w = {"a": np.zeros(2, np.float32)}
-    for step in (3, 6, 9):
+    for step in (3, 6, 9, 12):
         checkpoint.save_part(tmp_path, step, "p0", w, {}, {})
         checkpoint.prune_part(tmp_path, "p0", keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009", "step-00000012"]
+
+
+def test_a_save_that_never_completes_leaves_two_complete_steps_to_fall_back_to(tmp_path):
+    """Steps 3 and 6 complete, then the save of 9 is made but never committed (another part faulted), and 6 turns
+    out corrupt: every part still holds 3, and --resume falls back to it. Before, the part pruned right after its
+    save of 9 kept {6, 9} (the incomplete save counted as one of two) and the fallback found nothing."""
+    w = {"a": np.arange(4, dtype=np.float32)}
+    for step in (3, 6):
+        for p in ("p0", "p1"):
+            checkpoint.save_part(tmp_path, step, p, {"a": w["a"] + step}, {}, {})
+            checkpoint.prune_part(tmp_path, p, keep=2)
+        checkpoint.commit(tmp_path, step, ["p0", "p1"])
+    checkpoint.save_part(tmp_path, 9, "p0", w, {}, {})  # p1 faults during its save of 9: 9 is never complete
+    checkpoint.prune_part(tmp_path, "p0", keep=2)
+    assert all((checkpoint.step_dir(tmp_path, 3) / f"{p}.params.safetensors").exists() for p in ("p0", "p1"))
+    victim = checkpoint.step_dir(tmp_path, 6) / "p1.params.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x40
+    victim.write_bytes(bytes(data))
+    skipped = []
+    step, sources = checkpoint.newest_verified(tmp_path, {"p0": "p0", "p1": "p1"}, lambda *a: skipped.append(a))
+    assert step == 3 and skipped, (step, skipped)
+    params, _, _ = checkpoint.load_part(tmp_path, 3, "p1")
+    np.testing.assert_array_equal(params["a"], w["a"] + 3)
