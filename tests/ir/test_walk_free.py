@@ -96,8 +96,8 @@ def test_each_key_is_dropped_after_its_last_reader():
     drops = {s.name: s.drops for s in walk.steps}
     # a goes after b; b after s (a Ref nested in a list), and p with it (s reads p[0], a read p[1]); x after c;
     # k and dead are read by nobody: they go at once; s is sent: never dropped
-    assert drops == {"x": (), "p": (), "a": (), "b": ("a",), "k": ("k",), "dead": ("dead",), "s": ("p", "b"), "c": ("x",),
-                     "loss": ("c", "loss")}
+    assert drops == {"x": (), "p": (), "a": (), "b": ("a",), "k": ("k",), "dead": ("dead",), "s": ("p", "b"),
+                     "c": ("x",), "loss": ("c", "loss")}
     assert walk.send_keys == [("s", None)]
     assert last_uses(walk.steps, walk.env_key)[7] == ("x", "s")  # without keep, s would go after c
 
@@ -107,7 +107,7 @@ def test_a_value_is_freed_after_its_last_reader_and_sent_values_are_kept():
     walk = Watched(g, _parts(g)["p0"])
     fed = walk.feed({"x": 2})
     sent, losses = walk.run({}, fed)
-    # a's last reader is b: gone before dead runs; b's (and p's) is s: gone before c; dead is read by nobody
+    # a's last reader is b: gone before k runs; b's (and p's) is s: gone before c; dead is read by nobody
     assert walk.alive_at["b"] >= {"a", "p.0", "p.1"}
     assert "a" not in walk.alive_at["k"]  # k reads nothing: the loop itself must not hold b's argument
     assert "a" not in walk.alive_at["dead"] and "b" in walk.alive_at["dead"] and "k" not in walk.alive_at["dead"]
