@@ -11,6 +11,8 @@ engine's forward all walk the nodes of a graph the same way; :class:`GraphWalk` 
   dicts;
 - **what a part sends**: the values of its boundary's sent activations, by key;
 - **the summed loss's terms**: the outputs of the loss nodes, in node order;
+- **last-use freeing** (after ``torch.fx.Interpreter``'s ``garbage_collect_values``): every value
+  leaves the environment right after the last step that reads it (see "What the walk keeps" below);
 - **errors that name the node**: a missing placeholder value or received activation is a
   :class:`~fusion.ir.errors.GraphError` naming it; an exception raised while a node runs passes
   through :meth:`GraphWalk.failed`, which by default keeps it and adds a note naming the node (as
@@ -33,6 +35,28 @@ The per-node work of :meth:`GraphWalk.run` is what the torch engine's loop did b
 without containers are a template with parameters already in place and a list of slots to fill
 from the environment, so a node costs a few dict lookups and one call. This module imports no
 framework (the NumPy engine must stay torch-free).
+
+What the walk keeps
+-------------------
+A run's environment holds each value from the step that makes it (or from the start, for a received
+activation or a fed placeholder) to the *last step that reads it*; right after that step (and after
+``record``) the walk drops its reference (:attr:`Step.drops`, computed once when the walk is built, never
+per run). A value no step reads is dropped right after the step that made it. The one exception is a
+**value the part sends** (a producer in ``send_keys``): it stays to the end, since :meth:`GraphWalk.run`
+returns it. Dropping the walk's reference frees a value only when nobody else holds it, so what a runner
+keeps for later it keeps itself, outside the environment, and the walk need not know it:
+
+- the **loss terms** are in the list :meth:`~GraphWalk.run` returns;
+- **received activations and fed values** stay in the runner's own dicts (``leaves`` and ``fed`` are
+  copied into the environment, never changed): the torch engine keeps ``leaves`` in its stash for the
+  input gradients and, with recomputation, ``fed`` for the second forward;
+- **what backward needs**: torch autograd's saved tensors, the NumPy engine's tape (each op's context);
+- **sent activations encoded on the device** (compressed edges) are sent values, so kept to the end;
+- **parameters** live in the step templates, never in the environment;
+- ``record`` gets every output as it is made and keeps what it wants.
+
+``free_values = False`` (on the class or one walk) keeps every value until the run returns, as the walk
+did before; ``benchmarks/bench_walk_memory.py`` compares the two.
 """
 from __future__ import annotations
 
@@ -63,6 +87,9 @@ class Step:
     arg_refs / kw_refs: ``(slot, env key, index)`` of each top-level Ref (``fast`` steps).
     name, kind: the node's; placeholder / output / loss: whether it is an input or label node, the
               output marker, a loss node (its output is one term of the part's summed loss).
+    drops:    environment keys whose last reader is this step (or, for its own output, nobody): the
+              walk drops them right after the step runs (:func:`last_uses`; module docstring, "What the
+              walk keeps").
     """
 
     node: OpNode
@@ -72,6 +99,7 @@ class Step:
     fast: bool
     arg_refs: tuple = ()
     kw_refs: tuple = ()
+    drops: tuple = ()
     name: str = field(init=False)
     kind: NodeKind = field(init=False)
     placeholder: bool = field(init=False)
@@ -96,6 +124,9 @@ class GraphWalk:
 
     #: the message of the error naming a placeholder that :meth:`feed` got no value for
     missing_feed = "no data fed to this placeholder"
+    #: drop each value from the environment after its last reader (:attr:`Step.drops`); False keeps every
+    #: value until :meth:`run` returns (the walk before last-use freeing: benchmarks compare the two)
+    free_values: bool = True
 
     def __init__(self, graph: OpGraph, sub: SubGraph | None = None):
         self.graph = graph
@@ -108,6 +139,8 @@ class GraphWalk:
                 self.recv_keys[e.key] = self.recv_keys.get(e.key, False) or e.requires_grad
             self.send_keys = list(dict.fromkeys(e.key for e in sub.boundary.sent_acts))
         self.steps: list[Step] = [self._prepare(graph[n]) for n in names]
+        for step, drops in zip(self.steps, last_uses(self.steps, self.env_key, {k[0] for k in self.send_keys})):
+            step.drops = drops
         self.placeholders: tuple[str, ...] = tuple(s.name for s in self.steps if s.placeholder)
 
     # -- hooks: what a runner overrides -------------------------------------------------
@@ -197,6 +230,7 @@ class GraphWalk:
         env: dict[Any, Any] = dict(leaves)
         get = None
         losses: list = []
+        free = self.free_values
         s = None
         try:
             for s in self.steps:
@@ -228,9 +262,14 @@ class GraphWalk:
                         out = fn(*args, **kwargs)
                         if s.loss:
                             losses.append(out)
+                    args = kwargs = v = None  # the loop's own references to the step's inputs
                 env[s.name] = out
                 if record is not None:
                     record(s.name, out)
+                if free and s.drops:
+                    for key in s.drops:
+                        del env[key]
+                out = None
         except Exception as e:
             err = self.failed(s, e)
             if err is e:
@@ -256,4 +295,35 @@ class GraphWalk:
         return get
 
 
-__all__ = ["GraphWalk", "Key", "Step"]
+def last_uses(steps: list[Step], env_key: Callable[[Ref], tuple[Any, int | None]],
+              keep: set | frozenset = frozenset()) -> list[tuple]:
+    """For each step, the environment keys to drop right after it runs (``torch.fx``'s ``user_to_last_uses``).
+
+    A key read by some step goes with the last step that reads it (a Ref anywhere in the step's argument
+    templates, nested ones included; ``env_key`` says where the Ref's value lives); a step's own output
+    that no step reads goes with that step. Keys in ``keep`` (the producers of sent values) are never dropped.
+    """
+    last: dict[Any, int] = {}
+    for i, step in enumerate(steps):
+        last[step.name] = i  # read by nobody (yet): dropped right after it is made
+        if step.fast:
+            reads = [key for _, key, _ in step.arg_refs + step.kw_refs]
+        else:
+            reads = [env_key(r)[0] for r in _refs((step.args, step.kwargs))]
+        for key in reads:
+            last[key] = i
+    drops: list[list] = [[] for _ in steps]
+    for key, i in last.items():
+        if key not in keep:
+            drops[i].append(key)
+    return [tuple(d) for d in drops]
+
+
+def _refs(value: Any) -> list[Ref]:
+    """Every Ref in ``value``, nested in tuples, lists and dict values."""
+    out: list[Ref] = []
+    map_refs(value, lambda r: out.append(r) if isinstance(r, Ref) else None)
+    return out
+
+
+__all__ = ["GraphWalk", "Key", "Step", "last_uses"]

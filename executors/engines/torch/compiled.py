@@ -18,7 +18,8 @@ the part's own ``nn.Module`` objects, parameters are the part's own
 the interpreted path, and autograd still records the graph that the
 engine's backward pushes gradients through across the part boundary.
 fx's generated code also drops each local as soon as its last user has run
-(``x = None``), as the interpreter's env dict does not.
+(``x = None``), as the interpreted walk drops each value from its environment
+(``fusion.ir.walk``, last-use freeing).
 
 Optionally the GraphModule goes through ``torch.compile`` (``compile=True``):
 Dynamo/Inductor fuse the part's forward and AOTAutograd its backward. That is
