@@ -103,8 +103,12 @@ def loss_plot(metrics: Path, png: Path, title: str = "") -> Path | None:
         fig.suptitle(title)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    tmp = png.with_name(png.name + ".tmp")
+    try:  # written beside, then renamed: a full disk leaves the previous plot, not a truncated one
+        fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+    tmp.replace(png)
     return png
 
 
@@ -153,6 +157,10 @@ def merge_traces(trace_dir: Path, out: Path, metrics: Path | None = None) -> Pat
     return out
 
 
+#: the files beside a run's outputs that :func:`finish_run`'s writers fill before renaming them into place
+_PARTIAL = ("loss.png.tmp", "trace.json.tmp", "metrics.csv.tmp")
+
+
 def finish_run(out: Path, title: str = "") -> dict[str, Path]:
     """Write ``loss.png``, ``trace.json``, ``metrics.csv`` and (when tensorboard is installed) ``tensorboard/``
     into the run folder, each from what the run left there; returns what was written."""
@@ -167,6 +175,8 @@ def finish_run(out: Path, title: str = "") -> dict[str, Path]:
             p = make()
         except Exception as e:  # a plot or log must never hide the run's own result
             log.warning("could not write the run's %s: %s", key, e)
+            for name in _PARTIAL:  # what it had half written beside its file (the file itself is untouched)
+                (out / name).unlink(missing_ok=True)
             continue
         if p is not None:
             written[key] = p
