@@ -39,7 +39,8 @@ from fusion.executors.runtime.allreduce import NotYourTurn, RingInbox, average, 
 from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
                                               Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
-                                              Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl)
+                                              Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl,
+                                              lasting_failure)
 from fusion.executors.engines.select import check_optimizer, engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
@@ -989,7 +990,7 @@ class CompNode:
         else:  # run_lane logged it with its traceback
             reason = f"{type(e).__name__}: {e}"
         if COORDINATOR in self.transport.senders:
-            self.transport.send(COORDINATOR, Error(reason=reason).frames())
+            self.transport.send(COORDINATOR, Error(reason=reason, lasting=lasting_failure(e) or None).frames())
 
     def _close(self, status: int) -> None:
         self._hb_stop.set()

@@ -263,10 +263,24 @@ class Hb(Control):
 
 @dataclass(frozen=True, kw_only=True)
 class Error(Control):
-    """The executor stops, for ``reason``."""
+    """The executor stops, for ``reason``. ``lasting``: the cause would stop a restart the same way (a full or
+    read-only disk: :func:`lasting_failure`), so the coordinator should not restart (optional; absent: False)."""
 
     OP: ClassVar[str] = "error"
     reason: str = _wire(_str)
+    lasting: bool | None = _optional(_bool)
+
+
+def lasting_failure(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is an OSError a restart on the same disk would meet again."""
+    import errno
+
+    lasting = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", 122)}
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in lasting:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @dataclass(frozen=True, kw_only=True)

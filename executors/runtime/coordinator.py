@@ -63,9 +63,10 @@ HELLO_GRACE_S = 5.0
 class CompNodeFailure(FusionError):
     """A CompNode failed or stopped answering; ``part`` names it."""
 
-    def __init__(self, part: str, reason: str):
+    def __init__(self, part: str, reason: str, lasting: bool = False):
+        """lasting: the part said its cause would stop a restart the same way (a full disk: ``Error.lasting``)."""
         super().__init__(f"CompNode {part!r} failed: {reason}")
-        self.part, self.reason = part, reason
+        self.part, self.reason, self.lasting = part, reason, lasting
 
 
 class Process(Protocol):
@@ -195,6 +196,7 @@ class Coordinator:
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
         self._last_seen: dict[str, float] = {}
         self._errors: dict[str, str] = {}
+        self._lasting: set[str] = set()  # parts whose Error said a restart would fail the same way (a full disk)
         #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
         #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
         self._greeted: set[str] = set()
@@ -246,6 +248,8 @@ class Coordinator:
             self._last_seen[sender] = time.monotonic()
             if isinstance(c, Error):
                 self._errors.setdefault(sender, c.reason)
+                if c.lasting:
+                    self._lasting.add(sender)
             elif c.op != "hb":
                 if len(self._inbox[sender]) >= MAX_QUEUED_PER_PART:
                     raise WireError(f"{len(self._inbox[sender])} messages from {sender} already wait; dropping {c.op!r}")
@@ -271,7 +275,7 @@ class Coordinator:
         watched = list(dict.fromkeys([*self.live, *parts]))  # (parts: a joining replica's too)
         for p in watched:
             if p in self._errors:
-                return CompNodeFailure(p, self._errors[p])
+                return CompNodeFailure(p, self._errors[p], lasting=p in self._lasting)
         for p in watched:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None and p not in self._refused else None
@@ -325,7 +329,7 @@ class Coordinator:
                 if fail is not None:
                     if abort:
                         self._abort_locked(f"{fail} (during {what})")
-                    raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})")
+                    raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})", fail.lasting)
                 self._cv.wait(0.05)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -563,7 +567,7 @@ class Coordinator:
                 if why:  # e.g. the last replica of every stage is gone: the run ends here
                     with self._cv:
                         self._abort_locked(str(e))
-                    raise CompNodeFailure(e.part, f"{e.reason}; {why}") from None
+                    raise CompNodeFailure(e.part, f"{e.reason}; {why}", e.lasting) from None
                 try:
                     drops.append(self._drop_replica(e, abandoned=not committed[0]))
                 except CompNodeFailure as e2:  # a second failure while regrouping: give up as without failover

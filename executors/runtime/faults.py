@@ -8,6 +8,7 @@ inherit it) makes the process that runs ``PART`` send itself ``SIGNAL`` (``KILL`
   checkpoint of step ``N`` and before the step's metrics line is written (the window of issue 28);
 - ``STEP`` = ``save-N``: an executor in the middle of writing its checkpoint of step ``N`` (``N`` completed
   steps): its parameters file is in place, its optimizer file and JSON sidecar are not (``checkpoint.save_part``);
+  ``SIGNAL`` may also be ``ENOSPC`` there: the write fails as on a full disk (``OSError`` errno 28), no signal;
 - ``STEP`` = ``start-N``: an executor during start-up (the coordinator's setup received, the part not yet
   built nor ready), in a start that resumes at step ``N`` or later (``start-0``: the first start too).
   Without a marker such a fault fires at every later start, so give it one.
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 ENV = "FUSION_TEST_FAULT"
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+#: faults that raise instead of sending a signal: a write that finds the disk full
+RAISES = {"ENOSPC"}
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,10 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
     for item in text.split(","):
         bits = item.split(":", 3)
         point, _, n = bits[1].rpartition("-") if len(bits) > 1 else ("", "", "")
-        if len(bits) < 3 or not bits[0] or not n.isdigit() or point not in ("", *POINTS) or bits[2] not in SIGNALS:
-            raise FusionError(f"{ENV}={text!r}: expected PART:[save-|start-]STEP:KILL|STOP[:MARKER], comma-separated")
+        if len(bits) < 3 or not bits[0] or not n.isdigit() or point not in ("", *POINTS) or bits[2] not in (*SIGNALS, *RAISES) \
+                or bits[2] in RAISES and point != "save":
+            raise FusionError(f"{ENV}={text!r}: expected PART:[save-|start-]STEP:KILL|STOP[:MARKER] (or "
+                              "PART:save-STEP:ENOSPC), comma-separated")
         out.append(Fault(bits[0], int(n), bits[2], bits[3] if len(bits) > 3 else "", point or "step"))
     return tuple(out)
 
@@ -80,5 +85,10 @@ def maybe_fail(part: str, step: int, point: str = "step") -> None:
             except FileExistsError:
                 continue  # fired already (this is the restarted executor, or the resumed run)
             os.close(fd)
+        if f.signal == "ENOSPC":
+            import errno
+
+            log.warning("%s: %s: a full disk at %s %d", part, ENV, point, step)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"step {step} of {part} ({ENV})")
         log.warning("%s: %s: sending myself SIG%s at %s %d", part, ENV, f.signal, point, step)
         os.kill(os.getpid(), SIGNALS[f.signal])

@@ -23,6 +23,8 @@ from pathlib import Path
 from dataclasses import replace
 from typing import Callable
 
+from fusion.ir.errors import FusionError
+
 #: the ``event`` of a restart's line in metrics.jsonl
 RESTART = "restart"
 
@@ -71,7 +73,10 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                 report(f"all {len(cluster.plan.parts)} CompNodes ready"
                        + (f"; resuming at step {first} from {out / 'checkpoints'}" if first else ""))
             elif failure is not None:
-                first = cluster.restart()
+                try:
+                    first = cluster.restart()
+                except OSError as e:  # writing the restart's keys, logs or folders (a full disk): one line
+                    raise FusionError(f"restart {restarts} of {max_restarts} after {failure}: {e}") from None
                 event = restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, first,
                                       time.monotonic() - t_fail)
                 _append(out, event)
@@ -85,6 +90,9 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
             if failure is not None:  # this restart's own start-up failed: its line too (each restart has one)
                 _append(out, restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, None,
                                            time.monotonic() - t_fail, start_failed=str(e)))
+            if e.lasting:  # a full or read-only disk: a restart would meet it again (and write its keys there)
+                raise FusionError(f"{e}: not restarted, a restart would fail the same way; free space on the disk of "
+                                  f"{out}, then --resume") from None
             if restarts >= max_restarts:
                 if not restarts:
                     raise

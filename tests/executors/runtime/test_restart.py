@@ -149,7 +149,9 @@ def test_fault_variable_and_max_restarts_options_are_checked(tmp_path, capsys):
     assert [f.part for f in parse_faults("p1:3:KILL,coordinator:6:STOP:/m")] == ["p1", "coordinator"]
     assert [(f.point, f.step) for f in parse_faults("p1:save-4:KILL:/m,p0:start-0:STOP:/n,p0:2:KILL")] == \
         [("save", 4), ("start", 0), ("step", 2)]
-    for bad in ("p1:3", "p1:x:KILL", "p1:3:TERM", ":3:KILL", "p1:load-3:KILL", "p1:save-:KILL", "p1:save-x:STOP"):
+    assert parse_faults("p1:save-4:ENOSPC")[0].signal == "ENOSPC"
+    for bad in ("p1:3", "p1:x:KILL", "p1:3:TERM", ":3:KILL", "p1:load-3:KILL", "p1:save-:KILL", "p1:save-x:STOP",
+                "p1:3:ENOSPC", "p1:start-0:ENOSPC"):
         with pytest.raises(FusionError, match=ENV):
             parse_faults(bad)
     plan_dir = tmp_path / "plan"  # refused before anything is read
@@ -159,6 +161,23 @@ def test_fault_variable_and_max_restarts_options_are_checked(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], lines
         assert not (tmp_path / "r").exists()
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_not_a_restart(tmp_path):
+    """p1's checkpoint write of step 4 finds the disk full (ENOSPC): a restart would meet it again, and used to die
+    writing its fresh keys with a 35-line traceback, exit 1 (issue 39). Now one line naming the part and the
+    cause, exit 2, no restart; the run keeps its complete checkpoint of step 2 and its metrics to resume from."""
+    plan_dir = save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2)
+    run = tmp_path / "run"
+    rc, err = _finish(_fusion(str(plan_dir), "--out", str(run), "--steps", "6", "--checkpoint-every", "2",
+                              "--max-restarts", "2", "--data", "synthetic", "--no-progress", "--trace", "off",
+                              "--threads", "1", env={ENV: "p1:save-4:ENOSPC"}), 240)
+    lines = [x for x in err.strip().splitlines() if x.startswith("fusion run: error:")]
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert "CompNode 'p1' failed" in lines[0] and "No space left on device" in lines[0] and "not restarted" in lines[0]
+    assert "Traceback" not in err and "restart 1 of 2" not in err, err[-3000:]
+    assert not any("event" in r for r in _rows(run))  # no restart was tried
+    assert checkpoint.latest(run / "checkpoints") == 2 and [r["step"] for r in _rows(run)] == [0, 1, 2]
 
 
 def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
