@@ -309,6 +309,10 @@ def insecure_warning(me: str, address: str) -> str:
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 #: connections opened and closed on a socket (the value of each event is the connection's file descriptor)
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+#: seconds a connection to a CURVE server may take to finish its handshake before libzmq drops it
+#: (``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s). A handshake is four small messages: well under a second
+#: even over a 300 ms, 1 Mbit/s link. So a connection open longer than this has a key.
+HANDSHAKE_S = 5.0
 
 
 def _handshake_reason(event: int | None, code: int | None) -> str:
@@ -342,7 +346,7 @@ class HandshakeMonitor(threading.Thread):
         self.capped = 0
         self.cap_log = RefusalLog(owner, f"connection(s) shut down over the cap of {max_connections} open at once",
                                   log_interval_s)
-        self._open: set[int] = set()
+        self._open: dict[int, float] = {}  # descriptor -> when it was accepted, oldest first
         self._local = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if max_connections is not None else 0)
         self._done = threading.Event()
@@ -365,7 +369,7 @@ class HandshakeMonitor(threading.Thread):
                     self._accepted(int(ev.get("value", -1)), time.monotonic())
                     continue
                 if kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    self._open.discard(int(ev.get("value", -1)))
+                    self._open.pop(int(ev.get("value", -1)), None)
                     continue
                 if not kind & HANDSHAKE_FAILED:
                     continue
@@ -381,18 +385,25 @@ class HandshakeMonitor(threading.Thread):
             self._mon.close(linger=0)
 
     def _accepted(self, fd: int, now: float) -> None:
-        """A connection was accepted on ``fd``: count it, and shut it down when the socket is over its cap (the
-        newest goes: connections of the run's peers are made at start-up and kept, a client that holds
-        connections without finishing the handshake is one whose connections keep coming)."""
-        self._open.add(fd)
+        """A connection was accepted on ``fd``: count it, and when the socket is over its cap shut one down: the
+        oldest still within its handshake (younger than :data:`HANDSHAKE_S`: a client holding connections without
+        a key; older ones finished the handshake, since libzmq drops those that do not), else the new one.
+        Shutting the newest down had let 69 idle keyless connections lock a real peer's reconnection out until
+        ZeroMQ's 30 s handshake timeout cleared them (issue 39)."""
+        self._open[fd] = now
         if self.max_connections is None or len(self._open) <= self.max_connections:
             return
+        victim = next((f for f, t in self._open.items() if f != fd and now - t < HANDSHAKE_S), fd)
+        self._shut(victim, now)
+
+    def _shut(self, fd: int, now: float) -> None:
+        """Shut connection ``fd`` of this socket down (counted and logged)."""
         import socket
 
         try:  # a duplicate of libzmq's descriptor: shutting it down ends the connection, libzmq then closes its own
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
-            self._open.discard(fd)
+            self._open.pop(fd, None)
             return
         try:
             here = s.getsockname()
@@ -406,6 +417,7 @@ class HandshakeMonitor(threading.Thread):
             pass
         finally:
             s.close()  # the duplicate only
+            self._open.pop(fd, None)  # (its closing event follows; it is not chosen twice meanwhile)
 
     def stop(self) -> None:
         self._done.set()

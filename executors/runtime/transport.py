@@ -42,7 +42,7 @@ import zmq
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
-from fusion.executors.runtime.keys import HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.keys import HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -399,6 +399,8 @@ class Transport:
         # ZeroMQ drops (without a reason) frames over twice the limit; smaller oversize ones get a logged reason
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.max_message_bytes + (1 << 20), (1 << 62)))
         if self.security is not None:
+            # a connection that has not finished its CURVE handshake by then is dropped (libzmq's default: 30 s)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
             curve_server(sock, self.security)
         try:
             sock.bind(self.bind_addr)

@@ -277,6 +277,43 @@ def test_refused_handshakes_are_logged_as_counts_whatever_the_number_of_keys(cap
         ctx.term()
 
 
+def test_held_keyless_connections_do_not_lock_a_new_peer_out():
+    """Issue 39: a client without a key holding connections up to the cap (69 did it at the default cap) made
+    the socket shut down every newer connection, a real peer's reconnection included, until ZeroMQ's 30 s
+    handshake timeout cleared the idle ones (a ~29 s lock-out, longer than the 10 s peer timeout). Now the
+    oldest connection still within its handshake goes, and the handshake timeout is 5 s: a peer that connects
+    while 20 idle connections fill a cap of 4 gets its message through at once."""
+    import socket
+    import time
+
+    from fusion.executors.runtime.keys import Security
+    from fusion.executors.runtime.transport import Transport
+
+    pairs = {n: generate(n) for n in ("p0", "p1")}
+    peers = {n: p.public for n, p in pairs.items()}
+    got = []
+    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append(m.header), max_connections=4,
+                   security=Security(pairs["p1"], peers))
+    ctx = zmq.Context()
+    held = []
+    try:
+        addr = rx.start()
+        host, port = addr.rpartition("/")[2].rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
+        assert wait_for(lambda: rx.monitor.capped >= 20 - 4, timeout=10), rx.monitor.capped
+        t0 = time.monotonic()
+        p0 = _dealer(ctx, addr, keys=pairs["p0"], server_key=peers["p1"])
+        p0.send_multipart(encode("ctrl", {"n": 1}))
+        assert wait_for(lambda: len(got) == 1, timeout=4), "the peer was locked out"
+        assert time.monotonic() - t0 < 4
+        p0.close(linger=0)
+    finally:
+        for s in held:
+            s.close()
+        rx.close(timeout_s=2)
+        ctx.term()
+
+
 def test_connections_over_the_cap_are_shut_down_and_the_run_s_own_keep_working(caplog):
     """Issue 28: every held connection took a file descriptor with no cap (500 held = 500 fds). A CURVE socket now
     keeps at most ``max_connections`` open at once: 30 raw TCP connections that never finish the handshake beyond a
