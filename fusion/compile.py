@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from fusion.cluster.model import Cluster
 from fusion.ir.model import Model
-from fusion.ir.schedule import LANE_SCHEDULES  # noqa: F401  (re-exported)
-from fusion.passes.assemble import COST_MODEL, assemble_plan as _assemble  # noqa: F401  (fusion.replicas)
-from fusion.passes.cut import DEFAULT_VIRTUAL_STAGES, virtual_stages as check_virtual_stages  # noqa: F401
-from fusion.passes.pricing import CUT_SCHEDULES  # noqa: F401  (re-exported)
+from fusion.passes.assemble import assemble_plan as _assemble  # noqa: F401  (fusion.replicas)
+from fusion.passes.cut import virtual_stages as check_virtual_stages
 from fusion.passes.state import CompileError, CompileRequest, CompileState
-from fusion.passes.steps import AUTO_PARTITION_SCHEDULE, PASSES, TIED_AUTO  # noqa: F401  (re-exported)
+from fusion.passes.steps import PASSES
 from fusion.passes.steps import ensure_shapes as _ensure_shapes  # noqa: F401  (fusion.replicas, commands)
-from fusion.plan import SCHEDULE_NAMES, OptimizerConfig
+from fusion.plan import SCHEDULE_NAMES, OptimizerConfig, Plan
 
 if TYPE_CHECKING:
     from fusion.compress.bottleneck import BottleneckRequest
