@@ -248,8 +248,10 @@ class EdgeCompression:
         explicit = self.fwd_codec if direction == "fwd" else self.bwd_codec
         if explicit is not None:
             return dict(explicit)
-        if direction in self.directions and self.ratio > 1:
-            return {"algo": "topk", "ratio": float(self.ratio)}
+        if direction in self.directions and self.ratio > 1:  # AdaTopK's ratio: Top-K
+            from fusion.kernels.codecs.topk import TopKCodec
+
+            return {"algo": TopKCodec.name, "ratio": float(self.ratio)}
         return None
 
 

@@ -156,8 +156,9 @@ def checkpoint_arrays(runtime: Any) -> dict[str, np.ndarray] | None:
     return table.delta.state_arrays()
 
 
-def uses_delta(plan: Any) -> list[str]:
-    """The plan's edges whose codec keeps per-sample state (delta) as ``producer[index] src->dst`` (empty: none)."""
+def stateful_edges(plan: Any) -> list[str]:
+    """The plan's edges whose codec keeps per-sample state at both ends (``Codec.stateful``, the registry's
+    ``needs_sample_ids``: ``delta``) as ``producer[index] src->dst`` (empty: none)."""
     return per_sample_edges(plan.compression)
 
 

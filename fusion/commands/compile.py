@@ -627,11 +627,13 @@ def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio:
     codec = getattr(args, "pseudo_codec", None)
     if codec is not None:
         from fusion.compress.policy import parse_spec
+        from fusion.cost.dp import PSEUDO_CODECS
 
         cfg = parse_spec(codec, "--pseudo-codec") if isinstance(codec, str) else codec
         if cfg != "auto":  # auto: the planner's list
-            if cfg is not None and cfg.get("algo") not in ("quant", "topk"):
-                raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take quant or topk (or none)")
+            planned = list(dict.fromkeys(c["algo"] for c in PSEUDO_CODECS if c))  # the codecs the planner prices
+            if cfg is not None and cfg.get("algo") not in planned:
+                raise FusionError(f"--pseudo-codec {codec}: pseudo-gradients take {' or '.join(planned)} (or none)")
             search.codecs = (cfg,)
     # --sync-fragments' default (1 fragment) narrows the search too; --outer-delay left out: 0 and 1 are priced
     # (the runtime runs both) and the planner chooses

@@ -5,7 +5,7 @@
 ``delta:bits=4``); ``--compress-bwd`` overrides the gradients' codec (``none``
 sends them dense, ``auto`` chooses). ``delta`` (AQ-SGD activation deltas) is for
 activations only: with it the gradients default to 8-bit ``quant``
-(:data:`DELTA_BWD`), and ``--compress-bwd delta`` is refused. ``delta`` keeps
+(``DeltaCodec.gradient_codec``), and ``--compress-bwd delta`` is refused. ``delta`` keeps
 one decoded activation per training sample at both ends of an edge, so it needs
 the data set's size (``--samples N``, or the built-in text corpus's window
 count when ``fusion run`` trains on it): its buffers are in the memory model.
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 #: only where the data gives sample ids and the data set's size is declared (:attr:`CompressRequest.auto_delta`).
 AUTO_FWD = CODECS.auto(Role.ACTIVATION)
 AUTO_BWD = CODECS.auto(Role.GRADIENT)
-
-#: the gradients' codec when ``--compress delta:...`` is given without ``--compress-bwd`` (AQ-SGD sends
-#: gradients directly quantised; 8 bits as SWARM)
-DELTA_BWD = {"algo": "quant", "bits": 8, "block": 64}
 
 class CompressSpecError(FusionError):
     """A ``--compress`` value that names no codec or has bad arguments; the message says which."""
@@ -134,8 +130,8 @@ def request(fwd_spec: str | None, bwd_spec: str | None = None, samples: int | No
     fwd = parse_spec(fwd_spec) if fwd_spec is not None else None
     if bwd_spec is not None:
         bwd = parse_spec(bwd_spec, "--compress-bwd")
-    elif isinstance(fwd, dict) and Role.GRADIENT not in CODECS.unit(fwd["algo"]).roles:
-        bwd = dict(DELTA_BWD)  # per-sample deltas of gradients make no sense: AQ-SGD quantises them directly
+    elif isinstance(fwd, dict):
+        bwd = CODECS.gradients_for(fwd)  # delta: per-sample deltas of gradients make no sense (AQ-SGD quantises them)
     else:
         bwd = fwd
     if fwd is None and bwd is None:

@@ -47,6 +47,7 @@ import numpy as np
 
 from fusion.cluster.model import Cluster
 from fusion.cost.estimate import CostModel
+from fusion.kernels.codecs import CODECS, Role
 
 #: The backward's share of a part's forward + backward compute (backward FLOPs = 2 x forward).
 BACKWARD_SHARE = 2.0 / 3.0
@@ -204,11 +205,9 @@ def replica_cost_model(cm: CostModel, micro_batches: int, scale: float = 1.0) ->
 
 # -- DiLoCo: pseudo-gradients synced every H inner steps -------------------------------------------------------
 
-#: codec cfgs the planner tries for pseudo-gradients, most faithful first (None: dense float32, exact average).
-#: quant and topk are the registry's codecs that may serve the pseudo-gradient role (delta is per-sample state).
-PSEUDO_CODECS: tuple[dict | None, ...] = (
-    None, {"algo": "quant", "bits": 8}, {"algo": "quant", "bits": 4}, {"algo": "topk", "ratio": 10},
-    {"algo": "topk", "ratio": 100}, {"algo": "topk", "ratio": 1000})
+#: codec cfgs the planner tries for pseudo-gradients, most faithful first (None: dense float32, exact average):
+#: the codecs' own pseudo-gradient candidates (``Codec.auto[Role.PSEUDO_GRADIENT]``, ordered by the registry)
+PSEUDO_CODECS: tuple[dict | None, ...] = (None, *CODECS.auto(Role.PSEUDO_GRADIENT))
 
 #: inner steps per outer step the planner tries (DiLoCo: H = 500 matched synchronous training with 8 workers)
 INNER_STEPS = (10, 20, 50, 100, 200, 500)

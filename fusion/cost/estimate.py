@@ -74,8 +74,9 @@ Notation (per micro-batch; part p runs on device d(p)):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -294,6 +295,19 @@ class CostModel:
                    np.array(t_rg, dtype=bool), ia(e_t), ia(e_cons), ia(pn_param), ia(pn_node), p_names, p_state,
                    p_bytes, p_train, micro_batches, schedule, samples_per_micro_batch, fwd_flops, fwd_mem, input_bytes,
                    optimizer_slots=optimizer_slots)
+
+    def variant(self, **changes: Any) -> "CostModel":
+        """This model with ``changes`` (any field, ``init=False`` ones too: ``codec_prices``, ``tied_wire``,
+        ``tied_codec_s``; ``schedule``, ``recompute_all``): how the compiler prices with other inputs instead of
+        setting and restoring fields of a shared model. A shallow copy: the arrays are shared (never written in
+        place; :meth:`use_node_times` replaces them)."""
+        bad = [k for k in changes if k not in self.__dataclass_fields__]
+        if bad:
+            raise TypeError(f"CostModel has no field {bad[0]!r}")
+        out = copy.copy(self)
+        for k, v in changes.items():
+            setattr(out, k, v)
+        return out
 
     def with_cluster(self, cluster: Cluster) -> "CostModel":
         kw = {k: getattr(self, k) for k in self.__dataclass_fields__ if self.__dataclass_fields__[k].init}

@@ -137,14 +137,10 @@ def simulate_estimate(cm: CostModel, est: Estimate, name: str, node_part: np.nda
 def price_schedule(cm: CostModel, name: str, node_part: np.ndarray, part_device: np.ndarray,
                    recompute: np.ndarray | None = None) -> tuple[SchedulePrice, Estimate]:
     """Price schedule ``name`` on a cut: the estimator's memory with ``name``'s micro-batches in flight,
-    and the simulated iteration. Leaves ``cm.schedule`` as it found it."""
+    and the simulated iteration (``cm`` itself is left as it is)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    before, cm.schedule = cm.schedule, name
-    try:
-        est = cm.evaluate(node_part, part_device, recompute=recompute)
-    finally:
-        cm.schedule = before
+    est = cm.variant(schedule=name).evaluate(node_part, part_device, recompute=recompute)
     t = simulate_estimate(cm, est, name, node_part, part_device)
     peak = max(device_memory(np.array([pe.memory_bytes for pe in est.parts]), part_device), default=0.0)
     return SchedulePrice(float(t), float(peak), not est.violations), est

@@ -50,6 +50,7 @@ from fusion.cost.dp import (INNER_STEPS, PSEUDO_CODECS, DPEstimate, codec_label,
 from fusion.cost.estimate import CostModel, samples_per_micro_batch
 from fusion.cost.flops import NodeCost, measure_costs
 from fusion.ir.errors import FusionError
+from fusion.kernels.codecs import CODECS
 from fusion.ir.graph import OpGraph
 from fusion.partition.chain import build_chain, candidate_positions, chain_dp
 from fusion.partition.fence import NoFitError, op_fence
@@ -530,7 +531,7 @@ def diloco_sync(est) -> dict:
 
     rows = [n * (est.global_batch // sum(est.micro_batches)) for n in est.micro_batches]
     sync = DPSync("diloco", est.inner_steps, codec=None if est.codec is None else dict(est.codec),
-                  error_feedback=est.codec is not None and est.codec["algo"] == "topk", fragments=est.fragments,
+                  error_feedback=CODECS.error_feedback(est.codec), fragments=est.fragments,
                   delay=est.delay, shares={} if len(set(rows)) == 1 else {r: float(v) for r, v in enumerate(rows)})
     sync.check()
     return sync.to_dict()

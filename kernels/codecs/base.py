@@ -135,7 +135,13 @@ class Codec:
     stateful:      keeps per-edge state at both ends (:meth:`new_state`; ``delta``).
     rate:          dense bytes per second through encode + decode on one CPU thread (the estimator's price);
                    None: unmeasured (the compiler then assumes quant's).
-    auto:          role -> the cfgs ``--compress auto`` may choose for that role, best first.
+    auto:          role -> the cfgs ``--compress auto`` may choose for that role, best first (for
+                   ``Role.TIED_GRADIENT``: ``--tied-codec auto``'s; for ``Role.PSEUDO_GRADIENT``: the DiLoCo
+                   planner's, most faithful first).
+    auto_order:    role -> where this codec's ``auto`` cfgs sort among other codecs' for that role (default:
+                   ``order``).
+    gradient_codec: for a codec that cannot carry gradients, the gradients' cfg when only it is asked for
+                   (``--compress`` without ``--compress-bwd``); None: the best gradient ``auto`` candidate.
     host_on_cpu:   on a CPU tensor the host (NumPy) path is the fast one, so a CPU part runs it unless asked
                    for the torch codecs (``encode="torch"``); False: the device path runs on CPU tensors too.
     payload_types: the payload classes it makes (what the receiver dispatches on).
@@ -159,6 +165,8 @@ class Codec:
     stateful: ClassVar[bool] = False
     rate: ClassVar[float | None] = None
     auto: ClassVar[Mapping[Role, tuple]] = {}
+    auto_order: ClassVar[Mapping[Role, int]] = {}
+    gradient_codec: ClassVar[Mapping[str, Any] | None] = None
     host_on_cpu: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = ()
     payload_word: ClassVar[str] = ""  # how log lines name its payloads ("sparse", "quantised"); default: its name

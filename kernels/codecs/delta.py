@@ -53,6 +53,8 @@ class DeltaCodec(Codec):
     #: loss in 0.45 of dense's time); only where the data gives sample ids and declares its size
     auto: ClassVar[Mapping] = {Role.ACTIVATION: ({"algo": "delta", "bits": 4, "block": 64},
                                                  {"algo": "delta", "bits": 2, "block": 64})}
+    #: the gradients' codec when only delta is asked for: AQ-SGD sends gradients directly quantised (8 bits, SWARM)
+    gradient_codec: ClassVar[Mapping] = {"algo": "quant", "bits": 8, "block": 64}
     has_device: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = (DeltaPayload,)
     title: ClassVar[str] = "delta (AQ-SGD)"

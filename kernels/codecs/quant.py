@@ -46,7 +46,11 @@ class QuantCodec(Codec):
     #: dense's time to dense's final loss). Gradients (milder than activations, Rudakov et al. 2024): 8-bit
     #: +1.2 %, 4-bit -3.6 % (every delta run's gradients). Left out: 2-bit (+11 % on activations with 4-bit
     #: gradients, not reaching dense's late target; +25 % and rising on gradients over 2-bit activations).
-    auto: ClassVar[Mapping] = {Role.ACTIVATION: (_Q8, _Q4), Role.GRADIENT: (_Q8, _Q4)}
+    #: ``--tied-codec auto``: 8-bit (SWARM: 8-bit gradients lose nothing). Pseudo-gradients (the DiLoCo planner's
+    #: list, most faithful first): 8 and 4 bits, before Top-K's (:attr:`TopKCodec.auto_order`).
+    auto: ClassVar[Mapping] = {Role.ACTIVATION: (_Q8, _Q4), Role.GRADIENT: (_Q8, _Q4),
+                               Role.TIED_GRADIENT: ({"algo": "quant", "bits": 8},),
+                               Role.PSEUDO_GRADIENT: ({"algo": "quant", "bits": 8}, {"algo": "quant", "bits": 4})}
     has_device: ClassVar[bool] = True
     payload_types: ClassVar[tuple] = (QuantPayload,)
     payload_word: ClassVar[str] = "quantised"

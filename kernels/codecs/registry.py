@@ -183,13 +183,32 @@ class CodecRegistry:
         return r if r is not None else self.unit(default).rate
 
     def auto(self, role: Role) -> tuple[dict, ...]:
-        """``--compress auto``'s candidate cfgs for ``role``, best codec first."""
-        return tuple(dict(cfg) for c in self.units() for cfg in c.auto.get(role, ()))
+        """``auto``'s candidate cfgs for ``role``, best codec first (each codec's ``auto_order`` for the role,
+        else its ``order``): ``--compress auto``'s for activations and gradients, ``--tied-codec auto``'s for
+        tied gradients, the DiLoCo planner's for pseudo-gradients."""
+        units = sorted(self.units(), key=lambda c: (c.auto_order.get(role, c.order), c.name))
+        return tuple(dict(cfg) for c in units for cfg in c.auto.get(role, ()))
+
+    def gradients_for(self, cfg: Mapping[str, Any]) -> dict:
+        """The gradients' cfg when ``cfg`` is asked for activations alone: ``cfg`` itself where its codec carries
+        gradients, else the codec's ``gradient_codec``, else the best gradient ``auto`` candidate."""
+        unit = self.unit(cfg["algo"])
+        if Role.GRADIENT in unit.roles:
+            return dict(cfg)
+        return dict(unit.gradient_codec) if unit.gradient_codec is not None else self.auto(Role.GRADIENT)[0]
+
+    def stateful(self, cfg: Mapping[str, Any] | None) -> bool:
+        """Whether a cfg names a codec that keeps per-edge state at both ends (``Codec.stateful``)."""
+        return cfg is not None and cfg.get("algo") in self._codecs and self.unit(cfg["algo"]).stateful
+
+    def error_feedback(self, cfg: Mapping[str, Any] | None) -> bool:
+        """Whether a cfg names a codec whose unsent residual may be fed back into the next message."""
+        return cfg is not None and cfg.get("algo") in self._codecs and self.unit(cfg["algo"]).error_feedback
 
     def needs_sample_ids(self, cfg: Mapping[str, Any] | None) -> bool:
         """Whether a cfg names a codec with per-sample state (``delta``): its edges need every micro-batch's
         sample ids, and both ends keep buffers."""
-        return cfg is not None and cfg.get("algo") in self._codecs and self.unit(cfg["algo"]).stateful
+        return self.stateful(cfg)
 
     def check_role(self, cfg: Any, role: Role, where: str) -> Codec:
         """The codec a cfg names, checked for ``role``; FusionError (one line naming ``where``) for a cfg that is

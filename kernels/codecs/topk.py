@@ -109,6 +109,14 @@ class TopKCodec(Codec):
     payload_types: ClassVar[tuple] = (SparsePayload,)
     payload_word: ClassVar[str] = "sparse"
     order: ClassVar[int] = 0
+    #: pseudo-gradients (the DiLoCo planner's list, most faithful first): these ratios, after quant's bits
+    PSEUDO_RATIOS: ClassVar[tuple] = (10, 100, 1000)
+    auto_order: ClassVar[Mapping] = {Role.PSEUDO_GRADIENT: 10}
+
+    @property  # type: ignore[override]
+    def auto(self) -> Mapping:
+        """``auto`` candidates under this instance's name (a Top-K registered under another name keeps its own)."""
+        return {Role.PSEUDO_GRADIENT: tuple({"algo": self.name, "ratio": r} for r in self.PSEUDO_RATIOS)}
 
     @staticmethod
     def k_for(numel: int, cfg: Mapping[str, Any]) -> int:
