@@ -30,7 +30,10 @@ per seed and the medians:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
         [--diloco-factor 3] [--seeds 0,1,2] [--h 20,50] [--quant8-h H] [--outer-lr 0.7]
-        [--outer-momentum 0.9] [--jobs 3]
+        [--outer-momentum 0.9] [--jobs 3] [--overlap eager,delayed]
+
+(``--overlap``: for every H also DiLoCo with the outer step overlapped, ``--outer-delay 1``, in the eager
+variant, the naive delayed one or both, named ``diloco_h{H}_eager`` / ``_delayed``; docs/data-parallel.md.)
 
 (docs/runtime.md "DiLoCo" gives the run measured there: ``--outer-momentum 0.5``, tuned on seed 0, ``--jobs 3``.)
 
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")
     ap.add_argument("--jobs", type=int, default=1, help="convergence: seeds run at once, one process each")
+    ap.add_argument("--overlap", default="", metavar="eager,delayed",
+                    help="convergence: for every H also the overlapped outer step (dp_sync.delay 1) in these variants")
     ap.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
                     help="DiLoCo cases: 0, the outer exchange blocks; 1, it overlaps the next H inner steps")
     ap.add_argument("--cases", default=None, metavar="A,B",
@@ -175,7 +180,12 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     if min(hs) < 1 or args.sync_steps < 1 or len(seeds) < 1:
         print("bench_diloco.py: --h, --sync-steps and --seeds need values >= 1", file=sys.stderr)
         return 2
-    res = study(cfg, seeds, hs, args.quant8_h or None, args.jobs)
+    overlaps = [o for o in args.overlap.split(",") if o]
+    if any(o not in ("eager", "delayed") for o in overlaps):
+        print(f"bench_diloco.py: --overlap {args.overlap}: expected eager, delayed or both, comma-separated",
+              file=sys.stderr)
+        return 2
+    res = study(cfg, seeds, hs, args.quant8_h or None, args.jobs, overlaps)
     print(json.dumps({"bench": "diloco", "study": "convergence", "corpus": "CPython stdlib source (convergence.py)",
                       "replicas": cfg.replicas, "global_batch": cfg.global_batch, "seq": cfg.seq,
                       "inner": {"optimizer": cfg.inner, "lr": cfg.lr},

@@ -181,8 +181,10 @@ class LocalWire:
     pseudo-gradient inbox, which checks it as a CompNode's would; ``wait`` blocks until the caller's ``ready()``
     has something (or raises after ``timeout_s``)."""
 
-    def __init__(self, rings: Mapping[str, Any], pseudos: Mapping[str, Any], timeout_s: float = 60.0):
+    def __init__(self, rings: Mapping[str, Any], pseudos: Mapping[str, Any], timeout_s: float = 60.0,
+                 delayed: Mapping[str, Any] | None = None):
         self.rings, self.pseudos, self.timeout_s = rings, pseudos, timeout_s
+        self.delayed = delayed or {}
         self.cv = threading.Condition()
 
     def sender(self, me: str) -> Callable[[str, list, str], None]:
@@ -191,7 +193,9 @@ class LocalWire:
         def send(peer: str, frames: list, label: str) -> None:
             msg = decode(frames)
             with self.cv:
-                if msg.header.get("gather") is True:
+                if msg.header.get("delayed") is True:  # a round of an overlapped outer step (dp_sync.delay 1)
+                    self.delayed[peer].accept(me, msg)
+                elif msg.header.get("gather") is True:
                     self.pseudos[peer].accept(me, msg)
                 else:
                     self.rings[peer].accept(me, msg)
@@ -219,7 +223,7 @@ class DiLoCoReplicas:
 
     def __init__(self, cfg: StudyConfig, seed: int, sync):
         from fusion.executors.runtime.allreduce import RingInbox, make_buckets
-        from fusion.executors.runtime.outer import OuterLoop, PseudoInbox, check_pseudo_codec
+        from fusion.executors.runtime.outer import DelayedInbox, OuterLoop, PseudoInbox, check_pseudo_codec
 
         check_pseudo_codec(sync.codec)
         self.cfg, self.sync = cfg, sync
@@ -231,9 +235,13 @@ class DiLoCoReplicas:
         self.names = [f"r{r}" for r in range(cfg.replicas)]
         self.rings = {me: RingInbox(me, self.names, buckets) for me in self.names}
         self.pseudos = {me: PseudoInbox(self.rings[me], sync.codec) for me in self.names}
-        self.wire = LocalWire(self.rings, self.pseudos)
+        self.delayed = ({me: DelayedInbox(me, self.names, buckets, sync.codec) for me in self.names}
+                        if sync.delay else {})
+        self.wire = LocalWire(self.rings, self.pseudos, delayed=self.delayed)
         self.loops = [OuterLoop(sync, buckets, params) for _ in self.names]
         self.outer_steps = 0
+        self.steps_done = 0  #: completed inner steps (the round number of an overlapped outer step)
+        self._eval = make_model(cfg, seed) if sync.delay else None
         self.sent_bytes = 0
 
     def inner_step(self, batch: Mapping[str, torch.Tensor]) -> float:
@@ -257,8 +265,13 @@ class DiLoCoReplicas:
         def one(r: int) -> None:
             me = self.names[r]
             try:
-                results[r] = self.loops[r].step(me, self.rings[me], self.pseudos[me], it,
-                                                trainable(self.models[r]), self.wire.sender(me), self.wire.wait)
+                if self.sync.delay:  # the runtime's overlapped step: eager or naive delayed (dp_sync.overlap)
+                    results[r] = self.loops[r].overlapped_step(me, self.names, self.delayed[me], self.steps_done,
+                                                               trainable(self.models[r]), self.wire.sender(me),
+                                                               self.wire.wait)
+                else:
+                    results[r] = self.loops[r].step(me, self.rings[me], self.pseudos[me], it,
+                                                    trainable(self.models[r]), self.wire.sender(me), self.wire.wait)
             except BaseException as e:  # re-raised in the caller
                 errors.append(e)
                 with self.wire.cv:
@@ -271,8 +284,9 @@ class DiLoCoReplicas:
             t.join()
         if errors:
             raise errors[0]
-        for ring in self.rings.values():
-            ring.finish(it)
+        if not self.sync.delay:
+            for ring in self.rings.values():
+                ring.finish(it)
         for m, (new, stats) in zip(self.models, results):
             with torch.no_grad():
                 for name, p in m.named_parameters():
@@ -281,8 +295,17 @@ class DiLoCoReplicas:
         self.outer_steps += 1
 
     def global_model(self) -> torch.nn.Module:
-        """Replica 0's copy (after an outer step every copy holds the global weights)."""
-        return self.models[0]
+        """Replica 0's copy (after an outer step every copy holds the global weights). With ``dp_sync.delay`` 1,
+        what a run that ended here would return: replica 0's weights with the round in flight applied
+        (:meth:`OuterLoop.flushed`, on copies: delayed, the global weights; eager, replica 0's copy of them)."""
+        if not self.sync.delay:
+            return self.models[0]
+        new = self.loops[0].flushed(self.names[0], self.names, self.delayed[self.names[0]],
+                                    trainable(self.models[0]), self.wire.wait)
+        with torch.no_grad():
+            for name, p in self._eval.named_parameters():
+                p.copy_(torch.from_numpy(np.ascontiguousarray(new[name])))
+        return self._eval
 
 
 def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps: int | None = None) -> Curve:
@@ -295,6 +318,7 @@ def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps
     c, t0 = Curve(), time.perf_counter()
     for s, batch in enumerate(train_batches(train, cfg, steps, seed), 1):
         c.train.append(reps.inner_step(batch))
+        reps.steps_done = s
         if s % h == 0:
             reps.outer_step()
             c.steps.append(s)
@@ -311,13 +335,18 @@ def steps_to(curve: Curve, target: float) -> int | None:
     return next((s for s, v in zip(curve.steps, curve.val) if v <= target), None)
 
 
-def diloco_syncs(cfg: StudyConfig, h_values: Sequence[int], quant8_h: int | None):
+def diloco_syncs(cfg: StudyConfig, h_values: Sequence[int], quant8_h: int | None, overlaps: Sequence[str] = ()):
     """The DiLoCo runs of the study: ``name -> DPSync`` (outer Nesterov SGD at ``cfg.outer_lr`` and
-    ``cfg.outer_momentum``; ``quant8_h``: one more run at that H with 8-bit pseudo-gradients and error feedback)."""
+    ``cfg.outer_momentum``; ``quant8_h``: one more run at that H with 8-bit pseudo-gradients and error feedback;
+    ``overlaps``: for every H one more run per variant of the overlapped outer step, ``dp_sync.delay`` 1 with
+    that ``overlap``, named ``diloco_h{H}_{overlap}``)."""
     from fusion.plan import DPSync
 
     outer = dict(outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, nesterov=True)
     runs = {f"diloco_h{h}": DPSync("diloco", inner_steps=h, **outer) for h in h_values}
+    for h in h_values:
+        for o in overlaps:
+            runs[f"diloco_h{h}_{o}"] = DPSync("diloco", inner_steps=h, delay=1, overlap=o, **outer)
     if quant8_h:
         runs[f"diloco_h{quant8_h}_q8"] = DPSync("diloco", inner_steps=quant8_h, codec={"algo": "quant", "bits": 8},
                                                 error_feedback=True, **outer)
@@ -359,13 +388,13 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
 
 
 def study(cfg: StudyConfig, seeds: Sequence[int], h_values: Sequence[int], quant8_h: int | None,
-          jobs: int = 1) -> dict:
+          jobs: int = 1, overlaps: Sequence[str] = ()) -> dict:
     """Every seed's sync and DiLoCo runs (``jobs`` seeds at a time, each in its own process: the runs of a
     seed are sequential and single-threaded); the per-seed figures and their medians (the final JSON's fields)."""
     train, val = split_corpus(text_corpus())
     uni = unigram_loss(train, val)
     log.info("corpus: %d training / %d validation characters; unigram validation loss %.3f", train.size, val.size, uni)
-    runs = diloco_syncs(cfg, h_values, quant8_h)
+    runs = diloco_syncs(cfg, h_values, quant8_h, overlaps)
     if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

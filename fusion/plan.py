@@ -135,7 +135,13 @@ class DPSync:
     fragments:      Streaming DiLoCo: each stage's parameters split into this many fragments, fragment ``f``
                     synced at inner steps ``t`` with ``t % H == (f * H) // fragments`` (staggered); 1: all at once.
     delay:          outer steps by which an outer update is applied late (0: at once; 1: the all-reduce overlaps
-                    the next H inner steps and is applied at the following boundary, the eager/delayed variant).
+                    the next H inner steps and is applied at the following boundary, as ``overlap`` says).
+    overlap:        with ``delay`` 1, how the round in flight is used (Kale, Douillard and Donchev 2025, arXiv
+                    2502.12996): ``"eager"`` (the default of new plans): each replica applies its own fresh
+                    pseudo-gradient at once as a proxy and the others' one round late; ``"delayed"``: the
+                    naive variant, the whole average one round late (each replica's own window kept). Written
+                    to plan.json only with ``delay`` 1 (plans with delay 0 hash as before); a plan with delay 1
+                    written before the field existed loads as ``"delayed"``, what it ran then.
     shares:         replica -> relative share of the global batch rows per inner step (unequal islands); empty:
                     equal shares. The outer average weights each replica's pseudo-gradient by the samples it saw.
     """
@@ -150,13 +156,17 @@ class DPSync:
     fragments: int = 1
     delay: int = 0
     shares: dict[int, float] = field(default_factory=dict)
+    overlap: str = "eager"
 
     MODES = ("every", "diloco")
+    OVERLAPS = ("eager", "delayed")
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                            "error_feedback", "fragments", "delay")}
         d["shares"] = {str(r): float(v) for r, v in self.shares.items()}
+        if self.delay:  # only where it means something: plans with delay 0 keep their bytes and hash
+            d["overlap"] = self.overlap
         return d
 
     @classmethod
@@ -167,7 +177,7 @@ class DPSync:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: expected a map, got {type(d).__name__}")
         unknown = set(d) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
-                            "error_feedback", "fragments", "delay", "shares"}
+                            "error_feedback", "fragments", "delay", "shares", "overlap"}
         if unknown:
             raise PlanError(f"{source}: unknown field(s) {sorted(unknown)}")
         try:
@@ -176,7 +186,9 @@ class DPSync:
             raise PlanError(f"{source}.shares: expected replica -> share, got {d.get('shares')!r}"[:200]) from None
         out = cls(str(d.get("mode", "every")), d.get("inner_steps", 1), d.get("outer_lr", 0.7),
                   d.get("outer_momentum", 0.9), d.get("nesterov", True), d.get("codec"),
-                  d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares)
+                  d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
+                  # a plan with delay 1 from before the field: the naive delayed step it ran then
+                  d.get("overlap", "delayed" if d.get("delay", 0) else "eager"))
         out.check(source)
         return out
 
@@ -195,6 +207,8 @@ class DPSync:
         if self.delay > 1:
             raise PlanError(f"{source}.delay must be 0 or 1 (an outer step applied at once or one outer step late), "
                             f"got {self.delay}")
+        if self.overlap not in self.OVERLAPS:
+            raise PlanError(f"{source}.overlap must be one of {list(self.OVERLAPS)}, got {self.overlap!r}"[:200])
         for name in ("outer_lr", "outer_momentum"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or v != v or v == float("inf"):

@@ -876,9 +876,9 @@ class CompNode:
                     n_it = self.ring.expected_iter if self.ring is not None else it
                     weights = self._outer_weights()
                     wait = self._outer_wait
-                    if self._delayed is not None:  # one outer step late, the exchange overlapping the next window
-                        new, st = self.outer.delayed_step(self.me, self._outer_group(), self._delayed, steps_done,
-                                                          params, send, wait, weights, fragment)
+                    if self._delayed is not None:  # the exchange overlapping the next window: eager or delayed
+                        new, st = self.outer.overlapped_step(self.me, self._outer_group(), self._delayed,
+                                                             steps_done, params, send, wait, weights, fragment)
                     else:
                         new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send, wait, weights,
                                                   fragment)

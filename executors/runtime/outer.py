@@ -35,34 +35,47 @@ f's outer step after the steps t with ``t % H == (f H) // F``; unequal shares (`
 :func:`share_micro_batches`): each replica takes its share of every global batch's micro-batches and the
 average weighs its pseudo-gradient by the samples it saw.
 
-Delayed (overlapped) outer steps (``dp_sync.delay`` 1, :meth:`OuterLoop.delayed_step`): the exchange of a
-round runs while the next H inner steps compute and is applied one outer step late, the "delayed outer
-gradients" of Kale, Douillard and Donchev 2025 ("Eager Updates For Overlapped Communication and
-Computation in DiLoCo", arXiv 2502.12996) and Streaming DiLoCo's overlap (Douillard et al. 2025,
-arXiv 2501.18512) with tau = H. With ``a_r`` this replica's weights at the start of its window, at the
-boundary that ends window t (per fragment)::
+Overlapped outer steps (``dp_sync.delay`` 1): the exchange of a round runs while the next H inner steps
+compute, as in Kale, Douillard and Donchev 2025 ("Eager Updates For Overlapped Communication and Computation
+in DiLoCo", arXiv 2502.12996) and Streaming DiLoCo's overlap (Douillard et al. 2025, arXiv 2501.18512) with
+tau = H. ``dp_sync.overlap`` picks how the round in flight is used; with ``x_r`` this replica's weights,
+``a_r`` their value at the start of its window and ``w`` the group's sample shares (1/R each when equal), at
+the boundary that ends window t (per fragment):
 
-    Delta_r^t     = a_r - theta_r                    (the window's own progress)
-    theta_global  = outer(theta_global, mean_r Delta_r^{t-1})    (round t-1, received during window t)
-    send Delta_r^t (+ residual, encoded) to the group, without waiting
-    theta_r = a_r = theta_global - Delta_r^t         (rebase: the new global weights plus own progress)
+* ``"eager"`` (:meth:`OuterLoop.eager_step`, the paper's eager updates, the default of new plans): each
+  replica keeps its own copy theta_r of the global weights and its own momentum, and applies its own fresh
+  pseudo-gradient at once as a proxy for the round still in flight::
 
-so every replica's weights are the global weights (one round behind) plus its own latest window, and
-nothing waits for the slow link as long as a round's exchange takes less than H inner steps. This is the
-delayed variant with each replica's own window kept, not the eager one (eager adds the replica's own
-Delta_r^t / R to the stale average as a proxy for the round still in flight). Chosen because every
-replica's local state stays a function of the global state and its own last window, which a dropped
-replica, a resume and the reference in the tests reproduce exactly; but Kale et al. report that naively
-delayed outer gradients converge worse than eager updates, and this variant's convergence against delay 0
-is not measured here. The exchange is an
-all-gather of each replica's (encoded) pseudo-gradient, also when exact (dense float32, summed in group
+      Delta_r^t = a_r - x_r,   a_r = theta_r                       (the window's own progress)
+      theta_r   = outer(theta_r, w_r Delta_r^t + sum_{k != r} w_k Delta_k^{t-1})   (none at t = 1: zero)
+      send Delta_r^t (+ residual, encoded) to the group, without waiting
+      x_r = a_r = theta_r
+
+  The replicas' theta_r are no longer the same bits (each sees its own round t beside the others' t-1).
+* ``"delayed"`` (:meth:`OuterLoop.delayed_step`, the naive delayed outer gradients, kept for comparison;
+  what a plan with delay 1 written before ``overlap`` existed runs)::
+
+      Delta_r^t     = a_r - x_r
+      theta_global  = outer(theta_global, sum_k w_k Delta_k^{t-1})  (round t-1, received during window t)
+      send Delta_r^t (+ residual, encoded) to the group, without waiting
+      x_r = a_r = theta_global - Delta_r^t        (rebase: the new global weights plus own progress)
+
+  so every replica's weights are the global weights (one round behind, the same bits everywhere) plus its
+  own latest window. Kale et al. report that it converges worse than the eager variant
+  (docs/data-parallel.md has this repository's measurement).
+
+Nothing waits for the slow link as long as a round's exchange takes less than H inner steps. After a
+regroup the shares are renormalised over the survivors (a dropped replica's round is left out). The
+exchange is an all-gather of each replica's (encoded) pseudo-gradient, also when exact (dense float32, summed in group
 order): a ring would need the engine loop at every hop; each message is handed to the transport's send
 queue (ZeroMQ's I/O thread or the link's sender thread moves it, :mod:`.transport`) and the peers'
 messages wait in :class:`DelayedInbox` until the next boundary. A round still in flight when the run
-ends is collected and applied when the coordinator fetches the weights (:meth:`OuterLoop.flushed`), so
-a run that ends at a boundary returns the global weights; a checkpoint holds each fragment's round in
-flight (the encoded input and the round number) and the anchors, and a resumed replica sends its round
-again as soon as it is set up.
+ends is collected and applied when the coordinator fetches the weights (:meth:`OuterLoop.flushed`: delayed,
+the group's average, so a run that ends at a boundary returns the global weights; eager, the others' terms
+alone, so it returns the fetched replica's copy of them, replica 0's for a coordinator's fetch); a
+checkpoint holds each fragment's round in flight (the encoded input and the round number) and the anchors,
+and a resumed replica sends its round again as soon as it is set up (the eager step needs no more state:
+its own term is the fresh window's, the others' come from their rounds).
 
 :func:`encode_pseudo` / :func:`decode_pseudo` are the one place pseudo-gradients are encoded and decoded: by
 the codec registry's unit of ``dp_sync.codec`` (any codec serving the pseudo-gradient role: quant,
@@ -313,6 +326,8 @@ class OuterLoop:
             raise FusionError(f"plan.dp_sync.delay {self.delay}: the runtime applies an outer step at once (0) "
                               "or one outer step late (1)")
         self.anchor = [t.copy() for t in self.theta] if self.delay else None
+        #: dp_sync.overlap (delay 1): the eager step (its own pseudo-gradient at once) or the naive delayed one
+        self.eager = bool(self.delay) and getattr(sync, "overlap", "eager") == "eager"
         self.pending: dict[int, Round] = {}
 
     def due(self, steps_done: int) -> int | None:
@@ -461,25 +476,58 @@ class OuterLoop:
                 rnd.announced = True
         return sent
 
-    def _collect(self, me: str, group: Sequence[str], rnd: Round, fragment: int, inbox: DelayedInbox,
-                 wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None) -> list[np.ndarray]:
-        """The group's average of round ``rnd`` per bucket of ``fragment``: every member's decoded pseudo-gradient,
-        summed in group order (the same bits on every replica), weighted by samples under unequal shares."""
-        frac = None
-        if weights is not None:
-            total_w = float(sum(weights[p] for p in group))
-            frac = {p: weights[p] / total_w for p in group}
+    @staticmethod
+    def _shares(group: Sequence[str], weights: Mapping[str, float] | None) -> dict[str, float] | None:
+        """Each member's share w_p of the group's average (unequal shares: the samples it saw over the group's,
+        renormalised over the members live now; None: equal shares, the plain mean)."""
+        if weights is None:
+            return None
+        total_w = float(sum(weights[p] for p in group))
+        return {p: weights[p] / total_w for p in group}
+
+    def _collect(self, me: str, group: Sequence[str], rnd: Round | None, fragment: int, inbox: DelayedInbox,
+                 wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None,
+                 own: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Per bucket of ``fragment``: ``sum_p w_p x_p`` over ``group`` in group order (the same bits wherever
+        the same parts are summed), with ``x_me = own`` and every other member's decoded pseudo-gradient of
+        round ``rnd`` (None: no round yet, the others' terms are zero). The delayed step passes ``rnd.own``
+        (the group's average of round ``rnd``), the eager step this window's own progress, and its flush
+        zeros (the others' terms alone)."""
+        frac = self._shares(group, weights)
         out = []
         for j, b in enumerate(self.fragments[fragment]):
-            parts = [rnd.own[j] if p == me else
-                     wait(lambda p=p: inbox.take(rnd.number, b, p),
-                          f"delayed pseudo-gradient of round {rnd.number}, bucket {b} from {p}")
-                     for p in group]
-            total = np.zeros_like(rnd.own[j])
-            for p, x in zip(group, parts):
+            total = np.zeros_like(own[j])
+            for p in group:
+                if p == me:
+                    x = own[j]
+                elif rnd is None:
+                    continue
+                else:
+                    x = wait(lambda p=p: inbox.take(rnd.number, b, p),
+                             f"delayed pseudo-gradient of round {rnd.number}, bucket {b} from {p}")
                 total += x if frac is None else x * np.asarray(frac[p], dtype=x.dtype)
-            out.append(total / np.asarray(len(parts), dtype=total.dtype) if frac is None else total)
+            out.append(total / np.asarray(len(group), dtype=total.dtype) if frac is None else total)
         return out
+
+    def _start_round(self, me: str, group: Sequence[str], fragment: int, steps_done: int,
+                     deltas: Sequence[np.ndarray], send: Callable[[str, list, str], None]) -> tuple[list, int]:
+        """Round ``steps_done`` of ``fragment``: this replica's pseudo-gradients ``deltas`` (+ residual, encoded;
+        the residual updated) kept in flight and sent to every other member of ``group`` without waiting.
+        Returns (the packs sent, the tensor bytes sent)."""
+        only, s = self.fragments[fragment], self.sync
+        ef = self.residual is not None and s.codec is not None
+        ins = [d + self.residual[b] if ef else d for b, d in zip(only, deltas)]
+        packs = [self._pack(x) for x in ins]
+        if ef:
+            for b, x, (_, _, got) in zip(only, ins, packs):
+                self.residual[b] = x - got  # what the codec did not deliver goes with the next pseudo-gradient
+        self.pending[fragment] = Round(steps_done, ins, [p[2] for p in packs])
+        return packs, self._send_round(me, group, fragment, steps_done, packs, send)
+
+    def overlapped_step(self, *args, **kwargs) -> tuple[dict, dict]:
+        """The outer boundary under ``dp_sync.delay`` 1: :meth:`eager_step` or :meth:`delayed_step` as
+        ``dp_sync.overlap`` says (same arguments)."""
+        return (self.eager_step if self.eager else self.delayed_step)(*args, **kwargs)
 
     def delayed_step(self, me: str, group: Sequence[str], inbox: DelayedInbox, steps_done: int,
                      params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
@@ -502,39 +550,77 @@ class OuterLoop:
         only = self.fragments[fragment]
         deltas = [self.anchor[b] - flatten(self.buckets[b], params) for b in only]
         sent_bytes = self.announce(me, group, send)
-        rnd, applied = self.pending.get(fragment), None
-        s = self.sync
+        rnd, s = self.pending.get(fragment), self.sync
         if rnd is not None:
-            avg = self._collect(me, group, rnd, fragment, inbox, wait, weights)
+            avg = self._collect(me, group, rnd, fragment, inbox, wait, weights, rnd.own)
             for b, d in zip(only, avg):
                 outer_update(self.theta[b], self.v[b], d, s.outer_lr, s.outer_momentum, s.nesterov)
             inbox.close(rnd.number, only)
-            applied = rnd.number
-        ins = [d + self.residual[b] if self.residual is not None and s.codec is not None else d
-               for b, d in zip(only, deltas)]
-        packs = [self._pack(x) for x in ins]
-        if self.residual is not None and s.codec is not None:
-            for b, x, (_, _, got) in zip(only, ins, packs):
-                self.residual[b] = x - got  # what the codec did not deliver goes with the next pseudo-gradient
-        self.pending[fragment] = Round(steps_done, ins, [p[2] for p in packs])
-        sent_bytes += self._send_round(me, group, fragment, steps_done, packs, send)
+        packs, sent = self._start_round(me, group, fragment, steps_done, deltas, send)
         out: dict[str, np.ndarray] = {}
         for b, d in zip(only, deltas):
             self.anchor[b] = self.theta[b] - d
             out.update(unflatten(self.buckets[b], self.anchor[b].copy()))
-        return out, {"payload_bytes": sum(payload_nbytes(p[1]) for p in packs), "sent_bytes": sent_bytes,
-                     "replicas": len(group), "fragment": fragment, "round": steps_done, "applied_round": applied}
+        return out, self._round_stats(packs, sent_bytes + sent, group, fragment, steps_done, rnd)
+
+    def eager_step(self, me: str, group: Sequence[str], inbox: DelayedInbox, steps_done: int,
+                   params: Mapping[str, np.ndarray], send: Callable[[str, list, str], None],
+                   wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None,
+                   fragment: int = 0) -> tuple[dict, dict]:
+        """The eager outer boundary of ``fragment`` after ``steps_done`` completed steps (``dp_sync.delay`` 1,
+        ``overlap`` "eager"): the "eager updates" of Kale, Douillard and Donchev 2025 (arXiv 2502.12996),
+        the whole outer step overlapped with the next inner phase. Replica r keeps its own copy of the global
+        weights theta_r (``self.theta``) and outer momentum v_r; at the boundary ending window t:
+
+        1. ``Delta_r^t = theta_r - x_r`` (``anchor`` is theta_r as the window started), its own progress;
+        2. the proxy outer gradient ``g_r = w_r Delta_r^t + sum_{k != r} w_k Delta_k^{t-1}``: its own fresh
+           pseudo-gradient (exact, before any codec) for its share, the others' of the previous round
+           (exchanged while window t computed; none at the first boundary: zero) for theirs, w the group's
+           sample shares (``1/R`` each with equal shares), renormalised over the survivors after a regroup;
+        3. ``theta_r = outer(theta_r, v_r, g_r)`` (Nesterov SGD, :func:`outer_update`);
+        4. start round t: send ``Delta_r^t`` (+ residual, encoded) to the group without waiting;
+        5. the next window starts from ``x_r = theta_r``, which is also its anchor.
+
+        The replicas' copies of the global weights are not the same bits (each mixes its own round t with the
+        others' round t-1, and its momentum sees that order); their rounds' sums are. Nothing changes before
+        the collection is complete (a regroup raised by ``wait`` lets the caller repeat the call), except that
+        a restored round is re-sent once. Returns (this replica's new weights, stats)."""
+        only = self.fragments[fragment]
+        deltas = [self.anchor[b] - flatten(self.buckets[b], params) for b in only]
+        sent_bytes = self.announce(me, group, send)
+        rnd, s = self.pending.get(fragment), self.sync
+        proxy = self._collect(me, group, rnd, fragment, inbox, wait, weights, deltas)
+        for b, g in zip(only, proxy):
+            outer_update(self.theta[b], self.v[b], g, s.outer_lr, s.outer_momentum, s.nesterov)
+        if rnd is not None:
+            inbox.close(rnd.number, only)
+        packs, sent = self._start_round(me, group, fragment, steps_done, deltas, send)
+        out: dict[str, np.ndarray] = {}
+        for b in only:
+            self.anchor[b] = self.theta[b].copy()
+            out.update(unflatten(self.buckets[b], self.theta[b].copy()))
+        return out, self._round_stats(packs, sent_bytes + sent, group, fragment, steps_done, rnd)
+
+    @staticmethod
+    def _round_stats(packs, sent_bytes: int, group, fragment: int, steps_done: int, applied: Round | None) -> dict:
+        return {"payload_bytes": sum(payload_nbytes(p[1]) for p in packs), "sent_bytes": sent_bytes,
+                "replicas": len(group), "fragment": fragment, "round": steps_done,
+                "applied_round": None if applied is None else applied.number}
 
     def flushed(self, me: str, group: Sequence[str], inbox: DelayedInbox, params: Mapping[str, np.ndarray],
                 wait: Callable[[Callable[[], Any], str], Any], weights: Mapping[str, float] | None = None
                 ) -> dict[str, np.ndarray]:
         """This replica's weights with every round in flight collected and applied (the end of a run,
-        ``dp_sync.delay`` 1): per pending fragment ``theta_global' = outer(theta_global, average)`` and
-        ``theta_r' = theta_global' - (anchor - theta_r)``, so a run that ends at a boundary gets the global
-        weights. Computed on copies: the state (and a run that goes on after a fetch) is unchanged."""
+        ``dp_sync.delay`` 1), per pending fragment ``theta' = outer(theta, g)`` and ``x' = theta' - (anchor - x)``
+        (this replica's progress since the boundary kept), where g is the group's average of the round
+        (delayed) or, eager, the others' terms alone ``sum_{k != r} w_k Delta_k^t`` (its own was applied at
+        the boundary). A run that ends at a boundary gets theta': delayed, the global weights, the same on
+        every replica; eager, this replica's copy of them. Computed on copies: the state (and a run that goes
+        on after a fetch) is unchanged."""
         s, out = self.sync, {}
         for f, rnd in sorted(self.pending.items()):
-            avg = self._collect(me, group, rnd, f, inbox, wait, weights)
+            own = [np.zeros_like(x) for x in rnd.own] if self.eager else rnd.own
+            avg = self._collect(me, group, rnd, f, inbox, wait, weights, own)
             for b, d in zip(self.fragments[f], avg):
                 theta, v = self.theta[b].copy(), self.v[b].copy()
                 outer_update(theta, v, d, s.outer_lr, s.outer_momentum, s.nesterov)

@@ -83,6 +83,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--outer-delay", type=int, default=None, metavar="D",
                        help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it "
                             "overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp"),
+        g.add_argument("--outer-overlap", default=None, metavar="eager|delayed",
+                       help="diloco with --outer-delay 1: eager (the default; Kale et al. 2025: each replica applies "
+                            "its own pseudo-gradient at once, the others' one round late) or delayed (the naive "
+                            "variant, the whole average one round late; for comparison)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -337,7 +341,9 @@ def _keep_outer_options(plan, asked) -> None:
         return
     plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr, outer_momentum=asked.outer_momentum,
                                        nesterov=asked.nesterov,
-                                       error_feedback=asked.error_feedback and plan.dp_sync.codec is not None)
+                                       error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
+                                       # the variant of a delay the planner chose: the user's
+                                       overlap=asked.overlap if plan.dp_sync.delay else "eager")
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -501,7 +507,8 @@ def dp_sync_from_args(args: argparse.Namespace):
                                    ("--pseudo-codec", args.pseudo_codec, None),
                                    ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                    ("--replica-shares", args.replica_shares, None),
-                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None))
+                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
+                                   ("--outer-overlap", getattr(args, "outer_overlap", None), None))
                  if v != d]
         if given:
             raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
@@ -523,6 +530,12 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.outer_delay not in (None, 0, 1):
         raise FusionError(f"--outer-delay {args.outer_delay}: an outer step is applied at once (0) or one outer step "
                           "late, its exchange overlapping the next H inner steps (1)")
+    overlap = getattr(args, "outer_overlap", None)
+    if overlap is not None and overlap not in DPSync.OVERLAPS:
+        raise FusionError(f"--outer-overlap {overlap}: expected eager (each replica's own pseudo-gradient at once, "
+                          "the others' one round late) or delayed (the whole average one round late)")
+    if overlap is not None and args.outer_delay == 0:
+        raise FusionError(f"--outer-overlap {overlap} is an option of --outer-delay 1 (with 0 the outer step blocks)")
     if args.sync_fragments < 1 or args.sync_fragments > h:
         raise FusionError(f"--sync-fragments {args.sync_fragments}: streaming fragments must number 1 .. --inner-steps "
                           f"({h}), one outer step of a fragment per inner step at most")
@@ -546,7 +559,8 @@ def dp_sync_from_args(args: argparse.Namespace):
     if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
         raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
-                  args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares)
+                  args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
+                  overlap=overlap or "eager")
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
@@ -734,7 +748,8 @@ def describe_plan(plan, cluster) -> str:
     if plan.replicas > 1 and ds.mode == "diloco":
         codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
         reps += (f", DiLoCo H={ds.inner_steps} outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
-                 + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else ""))
+                 + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else "")
+                 + (f", outer step one round late ({ds.overlap})" if ds.delay else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "

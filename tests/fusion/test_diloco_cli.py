@@ -34,6 +34,31 @@ def test_compile_writes_the_diloco_sync_into_the_plan(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_outer_delay_1_is_eager_unless_outer_overlap_delayed(tmp_path, capsys):
+    """``--outer-delay 1`` writes the eager outer step (dp_sync.overlap "eager") unless ``--outer-overlap delayed``
+    asks for the naive one; the compile line names the variant; a plan with delay 1 written before the field
+    (no ``overlap`` in plan.json) loads as the delayed step it ran then."""
+    import json
+
+    for extra, want in (([], "eager"), (["--outer-overlap", "delayed"], "delayed"), (["--outer-overlap", "eager"], "eager")):
+        out = tmp_path / f"{want}{len(extra)}.plan"
+        assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco",
+                     "--inner-steps", "4", "--outer-delay", "1", *extra, "-o", str(out)]) == 0
+        assert f"outer step one round late ({want})" in capsys.readouterr().out
+        s = load_plan(out).dp_sync
+        assert (s.delay, s.overlap) == (1, want)
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco",
+                 "-o", str(tmp_path / "d0.plan")]) == 0
+    assert "one round late" not in capsys.readouterr().out
+    d0 = json.loads((tmp_path / "d0.plan" / "plan.json").read_text())["dp_sync"]
+    assert "overlap" not in d0  # delay 0: plan.json as before the field
+    old = tmp_path / "eager0.plan" / "plan.json"
+    d = json.loads(old.read_text())
+    del d["dp_sync"]["overlap"]
+    old.write_text(json.dumps(d))
+    assert load_plan(old.parent).dp_sync.overlap == "delayed"
+
+
 BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--dp-sync", "diloco", "--inner-steps", "0"], "--inner-steps 0: DiLoCo takes at least one"),
     (["--dp-sync", "diloco"], "--dp-sync diloco needs --replicas 2 or more"),
@@ -50,6 +75,11 @@ BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--inner-steps", "4"], "--inner-steps is an option of --dp-sync diloco"),
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-delay", "2"], "--outer-delay 2: an outer step is applied at once (0)"),
     (["--replicas", "2", "--outer-delay", "1"], "--outer-delay is an option of --dp-sync diloco"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--outer-delay", "1", "--outer-overlap", "lazy"],
+     "--outer-overlap lazy: expected eager"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--outer-delay", "0", "--outer-overlap", "delayed"],
+     "--outer-overlap delayed is an option of --outer-delay 1"),
+    (["--replicas", "2", "--outer-overlap", "eager"], "--outer-overlap is an option of --dp-sync diloco"),
     (["--replicas", "2", "--dp-sync", "diloco", "--inner-steps", "2", "--sync-fragments", "3"],
      "--sync-fragments 3: streaming fragments must number 1 .. --inner-steps (2)"),
     (["--replicas", "2", "--dp-sync", "diloco", "--replica-shares", "2=1"], "names replica 2; there are 2"),

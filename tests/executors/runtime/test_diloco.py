@@ -89,7 +89,13 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     replica's pseudo-gradient is its progress since its window's start (``anchor - local``), the round
     started at the previous boundary is averaged over the replicas live now and applied to the global
     weights, and every replica rebases ``local = global - its progress`` (its new anchor); a round still in
-    flight after the last step is applied to the weights returned last."""
+    flight after the last step is applied to the weights returned last.
+
+    ``sync.overlap`` "eager" with delay 1 (Kale, Douillard and Donchev 2025, arXiv 2502.12996, eager updates):
+    every replica r keeps its own global weights and outer optimizer; at a fragment's boundary
+    ``Delta_r = global_r - local_r`` and its outer gradient is ``w_r Delta_r + sum_{k != r} w_k Delta_k`` of
+    the previous round (zero at the first), then ``local_r = global_r``; after the last step the others'
+    terms of the round in flight are applied to the weights returned (replica ``live[0]``'s)."""
     names = [k for k in model.params if model.graph.params[k].trainable]
     glob = {k: torch.tensor(np.asarray(model.params[k])) for k in names}
     fixed = {k: torch.tensor(np.asarray(v)) for k, v in model.params.items() if k not in glob}
@@ -106,7 +112,24 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                  for f in frags] for _ in range(replicas)]
     h, nf = sync.inner_steps, len(frags)
     anchor = [{k: v.detach().clone() for k, v in p.items()} for p in local]  # delay 1: each window's start
+    eager = bool(sync.delay) and sync.overlap == "eager"
+    globs = [{k: v.clone() for k, v in glob.items()} for _ in range(replicas)]  # eager: each replica's own
+    outers = [torch.optim.SGD(list(g.values()), lr=sync.outer_lr, momentum=sync.outer_momentum,
+                              nesterov=sync.nesterov and sync.outer_momentum > 0) for g in globs]
     pending = [None] * nf  # delay 1: fragment -> {replica: its decoded pseudo-gradient} of the round in flight
+
+    def share(r, members):  # w_r: sample-weighted over the members live now
+        return counts[r] / sum(counts[m] for m in members) if counts else 1 / len(members)
+
+    def apply_eager(r, f, own, others, members):  # replica r's outer step on its own global weights
+        outers[r].zero_grad()
+        for k in frags[f]:
+            g = own[k] * share(r, members)
+            for m in members:
+                if m != r and others is not None:
+                    g = g + others[m][k] * share(m, members)
+            globs[r][k].grad = g
+        outers[r].step()
 
     def apply_outer(f, deltas, members):  # deltas: {replica: {name: tensor}}, averaged over members
         outer.zero_grad()  # parameters of the other fragments have no gradient: torch's SGD skips them
@@ -143,7 +166,22 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
         due = [f for f in range(nf) if (step + 1) % h == (f * h) // nf]
         if drop_at_outer is not None and step == drop_at_outer[0]:
             live.remove(drop_at_outer[1])
-        if due and sync.delay:
+        if due and eager:
+            (f,) = due
+            raw = {r: {k: globs[r][k].detach() - local[r][k].detach() for k in frags[f]} for r in live}
+            for r in live:
+                apply_eager(r, f, raw[r], pending[f], live)
+            pending[f] = {}
+            for r in live:
+                d = raw[r]
+                if sync.codec is not None:
+                    d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
+                pending[f][r] = d
+            with torch.no_grad():
+                for r in live:
+                    for k in frags[f]:
+                        local[r][k].copy_(globs[r][k])
+        elif due and sync.delay:
             (f,) = due
             raw = {r: {k: anchor[r][k] - local[r][k].detach() for k in frags[f]} for r in live}
             if pending[f] is not None:
@@ -179,7 +217,17 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
         # a replica lost in this step's outer exchange: the step reports the survivors' losses (the lost one's are gone)
         out.append((float(np.mean([x for r, x in losses if r in live])),
                     {k: v.detach().clone().numpy() for k, v in local[live[0]].items()}))
-    if any(p is not None for p in pending):  # delay 1: the rounds in flight, applied to the weights returned
+    if eager and any(p is not None for p in pending):  # the others' terms of the rounds in flight
+        r0 = live[0]
+        final = {k: v.detach().clone() for k, v in local[r0].items()}
+        for f, p in enumerate(pending):
+            if p is not None:
+                before = {k: globs[r0][k].detach().clone() for k in frags[f]}
+                apply_eager(r0, f, {k: torch.zeros_like(before[k]) for k in frags[f]}, p, live)
+                for k in frags[f]:
+                    final[k] = globs[r0][k].detach() - (before[k] - local[r0][k].detach())
+        out[-1] = (out[-1][0], {k: v.numpy() for k, v in final.items()})
+    elif any(p is not None for p in pending):  # delay 1: the rounds in flight, applied to the weights returned
         r0 = live[0]
         final = {k: v.detach().clone() for k, v in local[r0].items()}
         for f, p in enumerate(pending):
@@ -304,8 +352,9 @@ def test_pseudo_gradient_codecs_with_error_feedback_match_the_reference(tmp_path
     assert wire < 4 * numel / 3
 
 
-@pytest.mark.parametrize("delay", [0, 1])
-def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path, delay):
+@pytest.mark.parametrize("delay,overlap", [(0, "eager"), (1, "delayed"), (1, "eager")],
+                         ids=["delay0", "delayed", "eager"])
+def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path, delay, overlap):
     """Run 6 steps; run 3 (a checkpoint in the middle of an outer window of H = 2, with outer momentum and
     error-feedback residuals that are not zero; with delay 1 the round started at step 2 in flight) and
     resume to 6: the same losses and weights, bit for bit."""
@@ -316,7 +365,7 @@ def test_resume_is_bit_exact_with_the_outer_state_in_the_checkpoint(tmp_path, de
     model = build(mb=MB)
     plan_dir = save_dp_plan(tmp_path, model, one_stage(model), 2, micro_batches=1, optimizer=ADAMW[0])
     with_sync(plan_dir, model, DPSync("diloco", inner_steps=2, codec={"algo": "quant", "bits": 8}, error_feedback=True,
-                                      delay=delay))
+                                      delay=delay, overlap=overlap))
     batches = [batch_fn(s, 2 * MB) for s in range(6)]
     full, state, _ = run_dp(plan_dir, tmp_path / "full", batches)
 
@@ -434,13 +483,17 @@ DELAYED = [  # (model, stages, schedule, inner optimizer, engines, H, fragments,
 ]
 
 
+@pytest.mark.parametrize("overlap", ["eager", "delayed"])
 @pytest.mark.parametrize("name,stages,schedule,opt,engines,H,F,codec,shares,steps", DELAYED,
                          ids=["mlp-2x1-numpy-quant4-ef-F2-shares", "gpt-2x2-exact"])
-def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_path, name, stages, schedule, opt,
-                                                                           engines, H, F, codec, shares, steps):
-    """dp_sync.delay 1: each round's exchange overlaps the next window and is applied at the following
-    boundary; losses and final weights (the last round flushed) equal the reference's delayed DiLoCo, the
-    replicas end on the same weights, and the run is not delay 0's (the reference without the delay)."""
+def test_overlapped_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_path, name, stages, schedule, opt,
+                                                                              engines, H, F, codec, shares, steps,
+                                                                              overlap):
+    """dp_sync.delay 1: each round's exchange overlaps the next window. ``overlap`` "delayed": the round is
+    applied at the following boundary, the replicas end on the same weights (the last round flushed);
+    "eager": each replica applies its own fresh pseudo-gradient at once and the others' one round late, the
+    replicas' weights differ. Either way losses and final weights (the last round flushed) equal the
+    reference's, and the run is neither delay 0's nor the other variant's."""
     import dataclasses
 
     build, splits, plain_loss, batch_fn = ALL[name]
@@ -450,15 +503,19 @@ def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_p
     plan_dir = save_dp_plan(tmp_path, model, assignment, 2, schedule=schedule, micro_batches=micro, optimizer=opt[0],
                             engines=engines)
     sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9, codec=codec,
-                  error_feedback=codec is not None, fragments=F, delay=1, shares=shares)
+                  error_feedback=codec is not None, fragments=F, delay=1, shares=shares, overlap=overlap)
     with_sync(plan_dir, model, sync)
+    assert load_plan(plan_dir).dp_sync.overlap == overlap
     batches = [batch_fn(s, 2 * micro * MB) for s in range(steps)]
     reports, state, states = run_dp(plan_dir, tmp_path / "run", batches)
     counts = [3, 1] if shares else None
     want = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], sync, counts=counts)
     assert_matches(reports, state, want)
-    for k, v in states[0].items() if F == 1 else ():  # the last round flushed: both hold the global weights
-        np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=f"replicas differ in {k}")
+    if overlap == "delayed" and F == 1:  # the last round flushed: both hold the global weights
+        for k, v in states[0].items():
+            np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=f"replicas differ in {k}")
+    if overlap == "eager":  # each replica's own copy of the global weights
+        assert max(np.max(np.abs(states[1][k] - v)) for k, v in states[0].items()) > 1e-5
     outer = {r.step: r.parts["p0"]["outer"] for r in reports if "outer" in r.parts["p0"]}
     step_of = {o["round"]: s for s, o in outer.items()}
     for s, o in outer.items():  # each round is applied at its fragment's next boundary, H steps later
@@ -467,12 +524,13 @@ def test_delayed_outer_step_matches_the_reference_and_differs_from_delay_0(tmp_p
         if o["applied_round"] is not None:
             assert outer[step_of[o["applied_round"]]]["fragment"] == o["fragment"]
     assert len(outer) == F * steps // H
-    undelayed = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], dataclasses.replace(sync, delay=0),
-                                 counts=counts)
-    first = min(outer) + 1  # the first boundary (completed steps): the same up to it, then not delay 0's
-    np.testing.assert_allclose([w[0] for w in want[:first]], [w[0] for w in undelayed[:first]], rtol=1e-6)
+    first = min(outer) + 1  # the first boundary (completed steps): the same up to it, then not the others'
     later = np.array([r.loss for r in reports[first:]])
-    assert np.max(np.abs(later - [w[0] for w in undelayed[first:]]) / np.abs(later)) > 1e-3
+    other = "delayed" if overlap == "eager" else "eager"
+    for ref in (dataclasses.replace(sync, delay=0), dataclasses.replace(sync, overlap=other)):
+        alt = diloco_reference(model, plain_loss, batches, 2, micro, opt[1], ref, counts=counts)
+        np.testing.assert_allclose([w[0] for w in want[:first]], [w[0] for w in alt[:first]], rtol=1e-6)
+        assert np.max(np.abs(later - [w[0] for w in alt[first:]]) / np.abs(later)) > 1e-3, ref
 
 
 def test_delayed_inbox_rejects_what_the_group_did_not_send():

@@ -74,3 +74,19 @@ def test_study_reports_every_seed_and_misses():
 def test_steps_to_is_the_first_evaluated_step():
     c = ds.Curve(steps=[10, 20, 30], val=[3.0, 2.0, 1.0])
     assert ds.steps_to(c, 2.0) == 20 and ds.steps_to(c, 0.5) is None
+
+
+def test_overlapped_outer_step_variants_run_and_differ(data):
+    """``--overlap eager,delayed`` (dp_sync.delay 1 through ``OuterLoop.overlapped_step`` and the study's wire):
+    the three runs train alike up to the first boundary and apart after it, and each is evaluated at every
+    outer step (on replica 0's weights with the round in flight applied)."""
+    train, _, vset = data
+    runs = {o: ds.run_diloco(TINY, 0, DPSync("diloco", inner_steps=2, delay=d, overlap=o if d else "eager"), train,
+                             vset, steps=6)
+            for o, d in (("none", 0), ("eager", 1), ("delayed", 1))}
+    assert all(c.steps == [2, 4, 6] for c in runs.values())
+    for o in ("eager", "delayed"):
+        np.testing.assert_allclose(runs[o].train[:2], runs["none"].train[:2], rtol=1e-6)
+    for a, b in (("eager", "none"), ("delayed", "none"), ("eager", "delayed")):
+        assert max(abs(x - y) for x, y in zip(runs[a].train[2:], runs[b].train[2:])) > 1e-4, (a, b)
+    assert ds.diloco_syncs(TINY, [20], None, ["eager"])["diloco_h20_eager"].overlap == "eager"
