@@ -137,11 +137,12 @@ class DPSync:
     delay:          outer steps by which an outer update is applied late (0: at once; 1: the all-reduce overlaps
                     the next H inner steps and is applied at the following boundary, as ``overlap`` says).
     overlap:        with ``delay`` 1, how the round in flight is used (Kale, Douillard and Donchev 2025, arXiv
-                    2502.12996): ``"eager"`` (the default of new plans): each replica applies its own fresh
-                    pseudo-gradient at once as a proxy and the others' one round late; ``"delayed"``: the
-                    naive variant, the whole average one round late (each replica's own window kept). Written
-                    to plan.json only with ``delay`` 1 (plans with delay 0 hash as before); a plan with delay 1
-                    written before the field existed loads as ``"delayed"``, what it ran then.
+                    2502.12996): ``"delayed"`` (the default): the whole average one round late (each replica's
+                    own window kept); ``"eager"``: each replica applies its own fresh pseudo-gradient at once as
+                    a proxy and the others' one round late. Eager is not the default: with the shipped outer
+                    Nesterov momentum it converged worse than delayed on seeds 0-2 (docs/data-parallel.md).
+                    Written to plan.json only when eager (plans without it hash as before, and load as
+                    ``"delayed"``, what they ran).
     shares:         replica -> relative share of the global batch rows per inner step (unequal islands); empty:
                     equal shares. The outer average weights each replica's pseudo-gradient by the samples it saw.
     """
@@ -156,7 +157,7 @@ class DPSync:
     fragments: int = 1
     delay: int = 0
     shares: dict[int, float] = field(default_factory=dict)
-    overlap: str = "eager"
+    overlap: str = "delayed"
 
     MODES = ("every", "diloco")
     OVERLAPS = ("eager", "delayed")
@@ -165,7 +166,7 @@ class DPSync:
         d = {k: getattr(self, k) for k in ("mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                            "error_feedback", "fragments", "delay")}
         d["shares"] = {str(r): float(v) for r, v in self.shares.items()}
-        if self.delay:  # only where it means something: plans with delay 0 keep their bytes and hash
+        if self.delay and self.overlap != "delayed":  # only when not the default: other plans keep their bytes
             d["overlap"] = self.overlap
         return d
 
@@ -187,8 +188,7 @@ class DPSync:
         out = cls(str(d.get("mode", "every")), d.get("inner_steps", 1), d.get("outer_lr", 0.7),
                   d.get("outer_momentum", 0.9), d.get("nesterov", True), d.get("codec"),
                   d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
-                  # a plan with delay 1 from before the field: the naive delayed step it ran then
-                  d.get("overlap", "delayed" if d.get("delay", 0) else "eager"))
+                  d.get("overlap", "delayed"))
         out.check(source)
         return out
 

@@ -42,7 +42,8 @@ tau = H. ``dp_sync.overlap`` picks how the round in flight is used; with ``x_r``
 ``a_r`` their value at the start of its window and ``w`` the group's sample shares (1/R each when equal), at
 the boundary that ends window t (per fragment):
 
-* ``"eager"`` (:meth:`OuterLoop.eager_step`, the paper's eager updates, the default of new plans): each
+* ``"eager"`` (:meth:`OuterLoop.eager_step`, the paper's eager updates; not the default: with the shipped outer
+  Nesterov momentum it converged worse than the delayed step on seeds 0-2, docs/data-parallel.md): each
   replica keeps its own copy theta_r of the global weights and its own momentum, and applies its own fresh
   pseudo-gradient at once as a proxy for the round still in flight::
 
@@ -52,8 +53,8 @@ the boundary that ends window t (per fragment):
       x_r = a_r = theta_r
 
   The replicas' theta_r are no longer the same bits (each sees its own round t beside the others' t-1).
-* ``"delayed"`` (:meth:`OuterLoop.delayed_step`, the naive delayed outer gradients, kept for comparison;
-  what a plan with delay 1 written before ``overlap`` existed runs)::
+* ``"delayed"`` (:meth:`OuterLoop.delayed_step`, the naive delayed outer gradients, the default; what every
+  plan with delay 1 written before ``overlap`` existed runs)::
 
       Delta_r^t     = a_r - x_r
       theta_global  = outer(theta_global, sum_k w_k Delta_k^{t-1})  (round t-1, received during window t)
@@ -327,7 +328,7 @@ class OuterLoop:
                               "or one outer step late (1)")
         self.anchor = [t.copy() for t in self.theta] if self.delay else None
         #: dp_sync.overlap (delay 1): the eager step (its own pseudo-gradient at once) or the naive delayed one
-        self.eager = bool(self.delay) and getattr(sync, "overlap", "eager") == "eager"
+        self.eager = bool(self.delay) and getattr(sync, "overlap", "delayed") == "eager"
         self.pending: dict[int, Round] = {}
 
     def due(self, steps_done: int) -> int | None:

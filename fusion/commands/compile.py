@@ -84,9 +84,10 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it "
                             "overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp"),
         g.add_argument("--outer-overlap", default=None, metavar="eager|delayed",
-                       help="diloco with --outer-delay 1: eager (the default; Kale et al. 2025: each replica applies "
-                            "its own pseudo-gradient at once, the others' one round late) or delayed (the naive "
-                            "variant, the whole average one round late; for comparison)"),
+                       help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or "
+                            "eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the "
+                            "others' one round late; it converged worse than delayed with the default outer "
+                            "momentum here: docs/data-parallel.md)"),
         g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
                        help="rows of one step's batch over all replicas: split into R equal shares, each into "
                             "micro-batches of the model's example size (sets --micro-batches)"),
@@ -343,7 +344,7 @@ def _keep_outer_options(plan, asked) -> None:
                                        nesterov=asked.nesterov,
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
                                        # the variant of a delay the planner chose: the user's
-                                       overlap=asked.overlap if plan.dp_sync.delay else "eager")
+                                       overlap=asked.overlap if plan.dp_sync.delay else "delayed")
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -560,7 +561,7 @@ def dp_sync_from_args(args: argparse.Namespace):
         raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
-                  overlap=overlap or "eager")
+                  overlap=overlap or "delayed")
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:

@@ -34,13 +34,13 @@ def test_compile_writes_the_diloco_sync_into_the_plan(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_outer_delay_1_is_eager_unless_outer_overlap_delayed(tmp_path, capsys):
-    """``--outer-delay 1`` writes the eager outer step (dp_sync.overlap "eager") unless ``--outer-overlap delayed``
-    asks for the naive one; the compile line names the variant; a plan with delay 1 written before the field
-    (no ``overlap`` in plan.json) loads as the delayed step it ran then."""
+def test_outer_delay_1_is_delayed_unless_outer_overlap_eager(tmp_path, capsys):
+    """``--outer-delay 1`` writes the delayed outer step (dp_sync.overlap "delayed", not written into plan.json)
+    unless ``--outer-overlap eager`` asks for the eager one (written); the compile line names the variant; a plan
+    with delay 1 and no ``overlap`` in plan.json (every plan before the field) loads as the delayed step."""
     import json
 
-    for extra, want in (([], "eager"), (["--outer-overlap", "delayed"], "delayed"), (["--outer-overlap", "eager"], "eager")):
+    for extra, want in (([], "delayed"), (["--outer-overlap", "delayed"], "delayed"), (["--outer-overlap", "eager"], "eager")):
         out = tmp_path / f"{want}{len(extra)}.plan"
         assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco",
                      "--inner-steps", "4", "--outer-delay", "1", *extra, "-o", str(out)]) == 0
@@ -52,7 +52,9 @@ def test_outer_delay_1_is_eager_unless_outer_overlap_delayed(tmp_path, capsys):
     assert "one round late" not in capsys.readouterr().out
     d0 = json.loads((tmp_path / "d0.plan" / "plan.json").read_text())["dp_sync"]
     assert "overlap" not in d0  # delay 0: plan.json as before the field
-    old = tmp_path / "eager0.plan" / "plan.json"
+    assert "overlap" not in json.loads((tmp_path / "delayed0.plan" / "plan.json").read_text())["dp_sync"]
+    old = tmp_path / "eager2.plan" / "plan.json"
+    assert json.loads(old.read_text())["dp_sync"]["overlap"] == "eager"
     d = json.loads(old.read_text())
     del d["dp_sync"]["overlap"]
     old.write_text(json.dumps(d))
