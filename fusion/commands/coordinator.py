@@ -210,6 +210,9 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     interrupted = False
     step_log = log_every_s is not None and not sys.stderr.isatty()
     t0 = t_logged = time.monotonic()
+    from fusion.commands.metrics_log import LiveBoard
+
+    board = LiveBoard(metrics, out / "tensorboard")  # TensorBoard as the run goes (with the tensorboard extra)
     try:
         with open(metrics, "a" if resumed else "w") as mf:
             for step in range(first, steps):
@@ -218,6 +221,7 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 line = r.metrics_line()
                 mf.write(json.dumps(line) + "\n")
                 mf.flush()
+                board.add(line)
                 if bar is not None:
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
                     bar.update(1)
@@ -227,13 +231,16 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                               f"({t_logged - t0:.0f} s)")
                 if evaluation is not None and (step + 1) % evaluation.every == 0:
                     val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
-                    mf.write(json.dumps({"step": r.step, "val_loss": val, "time": time.time()}) + "\n")
+                    val_line = {"step": r.step, "val_loss": val, "time": time.time()}
+                    mf.write(json.dumps(val_line) + "\n")
                     mf.flush()
+                    board.add(val_line)
                     _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
                               f"batches; metrics.jsonl step {r.step})")
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        board.close()
         if bar is not None:
             bar.close()
     if interrupted:

@@ -6,7 +6,9 @@
   ``tensorboard`` package is importable; skipped, with a log line, otherwise.
 
 Both are rebuilt from ``metrics.jsonl`` at the end of a run (and on Ctrl-C), like ``loss.png``
-(``report.finish_run`` writes them all).
+(``report.finish_run`` writes them all). TensorBoard's scalars are also written as the run goes
+(:class:`LiveBoard`), so ``tensorboard --logdir RUN/tensorboard`` shows a run while it trains. The ``tensorboard``
+package is the extra ``fusion[tensorboard]``.
 """
 from __future__ import annotations
 
@@ -73,3 +75,33 @@ def write_tensorboard(metrics: Path, out: Path) -> Path | None:
     finally:
         w.close()
     return out
+
+
+class LiveBoard:
+    """TensorBoard scalars of each metrics line as the run writes it, under ``out`` (``RUN/tensorboard``), flushed
+    at once. At the start the folder is rebuilt from the lines ``metrics.jsonl`` already holds (a resumed run
+    trimmed the steps it replays), then new lines are appended; at the end :func:`write_tensorboard` rebuilds it
+    whole as before. Without the tensorboard package, nothing (one info line, from :func:`write_tensorboard`)."""
+
+    def __init__(self, metrics: Path, out: Path):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        write_tensorboard(metrics, out)
+        self.writer = SummaryWriter(str(out))
+
+    def add(self, line: dict) -> None:
+        """One metrics line (a step's, or a validation line) as scalars ``train/<field>`` at its step."""
+        if self.writer is None:
+            return
+        for k, v in _scalars(line).items():
+            if k not in ("step", "time") and math.isfinite(v):
+                self.writer.add_scalar(f"train/{k}", v, int(line["step"]), walltime=line.get("time"))
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
