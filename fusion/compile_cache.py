@@ -1,8 +1,8 @@
 """The compile cache: a second ``fusion compile`` / ``fusion run MODEL`` of the same model, cluster and options
 copies the plan the first one wrote instead of tracing and compiling again.
 
-Entries live in ``$FUSION_CACHE/plans/<key>/`` (default ``$XDG_CACHE_HOME/fusion``, else ``~/.cache/fusion``),
-one folder per :class:`~fusion.compile_key.CompileKey`::
+Entries live in ``$FUSION_CACHE/plans/<key>/`` (default ``$XDG_CACHE_HOME/fusion``, else ``~/.cache/fusion``;
+``FUSION_CACHE=off`` turns the cache off), one folder per :class:`~fusion.compile_key.CompileKey`::
 
     <key>/plan/         the plan folder exactly as :func:`fusion.plan.save_plan` wrote it (plan.json, weights, plugins/)
     <key>/entry.json    the manifest: the key, what went into it, the SHA-256 of each plan file, the compile's seconds
@@ -34,6 +34,11 @@ MAX_ENTRIES = 32
 MAX_BYTES = 4 << 30
 ENTRY_FORMAT = "fusion.compile-cache"
 ENTRY_VERSION = 1
+
+
+def cache_off() -> bool:
+    """``FUSION_CACHE=off``: no compile uses or fills the cache (as ``--no-cache`` on every command)."""
+    return os.environ.get("FUSION_CACHE", "").strip().lower() == "off"
 
 
 def cache_root() -> Path:

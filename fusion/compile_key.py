@@ -142,6 +142,8 @@ def local_sources(model_file: Path) -> tuple[list[Path], set[str]]:
             else:
                 bases = roots
             found = False
+            if not level and parts and parts[0] == "fusion":  # fusion's own source: hashed whole (versions)
+                continue
             for base in bases:
                 for i in range(1, len(parts) + 1):  # a, a.b, a.b.c: each package's __init__ runs too
                     m = _module_file(parts[:i], base)

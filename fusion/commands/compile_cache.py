@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fusion.compile_cache import CacheHit, CompileCache, copy_plan
+from fusion.compile_cache import CacheHit, CompileCache, cache_off, copy_plan
 from fusion.compile_key import CompileKey
 
 
@@ -66,7 +66,7 @@ def cache_key(args: argparse.Namespace, target: str) -> tuple[CompileCache | Non
     """The cache and this compile's key (None, None with ``--no-cache``, or where no key can be made)."""
     from fusion.compile_key import compile_key, compile_options
 
-    if getattr(args, "no_cache", False):
+    if getattr(args, "no_cache", False) or cache_off():
         return None, None
     dests = [d for d in (getattr(args, "compile_defaults", None) or {}) if d != "cluster"]
     key = compile_key(target, args.cluster, compile_options(args, dests))
