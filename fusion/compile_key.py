@@ -15,7 +15,7 @@ Hashed, without running the model file (reading files only, so a cache hit costs
   ``--lr-decay-steps``, ``--data`` with ``--compress``).
 
 Not hashed (a hit may then be stale: give ``--no-cache``): files the model function reads at run time (a config
-file, a tokenizer, a checkpoint, anything downloaded), environment variables it reads, modules imported
+file, a tokenizer, a checkpoint, anything downloaded; an ONNX model's external data files), environment variables it reads, modules imported
 dynamically (``importlib.import_module(name)``, ``__import__``) or from folders not named above, editable
 installs of other packages whose source changed without a version change, and randomness the function does not
 seed. The example batch's shapes are not hashed separately: they follow from the hashed source (learning them

@@ -185,3 +185,37 @@ def test_run_of_a_model_hits_the_cache_and_resume_runs_its_own_plan(cli, tmp_pat
     assert r.returncode == 0 and "resuming at step 2" in r.stderr, r.stderr[-3000:]
     assert "compile cache hit" not in r.stderr
     assert files_of(run / "plan") == files_of(tmp_path / "p")
+
+
+def test_every_option_the_compile_reads_is_in_the_key(tmp_path):
+    """A guard for later options: each attribute of ``args`` that compile_from_args reads is hashed by
+    compile_options (an option read but not hashed would make a changed value a stale hit)."""
+    import argparse
+
+    from fusion.cli import build_parser
+    from fusion.cluster.model import load_cluster
+    from fusion.commands.compile import compile_from_args
+    from fusion.compile_key import compile_options
+    from fusion.loader import load_model
+
+    class Recording(argparse.Namespace):
+        def __getattribute__(self, name):
+            if not name.startswith("_"):
+                object.__getattribute__(self, "_read").add(name)
+            return object.__getattribute__(self, name)
+
+    (tmp_path / "model.py").write_text(MODEL)
+    (tmp_path / "helper.py").write_text("WIDTH = 16\n")
+    spec = f"{tmp_path / 'model.py'}:model"
+    for extra in ([], ["--compress", "quant:bits=8", "--lr-schedule", "cosine", "--warmup-steps", "1"]):
+        args = build_parser().parse_args(["run", spec, "--cluster", str(LOCAL), "--strategy", "equal-flops",
+                                          "--steps", "5", *extra], namespace=Recording())
+        object.__setattr__(args, "_read", set())
+        compile_from_args(args, load_model(spec), load_cluster(LOCAL))
+        read = object.__getattribute__(args, "_read")
+        object.__setattr__(args, "_read", set())
+        hashed = set(compile_options(args, [d for d in args.compile_defaults if d != "cluster"]))
+        assert {"lr", "seed", "strategy", "engine"} <= read  # the recording sees the reads
+        assert read - hashed - {"compile_defaults"} == set()
+        if extra:
+            assert {"steps", "data"} <= hashed
