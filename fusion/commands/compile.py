@@ -14,11 +14,11 @@ def add_parser(sub) -> None:
                                    "partition the OP-DAG and write the plan directory.")
     p.add_argument("model", help="file.py:function")
     p.add_argument("--cluster", required=True, help="cluster file (.yaml or scenario .json)")
-    add_compile_options(p)
+    defaults = add_compile_options(p)
     p.add_argument("-o", "--output", "--out", required=True, metavar="PLAN",
                    help="plan folder to write (a new or empty folder, or with --force a plan to replace)")
     p.add_argument("--force", action="store_true", help="replace the plan already in -o PLAN")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, compile_defaults=defaults)
 
 
 #: one default for both `fusion compile` and `fusion run MODEL`
@@ -160,6 +160,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                                   help="an output of the model to minimise (a floating-point scalar), for a model "
                                        "whose forward returns no single scalar loss (default: the model's loss; a "
                                        "model without one is refused)"))
+    from fusion.commands.compile_cache import add_cache_arg
+
+    add_cache_arg(g)  # not among the returned options: it changes no plan
     return {a.dest: a.default for a in actions}
 
 
@@ -767,18 +770,16 @@ def run(args: argparse.Namespace) -> int:
     from fusion.commands.checks import check_compile_options
 
     check_compile_options(args)  # bad --lr, --compress-ratio or --engine: one line before anything is imported or traced
-    from fusion.cluster.model import load_cluster
-    from fusion.loader import load_model
-    from fusion.loss import choose_loss
-    from fusion.plan import save_plan
+    from fusion.commands.compile_cache import compile_cached
 
     check_output(Path(args.output), args.force)
-    dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
-    optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
-    bottleneck_from_args(args)  # and a bad --bottleneck rank
-    cluster = load_cluster(args.cluster)
-    model = choose_loss(load_model(args.model), args.loss, args.model)
-    plan = compile_from_args(args, model, cluster)
-    out = save_plan(plan, args.output, model.params or None)
-    print(f"wrote {out}: {describe_plan(plan, cluster)}")
+
+    def check() -> None:  # on a cache miss, before the model is traced:
+        dp_sync_from_args(args)  # a bad --dp-sync option is one line at once
+        optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
+        bottleneck_from_args(args)  # and a bad --bottleneck rank
+
+    compiled = compile_cached(args, args.model, check)  # the cache's plan, or traced and compiled here
+    out = compiled.save(args.output)
+    print(f"wrote {out}: {compiled.describe()}")
     return 0

@@ -155,7 +155,6 @@ def run(args: argparse.Namespace) -> int:
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.executors.runtime.plandigest import plan_digest
     from fusion.ir.errors import FusionError
-    from fusion.plan import save_plan
 
     t_start = time.monotonic()
     _check_restarts(args)
@@ -186,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:  # nothing to resume, or another model / options / data than the run's: refused, run untouched
         check_resumable(out)
         check_resume_recipe(out, recipe(args), is_plan)
-    plan = model = None
+    plan = compiled = None
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
         from fusion.plan import load_plan
@@ -203,10 +202,8 @@ def run(args: argparse.Namespace) -> int:
                 raise FusionError(f"{args.target}: not a plan folder (no {Path(args.target) / 'plan.json'}) and not a "
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
-        from fusion.cluster.model import load_cluster
-        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
-        from fusion.loader import load_model
-        from fusion.loss import choose_loss
+        from fusion.commands.compile import dp_sync_from_args, optimizer_from_args
+        from fusion.commands.compile_cache import compile_cached
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
         if args.join_at:  # what the options say already (the rest is checked on the compiled plan)
@@ -217,10 +214,10 @@ def run(args: argparse.Namespace) -> int:
 
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
-        cluster_ = load_cluster(args.cluster)
-        model = choose_loss(load_model(args.target), args.loss, args.target)  # a run that trains nothing: refused
-        plan = compile_from_args(args, model, cluster_)
-        _say(f"compiled: {describe_plan(plan, cluster_)} ({time.monotonic() - t_start:.1f} s)")
+        # a run that trains nothing is refused (choose_loss); a cache hit skips the trace and compile
+        compiled = compile_cached(args, args.target)
+        plan = compiled.plan
+        _say(f"compiled: {compiled.describe()} ({time.monotonic() - t_start:.1f} s)")
     if args.join_at:  # a join schedule the plan cannot run is one line before the run folder is made
         from fusion.commands.coordinator import joins_from_args
         from fusion.plan import load_plan
@@ -233,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
         digest = plan_digest(plan_dir)
         check_resume_plan(out, digest, plan_dir)
     prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir, run_recipe=recipe(args))
-    if plan is not None:
-        plan_dir = save_plan(plan, out / "plan", params=model.params)
+    if compiled is not None:
+        plan_dir = compiled.save(out / "plan")
     elif plan_dir is None:
         plan_dir = out / "plan"  # resume runs the plan compiled the first time
     record_plan_digest(out, digest or plan_digest(plan_dir))

@@ -1,0 +1,97 @@
+"""The compile cache in ``fusion compile`` and ``fusion run MODEL`` (:mod:`fusion.compile_cache`): look the key up
+before tracing; on a hit, one line on stderr and the cached plan; on a miss, compile and store."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fusion.compile_cache import CacheHit, CompileCache, cache_off, copy_plan
+from fusion.compile_key import CompileKey
+
+
+def add_cache_arg(g) -> None:
+    """``--no-cache`` (not a compile option: it changes no plan, so it is not in the key)."""
+    g.add_argument("--no-cache", action="store_true",
+                   help="compile afresh: neither use nor store the compile cache ($FUSION_CACHE, default "
+                        "~/.cache/fusion; docs/compiler.md \"Compile cache\")")
+
+
+@dataclass
+class Compiled:
+    """A plan compiled here (``params``: the model's initial weights) or found in the cache (``hit``)."""
+
+    cluster_file: str
+    fresh: Any = None  #: the plan compiled here (None on a hit)
+    cluster: Any = None  #: the loaded cluster (compiled here only)
+    params: dict | None = None
+    hit: CacheHit | None = None
+    key: CompileKey | None = None
+    cache: CompileCache | None = None
+    compile_s: float = 0.0
+    _loaded: Any = None
+
+    @property
+    def plan(self):
+        """The plan (on a hit parsed from the entry when first asked: ``fusion run`` needs it, ``compile`` not)."""
+        if self.fresh is not None:
+            return self.fresh
+        if self._loaded is None:
+            self._loaded = self.hit.load()
+        return self._loaded
+
+    def describe(self) -> str:
+        """:func:`~fusion.commands.compile.describe_plan`'s line (on a hit the one the compile said)."""
+        from fusion.commands.compile import describe_plan
+
+        return self.hit.manifest["describe"] if self.hit is not None else describe_plan(self.fresh, self.cluster)
+
+    def save(self, out: str | Path) -> Path:
+        """Write the plan folder ``out``: the cached files on a hit, else :func:`~fusion.plan.save_plan`, and then
+        the cache entry (a failure to store is a warning only)."""
+        from fusion.plan import save_plan
+
+        if self.hit is not None:
+            return copy_plan(self.hit, out)
+        path = save_plan(self.fresh, out, self.params or None)
+        if self.cache is not None and self.key is not None:
+            self.cache.store(self.key, self.fresh, self.params, self.compile_s, self.describe())
+        return path
+
+
+def cache_key(args: argparse.Namespace, target: str) -> tuple[CompileCache | None, CompileKey | None]:
+    """The cache and this compile's key (None, None with ``--no-cache``, or where no key can be made)."""
+    from fusion.compile_key import compile_key, compile_options
+
+    if getattr(args, "no_cache", False) or cache_off():
+        return None, None
+    dests = [d for d in (getattr(args, "compile_defaults", None) or {}) if d != "cluster"]
+    key = compile_key(target, args.cluster, compile_options(args, dests))
+    return (CompileCache.default(), key) if key is not None else (None, None)
+
+
+def compile_cached(args: argparse.Namespace, target: str, check: Callable[[], object] | None = None) -> Compiled:
+    """The plan of ``target`` for ``args.cluster`` with ``args``' compile options: from the cache when it holds the
+    key (``compile cache hit: <key> (<s> s)`` on stderr), else ``check()`` (the option checks that import torch:
+    an entry exists only for options that passed them) and compiled."""
+    t0 = time.monotonic()
+    cache, key = cache_key(args, target)
+    hit = cache.lookup(key) if cache is not None else None
+    if hit is not None:
+        print(f"compile cache hit: {key.short} ({time.monotonic() - t0:.2f} s)", file=sys.stderr, flush=True)
+        return Compiled(args.cluster, hit=hit, key=key, cache=cache)
+    if check is not None:
+        check()
+    from fusion.cluster.model import load_cluster
+    from fusion.commands.compile import compile_from_args
+    from fusion.loader import load_model
+    from fusion.loss import choose_loss
+
+    cluster = load_cluster(args.cluster)
+    model = choose_loss(load_model(target), args.loss, target)
+    plan = compile_from_args(args, model, cluster)
+    return Compiled(args.cluster, plan, cluster, params=model.params, key=key, cache=cache,
+                    compile_s=time.monotonic() - t0)
