@@ -32,8 +32,8 @@ or the first ``--variant``), ``steps_to_sync_loss_ratio`` (the median over the s
 load average at the start and the end:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
-        [--diloco-factor 3] [--min-rounds 50] [--seeds 0,1,2] [--h 20,50] [--quant8-h H] [--outer-lr 0.7]
-        [--outer-momentum 0.9] [--outer-nesterov 1] [--diloco-lr LR] [--sync-warmup N] [--jobs 2]
+        [--diloco-factor 3] [--min-rounds 50] [--seeds 0,1,2] [--h 20] [--quant8-h H] [--outer-lr 0.7]
+        [--outer-momentum 0.5] [--outer-nesterov 1] [--diloco-lr LR] [--sync-warmup 100] [--jobs 2]
         [--overlap eager,delayed] [--variant NAME:h=20,outer_lr=1,outer_momentum=0.5,lr=1.5e-3,warmup=50 ...]
 
 (``--diloco-lr``: the replicas' inner learning rate on their quarter of the batch, default ``--lr``, synchronous
@@ -111,25 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diloco-factor", type=float, default=3.0,
                     help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
-    ap.add_argument("--h", default="20,50", help="convergence: the inner steps H of the DiLoCo runs")
+    ap.add_argument("--h", default="20", help="convergence: the inner steps H of the DiLoCo runs (tuned: 20)")
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
-    ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")
+    ap.add_argument("--outer-momentum", type=float, default=0.5,
+                    help="convergence: DiLoCo's outer momentum (tuned on seeds 100-101: 0.5)")
     ap.add_argument("--outer-nesterov", type=int, default=1, choices=(0, 1),
                     help="convergence: 1, Nesterov outer momentum; 0, heavy-ball")
     ap.add_argument("--diloco-lr", type=float, default=None,
                     help="convergence: the DiLoCo replicas' inner learning rate on their quarter batch (default --lr)")
-    ap.add_argument("--sync-warmup", type=int, default=0,
-                    help="convergence: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights")
+    ap.add_argument("--sync-warmup", type=int, default=100,
+                    help="convergence: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights "
+                         "(tuned on seeds 100-101: 100)")
     ap.add_argument("--min-rounds", type=int, default=50,
                     help="convergence: DiLoCo runs at least this many outer rounds after the warm-up")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,...",
                     help="convergence: a DiLoCo run with its own settings (repeatable; given, only the variants "
                          "run): keys h, outer_lr, outer_momentum, nesterov (0/1), lr (replicas' inner lr), "
                          "warmup, overlap (eager/delayed)")
-    ap.add_argument("--jobs", type=int, default=1, help="convergence: seeds run at once, one process each")
+    ap.add_argument("--jobs", type=int, default=2, help="convergence: seeds run at once, one process each")
     ap.add_argument("--overlap", default="", metavar="eager,delayed",
                     help="convergence: for every H also the overlapped outer step (dp_sync.delay 1) in these variants")
     ap.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
