@@ -25,12 +25,21 @@ two cases, and ``dp_bytes_ratio`` (synchronous DP's DP bytes per step over DiLoC
 
 ``--study convergence`` runs the convergence study instead (:mod:`diloco_study`: 4 replicas, synchronous DP
 against DiLoCo at H = 20 and 50, optionally 8-bit pseudo-gradients, on the CPython-source corpus with a
-held-out validation split, every seed reported); its final JSON line holds ``steps_to_sync_loss_ratio``
-per seed and the medians:
+held-out validation split, every seed reported); its final JSON line holds, for the first run (the first H,
+or the first ``--variant``), ``steps_to_sync_loss_ratio`` (the median over the seeds),
+``steps_to_sync_loss_ratio_max`` (the worst seed; null if any seed never reached synchronous DP's final loss) and
+``steps_to_sync_loss_ratio_per_seed``; the same for every run under ``medians``; the settings and the host's
+load average at the start and the end:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
-        [--diloco-factor 3] [--seeds 0,1,2] [--h 20,50] [--quant8-h H] [--outer-lr 0.7]
-        [--outer-momentum 0.9] [--jobs 3] [--overlap eager,delayed]
+        [--diloco-factor 3] [--min-rounds 50] [--seeds 0,1,2] [--h 20] [--quant8-h H] [--outer-lr 0.7]
+        [--outer-momentum 0.5] [--outer-nesterov 1] [--diloco-lr LR] [--sync-warmup 100] [--jobs 2]
+        [--overlap eager,delayed] [--variant NAME:h=20,outer_lr=1,outer_momentum=0.5,lr=1.5e-3,warmup=50 ...]
+
+(``--diloco-lr``: the replicas' inner learning rate on their quarter of the batch, default ``--lr``, synchronous
+DP's; ``--sync-warmup N``: DiLoCo's first N steps are synchronous DP, counted as steps, then DiLoCo from those
+weights; ``--min-rounds``: DiLoCo runs at least that many outer rounds after the warm-up; ``--variant``,
+repeatable: instead of the ``--h`` runs, DiLoCo runs with their own settings against the same synchronous DP.)
 
 (``--overlap``: for every H also DiLoCo with the outer step overlapped, ``--outer-delay 1``, in the eager
 variant, the naive delayed one or both, named ``diloco_h{H}_eager`` / ``_delayed``; docs/data-parallel.md.)
@@ -102,13 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diloco-factor", type=float, default=3.0,
                     help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
-    ap.add_argument("--h", default="20,50", help="convergence: the inner steps H of the DiLoCo runs")
+    ap.add_argument("--h", default="20", help="convergence: the inner steps H of the DiLoCo runs (tuned: 20)")
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
-    ap.add_argument("--outer-momentum", type=float, default=0.9, help="convergence: DiLoCo's outer momentum")
-    ap.add_argument("--jobs", type=int, default=1, help="convergence: seeds run at once, one process each")
+    ap.add_argument("--outer-momentum", type=float, default=0.5,
+                    help="convergence: DiLoCo's outer momentum (tuned on seeds 100-101: 0.5)")
+    ap.add_argument("--outer-nesterov", type=int, default=1, choices=(0, 1),
+                    help="convergence: 1, Nesterov outer momentum; 0, heavy-ball")
+    ap.add_argument("--diloco-lr", type=float, default=None,
+                    help="convergence: the DiLoCo replicas' inner learning rate on their quarter batch (default --lr)")
+    ap.add_argument("--sync-warmup", type=int, default=100,
+                    help="convergence: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights "
+                         "(tuned on seeds 100-101: 100)")
+    ap.add_argument("--min-rounds", type=int, default=50,
+                    help="convergence: DiLoCo runs at least this many outer rounds after the warm-up")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,...",
+                    help="convergence: a DiLoCo run with its own settings (repeatable; given, only the variants "
+                         "run): keys h, outer_lr, outer_momentum, nesterov (0/1), lr (replicas' inner lr), "
+                         "warmup, overlap (eager/delayed)")
+    ap.add_argument("--jobs", type=int, default=2, help="convergence: seeds run at once, one process each")
     ap.add_argument("--overlap", default="", metavar="eager,delayed",
                     help="convergence: for every H also the overlapped outer step (dp_sync.delay 1) in these variants")
     ap.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
@@ -173,11 +196,20 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     from diloco_study import StudyConfig, study
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import os
+
+    load_start = os.getloadavg()
     cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum)
+                      outer_momentum=args.outer_momentum, diloco_lr=args.diloco_lr, sync_warmup=args.sync_warmup,
+                      min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov))
     seeds = [int(s) for s in args.seeds.split(",")]
-    hs = [int(h) for h in args.h.split(",")]
-    if min(hs) < 1 or args.sync_steps < 1 or len(seeds) < 1:
+    try:
+        variants = dict(parse_variant(v, cfg) for v in args.variant)
+    except ValueError as e:
+        print(f"bench_diloco.py: --variant: {e}", file=sys.stderr)
+        return 2
+    hs = [] if variants else [int(h) for h in args.h.split(",")]
+    if (hs and min(hs) < 1) or args.sync_steps < 1 or len(seeds) < 1 or args.sync_warmup < 0:
         print("bench_diloco.py: --h, --sync-steps and --seeds need values >= 1", file=sys.stderr)
         return 2
     overlaps = [o for o in args.overlap.split(",") if o]
@@ -185,14 +217,51 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
         print(f"bench_diloco.py: --overlap {args.overlap}: expected eager, delayed or both, comma-separated",
               file=sys.stderr)
         return 2
-    res = study(cfg, seeds, hs, args.quant8_h or None, args.jobs, overlaps)
+    res = (study(cfg, seeds, [], None, args.jobs, (), variants) if variants
+           else study(cfg, seeds, hs, args.quant8_h or None, args.jobs, overlaps))
+    runs = {name: {"h": v.sync.inner_steps, "outer_lr": v.sync.outer_lr, "outer_momentum": v.sync.outer_momentum,
+                   "nesterov": v.sync.nesterov, "delay": v.sync.delay, "overlap": v.sync.overlap,
+                   "inner_lr": cfg.diloco_lr or cfg.lr if v.lr is None else v.lr,
+                   "sync_warmup": cfg.sync_warmup if v.warmup is None else v.warmup}
+            for name, v in variants.items()}
     print(json.dumps({"bench": "diloco", "study": "convergence", "corpus": "CPython stdlib source (convergence.py)",
                       "replicas": cfg.replicas, "global_batch": cfg.global_batch, "seq": cfg.seq,
-                      "inner": {"optimizer": cfg.inner, "lr": cfg.lr},
-                      "outer": {"optimizer": "nesterov-sgd", "lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
+                      "inner": {"optimizer": cfg.inner, "lr": cfg.lr, "diloco_lr": cfg.diloco_lr or cfg.lr},
+                      "outer": {"optimizer": "nesterov-sgd" if args.outer_nesterov else "heavy-ball-sgd",
+                                "lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
+                      "h": hs, "sync_warmup": cfg.sync_warmup, "min_rounds": cfg.min_rounds, "variants": runs,
                       "sync_steps": cfg.steps, "diloco_steps_factor": cfg.diloco_factor, "seeds": seeds,
+                      "jobs": args.jobs, "loadavg_start": [round(x, 2) for x in load_start],
+                      "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                       **res, "wall_s": round(time.time() - t0, 1)}))
     return 0
+
+
+def parse_variant(spec: str, cfg):
+    """``NAME:KEY=V,...`` -> (NAME, diloco_study.Variant); unset keys take the study's settings."""
+    from diloco_study import Variant
+    from fusion.plan import DPSync
+
+    name, _, rest = spec.partition(":")
+    if not name or not rest:
+        raise ValueError(f"{spec!r}: expected NAME:KEY=V,...")
+    kv = {}
+    for item in rest.split(","):
+        k, eq, v = item.partition("=")
+        if not eq or k not in ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap"):
+            raise ValueError(f"{spec!r}: {item!r} (keys: h, outer_lr, outer_momentum, nesterov, lr, warmup, overlap)")
+        kv[k] = v
+    if "h" not in kv:
+        raise ValueError(f"{spec!r}: h=H is required")
+    overlap = kv.get("overlap")
+    if overlap not in (None, "eager", "delayed"):
+        raise ValueError(f"{spec!r}: overlap={overlap} (eager or delayed)")
+    sync = DPSync("diloco", inner_steps=int(kv["h"]), outer_lr=float(kv.get("outer_lr", cfg.outer_lr)),
+                  outer_momentum=float(kv.get("outer_momentum", cfg.outer_momentum)),
+                  nesterov=bool(int(kv.get("nesterov", int(cfg.outer_nesterov)))),
+                  **({"delay": 1, "overlap": overlap} if overlap else {}))
+    return name, Variant(sync, lr=float(kv["lr"]) if "lr" in kv else None,
+                         warmup=int(kv["warmup"]) if "warmup" in kv else None)
 
 
 if __name__ == "__main__":

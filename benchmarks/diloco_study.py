@@ -70,6 +70,13 @@ class StudyConfig:
     val_windows:    windows in the fixed validation set.
     outer_lr:       DiLoCo's outer learning rate (the paper's 0.7).
     outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.9).
+    outer_nesterov: Nesterov outer momentum (the paper's) or heavy-ball.
+    diloco_lr:      the DiLoCo replicas' inner learning rate on their 1/``replicas`` of the batch (None: ``lr``,
+                    synchronous DP's on the whole batch).
+    sync_warmup:    DiLoCo's first N steps are synchronous DP (one model on the global batch, ``lr``; they count
+                    as steps at equal tokens), then the replicas start from those weights and that optimizer
+                    state (their own ``diloco_lr``) and step the outer loop every H steps after them.
+    min_rounds:     DiLoCo runs at least this many outer rounds (after the warm-up), beyond ``diloco_factor``.
     """
 
     replicas: int = 4
@@ -83,6 +90,20 @@ class StudyConfig:
     val_windows: int = 256
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    diloco_lr: float | None = None
+    sync_warmup: int = 0
+    min_rounds: int = 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A DiLoCo run of the study whose inner learning rate or synchronous warm-up differ from the config's
+    (None: the config's ``diloco_lr`` / ``sync_warmup``)."""
+
+    sync: Any  #: its fusion.plan.DPSync
+    lr: float | None = None
+    warmup: int | None = None
 
 
 @dataclass
@@ -130,11 +151,12 @@ def make_model(cfg: StudyConfig, seed: int) -> torch.nn.Module:
     return gpt_model(gpt_config(cfg.seq), batch=1, seed=seed)[0]
 
 
-def make_optimizer(cfg: StudyConfig, params) -> torch.optim.Optimizer:
+def make_optimizer(cfg: StudyConfig, params, lr: float | None = None) -> torch.optim.Optimizer:
+    lr = cfg.lr if lr is None else lr
     if cfg.inner == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr)
+        return torch.optim.AdamW(params, lr=lr)
     if cfg.inner == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
+        return torch.optim.SGD(params, lr=lr)
     raise SystemExit(f"diloco_study: inner optimizer {cfg.inner!r}: expected adamw or sgd")
 
 
@@ -221,7 +243,12 @@ def trainable(model: torch.nn.Module) -> dict[str, np.ndarray]:
 class DiLoCoReplicas:
     """R model copies, each with its inner optimizer, and each replica's :class:`OuterLoop` (fusion's)."""
 
-    def __init__(self, cfg: StudyConfig, seed: int, sync):
+    def __init__(self, cfg: StudyConfig, seed: int, sync, lr: float | None = None,
+                 start: tuple[dict, dict] | None = None):
+        """``lr``: the replicas' inner learning rate (None: ``cfg.diloco_lr`` or else ``cfg.lr``); ``start``:
+        (model state, optimizer state) every replica starts from (a synchronous warm-up's), else ``seed``'s init."""
+        import copy
+
         from fusion.executors.runtime.allreduce import RingInbox, make_buckets
         from fusion.executors.runtime.outer import DelayedInbox, OuterLoop, PseudoInbox, check_pseudo_codec
 
@@ -229,7 +256,14 @@ class DiLoCoReplicas:
         self.cfg, self.sync = cfg, sync
         first = make_model(cfg, seed)
         self.models = [first] + [make_model(cfg, seed) for _ in range(cfg.replicas - 1)]
-        self.opts = [make_optimizer(cfg, m.parameters()) for m in self.models]
+        lr = (cfg.lr if cfg.diloco_lr is None else cfg.diloco_lr) if lr is None else lr
+        self.opts = [make_optimizer(cfg, m.parameters(), lr) for m in self.models]
+        if start is not None:
+            for m, opt in zip(self.models, self.opts):
+                m.load_state_dict(start[0])
+                opt.load_state_dict(copy.deepcopy(start[1]))
+                for g in opt.param_groups:  # the state's moments, the replicas' own learning rate
+                    g["lr"] = lr
         params = trainable(first)
         buckets = make_buckets({n: (a.shape, a.dtype.name) for n, a in params.items()})
         self.names = [f"r{r}" for r in range(cfg.replicas)]
@@ -308,18 +342,43 @@ class DiLoCoReplicas:
         return self._eval
 
 
-def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps: int | None = None) -> Curve:
-    """DiLoCo over ``cfg.replicas`` copies, ``steps`` inner steps (default: ``cfg.steps * cfg.diloco_factor``
-    rounded up to a multiple of H), evaluated at every outer step."""
+def diloco_steps(cfg: StudyConfig, h: int, warmup: int = 0) -> int:
+    """DiLoCo's steps in all: the warm-up, then whole rounds of H up to ``cfg.steps * cfg.diloco_factor`` (rounded
+    up), at least ``cfg.min_rounds`` of them."""
+    rounds = max(int(math.ceil((cfg.steps * cfg.diloco_factor - warmup) / h)), cfg.min_rounds, 1)
+    return warmup + rounds * h
+
+
+def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps: int | None = None,
+               lr: float | None = None, warmup: int | None = None) -> Curve:
+    """DiLoCo over ``cfg.replicas`` copies, ``steps`` steps in all (default :func:`diloco_steps`), evaluated at
+    every outer step. ``warmup`` (None: ``cfg.sync_warmup``): the first steps are synchronous DP (as
+    :func:`run_sync`'s, evaluated at the last), the replicas start from its weights and optimizer state; ``lr``:
+    the replicas' inner learning rate (None: ``cfg.diloco_lr``, else ``cfg.lr``)."""
     h = sync.inner_steps
+    warmup = cfg.sync_warmup if warmup is None else warmup
     if steps is None:
-        steps = int(math.ceil(cfg.steps * cfg.diloco_factor / h)) * h
-    reps = DiLoCoReplicas(cfg, seed, sync)
+        steps = diloco_steps(cfg, h, warmup)
     c, t0 = Curve(), time.perf_counter()
-    for s, batch in enumerate(train_batches(train, cfg, steps, seed), 1):
+    batches = train_batches(train, cfg, steps, seed)
+    start = None
+    if warmup:
+        model = make_model(cfg, seed)
+        opt = make_optimizer(cfg, model.parameters())
+        for _, batch in zip(range(warmup), batches):
+            opt.zero_grad(set_to_none=True)
+            loss = model(batch["idx"], batch["targets"])
+            loss.backward()
+            opt.step()
+            c.train.append(float(loss.detach()))
+        c.steps.append(warmup)
+        c.val.append(val_loss(model, vset))
+        start = (model.state_dict(), opt.state_dict())
+    reps = DiLoCoReplicas(cfg, seed, sync, lr=lr, start=start)
+    for s, batch in enumerate(batches, warmup + 1):
         c.train.append(reps.inner_step(batch))
-        reps.steps_done = s
-        if s % h == 0:
+        reps.steps_done = s - warmup
+        if (s - warmup) % h == 0:
             reps.outer_step()
             c.steps.append(s)
             c.val.append(val_loss(reps.global_model(), vset))
@@ -342,8 +401,8 @@ def diloco_syncs(cfg: StudyConfig, h_values: Sequence[int], quant8_h: int | None
     that ``overlap``, named ``diloco_h{H}_{overlap}``)."""
     from fusion.plan import DPSync
 
-    outer = dict(outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, nesterov=True)
-    runs = {f"diloco_h{h}": DPSync("diloco", inner_steps=h, **outer) for h in h_values}
+    outer = dict(outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov)
+    runs: dict[str, Any] = {f"diloco_h{h}": DPSync("diloco", inner_steps=h, **outer) for h in h_values}
     for h in h_values:
         for o in overlaps:
             runs[f"diloco_h{h}_{o}"] = DPSync("diloco", inner_steps=h, delay=1, overlap=o, **outer)
@@ -369,11 +428,15 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
     row: dict[str, Any] = {"sync": {"steps": cfg.steps, "final_val": round(target, 4),
                                     "val_curve": [[s, round(v, 4)] for s, v in zip(sync_c.steps, sync_c.val)],
                                     "wall_s": round(sync_c.wall_s, 1)}}
-    for name, sync in runs.items():
-        c = run_diloco(cfg, seed, sync, train, vset)
+    for name, run in runs.items():
+        v = run if isinstance(run, Variant) else Variant(run)
+        sync = v.sync
+        c = run_diloco(cfg, seed, sync, train, vset, lr=v.lr, warmup=v.warmup)
         reached = steps_to(c, target)
         best = min(c.val)
-        row[name] = {"inner_steps": sync.inner_steps, "steps_run": c.steps[-1],
+        warm = cfg.sync_warmup if v.warmup is None else v.warmup
+        row[name] = {"inner_steps": sync.inner_steps, "steps_run": c.steps[-1], "sync_warmup": warm,
+                     "outer_rounds": (c.steps[-1] - warm) // sync.inner_steps,
                      "steps_to_sync_loss": reached,
                      "steps_to_sync_loss_ratio": None if reached is None else round(reached / cfg.steps, 3),
                      "gap_at_end": None if reached is not None else round(best - target, 4),
@@ -388,13 +451,16 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
 
 
 def study(cfg: StudyConfig, seeds: Sequence[int], h_values: Sequence[int], quant8_h: int | None,
-          jobs: int = 1, overlaps: Sequence[str] = ()) -> dict:
+          jobs: int = 1, overlaps: Sequence[str] = (), variants: Mapping[str, Variant] | None = None) -> dict:
     """Every seed's sync and DiLoCo runs (``jobs`` seeds at a time, each in its own process: the runs of a
     seed are sequential and single-threaded); the per-seed figures and their medians (the final JSON's fields)."""
     train, val = split_corpus(text_corpus())
     uni = unigram_loss(train, val)
     log.info("corpus: %d training / %d validation characters; unigram validation loss %.3f", train.size, val.size, uni)
-    runs = diloco_syncs(cfg, h_values, quant8_h, overlaps)
+    runs: dict[str, Any] = dict(diloco_syncs(cfg, h_values, quant8_h, overlaps))
+    runs.update(variants or {})
+    if not runs:
+        raise SystemExit("diloco_study: no DiLoCo run (no H and no variant)")
     if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -411,8 +477,15 @@ def study(cfg: StudyConfig, seeds: Sequence[int], h_values: Sequence[int], quant
         ratios = [per_seed[str(s)][name]["steps_to_sync_loss_ratio"] for s in seeds]
         # a miss counts as +inf in the median (never reached within the run), reported as null
         med = statistics.median([math.inf if r is None else r for r in ratios])
+        worst = max(math.inf if r is None else r for r in ratios)
         medians[name] = {"steps_to_sync_loss_ratio": None if math.isinf(med) else round(med, 3),
+                         # the worst seed (null: some seed never reached)
+                         "steps_to_sync_loss_ratio_max": None if math.isinf(worst) else round(worst, 3),
                          "per_seed": ratios, "reached": sum(r is not None for r in ratios)}
-    return {"unigram_val_loss": round(uni, 4),
+    first = next(iter(runs))  # the headline: the first run (the first H, or the first --variant)
+    return {"unigram_val_loss": round(uni, 4), "primary_run": first,
+            "steps_to_sync_loss_ratio": medians[first]["steps_to_sync_loss_ratio"],
+            "steps_to_sync_loss_ratio_max": medians[first]["steps_to_sync_loss_ratio_max"],
+            "steps_to_sync_loss_ratio_per_seed": {str(s): r for s, r in zip(seeds, medians[first]["per_seed"])},
             "sync_final_val_median": round(statistics.median(per_seed[str(s)]["sync"]["final_val"] for s in seeds), 4),
             "medians": medians, "per_seed": per_seed}

@@ -126,7 +126,9 @@ class DPSync:
     inner_steps:    H, inner steps per outer step (>= 1).
     outer_lr:       the outer optimizer's learning rate (DiLoCo's 0.7; 1 with ``outer_momentum`` 0 and an SGD
                     inner optimizer makes H = 1 equal to synchronous DP).
-    outer_momentum: the outer optimizer's momentum (DiLoCo's 0.9); 0: plain SGD.
+    outer_momentum: the outer optimizer's momentum (0.6, MuLoCo's; DiLoCo's paper 0.9, which never reached
+                    synchronous DP's loss in the convergence study's tuning, docs/data-parallel.md); 0: plain
+                    SGD. A plan.json without the field loads as 0.9, what it ran.
     nesterov:       Nesterov momentum (DiLoCo's choice) or heavy-ball.
     codec:          None (pseudo-gradients averaged exactly) or a codec cfg of the registry that may serve the
                     pseudo-gradient role (``{"algo": "quant", "bits": 4}``, ``{"algo": "topk", "ratio": 100}``).
@@ -150,7 +152,7 @@ class DPSync:
     mode: str = "every"
     inner_steps: int = 1
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.6
     nesterov: bool = True
     codec: dict | None = None
     error_feedback: bool = False
@@ -186,7 +188,8 @@ class DPSync:
         except (TypeError, ValueError):
             raise PlanError(f"{source}.shares: expected replica -> share, got {d.get('shares')!r}"[:200]) from None
         out = cls(str(d.get("mode", "every")), d.get("inner_steps", 1), d.get("outer_lr", 0.7),
-                  d.get("outer_momentum", 0.9), d.get("nesterov", True), d.get("codec"),
+                  d.get("outer_momentum", 0.9),  # absent: 0.9, the default it was written under
+                  d.get("nesterov", True), d.get("codec"),
                   d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
                   d.get("overlap", "delayed"))
         out.check(source)

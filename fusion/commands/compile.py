@@ -65,8 +65,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="diloco: inner steps per outer step (default 20), or with --strategy dp a comma list "
                             "the planner chooses from (default 10,20,50,100,200,500)"),
         g.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="diloco: outer learning rate (0.7)"),
-        g.add_argument("--outer-momentum", type=float, default=0.9, metavar="M",
-                       help="diloco: outer (Nesterov) momentum (0.9; 0: plain SGD)"),
+        g.add_argument("--outer-momentum", type=float, default=0.6, metavar="M",
+                       help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)"),
         g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
         g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
                        help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; "
@@ -507,7 +507,7 @@ def dp_sync_from_args(args: argparse.Namespace):
 
     if args.dp_sync == "every":
         given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
-                                   ("--outer-momentum", args.outer_momentum, 0.9), ("--no-nesterov", args.no_nesterov, False),
+                                   ("--outer-momentum", args.outer_momentum, 0.6), ("--no-nesterov", args.no_nesterov, False),
                                    ("--pseudo-codec", args.pseudo_codec, None),
                                    ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                    ("--replica-shares", args.replica_shares, None),

@@ -90,3 +90,49 @@ def test_overlapped_outer_step_variants_run_and_differ(data):
     for a, b in (("eager", "none"), ("delayed", "none"), ("eager", "delayed")):
         assert max(abs(x - y) for x, y in zip(runs[a].train[2:], runs[b].train[2:])) > 1e-4, (a, b)
     assert ds.diloco_syncs(TINY, [20], None, ["eager"])["diloco_h20_eager"].overlap == "eager"
+
+
+def test_sync_warmup_is_synchronous_dp_then_diloco_from_its_weights(data):
+    """``sync_warmup`` N: DiLoCo's first N steps are synchronous DP's (the same losses, evaluated at N), then the
+    outer rounds count from N; the replicas' own inner learning rate changes the run after the warm-up only."""
+    train, _, vset = data
+    cfg = ds.StudyConfig(**{**TINY.__dict__, "steps": 6})
+    sync = ds.run_sync(cfg, 0, train, vset)
+    warm = ds.run_diloco(cfg, 0, DPSync("diloco", inner_steps=2), train, vset, warmup=2)
+    assert warm.steps == [2, 4, 6] and len(warm.train) == 6
+    np.testing.assert_allclose(warm.train[:2], sync.train[:2], rtol=1e-6)
+    np.testing.assert_allclose(warm.val[0], sync.val[1], rtol=1e-6)  # sync evaluates every step (eval_every 1)
+    # the step after the warm-up starts from its weights: the replicas' mean loss is the global batch's
+    np.testing.assert_allclose(warm.train[2], sync.train[2], rtol=1e-5)
+    fast = ds.run_diloco(cfg, 0, DPSync("diloco", inner_steps=2), train, vset, warmup=2, lr=3 * cfg.lr)
+    np.testing.assert_allclose(fast.train[:3], warm.train[:3], rtol=1e-6)
+    assert abs(fast.train[3] - warm.train[3]) > 1e-5
+    # the config's warm-up is the default, and min_rounds lengthens the run to that many rounds after it
+    assert ds.diloco_steps(cfg, 2, 2) == 2 + 2 * 2
+    assert ds.diloco_steps(ds.StudyConfig(**{**cfg.__dict__, "min_rounds": 5}), 2, 2) == 2 + 5 * 2
+
+
+def test_study_headline_is_the_first_run_with_its_worst_seed():
+    v = {"a": ds.Variant(DPSync("diloco", inner_steps=2, outer_momentum=0.0)),
+         "b": ds.Variant(DPSync("diloco", inner_steps=2), warmup=2)}
+    res = ds.study(TINY, [0, 1], [], None, variants=v)
+    assert res["primary_run"] == "a" and set(res["medians"]) == {"a", "b"}
+    for name in ("a", "b"):
+        per = res["medians"][name]["per_seed"]
+        worst = res["medians"][name]["steps_to_sync_loss_ratio_max"]
+        assert worst == (None if None in per else max(per))
+    assert res["steps_to_sync_loss_ratio_per_seed"] == dict(zip(("0", "1"), res["medians"]["a"]["per_seed"]))
+    assert res["per_seed"]["0"]["b"]["sync_warmup"] == 2 and res["per_seed"]["0"]["b"]["outer_rounds"] == 1
+
+
+def test_bench_variant_option():
+    import bench_diloco as bd
+
+    cfg = ds.StudyConfig(outer_lr=0.7, outer_momentum=0.5)
+    name, v = bd.parse_variant("x:h=20,outer_momentum=0,nesterov=0,lr=1e-3,warmup=100", cfg)
+    assert name == "x" and v.sync.inner_steps == 20 and v.sync.outer_lr == 0.7 and v.sync.outer_momentum == 0.0
+    assert not v.sync.nesterov and v.lr == 1e-3 and v.warmup == 100 and v.sync.delay == 0
+    assert bd.parse_variant("y:h=5,overlap=eager", cfg)[1].sync.overlap == "eager"
+    for bad in ("x", "x:outer_lr=1", "x:h=5,foo=1", "x:h=5,overlap=late"):
+        with pytest.raises(ValueError):
+            bd.parse_variant(bad, cfg)
