@@ -13,7 +13,7 @@ AdamW lr 1e-4, fp32, the equal-flops split over ``examples/clusters/local-4-one-
      ``/proc/PID/status`` ``VmHWM`` (pids from the run folder's ``pids.json``) every 0.2 s until it exits:
      ``peak_rss_mb_per_part`` (the last high-water mark read; a spike in the last 0.2 s of a process, i.e.
      while it hands its weights over, could be missed), ``coordinator_peak_rss_mb`` (``fusion run``'s own
-     ``ru_maxrss``, compile included), ``ready_s_4_parts`` (its stderr line ``all 4 CompNodes ready, X s after
+     VmHWM, polled the same way: tracing and compiling the model included), ``ready_s_4_parts`` (its stderr line ``all 4 CompNodes ready, X s after
      launch``; ``ready_s_since_command``: the same line's time since the command started, tracing and compiling
      included), ``step_s`` (the median ``iteration_s`` of metrics.jsonl over the steps after the first that
      wrote no checkpoint; ``step_s_all``: over every step), ``checkpoint_write_s`` (the longest ``checkpoint``
@@ -141,14 +141,15 @@ class Watched:
                 self.pids = json.loads((self.out / "pids.json").read_text())
             except (OSError, ValueError):
                 pass
-            for part, pid in self.pids.items():
+            for part, pid in [*self.pids.items(), ("coordinator", self.p.pid)]:
                 v = hwm_mb(pid)
                 if v is not None:
                     self.peaks[part] = max(v, self.peaks.get(part, 0.0))
             time.sleep(0.2)
 
     def wait(self, timeout: float) -> tuple[int, float]:
-        """(exit status, fusion run's peak RSS in MB)."""
+        """(exit status, fusion run's own peak RSS in MB: its VmHWM as last polled; wait4's ru_maxrss would be
+        the largest of it and the executors it waited for)."""
         deadline = time.monotonic() + timeout
         while True:
             pid, status, ru = os.wait4(self.p.pid, os.WNOHANG)
@@ -165,7 +166,7 @@ class Watched:
         self._stop = True
         self._thread.join()
         self._f.close()
-        return self.p.returncode, ru.ru_maxrss / 1024
+        return self.p.returncode, self.peaks.pop("coordinator", 0.0)
 
     def kill(self) -> None:
         """SIGKILL to fusion run and every executor it started (by their pids, nothing else)."""
