@@ -749,7 +749,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.commands.checks import check_compile_options
 
     check_compile_options(args)  # bad --lr, --compress-ratio or --engine: one line before anything is imported or traced
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.loss import choose_loss
     from fusion.plan import save_plan

@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                 raise FusionError(f"{args.target}: not a plan folder (no {Path(args.target) / 'plan.json'}) and not a "
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
-        from fusion.cluster.model import load_cluster
+        from fusion.cluster import load_cluster
         from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
         from fusion.loader import load_model
         from fusion.loss import choose_loss

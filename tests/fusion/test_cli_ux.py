@@ -276,7 +276,7 @@ def test_help_shows_defaults_and_one_micro_batches_default():
 # -- clusters ---------------------------------------------------------------------------------------
 
 def test_bandwidth_round_trips_as_written(cli, tmp_path):
-    from fusion.cluster.model import Cluster, load_cluster
+    from fusion.cluster import Cluster, load_cluster
     from fusion.cluster.units import format_bandwidth
 
     c = load_cluster(LOCAL)
