@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import (_number, add_common, eval_from_args, non_negative_int, positive_int, run_name,
-                                         train)
+from fusion.commands.coordinator import _number, add_common, eval_from_args, non_negative_int, positive_int, run_name
+from fusion.commands.steploop import train
 
 #: an argparse type: a number of seconds >= 0
 non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
