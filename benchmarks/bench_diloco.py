@@ -63,7 +63,7 @@ MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
 
 def make_plan(grid: list[list[str]], micro: int, out: Path, sync=None) -> Path:
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.plan import OptimizerConfig, save_plan
     from fusion.replicas import compile_replicated

@@ -36,7 +36,7 @@ MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
 
 def make_plan(grid: list[list[str]], micro: int, out: Path, dp_codec: dict | None = None) -> Path:
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.executors.reference import contiguous_parts
     from fusion.ir.boundary import part_order
     from fusion.loader import load_model

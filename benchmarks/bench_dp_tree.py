@@ -37,7 +37,7 @@ devices:
 
 
 def make_plan(cluster_file: Path, algo: str, out: Path) -> tuple[Path, dict]:
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.commands.compile import set_dp_allreduce
     from fusion.loader import load_model
     from fusion.plan import OptimizerConfig, save_plan

@@ -357,7 +357,7 @@ def fitted_cluster(cfg):
     executor runs one thread."""
     from dataclasses import replace
 
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.cost.profile import profile_host
 
     cluster = load_cluster(str(CLUSTER_YAML))

@@ -37,7 +37,7 @@ CLUSTER = ROOT / "examples" / "clusters" / "local-4-one-site.yaml"
 
 def build_plan(out: Path) -> Path:
     """The tiny GPT cut into 2 equal stages (contiguous in the graph's node order) on cpu-0 and cpu-1."""
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.plan import OptimizerConfig, save_plan
     from fusion.replicas import compile_replicated

@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import CODEC_RUNS, codec_edges, train  # noqa: E402  (puts examples/models on sys.path)
 from diloco_study import split_corpus, text_corpus, train_batches, unigram_loss, validation_set  # noqa: E402
 
-from fusion.cluster.model import load_cluster  # noqa: E402
+from fusion.cluster import load_cluster# noqa: E402
 from fusion.compile import compile_model  # noqa: E402
 from fusion.compress.bottleneck import BottleneckRequest, initial_values  # noqa: E402
 from fusion.ir.model import Model  # noqa: E402

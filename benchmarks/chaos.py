@@ -60,7 +60,7 @@ EVERY = 2  # checkpoint every EVERY steps
 
 def build_plan(kind: str, out: Path) -> tuple[Path, list[str]]:
     """The plan of ``kind`` (contiguous cut of the graph's node order into equal stages); its folder and parts."""
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.plan import OptimizerConfig, save_plan
     from fusion.replicas import compile_replicated

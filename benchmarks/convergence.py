@@ -57,7 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "examples" / "models")]
 
-from fusion.cluster.model import load_cluster  # noqa: E402
+from fusion.cluster import load_cluster# noqa: E402
 from fusion.compile import compile_model  # noqa: E402
 from fusion.executors.runtime.linkemu import link_model  # noqa: E402
 from fusion.plan import OptimizerConfig  # noqa: E402

@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT / "benchmarks")]
 
 import convergence as cv  # noqa: E402  (the study's model, corpus, batches and codec runs)
 
-from fusion.cluster.model import load_cluster  # noqa: E402
+from fusion.cluster import load_cluster# noqa: E402
 from fusion.compile import compile_model  # noqa: E402
 from fusion.ir.errors import FusionError  # noqa: E402
 

@@ -197,18 +197,3 @@ class OpGraph:
                 raise GraphError(f"wrong arity for {node.target!r}: takes at least {spec.min_args} arguments, got {n}", node.name)
         if spec.max_args is not None and n > spec.max_args:
             raise GraphError(f"wrong arity for {node.target!r}: takes at most {spec.max_args} arguments, got {n}", node.name)
-
-    # -- sub-DAGs -------------------------------------------------------------------
-    def subgraph(self, names: Iterable[str]):
-        """The sub-DAG on ``names`` with its boundary tables (FusionLLM Table 3).
-
-        See :func:`fusion.ir.boundary.subgraph`.
-        """
-        from fusion.ir.boundary import subgraph
-
-        return subgraph(self, names)
-
-    def copy(self) -> "OpGraph":
-        from fusion.ir.serialize import graph_from_dict, graph_to_dict
-
-        return graph_from_dict(graph_to_dict(self))

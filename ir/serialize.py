@@ -212,6 +212,12 @@ def graph_from_dict(d: Any, source: str = "graph") -> OpGraph:
     return g
 
 
+def copy_graph(g: OpGraph) -> OpGraph:
+    """An independent copy of ``g``, made by the round trip through plain data: what a saved plan would hold
+    (a graph that cannot be saved cannot be copied either; the error names the node)."""
+    return graph_from_dict(graph_to_dict(g))
+
+
 def save_graph(g: OpGraph, path: str | Path) -> None:
     Path(path).write_text(json.dumps(graph_to_dict(g), indent=1))
 

@@ -11,12 +11,13 @@ benchmarks.
 """
 from __future__ import annotations
 
+import json
 import math
 from importlib import resources
 
 import numpy as np
 
-from fusion.cluster.model import Cluster, ClusterError, Device, load_cluster
+from fusion.cluster.model import Cluster, ClusterError, Device
 
 #: Hardware presets used by the synthetic clusters (peak FLOP/s, memory bytes).
 GPU_PRESETS = {
@@ -41,7 +42,7 @@ def load_scenario(name: str) -> Cluster:
     if name not in scenario_names():
         raise ClusterError(f"no shipped scenario {name!r}; known: {', '.join(scenario_names())}")
     with resources.as_file(_data() / f"{name}.json") as path:
-        return load_cluster(path)
+        return Cluster.from_dict(json.loads(path.read_text()), str(path))
 
 
 def synthetic_cluster(n_devices: int, site_size: int = 8, seed: int = 0) -> Cluster:

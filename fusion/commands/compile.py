@@ -779,7 +779,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
         bottleneck_from_args(args)  # and a bad --bottleneck rank
 
-    compiled = compile_cached(args, args.model, check)  # the cache's plan, or traced and compiled here
+    compiled = compile_cached(args, args.model, compile_from_args, describe_plan, check)  # the cache's plan, or traced and compiled here
     out = compiled.save(args.output)
     print(f"wrote {out}: {compiled.describe()}")
     return 0

@@ -32,6 +32,8 @@ class Compiled:
     key: CompileKey | None = None
     cache: CompileCache | None = None
     compile_s: float = 0.0
+    #: ``describe_plan(plan, cluster)`` of :mod:`fusion.commands.compile` (handed in: that module calls this one)
+    describe_fn: Callable[[Any, Any], str] | None = None
     _loaded: Any = None
 
     @property
@@ -45,9 +47,7 @@ class Compiled:
 
     def describe(self) -> str:
         """:func:`~fusion.commands.compile.describe_plan`'s line (on a hit the one the compile said)."""
-        from fusion.commands.compile import describe_plan
-
-        return self.hit.manifest["describe"] if self.hit is not None else describe_plan(self.fresh, self.cluster)
+        return self.hit.manifest["describe"] if self.hit is not None else self.describe_fn(self.fresh, self.cluster)
 
     def save(self, out: str | Path) -> Path:
         """Write the plan folder ``out``: the cached files on a hit, else :func:`~fusion.plan.save_plan`, and then
@@ -73,25 +73,27 @@ def cache_key(args: argparse.Namespace, target: str) -> tuple[CompileCache | Non
     return (CompileCache.default(), key) if key is not None else (None, None)
 
 
-def compile_cached(args: argparse.Namespace, target: str, check: Callable[[], object] | None = None) -> Compiled:
+def compile_cached(args: argparse.Namespace, target: str, compile_fn: Callable, describe_fn: Callable,
+                   check: Callable[[], object] | None = None) -> Compiled:
     """The plan of ``target`` for ``args.cluster`` with ``args``' compile options: from the cache when it holds the
     key (``compile cache hit: <key> (<s> s)`` on stderr), else ``check()`` (the option checks that import torch:
-    an entry exists only for options that passed them) and compiled."""
+    an entry exists only for options that passed them) and ``compile_fn(args, model, cluster)``.
+    ``compile_fn`` / ``describe_fn``: :mod:`fusion.commands.compile`'s ``compile_from_args`` / ``describe_plan``
+    (passed in, so that module and this one do not import each other)."""
     t0 = time.monotonic()
     cache, key = cache_key(args, target)
     hit = cache.lookup(key) if cache is not None else None
     if hit is not None:
         print(f"compile cache hit: {key.short} ({time.monotonic() - t0:.2f} s)", file=sys.stderr, flush=True)
-        return Compiled(args.cluster, hit=hit, key=key, cache=cache)
+        return Compiled(args.cluster, hit=hit, key=key, cache=cache, describe_fn=describe_fn)
     if check is not None:
         check()
-    from fusion.cluster.model import load_cluster
-    from fusion.commands.compile import compile_from_args
+    from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.loss import choose_loss
 
     cluster = load_cluster(args.cluster)
     model = choose_loss(load_model(target), args.loss, target)
-    plan = compile_from_args(args, model, cluster)
+    plan = compile_fn(args, model, cluster)
     return Compiled(args.cluster, plan, cluster, params=model.params, key=key, cache=cache,
-                    compile_s=time.monotonic() - t0)
+                    compile_s=time.monotonic() - t0, describe_fn=describe_fn)

@@ -1,18 +1,18 @@
 """``fusion coordinator PLAN --bind ADDR --steps N``: drive executors started by hand on other hosts.
 
-Also home of :func:`train`, the step loop shared with ``fusion run``:
-progress bar (step, loss, samples/s), metrics JSONL, final weights.
+Also home of the options and argparse types ``fusion run`` shares with it; both train with the step loop of
+:mod:`fusion.commands.steploop`.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from fusion.commands.steploop import Evaluation, train
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +102,6 @@ def add_eval_options(p: argparse.ArgumentParser) -> None:
                         "batches, or your FUNCTION(k, split='val')")
 
 
-@dataclass
-class Evaluation:
-    """What ``--eval-every`` evaluates: every ``every`` steps, the mean loss of ``batches`` (held out)."""
-
-    every: int
-    batches: list
-
-
 def eval_from_args(args: argparse.Namespace, plan, batch_fn=None) -> "Evaluation | None":
     """The run's :class:`Evaluation` (None without ``--eval-every``); its batches are made here, before any process
     starts, so a data function without ``split`` fails at once. Training data that holds its own validation split
@@ -173,95 +165,6 @@ def add_parser(sub) -> None:
 
     add_security_options(p)
     p.set_defaults(run=run, default_verbosity=1)
-
-
-def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
-          resumed: bool = False, log_every_s: float | None = None, evaluation: "Evaluation | None" = None) -> dict:
-    """Run steps ``first..steps-1``; write their metrics to ``out/metrics.jsonl``; save ``out/final.safetensors``.
-
-    ``log_every_s``: when stderr is not a terminal (a log file, a CI job), a one-line step log there at most
-    this often (and after the last step), whatever ``progress`` says; None: never.
-    evaluation: after every ``evaluation.every``-th step, the held-out loss (:meth:`Coordinator.evaluate`, mean over
-    its batches) is printed and written as ``{"step", "val_loss", "time"}``.
-
-    Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
-    replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
-    line of step ``first - 1`` is restored from its checkpoint when a crash lost it. On Ctrl-C the latest
-    weights are still saved, then KeyboardInterrupt propagates.
-    Returns ``{"steps": steps done, "loss": last loss, "interrupted": bool}``.
-    """
-    from fusion.commands.rundir import restore_committed_line, trim_metrics
-    from fusion.plan import save_arrays
-
-    out.mkdir(parents=True, exist_ok=True)
-    metrics = out / "metrics.jsonl"
-    resumed = resumed or bool(first)
-    if resumed:
-        trim_metrics(metrics, first)
-        if restore_committed_line(metrics, coord.cfg.checkpoint_dir, first):
-            log.warning("restored the metrics line of step %d from its checkpoint (a crash had lost it)", first - 1)
-    bar = None
-    if progress and first < steps:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-    last = None
-    done = first
-    interrupted = False
-    step_log = log_every_s is not None and not sys.stderr.isatty()
-    t0 = t_logged = time.monotonic()
-    from fusion.commands.metrics_log import LiveBoard
-
-    board = LiveBoard(metrics, out / "tensorboard")  # TensorBoard as the run goes (with the tensorboard extra)
-    try:
-        with open(metrics, "a" if resumed else "w") as mf:
-            for step in range(first, steps):
-                r = coord.step(batch_fn(step))
-                last, done = r, step + 1
-                line = r.metrics_line()
-                mf.write(json.dumps(line) + "\n")
-                mf.flush()
-                board.add(line)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
-                    bar.update(1)
-                if step_log and (time.monotonic() - t_logged >= log_every_s or step + 1 == steps):
-                    t_logged = time.monotonic()
-                    _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
-                              f"({t_logged - t0:.0f} s)")
-                if evaluation is not None and (step + 1) % evaluation.every == 0:
-                    val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
-                    val_line = {"step": r.step, "val_loss": val, "time": time.time()}
-                    mf.write(json.dumps(val_line) + "\n")
-                    mf.flush()
-                    board.add(val_line)
-                    _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
-                              f"batches; metrics.jsonl step {r.step})")
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        board.close()
-        if bar is not None:
-            bar.close()
-    if interrupted:
-        print(f"interrupted after {done} steps; saving the latest weights (Ctrl-C again to skip)", file=sys.stderr)
-    state = coord.fetch_state()
-    tmp = out / "final.safetensors.tmp"
-    save_arrays(state, tmp, {k: spec.dtype for k, spec in coord.plan.graph.params.items()})
-    tmp.replace(out / "final.safetensors")
-    summary = {"steps": done, "loss": None if last is None else last.loss, "interrupted": interrupted}
-    if interrupted:
-        raise KeyboardInterrupt(summary)
-    return summary
-
-
-def _say(bar, text: str) -> None:
-    """A line on stderr, above the progress bar when there is one (``tqdm.write``: a bar drawn into a log file
-    ends without a newline, and a plain print would be glued to it)."""
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr, flush=True)
 
 
 def run_name(plan_dir: Path) -> str:

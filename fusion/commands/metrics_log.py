@@ -17,7 +17,7 @@ import logging
 import math
 from pathlib import Path
 
-from fusion.commands.report import iter_metrics
+from fusion.commands.metrics_file import iter_metrics
 
 log = logging.getLogger(__name__)
 

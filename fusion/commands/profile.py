@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from fusion.cluster.model import ClusterError, load_cluster
+    from fusion.cluster import ClusterError, load_cluster
     from fusion.ir.errors import FusionError
     from fusion.cluster.units import UnitError, parse_quantity
 
@@ -176,7 +176,7 @@ def _profile_host(args: argparse.Namespace, peak: float, overheads: bool):
 
 def _node_times(args: argparse.Namespace) -> int:
     """``fusion profile --model MODEL -o FILE``: the per-node time table (:mod:`fusion.cost.node_times`)."""
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import _ensure_shapes
     from fusion.cost.node_times import measure_node_times
     from fusion.ir.errors import FusionError

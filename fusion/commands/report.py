@@ -6,28 +6,13 @@ Ctrl-C, from the files the run already wrote (``metrics.jsonl`` and
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
+from fusion.commands.metrics_file import iter_metrics
+from fusion.commands.metrics_log import write_csv, write_tensorboard
+
 log = logging.getLogger(__name__)
-
-
-def iter_metrics(path: Path):
-    """The rows of ``metrics.jsonl`` one at a time (a torn last line of a killed run is skipped)."""
-    if not path.exists():
-        return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except ValueError:
-                continue
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of ``metrics.jsonl`` (a torn last line of a killed run is skipped)."""
-    return list(iter_metrics(path))
 
 
 def _num(v) -> float:
@@ -164,8 +149,6 @@ _PARTIAL = ("loss.png.tmp", "trace.json.tmp", "metrics.csv.tmp")
 def finish_run(out: Path, title: str = "") -> dict[str, Path]:
     """Write ``loss.png``, ``trace.json``, ``metrics.csv`` and (when tensorboard is installed) ``tensorboard/``
     into the run folder, each from what the run left there; returns what was written."""
-    from fusion.commands.metrics_log import write_csv, write_tensorboard
-
     written = {}
     for key, make in (("plot", lambda: loss_plot(out / "metrics.jsonl", out / "loss.png", title)),
                       ("trace", lambda: merge_traces(out / "trace", out / "trace.json", out / "metrics.jsonl")),

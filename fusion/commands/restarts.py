@@ -23,6 +23,7 @@ from pathlib import Path
 from dataclasses import replace
 from typing import Callable
 
+from fusion.commands.steploop import train
 from fusion.ir.errors import FusionError
 
 #: the ``event`` of a restart's line in metrics.jsonl
@@ -57,7 +58,6 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
     first: the step the run starts at if the first start-up fails before saying (``cluster.start`` returns
     the real one). Returns train's summary plus ``restarts``; the failure that exceeds ``max_restarts`` is
     raised with the count of restarts in its reason."""
-    from fusion.commands.coordinator import train
     from fusion.executors.runtime.coordinator import CompNodeFailure
 
     restarts = 0

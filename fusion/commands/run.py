@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from fusion.commands.coordinator import (_number, add_common, eval_from_args, non_negative_int, positive_int, run_name,
-                                         train)
+from fusion.commands.coordinator import _number, add_common, eval_from_args, non_negative_int, positive_int, run_name
+from fusion.commands.steploop import train
 
 #: an argparse type: a number of seconds >= 0
 non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 raise FusionError(f"{args.target}: not a plan folder (no {Path(args.target) / 'plan.json'}) and not a "
                                   "MODEL (file.py:function)")
             raise FusionError("compiling a model needs --cluster FILE")
-        from fusion.commands.compile import dp_sync_from_args, optimizer_from_args
+        from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
         from fusion.commands.compile_cache import compile_cached
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():  # a terminal sees progress at once; a log keeps a user error to its one line
             _say(f"compiling {args.target} for {args.cluster} ({args.strategy}) ...")
         # a run that trains nothing is refused (choose_loss); a cache hit skips the trace and compile
-        compiled = compile_cached(args, args.target)
+        compiled = compile_cached(args, args.target, compile_from_args, describe_plan)
         plan = compiled.plan
         _say(f"compiled: {compiled.describe()} ({time.monotonic() - t_start:.1f} s)")
     if args.join_at:  # a join schedule the plan cannot run is one line before the run folder is made

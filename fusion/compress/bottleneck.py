@@ -41,6 +41,7 @@ import numpy as np
 from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph, ParamSpec
 from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, map_refs
+from fusion.ir.serialize import copy_graph
 from fusion.plan import BottleneckSpec
 
 #: what ``--bottleneck auto`` tries: ranks D // k for these k (at least 1), see :func:`auto_ranks`
@@ -168,7 +169,7 @@ def insert_bottlenecks(graph: OpGraph, cut_edges: list[CutEdge], rank: int | Map
     values are :func:`initial_values` of the returned specs. The new nodes carry their shapes (``meta.outputs``);
     their costs are the estimator's to fill. BottleneckError (one line) for R >= D, R < 1, or an edge that is not
     a float tensor of >= 2 dims. ``graph`` itself is not changed."""
-    g = graph.copy()
+    g = copy_graph(graph)
     specs = []
     for e in cut_edges:
         r = rank[e.name] if isinstance(rank, Mapping) else rank

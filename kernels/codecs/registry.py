@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -246,13 +247,13 @@ _NOT_CODECS = frozenset({"base", "registry", "plain"})
 
 
 def builtin_codecs() -> list[Codec]:
-    """The ``BUILTINS`` of every codec module of this package, in their declared order."""
-    import fusion.kernels.codecs as pkg
-
+    """The ``BUILTINS`` of every codec module in this module's folder (the codecs package), in their declared
+    order. The folder is read from this file's own place: the registry needs the package's files, not its
+    ``__init__`` (which imports the registry)."""
     out: list[Codec] = []
-    for m in pkgutil.iter_modules(pkg.__path__):
+    for m in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if m.name not in _NOT_CODECS:
-            out.extend(importlib.import_module(f"{pkg.__name__}.{m.name}").BUILTINS)
+            out.extend(importlib.import_module(f"{__package__}.{m.name}").BUILTINS)
     return sorted(out, key=lambda c: c.order)
 
 

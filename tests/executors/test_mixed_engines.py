@@ -167,8 +167,9 @@ def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
         from fusion.ir.onnx_import import load_onnx
         from fusion.executors.engines.numpy.engine import supports
         from fusion.executors.engines.select import make_engine_part
+        from fusion.ir.boundary import subgraph
         model = load_onnx({str(tmp_path / "m.onnx")!r}, loss="mse", engine="numpy", supports=supports)
-        part = make_engine_part("numpy", model.graph, model.graph.subgraph(model.graph.nodes), model.params)
+        part = make_engine_part("numpy", model.graph, subgraph(model.graph, model.graph.nodes), model.params)
         x = np.ones((2, 4), np.float32)
         _, loss = part.forward(0, {{}}, {{"x": x, "y": np.zeros((2, 3), np.float32)}})
         part.backward(0, {{}})

@@ -355,7 +355,7 @@ def test_data_options_are_checked_before_the_compile(capsys, tmp_path, extra, li
 # -- clusters ---------------------------------------------------------------------------------------
 
 def test_bandwidth_round_trips_as_written(cli, tmp_path):
-    from fusion.cluster.model import Cluster, load_cluster
+    from fusion.cluster import Cluster, load_cluster
     from fusion.cluster.units import format_bandwidth
 
     c = load_cluster(LOCAL)

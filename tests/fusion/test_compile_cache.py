@@ -193,7 +193,7 @@ def test_every_option_the_compile_reads_is_in_the_key(tmp_path):
     import argparse
 
     from fusion.cli import build_parser
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.commands.compile import compile_from_args
     from fusion.compile_key import compile_options
     from fusion.loader import load_model

@@ -151,7 +151,7 @@ def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
 def test_profile_writes_the_users_yaml_back_as_yaml(tmp_path, capsys):
     """-o x.yaml keeps the user's readable format and units (a `count` entry is split to hold one lambda)."""
     import yaml
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
 
     out = tmp_path / "profiled.yaml"
     assert main(["profile", "--cluster", LOCAL, "--name", "cpu-1", "--sizes", "256,512", "--threads", "1",

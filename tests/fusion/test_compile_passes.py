@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from fusion.cluster.model import load_cluster
+from fusion.cluster import load_cluster
 from fusion.compress.policy import request
 from fusion.loader import load_model
 from fusion.passes import steps

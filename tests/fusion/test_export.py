@@ -47,7 +47,7 @@ def test_a_trained_llama_exports_into_its_own_module_strictly(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from fusion.cli import main
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.commands.rundir import prepare_run_dir
     from fusion.compile import compile_model
     from fusion.executors.reference import ReferenceExecutor

@@ -100,7 +100,7 @@ def test_a_plan_without_a_loss_is_refused(tmp_path, capsys):
     from fusion.ir.builder import GraphBuilder
     from fusion.plan import save_plan
     from fusion.compile import compile_model
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
 
     b = GraphBuilder()
     x = b.input("x")

@@ -83,7 +83,7 @@ def net():
 def test_a_pretrained_model_as_it_comes_trains_its_own_loss(tmp_path):
     """No wrapper: the graph's parameters are the model's own names, and two SGD steps of the traced graph cut
     in two parts give the losses of the model in plain PyTorch (the example aliases input_ids and labels)."""
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_function, load_model

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.cluster.model import load_cluster
+from fusion.cluster import load_cluster
 from fusion.compile import CompileError, compile_model
 from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor

@@ -9,6 +9,7 @@ from torch import nn
 from tests.ir._trace_models import AttnNet, HFStyle, TiedLM, contiguous_parts, load_gpt, plain_step
 from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
+from fusion.ir.boundary import subgraph
 from fusion.ir import GraphError, NodeKind, Ref, register_module
 from fusion.ir.serialize import graph_to_dict, load_graph, save_graph
 from fusion.ir.model import Model
@@ -178,7 +179,7 @@ def test_leaf_with_tuple_output_crosses_parts_indexed():
     assert g["attn"].target == "torch.nn.MultiheadAttention" and g["attn"].meta.multi
     assert g["attn"].kwargs == {"need_weights": False}
     assign = {n: ("a" if n in ("x", "attn") else "b") for n in g.nodes}
-    sub = g.subgraph([n for n, p in assign.items() if p == "b"])
+    sub = subgraph(g, [n for n, p in assign.items() if p == "b"])
     assert {(e.producer, e.index) for e in sub.boundary.required_acts} == {("attn", 0), ("x", None)}
     ex_ = ReferenceExecutor(model, assign, OptimizerConfig("sgd", lr=0.1), micro_batches=2)
     ref = AttnNet()

@@ -30,15 +30,28 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 
 from fusion.ir.node import NodeKind, ParamRef, Ref, map_nested, map_refs
+from fusion.ir.walk import GraphWalk, Key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fusion.executors.engines.torch.engine import TorchPart
+
+class Part(Protocol):
+    """What a compiled module is written from: a torch engine part (``engine.TorchPart``) as this module reads it.
+
+    walk:      the part's graph walk (:mod:`fusion.ir.walk`): its steps, callables and Ref addresses.
+    modules:   node name -> the part's own ``nn.Module`` for that node.
+    recv_keys: the activations the part receives, in argument order.
+    send_keys: the activations the part sends, in result order.
+    """
+
+    walk: GraphWalk
+    modules: dict[str, nn.Module]
+    recv_keys: dict[Key, bool]
+    send_keys: list[Key]
 
 
 def _ident(name: str, taken: set[str]) -> str:
@@ -53,7 +66,7 @@ def _ident(name: str, taken: set[str]) -> str:
     return out
 
 
-def build_part_module(part: "TorchPart") -> tuple[fx.GraphModule, int, bool]:
+def build_part_module(part: Part) -> tuple[fx.GraphModule, int, bool]:
     """The GraphModule computing ``part``'s forward.
 
     Its arguments are the received activations in ``part.recv_keys`` order, then

@@ -6,6 +6,7 @@ import pytest
 from fusion.executors.engines import select
 from fusion.executors.engines.base import EnginePart
 from fusion.executors.engines.numpy.engine import NumpyPart
+from fusion.ir.boundary import subgraph
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError
 
@@ -75,7 +76,7 @@ def _graph():
 def test_numpy_forget_drops_what_forward_kept():
     model = _graph()
     g = model.graph
-    part = select.make_engine_part("numpy", g, g.subgraph(list(g.nodes)), model.params)
+    part = select.make_engine_part("numpy", g, subgraph(g, list(g.nodes)), model.params)
     assert isinstance(part, NumpyPart) and isinstance(part, EnginePart)
     feeds = {"x": np.ones((2, 3), np.float32), "y": np.array([0, 1])}
     for k in ((0, 0), (0, 1)):
@@ -92,4 +93,4 @@ def test_a_part_factory_that_does_not_build_an_engine_part_is_refused(monkeypatc
     monkeypatch.setitem(select._ENGINES, "odd", select.EngineSpec(lambda graph, sub, params, device: object(), "x:y"))
     with pytest.raises(FusionError, match="engine 'odd': its part factory returned a object, not a subclass of "
                                           "fusion.executors.engines.base.EnginePart"):
-        select.make_engine_part("odd", g, g.subgraph(list(g.nodes)), model.params)
+        select.make_engine_part("odd", g, subgraph(g, list(g.nodes)), model.params)

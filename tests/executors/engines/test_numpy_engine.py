@@ -10,6 +10,7 @@ import torch
 
 from fusion.executors.engines.numpy.engine import OPS, NumpyPart, supports
 from fusion.executors.engines.numpy.optim import NumpyOptimizer
+from fusion.ir.boundary import subgraph
 from fusion.ir.onnx_torch import ONNX_OPS
 from fusion.executors.engines.torch.optimizer import torch_optimizer
 from fusion.plan import OptimizerConfig
@@ -233,7 +234,7 @@ def test_mixed_engine_parts_train_like_pytorch(engines, opt_name):
 
 def test_numpy_part_rejects_what_it_cannot_build():
     model = opnode_model()
-    sub = model.graph.subgraph(model.graph.nodes)
+    sub = subgraph(model.graph, model.graph.nodes)
     with pytest.raises(GraphError, match="runs on the CPU"):
         NumpyPart(model.graph, sub, model.params, device="cuda")
     with pytest.raises(GraphError, match="no initial value for parameter"):
@@ -247,7 +248,7 @@ def test_numpy_forward_errors_name_the_node():
     b = GraphBuilder()
     b.output("y", b.module("fc", "torch.nn.Linear", b.input("x"), in_features=4, out_features=3))
     model = b.build({"x": torch.zeros(2, 4)})
-    part = NumpyPart(model.graph, model.graph.subgraph(model.graph.nodes), model.params)
+    part = NumpyPart(model.graph, subgraph(model.graph, model.graph.nodes), model.params)
     with pytest.raises(GraphError, match=r"^node 'fc': numpy engine failed on torch.nn.Linear: ValueError"):
         part.forward(0, {}, {"x": np.zeros((2, 5), np.float32)})
     with pytest.raises(GraphError, match="^node 'x': no data fed to this placeholder"):

@@ -16,6 +16,7 @@ import torch
 from fusion.executors.engines.select import make_engine_part
 from fusion.executors.engines.torch import engine as torch_engine
 from fusion.executors.reference import ReferenceExecutor
+from fusion.ir.boundary import subgraph
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError
 from tests.executors.test_equivalence import CASES, OPTIMIZERS, _assert_trains_like_pytorch, _model
@@ -103,7 +104,7 @@ def test_a_part_fx_cannot_write_falls_back_to_the_interpreter(monkeypatch, caplo
 
 def test_engine_options_are_checked():
     model = _model("fanout")
-    sub = model.graph.subgraph(list(model.graph.nodes))
+    sub = subgraph(model.graph, list(model.graph.nodes))
     with pytest.raises(FusionError, match=r"engine 'numpy' has no option\(s\) \['compiled'\]"):
         make_engine_part("numpy", model.graph, sub, model.params, options={"compiled": True})
     with pytest.raises(FusionError, match=r"no option\(s\) \['fast'\].*'compiled', 'compile', 'recompute'"):

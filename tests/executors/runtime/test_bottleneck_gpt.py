@@ -50,7 +50,7 @@ def _plain(module, extra, residual, batches):
 
 @pytest.mark.parametrize("n_parts,schedule", [(2, "gpipe"), (4, "1f1b")])
 def test_bottlenecked_gpt_processes_match_plain_pytorch(tmp_path, n_parts, schedule):
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.compress.bottleneck import BottleneckRequest, initial_values
     from fusion.data import make_batches

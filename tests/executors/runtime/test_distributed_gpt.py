@@ -64,7 +64,7 @@ def _plain(module, batches):
 # both schedules at both sizes: 4 cases, ~25 s together on 2 cores
 @pytest.mark.parametrize("n_parts,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")])
 def test_traced_gpt_processes_match_pytorch(tmp_path, n_parts, schedule):
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.data import make_batches
     from fusion.ir.trace import trace

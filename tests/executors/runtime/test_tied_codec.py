@@ -23,7 +23,7 @@ TIED = "transformer.wte.weight"
 
 
 def _plan(tmp_path, tied_codec):
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.ir.trace import trace
 
@@ -115,7 +115,7 @@ def test_bad_tied_codec_flags_are_one_line_errors(value, why):
 
 
 def test_auto_takes_8_bit_quant_only_where_it_shortens_the_iteration(tmp_path):
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.ir.trace import trace
 

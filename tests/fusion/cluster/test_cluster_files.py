@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusion.cluster.model import Cluster, ClusterError, load_cluster
+from fusion.cluster import Cluster, ClusterError, load_cluster
 from fusion.cluster.scenarios import load_scenario
 from fusion.cluster.units import UnitError, parse_quantity
 
@@ -145,7 +145,7 @@ def test_fitted_overheads_load_round_trip_and_default_to_zero(tmp_path):
     """Profiles written before the per-node / per-message fit load with both at 0; written ones come back."""
     import json
 
-    from fusion.cluster.model import Cluster, ClusterError, load_cluster
+    from fusion.cluster import Cluster, ClusterError, load_cluster
 
     old = {"name": "old", "devices": [{"name": "a", "peak_flops": 1e10, "memory_bytes": 1e9, "lambda": 0.9},
                                       {"name": "b", "peak_flops": 1e10, "memory_bytes": 1e9}],

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion.cluster.model import load_cluster
+from fusion.cluster import load_cluster
 from fusion.cluster.scenarios import synthetic_cluster
 from fusion.cluster.topology import cluster_bandwidth, cluster_path, device_clusters, device_order
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fusion.cli import build_parser
-from fusion.cluster.model import Cluster, Device, load_cluster
+from fusion.cluster import Cluster, Device, load_cluster
 from fusion.commands.compile import compile_from_args
 from fusion.compile import compile_model
 from fusion.compress.policy import AUTO_BWD, AUTO_FWD, codec_prices, request

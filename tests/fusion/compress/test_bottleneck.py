@@ -169,7 +169,7 @@ def test_bad_input_one_line():
 
 
 def _compile(tmp_path, rows=4, **kw):
-    from fusion.cluster.model import load_cluster
+    from fusion.cluster import load_cluster
     from fusion.compile import compile_model
 
     (tmp_path / "c.yaml").write_text(CLUSTER)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fusion.cluster.model import ClusterError, load_cluster
+from fusion.cluster import ClusterError, load_cluster
 from fusion.cost.estimate import CostModel
 from fusion.cost.profile import fit_step
 from fusion.cost.schedules import price_schedule

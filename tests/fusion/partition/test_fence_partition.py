@@ -8,7 +8,7 @@ import torch
 
 from fusion.partition.baselines import equal_count, equal_flops
 from fusion.partition.chain import build_chain
-from fusion.cluster.model import Cluster, Device, load_cluster
+from fusion.cluster import Cluster, Device, load_cluster
 from fusion.cost.estimate import CostModel
 from fusion.partition.fence import NoFitError, op_fence
 from fusion.cost.flops import measure_costs
