@@ -277,6 +277,20 @@ def test_refused_handshakes_are_logged_as_counts_whatever_the_number_of_keys(cap
         ctx.term()
 
 
+def _capped_receiver():
+    """``(key pairs, public keys, headers received, transport)``: p1's CURVE transport, taking messages from p0,
+    with a cap of 4 connections open at once (not started)."""
+    from fusion.executors.runtime.keys import Security
+    from fusion.executors.runtime.transport import Transport
+
+    pairs = {n: generate(n) for n in ("p0", "p1")}
+    peers = {n: p.public for n, p in pairs.items()}
+    got = []
+    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append(m.header), max_connections=4,
+                   security=Security(pairs["p1"], peers))
+    return pairs, peers, got, rx
+
+
 def test_held_keyless_connections_do_not_lock_a_new_peer_out():
     """Issue 39: a client without a key holding connections up to the cap (69 did it at the default cap) made
     the socket shut down every newer connection, a real peer's reconnection included, until ZeroMQ's 30 s
@@ -286,14 +300,7 @@ def test_held_keyless_connections_do_not_lock_a_new_peer_out():
     import socket
     import time
 
-    from fusion.executors.runtime.keys import Security
-    from fusion.executors.runtime.transport import Transport
-
-    pairs = {n: generate(n) for n in ("p0", "p1")}
-    peers = {n: p.public for n, p in pairs.items()}
-    got = []
-    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append(m.header), max_connections=4,
-                   security=Security(pairs["p1"], peers))
+    pairs, peers, got, rx = _capped_receiver()
     ctx = zmq.Context()
     held = []
     try:
@@ -322,14 +329,7 @@ def test_connections_over_the_cap_are_shut_down_and_the_run_s_own_keep_working(c
     import socket
     import time
 
-    from fusion.executors.runtime.keys import Security
-    from fusion.executors.runtime.transport import Transport
-
-    pairs = {n: generate(n) for n in ("p0", "p1")}
-    peers = {n: p.public for n, p in pairs.items()}
-    got = []
-    rx = Transport("p1", "tcp://127.0.0.1:*", {"p0"}, lambda s, m: got.append(m.header), max_connections=4,
-                   security=Security(pairs["p1"], peers))
+    pairs, peers, got, rx = _capped_receiver()
     ctx = zmq.Context()
     caplog.set_level(logging.WARNING, logger="fusion.executors.runtime.keys")
     held = []

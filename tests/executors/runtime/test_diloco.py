@@ -140,6 +140,15 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 g.grad = torch.stack([deltas[r][k] for r in members]).sum(0) / len(members)
         outer.step()
 
+    def start_round(f, raw):  # delay 1: what each live replica sends of fragment f (through the codec)
+        sent = {}
+        for r in live:
+            d = raw[r]
+            if sync.codec is not None:
+                d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
+            sent[r] = d
+        return sent
+
     out = []
     for step, batch in enumerate(batches):
         if drop is not None and step == drop[0]:
@@ -171,12 +180,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
             raw = {r: {k: globs[r][k].detach() - local[r][k].detach() for k in frags[f]} for r in live}
             for r in live:
                 apply_eager(r, f, raw[r], pending[f], live)
-            pending[f] = {}
-            for r in live:
-                d = raw[r]
-                if sync.codec is not None:
-                    d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
-                pending[f][r] = d
+            pending[f] = start_round(f, raw)
             with torch.no_grad():
                 for r in live:
                     for k in frags[f]:
@@ -186,12 +190,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
             raw = {r: {k: anchor[r][k] - local[r][k].detach() for k in frags[f]} for r in live}
             if pending[f] is not None:
                 apply_outer(f, pending[f], live)
-            pending[f] = {}
-            for r in live:
-                d = raw[r]
-                if sync.codec is not None:
-                    d, residual[r][f] = _through_codec(d, frags[f], sync.codec, residual[r][f])
-                pending[f][r] = d
+            pending[f] = start_round(f, raw)
             with torch.no_grad():
                 for r in live:
                     for k in frags[f]:
