@@ -69,6 +69,8 @@ def write_tensorboard(metrics: Path, out: Path) -> Path | None:
     w = SummaryWriter(str(out))
     try:
         for r in iter_metrics(metrics):  # one line at a time
+            if "step" not in r:  # an event line (a restart): not a scalar of a step
+                continue
             for k, v in _scalars(r).items():
                 if k not in ("step", "time") and math.isfinite(v):
                     w.add_scalar(f"train/{k}", v, int(r["step"]), walltime=r.get("time"))
@@ -89,12 +91,15 @@ class LiveBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return
-        write_tensorboard(metrics, out)
-        self.writer = SummaryWriter(str(out))
+        try:  # a log must never stop the run: without it, the end of the run still writes the board
+            write_tensorboard(metrics, out)
+            self.writer = SummaryWriter(str(out))
+        except Exception as e:
+            log.warning("no TensorBoard log as the run goes: %s", e)
 
     def add(self, line: dict) -> None:
         """One metrics line (a step's, or a validation line) as scalars ``train/<field>`` at its step."""
-        if self.writer is None:
+        if self.writer is None or "step" not in line:
             return
         for k, v in _scalars(line).items():
             if k not in ("step", "time") and math.isfinite(v):

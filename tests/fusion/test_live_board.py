@@ -27,7 +27,8 @@ def test_each_line_is_readable_before_the_run_ends_and_a_resume_replays_cleanly(
     assert [v for _, v in got["train/lr"]] == pytest.approx([0.01] * 3)
     board.close()
     # a resumed run: metrics.jsonl trimmed to steps 0-1; the board starts from those, then goes on
-    metrics.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s, "time": 100.0 + s}) + "\n" for s in range(2)))
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s, "time": 100.0 + s}) + "\n" for s in range(2))
+                       + json.dumps({"event": "restart", "restart": 1, "resumed_step": 2}) + "\n")  # no step: skipped
     board = LiveBoard(metrics, board_dir)
     board.add({"step": 2, "loss": 0.5, "time": 200.0})
     assert _scalars(board_dir)["train/loss"] == [(0, 3.0), (1, 2.0), (2, 0.5)]
