@@ -641,7 +641,8 @@ class Plan:
                                     f"{self.assignment.get(node)!r})")
 
     def _check_precision(self, source: str) -> None:
-        """``precision`` is fp32 or bf16; bf16 (autocast) runs on torch parts with dense cut edges only."""
+        """``precision`` is fp32 or bf16; bf16 (autocast) runs on torch parts only. Compressed cut edges are
+        encoded in the dtype autocast gave the tensor (``CompressionTable.autocast``)."""
         if self.precision not in self.PRECISIONS:
             raise PlanError(f"{source}: precision {self.precision!r}: one of {', '.join(self.PRECISIONS)}")
         if self.precision == "fp32":
@@ -650,10 +651,6 @@ class Plan:
         if other:
             raise PlanError(f"{source}: precision bf16 runs torch autocast; part {other[0]!r} is on the "
                             f"{self.parts[other[0]].engine} engine (use fp32, or put it on torch)")
-        if self.compression:
-            c = self.compression[0]
-            raise PlanError(f"{source}: precision bf16 with compressed edges is not built (edge {c.producer} "
-                            f"{c.src}->{c.dst} has a codec); compile without --compress, or with fp32")
 
     def _check_dp_codec(self, source: str) -> None:
         """``dp_codec`` names a codec the registry lets carry data-parallel gradients (``Role.DP_GRADIENT``) with

@@ -167,7 +167,8 @@ class CompNode:
         self.shared = {n: ps for n, ps in owners.items() if len(ps) > 1 and self.me in ps}
         # codecs are checked before any socket opens: an unknown one (say, a plugin not listed) or a torch-only
         # user codec on a NumPy part stops the process with one line naming the edge and codec
-        table = CompressionTable.build(self.me, plan.replica_compression(self.replica) or (), g, self.engine_name)
+        table = CompressionTable.build(self.me, plan.replica_compression(self.replica) or (), g, self.engine_name,
+                                       autocast=plan.precision == "bf16")
         self.tied = TiedCodec.from_cfg(getattr(plan, "tied_codec", None)) if self.shared else None
         if self.tied is not None:
             self.tied.check_engine(self.me, self.engine_name)

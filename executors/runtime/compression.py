@@ -176,6 +176,11 @@ class CompressionTable:
     user_in: dict[tuple[Key, str, bool], EdgeRule] = field(default_factory=dict)
     delta: DeltaEdges = None  # type: ignore[assignment]  # set in __post_init__
     bfloat16: set[Key] = field(default_factory=set)  # compressed tensors whose uint16 payloads are bfloat16 bits
+    #: compressed float32/float64 tensors of the graph that travel as bfloat16 where autocast made them so
+    #: (``Plan.precision == "bf16"``: the engine runs under ``torch.autocast``, which gives a matmul's output
+    #: bfloat16 and a residual sum's float32): a uint16 payload of one of these holds bfloat16 bits, a float
+    #: one is its graph dtype. Empty unless the table is built with ``autocast=True``.
+    autocast: set[Key] = field(default_factory=set)
     graph: OpGraph | None = field(default=None, repr=False)  # to check decoded user payloads against
     device: Any = None
     torch_on_cpu: bool = False
@@ -193,11 +198,18 @@ class CompressionTable:
         """Whether the codecs' device paths run for every codec (a non-CPU device, or ``torch_on_cpu``)."""
         return self.device is not None and (getattr(self.device, "type", self.device) != "cpu" or self.torch_on_cpu)
 
+    def travels_as_bf16(self, key: Key) -> bool:
+        """Whether a uint16 payload of tensor ``key`` holds bfloat16 bits: a bfloat16 tensor of the graph, or a
+        float one that autocast may have made bfloat16 (:attr:`autocast`)."""
+        return key in self.bfloat16 or key in self.autocast
+
     @classmethod
     def build(cls, part: str, edges: Iterable[Any], graph: OpGraph | None = None, engine: str = "torch",
-              device: Any = None, torch_on_cpu: bool = False) -> "CompressionTable":
+              device: Any = None, torch_on_cpu: bool = False, autocast: bool = False) -> "CompressionTable":
         """Rules of ``part`` (whose engine is ``engine``, encoding tensors on ``device``); ratio-1 entries, and
-        tensors of loss/label/input nodes, are dropped."""
+        tensors of loss/label/input nodes, are dropped. ``autocast``: the parts run under bfloat16 autocast
+        (``Plan.precision == "bf16"``): a float tensor of the graph is encoded, and decoded, in the dtype
+        autocast gave it (bfloat16 or float32), as the dense path sends it."""
         t = cls(part, graph=graph, device=device, torch_on_cpu=torch_on_cpu)
         for e in edges:
             bad = set(e.directions) - {"fwd", "bwd"}
@@ -218,8 +230,11 @@ class CompressionTable:
             key = (e.producer, e.index)
             if part in (e.src, e.dst):
                 t._edges.append(_EdgeRules(e.producer, e.index, e.src, e.dst, fwd, bwd))
-            if graph is not None and getattr(graph.output_meta(*key), "dtype", None) == "bfloat16":
+            graph_dtype = getattr(graph.output_meta(*key), "dtype", None) if graph is not None else None
+            if graph_dtype == "bfloat16":
                 t.bfloat16.add(key)
+            elif autocast and graph_dtype in (None, "float32", "float64"):
+                t.autocast.add(key)
             if e.src == part and fwd is not None:
                 t.fwd[(key, e.dst)] = fwd
             if e.dst == part and bwd is not None:
@@ -309,6 +324,8 @@ class CompressionTable:
         if self.device is None:
             return np.asarray(g)
         dtype = getattr(self.graph.output_meta(*od.key), "dtype", None) if self.graph is not None else None
+        if od.key in self.autocast and isinstance(g, np.ndarray) and g.dtype == np.uint16:
+            dtype = "bfloat16"  # the consumer's backward under autocast gave a bfloat16 gradient: it stays so
         return to_tensor(g, dtype, self.device)
 
     def _user_decode(self, od: Any) -> np.ndarray:
@@ -323,6 +340,8 @@ class CompressionTable:
             shape, dtype = tuple(getattr(meta, "shape", ())), getattr(meta, "dtype", None)
             if dtype not in COMPRESSIBLE:
                 raise WireError(f"{what}: {od.payload.algo} payload for a {dtype} tensor (floating tensors only)")
+            if od.key in self.autocast:  # under autocast the sender may have encoded bfloat16 values
+                dtype = (dtype, "bfloat16")
         return decode_checked(rule.unit, od.payload, shape, dtype, what)
 
     # -- sending ---------------------------------------------------------------------------------
@@ -335,7 +354,7 @@ class CompressionTable:
         ids: the micro-batch's sample ids (per-sample codecs need them); it: the iteration."""
         rule = (self.bwd if is_grad else self.fwd).get((key, peer))
         tensor = is_torch(payload)
-        dtype = dtype_of(payload, key in self.bfloat16)
+        dtype = dtype_of(payload, self.travels_as_bf16(key))
         if rule is None or dtype not in COMPRESSIBLE:
             if rule is not None:
                 log.debug("%s: %s to %s sent dense (payload %s)", self.part, key, peer, dtype or type(payload).__name__)
@@ -370,9 +389,9 @@ class CompressionTable:
 
 
 def table_for(part: str, edges: Iterable[Any] | None, graph: OpGraph | None = None, engine: str = "torch",
-              device: Any = None, torch_on_cpu: bool = False) -> CompressionTable | None:
+              device: Any = None, torch_on_cpu: bool = False, autocast: bool = False) -> CompressionTable | None:
     """The part's table, or None when nothing it sends is compressed (the dense path stays untouched)."""
-    t = CompressionTable.build(part, edges or (), graph, engine, device, torch_on_cpu)
+    t = CompressionTable.build(part, edges or (), graph, engine, device, torch_on_cpu, autocast)
     return t if t else None
 
 

@@ -108,7 +108,10 @@ class Inbox:
                                 + f" towards {self.me}")
         if codec is not None and isinstance(m, TensorMeta):
             # frames/lengths/dtypes were checked by the wire codec; here: the tensor it describes
-            why = codec.check_payload(od.payload, tuple(m.shape), m.dtype)
+            dtype = m.dtype
+            if self.autocast and dtype in ("float32", "float64") and getattr(od.payload, "dtype", None) == "bfloat16":
+                dtype = "bfloat16"  # encoded from the bfloat16 tensor autocast made in the producer
+            why = codec.check_payload(od.payload, tuple(m.shape), dtype)
             if why is not None:
                 raise WireError(f"{od.key}: {why}")
             return

@@ -81,9 +81,11 @@ class PartRuntime:
                  compression: "Iterable[Any] | None" = None):
         """compression: the plan's ``EdgeCompression`` list (None/empty: every payload dense)."""
         self.graph, self.name, self.sub, self.engine = graph, name, sub, engine
-        # an engine that encodes on its device (torch) says which device and hands those edges' tensors over
+        # an engine that encodes on its device (torch) says which device and hands those edges' tensors over;
+        # one under bfloat16 autocast (precision bf16) sends float tensors in the dtype autocast gave them
         placement = engine.codec_device
-        self.compression = table_for(name, compression, graph, engine.engine, *(placement or ()))
+        self.compression = table_for(name, compression, graph, engine.engine, *(placement or (None, False)),
+                                     autocast=bool(getattr(engine, "autocast", False)))
         if self.compression is not None and placement is not None:
             engine.keep_tensors(self.compression.sent_keys(), self.compression.grad_keys())
         self.routes = make_routes(sub, assignment)

@@ -25,12 +25,8 @@ def check_compile_options(args: argparse.Namespace) -> None:
     for dest, ok, rule in rules:
         if hasattr(args, dest) and not ok(getattr(args, dest)):
             raise FusionError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: {rule}")
-    if getattr(args, "precision", "fp32") == "bf16":
-        codecs = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("compress", "compress_bwd", "compress_ratio")
-                  if getattr(args, d, None) not in (None, "none")]
-        if codecs:
-            raise FusionError(f"--precision bf16 with {codecs[0]}: mixed precision sends dense edges only "
-                              "(bfloat16 payloads); compressed edges under bf16 are not built")
+    # --precision bf16 with --compress/--compress-bwd/--compress-ratio: each codec encodes a cut tensor in the
+    # dtype autocast gave it (bfloat16 or float32) and the receiver decodes to that dtype (docs/training.md)
     specs = getattr(args, "engine", None) or []
     if specs:
         from fusion.executors.engines.select import engine_names

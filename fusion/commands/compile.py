@@ -152,7 +152,8 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                        help="bf16: mixed precision: torch parts run forward and backward under torch.autocast "
                             "(bfloat16), parameters and optimizer state stay fp32; activations autocast made "
-                            "bfloat16 cross cut edges as bfloat16 (half the bytes). Torch parts and dense edges only"),
+                            "bfloat16 cross cut edges as bfloat16 (half the bytes; a --compress codec encodes them as "
+                            "bfloat16). Torch parts only"),
         add_engine_arg(g),
     ]
     # the loss to minimise (issue 26; fusion.loss): a model without one is refused unless --loss names one
@@ -310,7 +311,7 @@ def bottleneck_from_args(args: argparse.Namespace):
 
 
 def set_precision(plan, precision: str) -> None:
-    """``Plan.precision`` from ``--precision``; bf16 on a non-torch part or a compressed edge is refused."""
+    """``Plan.precision`` from ``--precision``; bf16 on a non-torch part is refused."""
     from fusion.ir.errors import FusionError
     from fusion.plan import PlanError
 

@@ -318,16 +318,18 @@ class FlatCodec:
             raise WireError(f"{what}: {e}") from None
 
 
-def decode_checked(unit: Codec, payload: Any, shape: tuple[int, ...] | None, dtype: str | None, what: str) -> Any:
+def decode_checked(unit: Codec, payload: Any, shape: tuple[int, ...] | None, dtype: "str | tuple[str, ...] | None",
+                   what: str) -> Any:
     """A user codec's payload decoded and checked against the tensor's graph ``shape``/``dtype`` (None:
-    unchecked); WireError naming ``what`` for a payload the codec refuses or a tensor that does not fit."""
+    unchecked; a tuple: any of those, e.g. float32 or the bfloat16 autocast gave it); WireError naming ``what`` for a payload the codec refuses or a tensor that does not fit."""
     try:
         out = unit.decode_host(payload)
     except WireError as e:
         raise WireError(f"{what}: {e}") from None
     if shape is not None:
-        want = np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
-        if tuple(out.shape) != tuple(shape) or out.dtype != want:
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        want = {np.dtype(np.uint16 if d == "bfloat16" else d) for d in dtypes}
+        if tuple(out.shape) != tuple(shape) or out.dtype not in want:
             raise WireError(f"{what}: {unit.name} payload decodes to {out.dtype}{list(out.shape)}, the graph says "
-                            f"{dtype}{list(shape)}")
+                            f"{' or '.join(dtypes)}{list(shape)}")
     return out

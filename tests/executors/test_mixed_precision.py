@@ -148,7 +148,6 @@ def test_plan_field_round_trips_and_is_left_out_at_fp32(gpt, tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["--precision", "fp16"], "invalid choice: 'fp16'"),
     (["--precision", "bf16", "--engine", "p1=numpy"], "--precision bf16 with --engine p1=numpy"),
-    (["--precision", "bf16", "--compress", "quant:bits=8"], "--precision bf16 with --compress"),
 ])
 def test_bad_precision_is_one_line_before_tracing(tmp_path, capsys, command, args, words):
     from fusion.cli import main
