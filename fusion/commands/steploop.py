@@ -62,9 +62,12 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     from fusion.commands.metrics_log import LiveBoard
 
     board = LiveBoard(metrics, out / "tensorboard")  # TensorBoard as the run goes (with the tensorboard extra)
+    ctrl_c = _StopAtStepEnd(bar)
     try:
         with open(metrics, "a" if resumed else "w") as mf:
             for step in range(first, steps):
+                if ctrl_c.asked:
+                    raise KeyboardInterrupt
                 r = coord.step(batch_fn(step))
                 last, done = r, step + 1
                 line = r.metrics_line()
@@ -86,9 +89,12 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     board.add(val_line)
                     _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
                               f"batches; metrics.jsonl step {r.step})")
+            if ctrl_c.asked:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        ctrl_c.restore()
         board.close()
         if bar is not None:
             bar.close()
@@ -111,3 +117,32 @@ def _say(bar, text: str) -> None:
         bar.write(text, file=sys.stderr)
     else:
         print(text, file=sys.stderr, flush=True)
+
+
+class _StopAtStepEnd:
+    """Ctrl-C during the step loop: the first one lets the step in flight finish (its line written) and then stops
+    the loop; a second one stops at once (KeyboardInterrupt where the main thread is). A KeyboardInterrupt raised in
+    the middle of a step (inside the coordinator's waits and receives) had left it unable to fetch the weights now
+    and then (the Ctrl-C test hung after 'saving the latest weights'). Outside the main thread nothing changes."""
+
+    def __init__(self, bar=None):
+        import signal
+        import threading
+
+        self.asked, self.bar, self._previous = False, bar, None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+                signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+        _say(self.bar, "Ctrl-C: stopping after this step (Ctrl-C again to stop now)")
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
