@@ -46,7 +46,7 @@ from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
 from fusion.executors.runtime.transport import Transport
-from fusion.plan import Plan
+from fusion.plan import OptimizerConfig, Plan
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,8 @@ class Coordinator:
         self._drops: list[dict] = []  # replicas dropped during the step in progress
         self._joins: list[dict] = []  # replicas that joined before the step in progress
         self.clip = (plan.optimizer or {}).get("clip_grad_norm") is not None  # the GradNorm/Clip exchange each step
+        #: the plan's optimizer (its schedule gives each step's lr for the metrics line); None without one
+        self.optimizer = OptimizerConfig.from_dict(plan.optimizer) if plan.optimizer else None
         self._norms: dict[int, float] = {}
 
     # -- receiving ------------------------------------------------------------------
@@ -534,11 +536,7 @@ class Coordinator:
 
     def _lr_at(self, step: int) -> float | None:
         """The learning rate of optimizer step ``step`` as the plan's schedule gives it (None: no optimizer)."""
-        if not self.plan.optimizer:
-            return None
-        from fusion.plan import OptimizerConfig
-
-        return OptimizerConfig.from_dict(self.plan.optimizer).lr_at(step)
+        return None if self.optimizer is None else self.optimizer.lr_at(step)
 
     def live_replicas(self) -> list[int]:
         return sorted({self.replica_of[p] for p in self.live})

@@ -200,10 +200,11 @@ def run(args: argparse.Namespace) -> int:
     from fusion.executors.runtime.plandigest import plan_digest
 
     security = security_from_args(args, args.plan, [COORDINATOR, *plan.parts], COORDINATOR, args.bind)  # no folder yet
+    this_recipe = recipe(args)  # what a later --resume must match, and what this one is compared with
     if args.resume:  # nothing to resume, or other data than the run's: refused, the run untouched
         check_resumable(out)
-        check_resume_recipe(out, recipe(args), is_plan=True)
-    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan), run_recipe=recipe(args))
+        check_resume_recipe(out, this_recipe, is_plan=True)
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=Path(args.plan), run_recipe=this_recipe)
     cfg = CoordinatorConfig(bind=args.bind, emulate_links=args.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=args.checkpoint_every, peer_timeout_s=args.peer_timeout,
                             startup_timeout_s=args.startup_timeout, security=security, plan_digest=plan_digest(args.plan),

@@ -182,9 +182,10 @@ def run(args: argparse.Namespace) -> int:
         name = Path(args.target.rpartition(":")[0]).stem + "-" + args.target.rpartition(":")[2]
     out = Path(args.out) if args.out else default_run_dir(name)
     check_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir)  # before a long compile
+    this_recipe = recipe(args)  # what a later --resume must match, and what this one is compared with
     if args.resume:  # nothing to resume, or another model / options / data than the run's: refused, run untouched
         check_resumable(out)
-        check_resume_recipe(out, recipe(args), is_plan)
+        check_resume_recipe(out, this_recipe, is_plan)
     plan = compiled = None
     trust = args.trust_plugins or not is_plan  # a MODEL file is the user's own code, already run to compile it
     if is_plan:  # a bad plan, or plugins not trusted: one line, before the run folder is made
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and plan_dir is not None:  # a plan folder given: it must be the plan that wrote the run
         digest = plan_digest(plan_dir)
         check_resume_plan(out, digest, plan_dir)
-    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir, run_recipe=recipe(args))
+    prepare_run_dir(out, resume=args.resume, overwrite=args.overwrite, plan_dir=plan_dir, run_recipe=this_recipe)
     if compiled is not None:
         plan_dir = compiled.save(out / "plan")
     elif plan_dir is None:
