@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from fusion.plan import OptimizerConfig  # noqa: E402
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
-from fusion.ir.onnx_import import load_onnx  # noqa: E402
+from fusion.ir.onnx.importer import load_onnx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

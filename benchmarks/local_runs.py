@@ -12,7 +12,7 @@ from pathlib import Path
 def emulated_steps(plan_dir: Path, run_dir: Path, steps: int, warmup: int) -> tuple[object, list]:
     """``(plan, reports)``: the coordinator's :class:`StepReport` of each measured step (warm-up steps dropped)
     of a run of ``plan_dir`` in ``run_dir`` (one thread per CompNode, emulated links, 60 s peer timeout)."""
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
 

@@ -6,7 +6,7 @@ The function returns a :class:`~fusion.ir.model.Model`, an
 :func:`fusion.ir.trace.trace`; ``options`` are its keyword arguments, e.g.
 ``{"labels": ("labels",), "loss_index": "loss"}``). The file is the user's own code.
 
-``model.onnx`` imports an ONNX file (:func:`fusion.ir.onnx_import.load_onnx`);
+``model.onnx`` imports an ONNX file (:func:`fusion.ir.onnx.importer.load_onnx`);
 ``model.onnx:cross_entropy`` (or ``:mse``) appends that loss to its output.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ _ONNX_SPEC = re.compile(r"^(?P<path>.+\.onnx)(?::(?P<loss>\w+))?$")
 def load_model(spec: str) -> Model:
     m = _ONNX_SPEC.match(spec)
     if m:
-        from fusion.ir.onnx_import import load_onnx
+        from fusion.ir.onnx.importer import load_onnx
 
         return load_onnx(m["path"], loss=m["loss"])
     model = _load_python(spec)

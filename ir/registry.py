@@ -12,7 +12,7 @@ target name is resolved in this order:
    dunders (:data:`TENSOR_DUNDERS`);
 4. ``aten.<op>[.<overload>]`` ATen operators (``torch.ops.aten``, not
    ``from_file``); ``onnx.<OpType>`` ONNX operators (the torch engine's
-   implementations in ``fusion.ir.onnx_torch``);
+   implementations in ``fusion.ir.onnx.semantics``);
 5. ``torch.nn.functional.<fn>``; ``torch.special.*``, ``torch.linalg.*``,
    ``torch.fft.*`` functions; ``torch.<fn>`` when ``fn`` is a native tensor
    function (``torch._C._VariableFunctions``, not ``from_file``) or one of
@@ -207,7 +207,7 @@ def _resolve_builtin(target: str) -> tuple[str, Any] | None:
         fn = getattr(operator if head == "operator" else math, rest, None)
         return ("function", fn) if callable(fn) and not inspect.isclass(fn) else None
     if head == "onnx":
-        from fusion.ir.onnx_torch import ONNX_OPS  # needs torch, like every torch name
+        from fusion.ir.onnx.semantics import ONNX_OPS  # needs torch, like every torch name
 
         fn = ONNX_OPS.get(rest)
         return ("function", fn) if fn else None

@@ -47,7 +47,7 @@ def check_data_options(args: argparse.Namespace) -> None:
     data = getattr(args, "data", "auto") or "auto"
     val = getattr(args, "val_split", 0.0) or 0.0
     if data.startswith("text:"):
-        from fusion.textdata import TextSpec
+        from fusion.data.text import TextSpec
 
         path = TextSpec.parse(data).path
         if not path.exists():

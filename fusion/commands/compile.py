@@ -399,7 +399,7 @@ def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | N
     """(data set size for delta buffers, whether ``auto`` may choose delta): ``--samples``, or for
     ``fusion run`` on the built-in text corpus its window count, which ``auto`` does not use (windows are
     drawn at random, so a sample rarely comes back within a run)."""
-    from fusion.data import corpus_samples
+    from fusion.data.batches import corpus_samples
     from fusion.ir.errors import FusionError
 
     if args.compress is None and args.compress_bwd is None:

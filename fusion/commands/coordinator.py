@@ -108,7 +108,7 @@ def eval_from_args(args: argparse.Namespace, plan, batch_fn=None) -> "Evaluation
     (``--data text:PATH`` with ``--val-split``: ``batch_fn.validation(k)``) gives the held-out batches itself."""
     if not getattr(args, "eval_every", 0):
         return None
-    from fusion.data import make_eval_batches
+    from fusion.data.batches import make_eval_batches
     from fusion.ir.errors import FusionError
 
     if any(len(ps) > 1 for ps in plan.lanes().values()):
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resumable, check_resume_recipe, default_run_dir, prepare_run_dir,
                                         recipe)
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from fusion.commands.report import finish_run
     from fusion.commands.rundir import (check_resumable, check_resume_plan, check_resume_recipe, check_run_dir,
                                         default_run_dir, prepare_run_dir, recipe, record_plan_digest, resume_hint)
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.executors.runtime.plandigest import plan_digest

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fusion.plan import OptimizerConfig
-from fusion.ir.onnx_import import load_onnx
+from fusion.ir.onnx.importer import load_onnx
 
 import tests.ir.onnx_models as onnx_models
 
@@ -164,7 +164,7 @@ def test_child_process_cannot_import_torch_yet_imports_and_runs_onnx(tmp_path):
         except ImportError:
             print("blocked")
         import numpy as np
-        from fusion.ir.onnx_import import load_onnx
+        from fusion.ir.onnx.importer import load_onnx
         from fusion.executors.engines.numpy.engine import supports
         from fusion.executors.engines.select import make_engine_part
         from fusion.ir.boundary import subgraph

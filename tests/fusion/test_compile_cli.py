@@ -246,7 +246,7 @@ def test_compile_traced_gpt_example(tmp_path, capsys):
 def test_compile_onnx_file_with_numpy_weights(tmp_path, capsys):
     import numpy as np
     import torch
-    from fusion.ir.onnx_import import load_onnx
+    from fusion.ir.onnx.importer import load_onnx
     from fusion.plan import load_weights
     from tests.ir.onnx_models import export
 

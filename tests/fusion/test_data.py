@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.data import Tokenizer, corpus_text, make_batches, tokenizer_for
+from fusion.data.batches import Tokenizer, corpus_text, make_batches, tokenizer_for
 from fusion.executors.runtime.launcher import hand_plan
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError
@@ -171,7 +171,7 @@ def test_a_delta_plan_takes_data_with_sample_ids_only(tmp_path):
 
 
 def test_a_window_drawn_twice_in_one_batch_gets_distinct_ids():
-    from fusion.data import TextBatches
+    from fusion.data.batches import TextBatches
 
     src = TextBatches(np.arange(12), rows=64, seq_len=4, seed=0)  # 7 windows, 64 rows: many repeats
     starts, ids = src._starts(0), src.sample_ids(0)
@@ -193,7 +193,7 @@ def test_more_sample_ids_than_the_plan_sized_its_delta_buffers_for_are_logged(tm
     for declared, warned in ((12, False), (8, True)):
         plan.predicted = {"delta_samples": declared}
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="fusion.data"):
+        with caplog.at_level(logging.WARNING, logger="fusion.data.batches"):
             batches = make_batches(plan, f"{tmp_path / 'data.py'}:with_ids")
             for step in range(7):
                 batches(step)
@@ -327,7 +327,7 @@ def test_an_iterable_that_does_not_fit_the_plan_is_one_line(tmp_path, caplog):
             make_batches(plan, f"{src}:{func}")
         assert "\n" not in str(e.value)
     # a short last batch of an epoch (DataLoader without drop_last) is dropped, said once
-    with caplog.at_level(logging.WARNING, logger="fusion.iterdata"):
+    with caplog.at_level(logging.WARNING, logger="fusion.data.iterable"):
         fn = make_batches(plan, f"{src}:short_tail")
         steps = [fn(s) for s in range(9)]
     np.testing.assert_array_equal(steps[4]["idx"], steps[0]["idx"])  # 4 full batches, then the next epoch
@@ -336,7 +336,7 @@ def test_an_iterable_that_does_not_fit_the_plan_is_one_line(tmp_path, caplog):
 
 def test_an_iterable_gives_the_held_out_batches_with_split_val(tmp_path):
     """--eval-every: fn(split="val") returning an iterable; its first K batches."""
-    from fusion.data import make_eval_batches
+    from fusion.data.batches import make_eval_batches
 
     (tmp_path / "data.py").write_text(ITER_DATA)
     model = _lm(5)
@@ -350,7 +350,7 @@ def test_an_iterable_gives_the_held_out_batches_with_split_val(tmp_path):
 
 
 def test_which_data_functions_return_an_iterable():
-    from fusion.iterdata import returns_iterable
+    from fusion.data.iterable import returns_iterable
 
     def it(split="train"): ...
     def none(): ...

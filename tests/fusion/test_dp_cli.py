@@ -56,7 +56,7 @@ def test_bad_global_batch_and_too_many_replicas_exit_2_with_one_line(tmp_path, c
 def test_run_with_replicas_trains_like_one_process_on_the_global_batch(cli, tmp_path):
     """`fusion run MODEL --replicas 2`: two CompNode processes, each on half of every global batch, average their
     gradients; the logged losses and the final weights equal the single-process reference on the whole batch."""
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_model
 
@@ -139,7 +139,7 @@ def test_dp_planners_need_a_global_batch_and_choose_the_replicas(tmp_path, capsy
 def test_run_with_the_dp_and_dtfm_planners_trains_like_one_process(cli, tmp_path):
     """`fusion run MODEL --strategy dp|dtfm --global-batch 8`: the planner picks replicas, cut and devices, the
     plan carries its prediction (all-reduce included), and the CompNodes train like one process on the global batch."""
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_model
 

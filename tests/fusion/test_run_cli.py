@@ -70,7 +70,7 @@ def test_readme_main_job_gpt_on_four_compnodes(cli, tmp_path):
         events = events["traceEvents"] if isinstance(events, dict) else events
         assert any(e.get("name", "").startswith(("forward", "F")) for e in events)
     # trained on the generated text corpus (character-level: the corpus has fewer characters than the vocab)
-    from fusion.data import corpus_text, make_batches
+    from fusion.data.batches import corpus_text, make_batches
     from fusion.plan import load_plan
     batches = make_batches(load_plan(out / "plan"))
     text = batches.tokenizer.decode(batches(0)["idx"][0])
@@ -148,7 +148,7 @@ def by_step(step):
 def test_run_trains_on_a_dataloader_as_on_the_same_step_function(cli, tmp_path):
     """--data file.py:fn returning a torch DataLoader (tuples of a TensorDataset, batches of 2 filling a global batch
     of 4): a 2-part, 3-step run gives the losses of the same steps from the equivalent step function, in plain PyTorch."""
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_model
     from fusion.plan import OptimizerConfig, load_plan

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.data import make_batches
+from fusion.data.batches import make_batches
 from fusion.executors.runtime.launcher import hand_plan
 from fusion.ir.builder import GraphBuilder
 from fusion.ir.errors import FusionError

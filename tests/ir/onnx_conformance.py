@@ -7,7 +7,7 @@ case must either
 - pass: import, run forward in the reference executor, and match every
   expected output within the case's tolerance (rtol/atol, at least 1e-4 /
   1e-5 for float32 as torch kernels round differently from NumPy's), or
-- be refused at load: :func:`fusion.ir.onnx_import.load_onnx` raises a
+- be refused at load: :func:`fusion.ir.onnx.importer.load_onnx` raises a
   one-line :class:`~fusion.ir.errors.GraphError` naming the op and the
   attribute or dtype it does not support.
 
@@ -15,7 +15,7 @@ Anything else (an exception at run time, an output missing, a wrong value)
 is a failure.
 
 fusion needs shape-like inputs (Reshape's shape, Resize's scales, TopK's k,
-Slice bounds: the positions of :data:`fusion.ir.onnx_ops.STATIC_INPUTS`) to
+Slice bounds: the positions of :data:`fusion.ir.onnx.ops.STATIC_INPUTS`) to
 be constants, as they are in exported models; many backend cases feed them as
 graph inputs instead. With ``bind_static=True`` (the default) such inputs are
 bound as initializers holding the case's data before import; with False the
@@ -45,7 +45,7 @@ def eligible_cases():
     import onnx  # noqa: F401
     from onnx.backend.test.case.node import collect_testcases
 
-    from fusion.ir.onnx_torch import ONNX_OPS
+    from fusion.ir.onnx.semantics import ONNX_OPS
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -65,7 +65,7 @@ def _bind_static(model, feeds: dict[str, np.ndarray]):
     import onnx
     from onnx import numpy_helper
 
-    from fusion.ir.onnx_ops import static_inputs
+    from fusion.ir.onnx.ops import static_inputs
 
     static = {v for n in model.graph.node for i, v in enumerate(n.input) if v and i in static_inputs(n.op_type)}
     bind = [name for name in feeds if name in static]
@@ -86,7 +86,7 @@ def run_case(case, folder: Path | None = None, bind_static: bool = True) -> Outc
     from fusion.executors.reference import ReferenceExecutor
     from fusion.ir.errors import GraphError
     from fusion.ir.node import NodeKind
-    from fusion.ir.onnx_import import load_onnx
+    from fusion.ir.onnx.importer import load_onnx
 
     inputs, expected = case.data_sets[0]
     inputs, expected = [_array(v) for v in inputs], [_array(v) for v in expected]

@@ -17,7 +17,7 @@ from fusion.executors.engines.numpy.engine import supports as numpy_supports
 from fusion.executors.reference import ReferenceExecutor
 from fusion.ir.errors import GraphError
 from fusion.ir.node import NodeKind
-from fusion.ir.onnx_import import load_onnx
+from fusion.ir.onnx.importer import load_onnx
 from fusion.loader import load_model
 from fusion.ir.serialize import copy_graph, graph_from_dict, graph_to_dict
 

@@ -14,7 +14,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
-from fusion.ir.onnx_import import load_onnx  # noqa: E402
+from fusion.ir.onnx.importer import load_onnx  # noqa: E402
 
 
 def _model(batch):

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.errors import GraphError  # noqa: E402
-from fusion.ir.onnx_import import load_onnx  # noqa: E402
+from fusion.ir.onnx.importer import load_onnx  # noqa: E402
 
 
 def _run(tmp_path, node, opset, x, out_shape=None, out_type=TensorProto.FLOAT, extra_outputs=()):

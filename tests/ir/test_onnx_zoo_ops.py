@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.model import Model  # noqa: E402
-from fusion.ir.onnx_import import load_onnx  # noqa: E402
+from fusion.ir.onnx.importer import load_onnx  # noqa: E402
 from fusion.ir.serialize import graph_from_dict, graph_to_dict  # noqa: E402
 from fusion.plan import OptimizerConfig  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The ``onnx.<OpType>`` targets of the NumPy engine.
 
-Arguments follow the ONNX importer's convention (``fusion.ir.onnx_import``):
+Arguments follow the ONNX importer's convention (``fusion.ir.onnx.importer``):
 inputs positionally (static ones such as Reshape's shape as int lists, a
 missing optional input as None), attributes as keywords with ONNX defaults.
 The importer also uses the forward functions to fold constant sub-graphs
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fusion.ir.onnx_ops import normalize_slice, reduce_axes, reshape_target, split_sizes
+from fusion.ir.onnx.ops import normalize_slice, reduce_axes, reshape_target, split_sizes
 from fusion.executors.engines.numpy.onnx_zoo_ops import ONNX_ZOO_NUMPY
 from fusion.executors.engines.numpy.ops import (
     ADD, ERF, EXP, GATHER, IDENTITY, LOG, LOG_SOFTMAX, MATMUL, MUL, NEG, RELU, SIGMOID, SOFTMAX, SQRT, SUB,

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from fusion.executors.engines.numpy.ops import NpOp, _grad_like, _out, unbroadcast
-from fusion.ir.onnx_ops import pad_source
-from fusion.ir.onnx_resize import resize_plan, upsample_attrs
+from fusion.ir.onnx.ops import pad_source
+from fusion.ir.onnx.resize import resize_plan, upsample_attrs
 
 
 def _s(v: Any) -> str:
@@ -434,7 +434,7 @@ def _tile_vjp(ctx, g):
 
 def _reduce_extreme(largest: bool) -> NpOp:
     def fwd(x, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-        from fusion.ir.onnx_ops import reduce_axes
+        from fusion.ir.onnx.ops import reduce_axes
 
         dims = reduce_axes(x.ndim, axes, noop_with_empty_axes)
         if dims is None:

@@ -11,7 +11,7 @@ import torch
 from fusion.executors.engines.numpy.engine import OPS, NumpyPart, supports
 from fusion.executors.engines.numpy.optim import NumpyOptimizer
 from fusion.ir.boundary import subgraph
-from fusion.ir.onnx_torch import ONNX_OPS
+from fusion.ir.onnx.semantics import ONNX_OPS
 from fusion.executors.engines.torch.optimizer import torch_optimizer
 from fusion.plan import OptimizerConfig
 from fusion.executors.reference import ReferenceExecutor
@@ -23,7 +23,7 @@ from tests.executors.opnode_models import ASSIGN, T, V, Plain, opnode_model
 
 def test_numpy_engine_import_chain_has_no_torch():
     code = ("import sys; import fusion.executors.engines.numpy.engine, fusion.executors.engines.select, fusion.executors.runtime.part; "
-            "import fusion.ir.onnx_ops; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+            "import fusion.ir.onnx.ops; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

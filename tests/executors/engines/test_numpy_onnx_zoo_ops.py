@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusion.executors.engines.numpy.engine import OPS
-from fusion.ir.onnx_torch import ONNX_OPS
+from fusion.ir.onnx.semantics import ONNX_OPS
 
 R = np.random.default_rng(0)
 

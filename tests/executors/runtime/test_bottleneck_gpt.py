@@ -53,7 +53,7 @@ def test_bottlenecked_gpt_processes_match_plain_pytorch(tmp_path, n_parts, sched
     from fusion.cluster import load_cluster
     from fusion.compile import compile_model
     from fusion.compress.bottleneck import BottleneckRequest, initial_values
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.ir.trace import trace
     from fusion.plan import save_plan
 

@@ -199,7 +199,7 @@ def test_a_part_without_delta_edges_refuses_a_delta_payload(tmp_path, caplog):
 
 
 def test_batches_for_a_delta_plan_must_carry_sample_ids(tmp_path):
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.runtime.delta_edges import batch_sample_ids
     from fusion.plan import load_plan
 
@@ -223,7 +223,7 @@ def test_a_numpy_compnode_without_torch_runs_both_ends_of_delta_edges(tmp_path):
     from tests.executors.test_mixed_engines import _blocked_env
     from fusion.executors.runtime.launcher import LocalCluster, hand_plan
     from fusion.ir.boundary import partition
-    from fusion.ir.onnx_import import load_onnx
+    from fusion.ir.onnx.importer import load_onnx
     from fusion.plan import save_plan
 
     tt = onnx_models.tiny_transformer_module()

@@ -71,7 +71,7 @@ def test_compnode_side_imports_no_torch():
     import sys
 
     code = ("import sys; import fusion.cli, fusion.ir.wire, fusion.executors.runtime.transport, fusion.executors.runtime.compnode, "
-            "fusion.executors.runtime.coordinator, fusion.executors.runtime.launcher, fusion.executors.runtime.checkpoint, fusion.data, "
+            "fusion.executors.runtime.coordinator, fusion.executors.runtime.launcher, fusion.executors.runtime.checkpoint, fusion.data.batches, "
             "fusion.commands.run, fusion.commands.executor, fusion.commands.coordinator; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -66,7 +66,7 @@ def _plain(module, batches):
 def test_traced_gpt_processes_match_pytorch(tmp_path, n_parts, schedule):
     from fusion.cluster import load_cluster
     from fusion.compile import compile_model
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.ir.trace import trace
     from fusion.plan import save_plan
 

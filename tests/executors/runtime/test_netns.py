@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.executors.dist_models import GPT_SPLITS, gpt_plain_loss, plain_training, tied_transformer
-from fusion.data import make_batches
+from fusion.data.batches import make_batches
 from fusion.executors.runtime.launcher import hand_plan
 from fusion.plan import OptimizerConfig
 from fusion.plan import save_plan

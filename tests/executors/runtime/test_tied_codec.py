@@ -38,7 +38,7 @@ def _plan(tmp_path, tied_codec):
 
 
 def test_tied_gpt_processes_with_quant8_equal_the_reference_and_owners_stay_identical(tmp_path):
-    from fusion.data import make_batches
+    from fusion.data.batches import make_batches
     from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.plan import save_plan

@@ -314,7 +314,7 @@ def test_a_numpy_compnode_without_torch_runs_a_user_codec_from_a_plugin(tmp_path
     from tests.executors.test_mixed_engines import _blocked_env
     from fusion.executors.runtime.launcher import LocalCluster, hand_plan
     from fusion.ir.boundary import partition
-    from fusion.ir.onnx_import import load_onnx
+    from fusion.ir.onnx.importer import load_onnx
     from fusion.plan import load_plan, save_plan
 
     src = tmp_path / "npint8.py"

@@ -124,7 +124,7 @@ def test_auto_falls_back_from_delta_where_its_buffers_do_not_fit():
 def test_fusion_run_on_the_built_in_corpus_sizes_delta_buffers_by_its_windows():
     """`fusion run MODEL --compress delta` on the built-in text corpus needs no --samples: the buffers are
     sized by its windows (corpus length - T - 1); a different --samples is refused in one line."""
-    from fusion.data import corpus_samples, corpus_text
+    from fusion.data.batches import corpus_samples, corpus_text
     from fusion.ir.errors import FusionError
 
     model = load_model(str(ROOT / "examples/models/gpt.py:tiny"))  # T = 16

@@ -1,6 +1,6 @@
 """What the ONNX importer must know about each ONNX op, independent of any engine.
 
-Engines implement ``onnx.<OpType>`` targets (``fusion.ir.onnx_torch``
+Engines implement ``onnx.<OpType>`` targets (``fusion.ir.onnx.semantics``
 for torch, ``fusion.executors.engines.numpy.ops`` for NumPy); this module only says,
 per op type, which inputs are *static* (shape-like integer lists that must be
 known when the graph is built, e.g. Reshape's ``shape``), which inputs no

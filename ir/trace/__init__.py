@@ -3,11 +3,11 @@
     from fusion.ir.trace import trace
     model = trace(gpt, {"idx": idx, "targets": targets}, labels=("targets",))
 
-Two front ends share one set of clean-up passes (:mod:`fusion.ir.trace_passes`):
+Two front ends share one set of clean-up passes (:mod:`fusion.ir.trace.passes`):
 
-- ``method="fx"`` (:mod:`fusion.ir.trace_fx`): ``torch.fx`` symbolic tracing;
+- ``method="fx"`` (:mod:`fusion.ir.trace.fx`): ``torch.fx`` symbolic tracing;
   leaf modules become MODULE nodes, other calls FUNCTION nodes.
-- ``method="export"`` (:mod:`fusion.ir.trace_export`): ``torch.export``; ATen
+- ``method="export"`` (:mod:`fusion.ir.trace.export`): ``torch.export``; ATen
   nodes, regrouped into MODULE nodes per leaf module at granularity "module".
 - ``method="auto"``: fx, and export when fx fails (the reason is logged).
 
@@ -27,8 +27,8 @@ from torch import nn
 from fusion.ir.errors import GraphError
 from fusion.ir.model import Model
 from fusion.ir.registry import REGISTRY, OpRegistry
-from fusion.ir.trace_common import Traced
-from fusion.ir.trace_passes import (detach_no_grad, eliminate_dead, fold_static_values, functionalize, index_multi_outputs,
+from fusion.ir.trace.common import Traced
+from fusion.ir.trace.passes import (detach_no_grad, eliminate_dead, fold_static_values, functionalize, index_multi_outputs,
                            mark_outputs)
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
     traced: Traced | None = None
     fx_reason = None
     if method in ("fx", "auto"):
-        from fusion.ir.trace_fx import trace_fx
+        from fusion.ir.trace.fx import trace_fx
 
         try:
             traced = trace_fx(module, example, labels, registry)
@@ -96,7 +96,7 @@ def trace(module: nn.Module, example: Mapping[str, Any], *, labels: tuple[str, .
                 raise GraphError(f"torch.fx cannot trace {cls}: {fx_reason}") from e
             log.info("torch.fx cannot trace %s (%s); falling back to torch.export", cls, fx_reason)
     if traced is None:
-        from fusion.ir.trace_export import trace_export
+        from fusion.ir.trace.export import trace_export
 
         try:
             traced = trace_export(module, example, labels, granularity, registry)
@@ -182,7 +182,7 @@ def _warn_eval_mode(module: nn.Module) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    from fusion.ir.trace_export import ExportFailure
+    from fusion.ir.trace.export import ExportFailure
 
     if isinstance(e, (GraphError, ExportFailure)):
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

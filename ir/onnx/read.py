@@ -1,7 +1,7 @@
 """Reading an ONNX file for the importer: validation, shape inference,
 normalised nodes, and constant folding (evaluating nodes whose inputs are all
 constants with ONNX's own reference evaluator, at the model's opset, so shape
-arithmetic becomes literals). See :mod:`fusion.ir.onnx_import`.
+arithmetic becomes literals). See :mod:`fusion.ir.onnx.importer`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fusion.ir.errors import GraphError
-from fusion.ir.onnx_ops import ATTR_TO_INPUT, COERCE_2D_BEFORE, static_inputs
-from fusion.ir.onnx_resize import upsample_attrs
+from fusion.ir.onnx.ops import ATTR_TO_INPUT, COERCE_2D_BEFORE, static_inputs
+from fusion.ir.onnx.resize import upsample_attrs
 
 
 @dataclass

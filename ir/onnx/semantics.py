@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from fusion.ir.onnx_ops import normalize_slice, pad_source, reduce_axes, reshape_target, split_sizes
-from fusion.ir.onnx_resize import resize_plan, upsample_attrs
+from fusion.ir.onnx.ops import normalize_slice, pad_source, reduce_axes, reshape_target, split_sizes
+from fusion.ir.onnx.resize import resize_plan, upsample_attrs
 
 #: ONNX TensorProto element type -> torch dtype
 ONNX_DTYPES = {
@@ -468,7 +468,7 @@ def ConvTranspose(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, k
 # -- resampling ------------------------------------------------------------------------------
 
 def _resize_apply(x, plan, extrapolation_value: float):
-    """Gather each axis's taps, weight and sum them (``fusion.ir.onnx_resize``); autograd gives the VJP."""
+    """Gather each axis's taps, weight and sum them (``fusion.ir.onnx.resize``); autograd gives the VJP."""
     y = x if x.is_floating_point() else x.double()
     for ax in plan:
         n = ax.index.shape[1]

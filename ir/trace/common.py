@@ -39,7 +39,7 @@ class Traced:
     tensors:  graph parameter name -> the module's tensor (for ``Model.params``).
     method:   ``"fx"`` or ``"export"``.
     no_grad:  nodes computed with grad mode off (``torch.no_grad()`` regions
-              that fx traced through); :func:`~fusion.ir.trace_passes.detach_no_grad`
+              that fx traced through); :func:`~fusion.ir.trace.passes.detach_no_grad`
               detaches what leaves them.
     """
 

@@ -162,10 +162,10 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
     ``--eval-every``, from ``function(k, split="val")`` (:func:`make_eval_batches`).
 
     A function without a step argument returns an iterable of batches instead (a ``DataLoader``, a generator, a
-    list): :class:`fusion.iterdata.IterableSteps` takes consecutive items for each step (``function(split="val")``
+    list): :class:`fusion.data.iterable.IterableSteps` takes consecutive items for each step (``function(split="val")``
     for the held-out batches), and its batches go through the same checks.
     """
-    from fusion.iterdata import IterableSteps, returns_iterable
+    from fusion.data.iterable import IterableSteps, returns_iterable
     from fusion.loader import load_function
 
     fn = load_function(spec, "data")
@@ -174,7 +174,7 @@ def user_batches(plan, spec: str, split: str | None = None) -> Callable[[int], d
     delta = _delta_edges(plan)
     inputs = [n for n in specs if plan.graph[n].kind == NodeKind.INPUT]
     rows = want[inputs[0]][0] if inputs else next(iter(want.values()))[0]  # samples per iteration
-    if returns_iterable(fn):  # fn() -> iterable of batches (fusion.iterdata): consecutive items make the steps
+    if returns_iterable(fn):  # fn() -> iterable of batches (fusion.data.iterable): consecutive items make the steps
         labels = [n for n in specs if plan.graph[n].kind == NodeKind.LABEL]
         make, kw = fn, ({} if split is None else {"split": split})
         steps = IterableSteps(lambda: make(**kw), f"data {spec!r}", inputs + labels, rows, (inputs + labels)[0])
@@ -274,9 +274,9 @@ def corpus_samples(graph, kind: str = "auto") -> int | None:
 
 def text_batches(plan, spec: str, seed: int = 0, val_fraction: float = 0.0) -> Callable[[int], dict[str, np.ndarray]]:
     """``step -> batch`` from the user's text (``text:PATH[?tokenizer=NAME&labels=next|same]``,
-    :mod:`fusion.textdata`). The function has ``.validation``: ``k -> batch`` of the held-out last
+    :mod:`fusion.data.text`). The function has ``.validation``: ``k -> batch`` of the held-out last
     ``val_fraction`` of the text in order (None when nothing is held out), and ``.tokenizer``: its description."""
-    from fusion.textdata import TextSpec, WindowBatches, split, tokenize
+    from fusion.data.text import TextSpec, WindowBatches, split, tokenize
 
     ts = TextSpec.parse(spec)
     g, nm = plan.graph, plan.micro_batches * plan.replicas
@@ -406,7 +406,7 @@ def make_eval_batches(plan, kind: str = "auto", seed: int = 0, count: int = 1) -
             except (TypeError, ValueError):
                 params = {}
             if "split" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-                from fusion.iterdata import returns_iterable
+                from fusion.data.iterable import returns_iterable
 
                 call = "(split='val')" if returns_iterable(fn) else "(k, split='val')"
                 raise FusionError(f"data {kind!r}: --eval-every takes held-out batches from the function called as "

@@ -38,8 +38,8 @@ from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph, ParamSpec
 from fusion.ir.model import Model
 from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta
-from fusion.ir.onnx_ops import LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs
-from fusion.ir.onnx_read import OnnxNode, fold_all, literal, normalise_nodes, read_model, reinfer, value_types
+from fusion.ir.onnx.ops import LABEL_INPUTS, OPTIONAL_OUTPUTS, no_grad_inputs, split_sizes, static_inputs
+from fusion.ir.onnx.read import OnnxNode, fold_all, literal, normalise_nodes, read_model, reinfer, value_types
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def load_onnx(path: str | Path, *, loss: str | None = None, label: str = "y", la
     example:   input name -> array of one micro-batch, to pin symbolic shapes.
     engine:    the engine whose op support is checked at load time (named in errors).
     supports:  that engine's predicate on ``onnx.<Op>`` target names; default: the IR's torch
-               semantics (:mod:`fusion.ir.onnx_torch`). Another engine passes its own, e.g.
+               semantics (:mod:`fusion.ir.onnx.semantics`). Another engine passes its own, e.g.
                ``fusion.executors.engines.numpy.engine.supports``, which keeps the import torch-free.
     """
     from onnx import numpy_helper
@@ -172,7 +172,7 @@ class _GraphBuild:
         """Record why the torch engine cannot run ``n`` (an attribute, a dtype); True when refused."""
         import inspect
 
-        from fusion.ir.onnx_torch import ONNX_OPS, ONNX_DTYPES, TORCH_OK_DTYPES
+        from fusion.ir.onnx.semantics import ONNX_OPS, ONNX_DTYPES, TORCH_OK_DTYPES
 
         fn = ONNX_OPS.get(n.op)
         if fn is None:
@@ -319,7 +319,7 @@ class _GraphBuild:
 
 
 def _torch_ok_dtypes() -> frozenset[str]:
-    from fusion.ir.onnx_torch import TORCH_OK_DTYPES  # torch: only when the torch engine is the target
+    from fusion.ir.onnx.semantics import TORCH_OK_DTYPES  # torch: only when the torch engine is the target
 
     return TORCH_OK_DTYPES
 

@@ -30,7 +30,7 @@ from fusion.ir.errors import GraphError
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import NodeKind, OpNode, ParamRef, Ref
 from fusion.ir.registry import REGISTRY, OpRegistry
-from fusion.ir.trace_common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
+from fusion.ir.trace.common import (ParamTable, Traced, convert_arg, describe, function_target, is_assert, leaf_spec, module_node,
                            name_allocator)
 
 log = logging.getLogger(__name__)
