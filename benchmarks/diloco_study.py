@@ -250,9 +250,11 @@ class DiLoCoReplicas:
         import copy
 
         from fusion.executors.runtime.allreduce import RingInbox, make_buckets
-        from fusion.executors.runtime.outer import DelayedInbox, OuterLoop, PseudoInbox, check_pseudo_codec
+        from fusion.executors.runtime.outer import DelayedInbox, OuterLoop, PseudoInbox
+        from fusion.kernels.codecs import CODECS, Role
 
-        check_pseudo_codec(sync.codec)
+        if sync.codec is not None:
+            CODECS.check_role(sync.codec, Role.PSEUDO_GRADIENT, "dp_sync.codec")
         self.cfg, self.sync = cfg, sync
         first = make_model(cfg, seed)
         self.models = [first] + [make_model(cfg, seed) for _ in range(cfg.replicas - 1)]

@@ -10,7 +10,7 @@ Hashed, without running the model file (reading files only, so a cache hit costs
   fusion, plus a SHA-256 of fusion's own source (its ``.py`` and ``.json`` files: a developer's edit to the
   compiler is a miss even where the version string did not change);
 - the cluster file's bytes (or the shipped scenario's name);
-- every compile option's value (the dests ``add_compile_options`` returns), the bytes of a file an option names
+- every compile option's value (the fields of ``fusion.options.compile.CompileOptions``), the bytes of a file an option names
   (``--node-times``), and the ``fusion run`` options the compile reads (``--steps`` for an lr schedule without
   ``--lr-decay-steps``, ``--data`` with ``--compress``).
 
@@ -212,16 +212,18 @@ def _jsonable(v):
 FILE_OPTIONS = ("node_times",)
 
 
-def compile_options(args, dests) -> dict:
-    """The option values the compile reads: ``dests`` (the compile options), and of ``fusion run``'s own options
-    those :func:`fusion.commands.compile.compile_from_args` reads: ``steps`` (the lr schedule's length when
-    ``--lr-decay-steps`` is not given) and ``data`` (the corpus size of ``--compress``'s delta buffers)."""
-    opts = {d: _jsonable(getattr(args, d, None)) for d in sorted(dests)}
-    if getattr(args, "lr_schedule", "constant") != "constant" and getattr(args, "lr_decay_steps", None) is None:
-        opts["steps"] = getattr(args, "steps", None)
-    if (getattr(args, "compress", None) is not None or getattr(args, "compress_bwd", None) is not None) \
-            and hasattr(args, "data"):
-        opts["data"] = _jsonable(args.data)
+def compile_options(job) -> dict:
+    """The option values the compile reads: every compile option of ``job.options`` (its ``values()``: all but
+    ``--no-cache``), and of ``fusion run``'s own options those :func:`fusion.commands.compile.compile_from_args`
+    reads: ``job.steps`` (the lr schedule's length when ``--lr-decay-steps`` is not given) and ``job.data`` (the
+    corpus size of ``--compress``'s delta buffers; None under ``fusion compile``). ``job``: a
+    :class:`fusion.options.compile.CompileJob`."""
+    c = job.options
+    opts = {d: _jsonable(v) for d, v in sorted(c.values().items())}
+    if c.lr_schedule != "constant" and c.lr_decay_steps is None:
+        opts["steps"] = job.steps
+    if (c.compress is not None or c.compress_bwd is not None) and job.data is not None:
+        opts["data"] = _jsonable(job.data)
     for d in FILE_OPTIONS:
         path = opts.get(d)
         if path is not None and Path(path).is_file():

@@ -4,7 +4,7 @@ Lowest first: ``fusion.ir`` imports nothing else of the project; ``fusion.kernel
 the IR; the compiler passes in ``fusion/`` (cluster, cost, partition, compress, compile, ...)
 the IR, the kernels and the plan format; the plan format (``fusion.plan``) the IR and the
 kernels; ``fusion.executors`` the IR, the kernels and the plan format, never a compiler pass;
-the CLI (``fusion.cli``, ``fusion.commands``) anything. The root package (``fusion/__init__.py``)
+the CLI (``fusion.cli``, ``fusion.commands``, ``fusion.options``) anything. The root package (``fusion/__init__.py``)
 counts as the IR: every import of a sub-package runs it, so it may hold only the version and the
 IR's public names.
 Imports inside functions count: a lazy import is still a dependency.
@@ -36,7 +36,7 @@ def layer(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "ir"  # the root package: its version and the IR's public names, nothing else
-    if parts[1] in ("cli", "commands"):
+    if parts[1] in ("cli", "commands", "options"):
         return "cli"
     if parts[1] in ("ir", "kernels", "executors", "plan"):
         return parts[1]

@@ -99,16 +99,6 @@ from fusion.kernels.codecs.registry import FlatCodec
 
 log = logging.getLogger(__name__)
 
-def check_pseudo_codec(cfg: Mapping[str, Any] | None, source: str = "dp_sync.codec") -> None:
-    """FusionError (one line naming ``source``) for a codec cfg a pseudo-gradient may not travel under: one the
-    codec registry lacks, one that does not serve the pseudo-gradient role, or a bad cfg."""
-    if cfg is None:
-        return
-    from fusion.kernels.codecs import CODECS, Role
-
-    CODECS.check_role(cfg, Role.PSEUDO_GRADIENT, source)
-
-
 def fragment_buckets(params: Mapping[str, tuple[Sequence[int], str]], fragments: int
                      ) -> tuple[list[Bucket], list[list[int]]]:
     """Streaming DiLoCo's fragments of a part's trainable parameters ``name -> (shape, dtype)``: the names in

@@ -76,21 +76,6 @@ def missing_devices(devices: Mapping[str, str], resources: Mapping[str, float]) 
     return sorted({d for d in devices.values() if resources.get(device_resource(d), 0) <= 0})
 
 
-def check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """A ``HOST:PORT`` address that accepts no TCP connection is a one-line error, not a long Ray retry loop."""
-    if address in ("auto", "local") or "://" in address:
-        return
-    host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit():
-        raise FusionError(f"--ray {address!r}: expected HOST:PORT of the Ray head (e.g. 10.0.0.1:6379), "
-                          "auto, or ray://HOST:10001")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise FusionError(f"--ray {address}: no Ray head answers there ({e.strerror or e}); "
-                          f"start one with `ray start --head --port={port}`") from None
-
-
 class ExecutorActor:
     """One CompNode on a Ray node (a Ray actor; ``ray.remote`` is applied by :class:`RayCluster`).
 
@@ -267,7 +252,6 @@ class RayCluster:
     def connect(self):
         """Connect to the Ray cluster and check it has a node for every device of the plan."""
         ray = import_ray()
-        check_reachable(self.address, min(10.0, self.connect_timeout_s))
         try:
             ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING,
                      configure_logging=False, namespace="fusion")

@@ -1,202 +1,24 @@
 """``fusion compile MODEL --cluster FILE -o PLAN``: partition a model over a cluster into a plan."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fusion.commands.coordinator import positive_int, seed_int
+from fusion.options.compile import DP_STRATEGIES, MICRO_BATCHES, CompileJob, CompileOptions
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("compile", help="partition a model over a cluster (OP-Fence + AdaTopK) into a plan",
-                       description="Load MODEL (file.py:function returning a fusion Model, an OpGraph, or "
-                                   "(module, example inputs)) and a cluster file (YAML or scenario JSON), "
-                                   "partition the OP-DAG and write the plan directory.")
-    p.add_argument("model", help="file.py:function")
-    p.add_argument("--cluster", required=True, help="cluster file (.yaml or scenario .json)")
-    defaults = add_compile_options(p)
-    p.add_argument("-o", "--output", "--out", required=True, metavar="PLAN",
-                   help="plan folder to write (a new or empty folder, or with --force a plan to replace)")
-    p.add_argument("--force", action="store_true", help="replace the plan already in -o PLAN")
-    p.set_defaults(run=run, compile_defaults=defaults)
+if TYPE_CHECKING:
+    from fusion.options.commands import Compile
 
 
-#: one default for both `fusion compile` and `fusion run MODEL`
-MICRO_BATCHES = 4
-
-
-#: partitioners that plan data-parallel replicas (fusion.partition.dp, fusion.partition.dtfm)
-DP_STRATEGIES = ("dp", "dtfm")
-
-
-def add_compile_options(p, note: str = "") -> dict[str, object]:
-    """The partitioner, schedule, compression, optimizer and engine options (``compile``, and ``run`` on a MODEL).
-
-    Returns option dest -> default.
-    """
-    from fusion.plan import OPTIMIZER_NAMES
-
-    g = p.add_argument_group(f"compiling{note}")
-    actions = [
-        g.add_argument("--strategy", default="opfence", choices=["opfence", "equal-count", "equal-flops", *DP_STRATEGIES],
-                       help="partitioner (OP-Fence may put a small model on one device; equal-count/equal-flops "
-                            "use every device of the cluster file, blind to links; dp plans data-parallel replicas "
-                            "of a pipeline and dtfm is DT-FM's scheduler for them, both with --global-batch)"),
-        g.add_argument("--micro-batches", type=positive_int, default=MICRO_BATCHES,
-                       help="n_b: micro-batches per iteration"),
-        g.add_argument("--replicas", type=positive_int, default=1, metavar="R",
-                       help="data-parallel replicas of the compiled pipeline: replica 0 is the compiled one, each "
-                            "further replica puts the same stages on the fastest free devices that hold them "
-                            "(gradients averaged every step; --micro-batches then counts per replica; default 1)"),
-        g.add_argument("--dp-codec", default=None, metavar="quant:bits=8[,block=N]",
-                       help="quantise the gradient all-reduce between replicas (lossy; default: exact)"),
-        g.add_argument("--dp-allreduce", default="ring", metavar="ring|tree|auto",
-                       help="all-reduce of each stage's replicas: ring (bandwidth-optimal), tree (binomial reduce + "
-                            "broadcast: 2 ceil(log2 R) latencies instead of 2 (R-1)), or auto: per group the one "
-                            "the estimator prices cheaper on its links (default: ring)"),
-        g.add_argument("--dp-sync", default="every", choices=["every", "diloco", "auto"],
-                       help="how the replicas synchronise: every (gradients averaged every step, exact synchronous "
-                            "DP; the default), diloco (DiLoCo: --inner-steps H local steps with the plan's "
-                            "optimizer, then the replicas average their pseudo-gradients and an outer Nesterov SGD "
-                            "step updates the global weights; H times fewer exchanges; with --strategy dp the planner "
-                            "chooses what is not given) or auto (--strategy dp: the planner prices both and keeps "
-                            "DiLoCo where it is predicted >= 1.1x faster, choosing replicas, H, codec and shares)"),
-        g.add_argument("--inner-steps", default=None, metavar="H[,H...]",
-                       help="diloco: inner steps per outer step (default 20), or with --strategy dp a comma list "
-                            "the planner chooses from (default 10,20,50,100,200,500)"),
-        g.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="diloco: outer learning rate (0.7)"),
-        g.add_argument("--outer-momentum", type=float, default=0.6, metavar="M",
-                       help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)"),
-        g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
-        g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
-                       help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; "
-                            "default: exact averaging)"),
-        g.add_argument("--pseudo-error-feedback", action="store_true",
-                       help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it "
-                            "to the next one (needs --pseudo-codec)"),
-        g.add_argument("--replica-shares", default=None, metavar="R=S[,R=S...]",
-                       help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches "
-                            "(1 where not given), and its pseudo-gradient weighs the samples it saw"),
-        g.add_argument("--sync-fragments", type=int, default=1, metavar="F",
-                       help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced "
-                            "after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)"),
-        g.add_argument("--outer-delay", type=int, default=None, metavar="D",
-                       help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it "
-                            "overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp"),
-        g.add_argument("--outer-overlap", default=None, metavar="eager|delayed",
-                       help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or "
-                            "eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the "
-                            "others' one round late; it converged worse than delayed with the default outer "
-                            "momentum here: docs/data-parallel.md)"),
-        g.add_argument("--global-batch", type=positive_int, default=None, metavar="ROWS",
-                       help="rows of one step's batch over all replicas: split into R equal shares, each into "
-                            "micro-batches of the model's example size (sets --micro-batches)"),
-        g.add_argument("--compress-ratio", type=float, default=None, metavar="R",
-                       help="AdaTopK ratio r (Eq. 7) for the cut edges (default: no compression)"),
-        g.add_argument("--compress", default=None, metavar="none|auto|CODEC[:K=V,...]",
-                       help="codec for activations (and gradients) on the cut edges where the cost model says it "
-                            "pays, e.g. quant:bits=8, hadamard-quant:bits=4,block=64, topk:ratio=100; "
-                            "auto: per edge and direction the fastest the cost model prices among the codecs the "
-                            "convergence study shows to converge (default: none)"),
-        g.add_argument("--compress-bwd", default=None, metavar="none|auto|CODEC[:K=V,...]",
-                       help="codec for the gradients sent back (default: as --compress)"),
-        g.add_argument("--bottleneck", default=None, metavar="RANK|auto",
-                       help="learned bottlenecks at the cut (changes the model): each cut edge of the residual stream "
-                            "(or --bottleneck-edges) gets an encoder D->RANK on the producing part and a decoder "
-                            "RANK->D on the consuming part (ResBM: a fixed orthonormal low-rank identity path plus "
-                            "trained W_enc, W_dec, zero at start), so the edge sends RANK of D numbers per row; auto: "
-                            "the estimator picks D/64 .. D/8 (docs/compression.md, \"Bottlenecks at the cut\")"),
-        g.add_argument("--bottleneck-edges", default=None, metavar="NODE[,NODE...]",
-                       help="the cut edges to bottleneck, by producer node (NODE[INDEX] for one output of a "
-                            "multi-output node), or all (every float cut edge, e.g. an MLP's hidden layer where the "
-                            "cut falls inside a block); default: every cut edge of the residual width"),
-        g.add_argument("--allow-architecture-change", action="store_true",
-                       help="let --compress auto add bottlenecks at the cut (new parameters) where the estimator "
-                            "says the iteration gets shorter; without it auto only picks codecs"),
-        g.add_argument("--samples", type=positive_int, default=None, metavar="N",
-                       help="training samples in the data set (distinct sample ids the data gives, visited again "
-                            "every epoch): sizes delta (AQ-SGD) buffers in the memory model and lets --compress auto "
-                            "choose delta (needed for delta unless fusion run trains on the built-in text corpus)"),
-        g.add_argument("--tied-codec", default=None, metavar="none|auto|CODEC[:K=V,...]",
-                       help="codec for the gradients that the owners of a tied parameter (e.g. a tied embedding "
-                            "and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant "
-                            "where the cost model says the iteration gets shorter (default: auto with "
-                            "--compress auto, else none: exact)"),
-        g.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "zb1", "interleaved", "auto"],
-                       help="pipeline schedule (default: gpipe); interleaved: interleaved 1F1B, the model cut into "
-                            "V x D chunks, chunk s on the (s %% D)-th device (--virtual-stages V; equal-flops or "
-                            "equal-count); auto: the compiler prices gpipe, 1f1b and zb1 on the chosen cut and devices "
-                            "(and, with --virtual-stages V > 1, interleaved on its own cut) by simulating their "
-                            "action lists and keeps the shortest predicted iteration among those that fit memory "
-                            "(ties: the smaller peak memory)"),
-        g.add_argument("--virtual-stages", type=positive_int, default=None, metavar="V",
-                       help="chunks (virtual stages) per device of --schedule interleaved (default 2), or with "
-                            "--schedule auto, V > 1 prices interleaved too; micro-batches must be a multiple of "
-                            "the devices"),
-        g.add_argument("--recompute", default="auto", choices=["auto", "off", "all"],
-                       help="activation recomputation per part: auto turns it on only where a part would not fit "
-                            "its device otherwise"),
-        g.add_argument("--node-times", default=None, metavar="FILE",
-                       help="per-node forward/backward seconds measured by `fusion profile --model MODEL -o FILE`: "
-                            "the estimator prices those nodes by them (scaled by profiling host speed / device "
-                            "speed) instead of FLOPs / lambda; one pipeline only (not with --replicas, "
-                            "--global-batch or --strategy dp|dtfm)"),
-        g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_NAMES),
-                       help="optimizer of every part; muon: torch.optim.Muon on the 2-D weights, AdamW on "
-                            "embeddings, norms and biases, one --lr (torch engine only; docs/training.md)"),
-        g.add_argument("--lr", type=float, default=0.01, help="learning rate"),
-        g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum"),
-        g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay"),
-        *add_training_knobs(g),
-        g.add_argument("--seed", type=seed_int, default=0, help="seed of the data and of anything random in compiling"),
-        g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                       help="bf16: mixed precision: torch parts run forward and backward under torch.autocast "
-                            "(bfloat16), parameters and optimizer state stay fp32; activations autocast made "
-                            "bfloat16 cross cut edges as bfloat16 (half the bytes; a --compress codec encodes them as "
-                            "bfloat16). Torch parts only"),
-        add_engine_arg(g),
-    ]
-    # the loss to minimise (issue 26; fusion.loss): a model without one is refused unless --loss names one
-    actions.append(g.add_argument("--loss", default=None, metavar="NAME",
-                                  help="an output of the model to minimise (a floating-point scalar), for a model "
-                                       "whose forward returns no single scalar loss (default: the model's loss; a "
-                                       "model without one is refused)"))
-    from fusion.commands.compile_cache import add_cache_arg
-
-    add_cache_arg(g)  # not among the returned options: it changes no plan
-    return {a.dest: a.default for a in actions}
-
-
-def add_training_knobs(g) -> list:
-    """``--lr-schedule``, ``--warmup-steps``, ``--lr-decay-steps``, ``--clip-grad-norm`` (the plan's optimizer section:
-    ``OptimizerConfig.lr_schedule`` .. ``clip_grad_norm``); each value is checked by argparse, before any trace."""
-    from fusion.commands.coordinator import non_negative_int, positive_finite
-    from fusion.ir.lr_schedule import SCHEDULES
-
-    return [
-        g.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
-                       help="learning rate per step: constant, or linear / cosine decay to 0 at --lr-decay-steps "
-                            "(Hugging Face's schedules, torch's LambdaLR; docs/training.md)"),
-        g.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
-                       help="linear warmup of the learning rate from 0 over the first N steps (default 0)"),
-        g.add_argument("--lr-decay-steps", type=positive_int, default=None, metavar="N",
-                       help="steps the linear/cosine schedule decays over (default: fusion run's --steps; "
-                            "fusion compile needs it with --lr-schedule linear|cosine)"),
-        g.add_argument("--clip-grad-norm", type=positive_finite, default=None, metavar="X",
-                       help="clip the gradients to global L2 norm X over every part (torch's clip_grad_norm_; "
-                            "default: no clipping)"),
-    ]
-
-
-def optimizer_from_args(args: argparse.Namespace):
+def optimizer_from_args(args: CompileOptions, steps: int | None = None):
     """The plan's ``OptimizerConfig`` from the options; FusionError naming the option. Called before the model
     is traced, so a bad value costs no trace."""
     from fusion.ir.errors import FusionError
     from fusion.plan import OptimizerConfig
 
-    total = 0  # (--lr, --momentum and --weight-decay: fusion.commands.checks, which runs first)
+    total = 0  # (--lr, --momentum and --weight-decay: CompileOptions.check, which runs first)
     if args.lr_schedule != "constant":
-        total = args.lr_decay_steps or getattr(args, "steps", None) or 0
+        total = args.lr_decay_steps or steps or 0
         if not total:
             raise FusionError(f"--lr-schedule {args.lr_schedule} needs --lr-decay-steps N (the steps it decays over)")
         if args.warmup_steps > total:
@@ -211,16 +33,17 @@ def optimizer_from_args(args: argparse.Namespace):
         raise FusionError(f"--optimizer/--lr: {e}") from None
 
 
-def compile_from_args(args: argparse.Namespace, model, cluster):
-    """The plan for ``model`` on ``cluster`` with the options of :func:`add_compile_options`, engines assigned."""
+def compile_from_args(job: CompileJob, model, cluster):
+    """The plan for ``model`` on ``cluster`` with ``job``'s compile options, engines assigned."""
     from fusion.compile import compile_model
     from fusion.plan import OptimizerConfig
     from fusion.ir.errors import FusionError
 
-    opt = optimizer_from_args(args)
+    args = job.options
+    opt = optimizer_from_args(args, job.steps)
     from fusion.compress.policy import request
 
-    compress = request(args.compress, args.compress_bwd, *_data_samples(args, model))
+    compress = request(args.compress, args.compress_bwd, *_data_samples(args, model, job.data))
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
@@ -288,7 +111,7 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     return plan
 
 
-def bottleneck_from_args(args: argparse.Namespace):
+def bottleneck_from_args(args: CompileOptions):
     """The :class:`~fusion.compress.bottleneck.BottleneckRequest` of ``--bottleneck``, ``--bottleneck-edges`` and
     ``--compress auto --allow-architecture-change`` (None: the model stays as it is); FusionError, one line, for
     a bad rank or an edge list without a bottleneck."""
@@ -352,7 +175,7 @@ def _keep_outer_options(plan, asked) -> None:
     _set_dp_sync(plan, plan.dp_sync)
 
 
-def _node_times(args: argparse.Namespace):
+def _node_times(args: CompileOptions):
     """The table of ``--node-times`` (None without it); FusionError (exit 2, one line) for a bad file or an
     option the measured prices are not wired into."""
     from fusion.cost.node_times import NodeTimes
@@ -395,7 +218,7 @@ def set_dp_allreduce(plan, cluster, mode: str) -> None:
     plan.predicted["dp_allreduce"] = priced
 
 
-def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | None]:
+def _data_samples(args: CompileOptions, model, data: str | None = None) -> tuple[int | None, bool | None]:
     """(data set size for delta buffers, whether ``auto`` may choose delta): ``--samples``, or for
     ``fusion run`` on the built-in text corpus its window count, which ``auto`` does not use (windows are
     drawn at random, so a sample rarely comes back within a run)."""
@@ -404,7 +227,7 @@ def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | N
 
     if args.compress is None and args.compress_bwd is None:
         return args.samples, None
-    corpus = corpus_samples(model.graph, args.data) if getattr(args, "data", None) else None
+    corpus = corpus_samples(model.graph, data) if data else None
     if corpus is None:
         return args.samples, None
     if args.samples is not None and args.samples != corpus:
@@ -413,7 +236,7 @@ def _data_samples(args: argparse.Namespace, model) -> tuple[int | None, bool | N
     return corpus, False
 
 
-def _tied_codec(args: argparse.Namespace):
+def _tied_codec(args: CompileOptions):
     """The codec cfg of ``--tied-codec`` (None: exact; ``"auto"``: the compiler decides, also the default with
     ``--compress auto``); FusionError (exit 2) with one line for a bad value."""
     from fusion.compress.policy import parse_spec
@@ -458,7 +281,7 @@ def record_codec_plugins(plan) -> list[str]:
     return added
 
 
-def _dp_codec(args: argparse.Namespace):
+def _dp_codec(args: CompileOptions):
     """The all-reduce codec of ``--dp-codec`` (None: exact averaging)."""
     from fusion.compress.policy import parse_spec
     from fusion.ir.errors import FusionError
@@ -479,7 +302,7 @@ def _dp_codec(args: argparse.Namespace):
 DILOCO_INNER_STEPS = 20
 
 
-def inner_steps_of(args: argparse.Namespace) -> tuple[int, ...] | None:
+def inner_steps_of(args: CompileOptions) -> tuple[int, ...] | None:
     """``--inner-steps H[,H...]`` as integers (None when not given); FusionError for a bad one or an H < 1."""
     from fusion.ir.errors import FusionError
 
@@ -495,14 +318,14 @@ def inner_steps_of(args: argparse.Namespace) -> tuple[int, ...] | None:
     return hs
 
 
-def dp_sync_from_args(args: argparse.Namespace):
+def dp_sync_from_args(args: CompileOptions):
     """The :class:`~fusion.plan.DPSync` of ``--dp-sync`` and its options, checked before the model is traced:
     FusionError (one line naming the flag) for H < 1, a codec that is unknown or not allowed for
     pseudo-gradients, DiLoCo with one replica, or a DiLoCo option without ``--dp-sync diloco``.
     (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
     here, after :func:`_compile_dp`'s planner ran.)"""
     from fusion.compress.policy import parse_spec
-    from fusion.executors.runtime.outer import check_pseudo_codec
+    from fusion.kernels.codecs import CODECS, Role
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync, PlanError
 
@@ -549,7 +372,7 @@ def dp_sync_from_args(args: argparse.Namespace):
         codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
         if codec == "auto":
             raise FusionError("--pseudo-codec auto: name the codec (quant:bits=8, quant:bits=4, topk:ratio=R) or none")
-        check_pseudo_codec(codec, f"--pseudo-codec {args.pseudo_codec}")
+        CODECS.check_role(codec, Role.PSEUDO_GRADIENT, f"--pseudo-codec {args.pseudo_codec}")
     if args.pseudo_error_feedback and codec is None:
         raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
     shares = {}
@@ -577,7 +400,7 @@ def dp_sync_from_args(args: argparse.Namespace):
     return sync
 
 
-def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_codec):
+def _compile_dp(args: CompileOptions, model, cluster, opt, compress, dp_codec):
     """``--strategy dp|dtfm``: the planner chooses replicas, cut and placement (issue 14), then the plan is built."""
     from fusion.compile import _ensure_shapes
     from fusion.cost.estimate import optimizer_slots
@@ -625,7 +448,7 @@ def _compile_dp(args: argparse.Namespace, model, cluster, opt, compress, dp_code
     return plan
 
 
-def plan_dp_sync(args: argparse.Namespace, model, cluster, opt, grad_wire_ratio: float = 1.0):
+def plan_dp_sync(args: CompileOptions, model, cluster, opt, grad_wire_ratio: float = 1.0):
     """``--strategy dp --dp-sync auto`` (or ``diloco`` with knobs left open): the placement of
     :func:`fusion.partition.dp.choose_dp_sync`, which chooses the replicas, H, codec, shares and placement; None
     for every other ``--dp-sync`` (the planners as before). Knobs the user gave (``--inner-steps`` one value or
@@ -688,13 +511,6 @@ def apply_dp_sync(plan, pl) -> None:
             plan.parts[plan.replica_parts(r)[stage]].recompute = bool(on)
     plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
                           throughput_samples_s=pl.predicted["samples_per_s"])
-
-
-def add_engine_arg(p):
-    return p.add_argument("--engine", action="append", default=[], metavar="[PART=]ENGINE",
-                          help="execution engine of a part (e.g. part1=numpy), or of every part (e.g. numpy); "
-                               "repeatable, later ones win; parts are named part0, part1, ... in pipeline order, "
-                               "replica r's r<r>.part0, ... (default: torch)")
 
 
 def assign_engines(plan, specs: list[str]) -> dict[str, str]:
@@ -767,20 +583,19 @@ def describe_plan(plan, cluster) -> str:
             + ("; mixed precision bf16 (torch autocast, fp32 weights)" if plan.precision == "bf16" else ""))
 
 
-def run(args: argparse.Namespace) -> int:
-    from fusion.commands.checks import check_compile_options
-
-    check_compile_options(args)  # bad --lr, --compress-ratio or --engine: one line before anything is imported or traced
+def run(opts: "Compile") -> int:
+    """``fusion compile`` with its options (:class:`fusion.options.commands.Compile`, checked already)."""
     from fusion.commands.compile_cache import compile_cached
 
-    check_output(Path(args.output), args.force)
+    check_output(Path(opts.output), opts.force)
+    args = opts.compile
 
     def check() -> None:  # on a cache miss, before the model is traced:
         dp_sync_from_args(args)  # a bad --dp-sync option is one line at once
         optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
         bottleneck_from_args(args)  # and a bad --bottleneck rank
 
-    compiled = compile_cached(args, args.model, compile_from_args, describe_plan, check)  # the cache's plan, or traced and compiled here
-    out = compiled.save(args.output)
+    compiled = compile_cached(opts.job(), compile_from_args, describe_plan, check)  # the cache's plan, or traced and compiled here
+    out = compiled.save(opts.output)
     print(f"wrote {out}: {compiled.describe()}")
     return 0

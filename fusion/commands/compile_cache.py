@@ -2,7 +2,6 @@
 before tracing; on a hit, one line on stderr and the cached plan; on a miss, compile and store."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -11,13 +10,7 @@ from typing import Any, Callable
 
 from fusion.compile_cache import CacheHit, CompileCache, cache_off, copy_plan
 from fusion.compile_key import CompileKey
-
-
-def add_cache_arg(g) -> None:
-    """``--no-cache`` (not a compile option: it changes no plan, so it is not in the key)."""
-    g.add_argument("--no-cache", action="store_true",
-                   help="compile afresh: neither use nor store the compile cache ($FUSION_CACHE, default "
-                        "~/.cache/fusion; docs/compiler.md \"Compile cache\")")
+from fusion.options.compile import CompileJob
 
 
 @dataclass
@@ -62,38 +55,37 @@ class Compiled:
         return path
 
 
-def cache_key(args: argparse.Namespace, target: str) -> tuple[CompileCache | None, CompileKey | None]:
+def cache_key(job: CompileJob) -> tuple[CompileCache | None, CompileKey | None]:
     """The cache and this compile's key (None, None with ``--no-cache``, or where no key can be made)."""
     from fusion.compile_key import compile_key, compile_options
 
-    if getattr(args, "no_cache", False) or cache_off():
+    if job.options.no_cache or cache_off():
         return None, None
-    dests = [d for d in (getattr(args, "compile_defaults", None) or {}) if d != "cluster"]
-    key = compile_key(target, args.cluster, compile_options(args, dests))
+    key = compile_key(job.target, job.cluster, compile_options(job))
     return (CompileCache.default(), key) if key is not None else (None, None)
 
 
-def compile_cached(args: argparse.Namespace, target: str, compile_fn: Callable, describe_fn: Callable,
+def compile_cached(job: CompileJob, compile_fn: Callable, describe_fn: Callable,
                    check: Callable[[], object] | None = None) -> Compiled:
-    """The plan of ``target`` for ``args.cluster`` with ``args``' compile options: from the cache when it holds the
-    key (``compile cache hit: <key> (<s> s)`` on stderr), else ``check()`` (the option checks that import torch:
-    an entry exists only for options that passed them) and ``compile_fn(args, model, cluster)``.
+    """The plan of ``job.target`` for ``job.cluster`` with ``job``'s compile options: from the cache when it holds
+    the key (``compile cache hit: <key> (<s> s)`` on stderr), else ``check()`` (the option checks that import
+    torch: an entry exists only for options that passed them) and ``compile_fn(job, model, cluster)``.
     ``compile_fn`` / ``describe_fn``: :mod:`fusion.commands.compile`'s ``compile_from_args`` / ``describe_plan``
     (passed in, so that module and this one do not import each other)."""
     t0 = time.monotonic()
-    cache, key = cache_key(args, target)
+    cache, key = cache_key(job)
     hit = cache.lookup(key) if cache is not None else None
     if hit is not None:
         print(f"compile cache hit: {key.short} ({time.monotonic() - t0:.2f} s)", file=sys.stderr, flush=True)
-        return Compiled(args.cluster, hit=hit, key=key, cache=cache, describe_fn=describe_fn)
+        return Compiled(job.cluster, hit=hit, key=key, cache=cache, describe_fn=describe_fn)
     if check is not None:
         check()
     from fusion.cluster import load_cluster
     from fusion.loader import load_model
     from fusion.loss import choose_loss
 
-    cluster = load_cluster(args.cluster)
-    model = choose_loss(load_model(target), args.loss, target)
-    plan = compile_fn(args, model, cluster)
-    return Compiled(args.cluster, plan, cluster, params=model.params, key=key, cache=cache,
+    cluster = load_cluster(job.cluster)
+    model = choose_loss(load_model(job.target), job.options.loss, job.target)
+    plan = compile_fn(job, model, cluster)
+    return Compiled(job.cluster, plan, cluster, params=model.params, key=key, cache=cache,
                     compile_s=time.monotonic() - t0, describe_fn=describe_fn)

@@ -1,62 +1,12 @@
 """``fusion executor PLAN --node PART --coordinator ADDR``: run one CompNode (one per host)."""
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
+from typing import TYPE_CHECKING
 
-
-def add_parser(sub) -> None:
-    from fusion.commands.coordinator import positive_float, zmq_address
-
-    p = sub.add_parser("executor", help="run one CompNode of a plan (one per host)",
-                       description="Load PLAN, check it and its weights, run the part named by --node (part0, part1, "
-                                   "...: see `fusion inspect PLAN`) and serve the coordinator at --coordinator ADDR "
-                                   "until it says stop. Logs what it waits for. Exit status 0 after stop, 1 after a "
-                                   "failure, an abort or a timeout, 2 for a bad plan, part name or address.")
-    p.add_argument("plan", help="plan directory (plan.json + weights.safetensors)")
-    p.add_argument("--node", required=True, metavar="PART[,PART...]",
-                   help="the part (CompNode) to run: part0, part1, ...; under an interleaved schedule, all parts of one "
-                        "device, comma-separated (`fusion inspect PLAN` lists them), run in this one process")
-    p.add_argument("--coordinator", required=True, type=zmq_address, metavar="ADDR",
-                   help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
-    p.add_argument("--bind", default=None, type=zmq_address, metavar="ADDR",
-                   help="address to listen on (default: the plan's address for this part, on that address only; "
-                        "tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
-    p.add_argument("--advertise", default=None, type=zmq_address, metavar="ADDR",
-                   help="address peers connect to (default: the plan's address, else the bound one)")
-    p.add_argument("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op threads of the engine (default: the host's cores shared among the plan's CompNode "
-                        "processes whose address names this part's host; torch's own default when the plan has no "
-                        "addresses)")
-    p.add_argument("--startup-timeout", type=positive_float, default=120.0,
-                   help="give up when the coordinator has not answered after this long (s)")
-    p.add_argument("--peer-timeout", type=positive_float, default=10.0,
-                   help="once in touch, give up when the coordinator is silent this long (s)")
-    p.add_argument("--data-timeout", type=positive_float, default=300.0, help="longest wait for one action's inputs (s)")
-    p.add_argument("--max-message-bytes", type=int, default=None,
-                   help="reject larger messages (default: the largest tensor the plan sends this part, x4, at least 8 MiB)")
-    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (JSON) here at exit (several parts: one file per part, comma-separated, "
-                        "or one name that gets .PART before its extension)")
-    p.add_argument("--compile-parts", action="store_true",
-                   help="torch engine: torch.compile the part's generated module (slow first step; off by default)")
-    p.add_argument("--interpreted-parts", action="store_true",
-                   help="torch engine: walk the part node by node instead of one generated function")
-    p.add_argument("--encode", default=None, choices=["device", "torch", "host"],
-                   help="torch engine: where compressed edges are encoded (same payload bytes): on the engine's "
-                        "device, only payloads leave it (default); 'torch': the torch codecs even on a CPU device; "
-                        "'host': from a NumPy copy of every dense tensor, as before")
-    p.add_argument("--heap", default="steady", choices=["steady", "default"],
-                   help="steady (default): raise glibc's mmap/trim thresholds so the tensors a step frees are reused "
-                        "by the next step instead of being unmapped and page-faulted in again (the process keeps its "
-                        "peak memory); default: leave the C allocator as it is. No effect without glibc")
-    p.add_argument("--trust-plugins", action="store_true",
-                   help="import the plugin files (Python code) the plan lists; without it such a plan is refused")
-    from fusion.commands.keys import add_security_options
-
-    add_security_options(p)
-    p.add_argument("--fast-exit", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(run=run, default_verbosity=1)
+if TYPE_CHECKING:
+    from fusion.options.commands import Executor
 
 
 def default_threads(plan, names: list[str], cores: int) -> int | None:
@@ -78,7 +28,8 @@ def default_threads(plan, names: list[str], cores: int) -> int | None:
     return max(1, cores // max(1, len(lanes)))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: "Executor") -> int:
+    """``fusion executor`` with its options (:class:`fusion.options.commands.Executor`)."""
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     import gc
@@ -94,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         from fusion.ir.errors import FusionError
         from fusion.plan import load_plan
 
-        from fusion.executors.engines.torch.device import check_device
+        from fusion.options.device import check_device
     finally:
         gc.enable()
     gc.freeze()
@@ -116,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise FusionError(f"{args.plan}: --node {args.node}: the interleaved schedule runs parts {','.join(lane)} of device "
                           f"{plan.parts[names[0]].device!r} in one process; pass --node {','.join(lane)}" if len(lane) > 1 else
                           f"{args.plan}: --node {args.node}: each of these parts runs in its own process; pass one")
-    keys = args.key.split(",") if args.key else [None] * len(names)
+    keys = args.security.key.split(",") if args.security.key else [None] * len(names)
     if len(keys) != len(names):
         raise FusionError(f"--key: give one secret key file per part of --node ({len(names)}), comma-separated")
     if len(names) > 1 and (args.advertise or (args.bind and not args.bind.endswith(":*"))):
@@ -135,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if bind is None:
             raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
         advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
-        security = security_from_args(argparse.Namespace(**{**vars(args), "key": key}), args.plan,
+        security = security_from_args(dataclasses.replace(args.security, key=key), args.plan,
                                       [COORDINATOR, *plan.parts], name, bind)
         trace = traces[names.index(name)]
         cfgs.append(ExecutorConfig(name, args.coordinator, bind, advertise, device, args.max_message_bytes,

@@ -20,27 +20,15 @@ of where each one sits in its metadata (:func:`fusion.compress.bottleneck.export
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from fusion.ir.errors import FusionError
+from typing import TYPE_CHECKING
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a run's trained weights as a state_dict of your own module",
-                       description="Write RUN's final weights (safetensors) under your module's own state_dict keys, "
-                                   "so that module.load_state_dict(safetensors.torch.load_file(OUT), strict=True) "
-                                   "loads them.")
-    p.add_argument("run_dir", metavar="RUN", help="a run folder (fusion run --out)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="safetensors file to write")
-    p.add_argument("--model", default=None, metavar="FILE.py:FUNCTION",
-                   help="the model the run trained (default: the MODEL of RUN's run.json; needed for a run of a plan)")
-    p.add_argument("--weights", default=None, metavar="FILE",
-                   help="the weights to export (default: RUN/final.safetensors)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.set_defaults(run=run)
+if TYPE_CHECKING:
+    from fusion.options.commands import Export
 
 
 def model_spec(run_dir: Path) -> str:
@@ -119,7 +107,8 @@ def _bottlenecks(run_dir: Path, trained: dict):
     return desc, {n: trained[n].contiguous() for n in names}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: "Export") -> int:
+    """``fusion export`` with its options (:class:`fusion.options.commands.Export`)."""
     import torch
     from safetensors.torch import load_file, save_file
 

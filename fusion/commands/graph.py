@@ -1,18 +1,14 @@
 """``fusion graph MODEL``: print a model's OP-DAG (nodes, shapes, parameters)."""
 from __future__ import annotations
+from typing import TYPE_CHECKING
 
-import argparse
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("graph", help="print the OP-DAG of a model (file.py:function)",
-                       description="Load MODEL (file.py:function returning a fusion Model, an OpGraph, or (module, example inputs)) and print its nodes.")
-    p.add_argument("model", help="file.py:function")
-    p.add_argument("-o", "--output", help="also save the graph as JSON here")
-    p.set_defaults(run=run)
+if TYPE_CHECKING:
+    from fusion.options.commands import Graph
 
 
-def run(args: argparse.Namespace) -> int:
+
+def run(args: "Graph") -> int:
+    """``fusion graph`` with its options (:class:`fusion.options.commands.Graph`)."""
     from fusion.loader import load_model
     from fusion.ir.serialize import save_graph
 

@@ -1,22 +1,15 @@
 """``fusion inspect PLAN``: print what a plan does and draw it."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusion.options.commands import Inspect
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="print a plan's parts and cut edges, and draw it as a PNG",
-                       description="Print a table (part -> device, nodes, FLOPs, memory, predicted compute and "
-                                   "communication) and the cut edges (bytes, link, ratio); write a PNG of the "
-                                   "partitioned DAG and the device clusters.")
-    p.add_argument("plan", help="plan directory (or its plan.json)")
-    p.add_argument("--png", help="where to write the picture (default: PLAN/plan.png)")
-    p.add_argument("--no-png", action="store_true", help="only print the table")
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: "Inspect") -> int:
+    """``fusion inspect`` with its options (:class:`fusion.options.commands.Inspect`)."""
     from fusion.inspect import draw_plan, plan_report
     from fusion.plan import load_plan
 

@@ -15,41 +15,22 @@ keys), on loopback too: a process is secure by default.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusion.options.commands import Keys
+    from fusion.options.launch import Security
 
 log = logging.getLogger(__name__)
 
 COORDINATOR = "coordinator"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("keys", help="make CURVE key pairs for a plan's CompNodes and coordinator",
-                       description="Make one CURVE key pair per CompNode of PLAN and one for the coordinator: public "
-                                   "keys go to PLAN/public_keys.json, each secret key to OUT/<name>.secret (mode 0600). "
-                                   "Give each host only its own secret file.")
-    p.add_argument("plan", help="plan directory")
-    p.add_argument("--out", default="keys", metavar="DIR", help="folder for the secret key files")
-    p.add_argument("--force", action="store_true", help="replace existing keys (running executors must restart)")
-    p.set_defaults(run=run)
-
-
-def add_security_options(p: argparse.ArgumentParser) -> None:
-    """``--key``, ``--public-keys``, ``--insecure`` for ``executor`` and ``coordinator``."""
-    p.add_argument("--key", default=None, metavar="FILE",
-                   help="this process's secret key file from `fusion keys` (owner-only permissions): authenticate "
-                        "and encrypt every link with CURVE")
-    p.add_argument("--public-keys", default=None, metavar="FILE",
-                   help="the run's public keys (default: PLAN/public_keys.json, written by `fusion keys`)")
-    p.add_argument("--insecure", action="store_true",
-                   help="no authentication or encryption: any process that reaches the address can send messages "
-                        "(loopback experiments only)")
-
-
-def security_from_args(args: argparse.Namespace, plan_dir: str | Path, names: list[str], me: str, listen: str):
+def security_from_args(args: "Security", plan_dir: str | Path, names: list[str], me: str, listen: str):
     """The :class:`~fusion.executors.runtime.keys.Security` for this process, or None (plain TCP).
 
     Raises FusionError (exit 2) when keys are needed and missing, or a key file is bad or not private.
@@ -101,7 +82,8 @@ def bind_address(plan_address: str) -> str:
         raise FusionError(f"cannot resolve {host!r} of the plan's address {plan_address} ({e}); pass --bind") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: "Keys") -> int:
+    """``fusion keys`` with its options (:class:`fusion.options.commands.Keys`)."""
     from fusion.executors.runtime.keys import PUBLIC_KEYS_FILE, generate, write_public, write_secret
     from fusion.ir.errors import FusionError
     from fusion.plan import load_plan

@@ -2,48 +2,15 @@
 per-message overheads (seconds the estimator adds to a part's compute time, :mod:`fusion.cost.profile`)."""
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusion.options.commands import Profile
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="fit this host's speed factor lambda from a short warm-up",
-                       description="Time a few Linear forward+backward steps, fit time = t0 + FLOPs / S and print "
-                                   "S and lambda = S / S* as JSON (lambda needs S*: --peak-flops, or --cluster and "
-                                   "--name), then time chains of tiny ops and small loopback messages for the "
-                                   "fixed costs per op node and per message, the coordinator's step round trip and feeds, "
-                                   "and the optimizer step per parameter byte. With -o, write a copy of the cluster "
-                                   "with that device's lambda and these fitted costs (node_overhead_s, "
-                                   "message_overhead_s, step_overhead_s, feed_overhead_s, feed_byte_s, "
-                                   "optimizer_byte_s) set, "
-                                   "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
-                                   "the scenario format). With --model MODEL: time each node of the model "
-                                   "forward and backward at its micro-batch shapes instead and write that table "
-                                   "(JSON) to -o, for `fusion compile --node-times FILE`.")
-    p.add_argument("--model", metavar="MODEL",
-                   help="file.py:function (as `fusion compile` takes it): measure its per-node forward and backward "
-                        "seconds and write them to -o (the host speed S recorded with them is --cluster/--name's "
-                        "device speed lambda x peak_flops when given, else fitted here with --batch)")
-    p.add_argument("--peak-flops", help="S*, the peak FLOP/s to compare against (e.g. '50 GFLOPS'); "
-                                        "default: the --name device's peak_flops")
-    p.add_argument("--device", default="cpu", help="torch device to time")
-    p.add_argument("--sizes", default="256,512,768,1024", help="Linear widths to time (comma-separated)")
-    p.add_argument("--batch", type=int, default=64, help="rows per timed Linear step")
-    p.add_argument("--repeats", type=int, default=5, help="at least this many timed rounds")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing (default: unchanged)")
-    p.add_argument("--interpreted-parts", action="store_true",
-                   help="store the per-node overhead of parts run node by node (for plans run with "
-                        "'fusion executor --interpreted-parts'); default: compiled parts")
-    p.add_argument("--no-overheads", action="store_true",
-                   help="fit lambda only; -o leaves the fitted fixed costs (node_overhead_s, ...) as they are")
-    p.add_argument("--cluster", help="cluster file whose device gets the fitted lambda")
-    p.add_argument("--name", help="device name in --cluster")
-    p.add_argument("-o", "--output", help="where to write the updated cluster (.yaml or .json), or with --model the "
-                                          "node-times table (.json)")
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: "Profile") -> int:
+    """``fusion profile`` with its options (:class:`fusion.options.commands.Profile`)."""
     import json
     from dataclasses import replace
     from pathlib import Path
@@ -160,7 +127,7 @@ def _yaml_with_lambda(source: Path, cluster, name: str, fields: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
 
 
-def _profile_host(args: argparse.Namespace, peak: float, overheads: bool):
+def _profile_host(args: "Profile", peak: float, overheads: bool):
     """:func:`fusion.cost.profile.profile_host` with the command's ``--device``, ``--sizes``, ``--batch``,
     ``--repeats`` and ``--threads``; a bad value is one line (FusionError)."""
     from fusion.cost.profile import profile_host
@@ -174,7 +141,7 @@ def _profile_host(args: argparse.Namespace, peak: float, overheads: bool):
         raise FusionError(f"profile: {e}") from None
 
 
-def _node_times(args: argparse.Namespace) -> int:
+def _node_times(args: "Profile") -> int:
     """``fusion profile --model MODEL -o FILE``: the per-node time table (:mod:`fusion.cost.node_times`)."""
     from fusion.cluster import load_cluster
     from fusion.compile import _ensure_shapes

@@ -74,17 +74,17 @@ def check_resumable(out: Path) -> None:
                           "it over with --overwrite, or choose another --out")
 
 
-def recipe(args) -> dict:
+def recipe(target: str, compile: dict, data: str | None, val_split: float | None) -> dict:
     """What a run was started with that ``--resume`` must not change: the model target (its file made absolute)
-    and every compile option (a MODEL is compiled once, into RUN/plan; a resume runs that plan), the data source
-    and its held-out split. JSON-able."""
-    target = str(getattr(args, "target", "") or "")
+    and every compile option (a MODEL is compiled once, into RUN/plan; a resume runs that plan; ``compile``: option
+    name -> value, the cluster file included; empty under ``fusion coordinator``), the data source and its held-out
+    split. JSON-able."""
     file, sep, fn = target.rpartition(":")
     if sep and file.endswith(".py"):
         target = f"{Path(file).resolve()}:{fn}"
-    compile_opts = {k: getattr(args, k, None) for k in sorted(getattr(args, "compile_defaults", {}) or {})}
-    return json.loads(json.dumps({"target": target, "compile": compile_opts, "data": getattr(args, "data", None),
-                                  "val_split": getattr(args, "val_split", None)}, default=str))
+    compile_opts = {k: compile[k] for k in sorted(compile)}
+    return json.loads(json.dumps({"target": target, "compile": compile_opts, "data": data, "val_split": val_split},
+                                 default=str))
 
 
 def check_resume_recipe(out: Path, now: dict, is_plan: bool) -> None:

@@ -188,34 +188,55 @@ def test_run_of_a_model_hits_the_cache_and_resume_runs_its_own_plan(cli, tmp_pat
 
 
 def test_every_option_the_compile_reads_is_in_the_key(tmp_path):
-    """A guard for later options: each attribute of ``args`` that compile_from_args reads is hashed by
-    compile_options (an option read but not hashed would make a changed value a stale hit)."""
-    import argparse
+    """A guard for later options: each compile option compile_from_args reads (and each run option of the job) is
+    hashed by compile_options (an option read but not hashed would make a changed value a stale hit)."""
+    import dataclasses
 
-    from fusion.cli import build_parser
     from fusion.cluster import load_cluster
     from fusion.commands.compile import compile_from_args
     from fusion.compile_key import compile_options
     from fusion.loader import load_model
+    from fusion.options import parse
+    from fusion.options.compile import CompileOptions
 
-    class Recording(argparse.Namespace):
+    read: set[str] = set()
+
+    class Recording(CompileOptions):
         def __getattribute__(self, name):
-            if not name.startswith("_"):
-                object.__getattribute__(self, "_read").add(name)
+            if name in CompileOptions.__dataclass_fields__:
+                read.add(name)
             return object.__getattribute__(self, name)
+
+    @dataclasses.dataclass
+    class RecordingJob:
+        target: str
+        cluster: str
+        options: CompileOptions
+        steps_: int | None
+        data_: str | None
+
+        @property
+        def steps(self):
+            read.add("steps")
+            return self.steps_
+
+        @property
+        def data(self):
+            read.add("data")
+            return self.data_
 
     (tmp_path / "model.py").write_text(MODEL)
     (tmp_path / "helper.py").write_text("WIDTH = 16\n")
     spec = f"{tmp_path / 'model.py'}:model"
     for extra in ([], ["--compress", "quant:bits=8", "--lr-schedule", "cosine", "--warmup-steps", "1"]):
-        args = build_parser().parse_args(["run", spec, "--cluster", str(LOCAL), "--strategy", "equal-flops",
-                                          "--steps", "5", *extra], namespace=Recording())
-        object.__setattr__(args, "_read", set())
-        compile_from_args(args, load_model(spec), load_cluster(LOCAL))
-        read = object.__getattribute__(args, "_read")
-        object.__setattr__(args, "_read", set())
-        hashed = set(compile_options(args, [d for d in args.compile_defaults if d != "cluster"]))
-        assert {"lr", "seed", "strategy", "engine"} <= read  # the recording sees the reads
-        assert read - hashed - {"compile_defaults"} == set()
+        job = parse(["run", spec, "--cluster", str(LOCAL), "--strategy", "equal-flops", "--steps", "5", *extra])[1].job()
+        options = Recording(**{f.name: getattr(job.options, f.name) for f in dataclasses.fields(CompileOptions)})
+        read.clear()
+        compile_from_args(RecordingJob(job.target, job.cluster, options, job.steps, job.data),
+                          load_model(spec), load_cluster(LOCAL))
+        seen = set(read)
+        hashed = set(compile_options(job))
+        assert {"lr", "seed", "strategy", "engine"} <= seen  # the recording sees the reads
+        assert seen - hashed == set()
         if extra:
             assert {"steps", "data"} <= hashed

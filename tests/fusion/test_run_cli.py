@@ -237,11 +237,9 @@ def test_a_device_this_host_lacks_is_one_line_before_anything_starts(cli, tmp_pa
 
 def test_run_passes_the_heap_mode_on_to_every_executor():
     """``fusion run --heap default`` reaches each ``fusion executor``; the default (steady) is the executor's own."""
-    from fusion.cli import build_parser
-    from fusion.commands.run import executor_flags
+    from fusion.options import parse
 
-    args = build_parser().parse_args(["run", "plan-dir", "--heap", "default"])
-    assert executor_flags(args, False)[-2:] == ["--heap", "default"]
-    assert "--heap" not in executor_flags(build_parser().parse_args(["run", "plan-dir"]), False)
+    assert parse(["run", "plan-dir", "--heap", "default"])[1].launch.executor_flags(False)[-2:] == ["--heap", "default"]
+    assert "--heap" not in parse(["run", "plan-dir"])[1].launch.executor_flags(False)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["run", "plan-dir", "--heap", "tcmalloc"])
+        parse(["run", "plan-dir", "--heap", "tcmalloc"])

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusion.cli import build_parser
+from fusion.options import parse
 from fusion.cluster import Cluster, Device, load_cluster
 from fusion.commands.compile import compile_from_args
 from fusion.compile import compile_model
@@ -87,9 +87,9 @@ def test_auto_takes_delta_only_with_sample_ids_and_a_data_set_size():
 
     def fwd_algos(*argv):
         extra = ["--cluster", "unused.yaml", "-o", "unused"] if argv[0] == "compile" else []
-        args = build_parser().parse_args([*argv[:1], str(ROOT / "examples/models/gpt.py:tiny"), *extra,
-                                          "--strategy", "equal-flops", "--compress", "auto", *argv[1:]])
-        plan = compile_from_args(args, model, slow)
+        _, opts = parse([*argv[:1], str(ROOT / "examples/models/gpt.py:tiny"), *extra,
+                         "--strategy", "equal-flops", "--compress", "auto", *argv[1:]])
+        plan = compile_from_args(opts.job(), model, slow)
         assert plan.compression
         return {c.codec("fwd")["algo"] for c in plan.compression if c.codec("fwd")}
 
@@ -133,9 +133,9 @@ def test_fusion_run_on_the_built_in_corpus_sizes_delta_buffers_by_its_windows():
     assert corpus_samples(model.graph, "synthetic") is None and corpus_samples(model.graph, "d.py:f") is None
 
     def compile_run(*extra):
-        args = build_parser().parse_args(["run", str(ROOT / "examples/models/gpt.py:tiny"), "--strategy",
-                                          "equal-flops", "--compress", "delta:bits=2", *extra])
-        return compile_from_args(args, model, _two(1e6))
+        _, opts = parse(["run", str(ROOT / "examples/models/gpt.py:tiny"), "--strategy",
+                         "equal-flops", "--compress", "delta:bits=2", *extra])
+        return compile_from_args(opts.job(), model, _two(1e6))
 
     plan = compile_run()
     assert plan.predicted["delta_samples"] == windows

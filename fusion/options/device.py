@@ -1,7 +1,5 @@
-"""Which torch device a CompNode's engine runs on, checked before any process starts."""
+"""``--device``: which torch device a CompNode's engine runs on, checked before any process starts."""
 from __future__ import annotations
-
-from fusion.ir.errors import FusionError
 
 
 def check_device(spec: str) -> str:
@@ -14,6 +12,8 @@ def check_device(spec: str) -> str:
     if spec == "cpu":  # no torch import: a NumPy CompNode's process stays torch-free
         return "cpu"
     import torch
+
+    from fusion.ir.errors import FusionError
 
     try:
         dev = torch.device(spec)
