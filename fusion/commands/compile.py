@@ -34,9 +34,8 @@ def optimizer_from_args(args: CompileOptions, steps: int | None = None):
 
 
 def compile_from_args(job: CompileJob, model, cluster):
-    """The plan for ``model`` on ``cluster`` with ``job``'s compile options, engines assigned."""
-    from fusion.compile import compile_model
-    from fusion.plan import OptimizerConfig
+    """The plan for ``model`` on ``cluster`` with ``job``'s compile options, engines assigned. (The checks that
+    need the options alone ran already: :meth:`fusion.options.compile.CompileOptions.check`.)"""
     from fusion.ir.errors import FusionError
 
     args = job.options
@@ -49,26 +48,8 @@ def compile_from_args(job: CompileJob, model, cluster):
     dp_codec = _dp_codec(args)
     dp_sync = dp_sync_from_args(args)
     tied = _tied_codec(args)
-    if args.dp_allreduce not in ("ring", "tree", "auto"):
-        raise FusionError(f"--dp-allreduce {args.dp_allreduce!r}: expected ring, tree or auto")
-    if args.virtual_stages is not None and args.schedule not in ("interleaved", "auto"):
-        raise FusionError(f"--virtual-stages {args.virtual_stages}: virtual stages are chunks of interleaved 1F1B; "
-                          f"give --schedule interleaved (or auto), not {args.schedule}")
-    interleaves = args.schedule == "interleaved" or (args.schedule == "auto" and (args.virtual_stages or 1) > 1)
-    if interleaves and args.strategy in DP_STRATEGIES:
-        raise FusionError(f"--schedule {args.schedule} --virtual-stages: the {args.strategy} planner plans data-parallel "
-                          "replicas, which interleaved 1F1B does not run; use --strategy equal-flops or equal-count")
-    if interleaves and args.replicas > 1:
-        raise FusionError(f"--replicas {args.replicas}: interleaved 1F1B runs one pipeline (no data-parallel replicas); "
-                          "leave out --replicas or use --schedule 1f1b/zb1")
     node_times = _node_times(args)
     if args.strategy in DP_STRATEGIES:
-        if getattr(args, "bottleneck", None) is not None:
-            raise FusionError(f"--bottleneck with --strategy {args.strategy}: the data-parallel planners do not "
-                              "insert bottlenecks yet; use opfence, equal-flops or equal-count (with --replicas)")
-        if args.tied_codec is not None:
-            raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
-                              "a tied codec yet; leave it out")
         plan = _compile_dp(args, model, cluster, opt, compress, dp_codec)
         set_dp_allreduce(plan, cluster, args.dp_allreduce)
         if args.dp_sync == "every":
@@ -77,6 +58,15 @@ def compile_from_args(job: CompileJob, model, cluster):
             _keep_outer_options(plan, dp_sync)
         set_precision(plan, args.precision)
         return plan
+    return _compile_pipeline(args, model, cluster, opt, compress, dp_codec, dp_sync, tied, node_times)
+
+
+def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_codec, dp_sync, tied, node_times):
+    """The plan of every strategy but the data-parallel planners: one pipeline compiled (compile_model), then
+    replicated over the fastest free devices for ``--replicas`` / ``--global-batch``."""
+    from fusion.compile import compile_model
+    from fusion.ir.errors import FusionError
+
     micro = args.micro_batches
     if args.global_batch is not None:
         from fusion.replicas import split_global_batch
@@ -318,29 +308,69 @@ def inner_steps_of(args: CompileOptions) -> tuple[int, ...] | None:
     return hs
 
 
+def _refuse_diloco_options(args: CompileOptions) -> None:
+    """Under ``--dp-sync every``, a DiLoCo option given (not at its default) is one line naming it."""
+    from fusion.ir.errors import FusionError
+
+    given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
+                               ("--outer-momentum", args.outer_momentum, 0.6), ("--no-nesterov", args.no_nesterov, False),
+                               ("--pseudo-codec", args.pseudo_codec, None),
+                               ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
+                               ("--replica-shares", args.replica_shares, None),
+                               ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
+                               ("--outer-overlap", args.outer_overlap, None))
+             if v != d]
+    if given:
+        raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
+                          "step)")
+
+
+def _pseudo_codec(args: CompileOptions):
+    """The codec cfg of ``--pseudo-codec`` (None: exact averaging), one a pseudo-gradient may travel under."""
+    from fusion.compress.policy import parse_spec
+    from fusion.ir.errors import FusionError
+    from fusion.kernels.codecs import CODECS, Role
+
+    codec = None
+    if args.pseudo_codec is not None:
+        codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
+        if codec == "auto":
+            raise FusionError("--pseudo-codec auto: name the codec (quant:bits=8, quant:bits=4, topk:ratio=R) or none")
+        CODECS.check_role(codec, Role.PSEUDO_GRADIENT, f"--pseudo-codec {args.pseudo_codec}")
+    if args.pseudo_error_feedback and codec is None:
+        raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
+    return codec
+
+
+def _replica_shares(args: CompileOptions) -> dict[int, float]:
+    """``--replica-shares R=S,...`` as replica -> share."""
+    from fusion.ir.errors import FusionError
+
+    shares = {}
+    for item in filter(None, (args.replica_shares or "").split(",")):
+        r, eq, v = item.partition("=")
+        try:
+            shares[int(r)] = float(v)
+        except ValueError:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}") from None
+        if not eq:
+            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}")
+    if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
+        raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
+    return shares
+
+
 def dp_sync_from_args(args: CompileOptions):
     """The :class:`~fusion.plan.DPSync` of ``--dp-sync`` and its options, checked before the model is traced:
     FusionError (one line naming the flag) for H < 1, a codec that is unknown or not allowed for
     pseudo-gradients, DiLoCo with one replica, or a DiLoCo option without ``--dp-sync diloco``.
     (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
     here, after :func:`_compile_dp`'s planner ran.)"""
-    from fusion.compress.policy import parse_spec
-    from fusion.kernels.codecs import CODECS, Role
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync, PlanError
 
     if args.dp_sync == "every":
-        given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
-                                   ("--outer-momentum", args.outer_momentum, 0.6), ("--no-nesterov", args.no_nesterov, False),
-                                   ("--pseudo-codec", args.pseudo_codec, None),
-                                   ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
-                                   ("--replica-shares", args.replica_shares, None),
-                                   ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
-                                   ("--outer-overlap", getattr(args, "outer_overlap", None), None))
-                 if v != d]
-        if given:
-            raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
-                              "step)")
+        _refuse_diloco_options(args)
         return DPSync()
     if args.dp_sync == "auto" and args.strategy != "dp":
         raise FusionError(f"--dp-sync auto is the --strategy dp planner's choice (not {args.strategy}); give "
@@ -367,25 +397,8 @@ def dp_sync_from_args(args: CompileOptions):
     if args.sync_fragments < 1 or args.sync_fragments > h:
         raise FusionError(f"--sync-fragments {args.sync_fragments}: streaming fragments must number 1 .. --inner-steps "
                           f"({h}), one outer step of a fragment per inner step at most")
-    codec = None
-    if args.pseudo_codec is not None:
-        codec = parse_spec(args.pseudo_codec, "--pseudo-codec")
-        if codec == "auto":
-            raise FusionError("--pseudo-codec auto: name the codec (quant:bits=8, quant:bits=4, topk:ratio=R) or none")
-        CODECS.check_role(codec, Role.PSEUDO_GRADIENT, f"--pseudo-codec {args.pseudo_codec}")
-    if args.pseudo_error_feedback and codec is None:
-        raise FusionError("--pseudo-error-feedback needs a lossy --pseudo-codec (exact averaging leaves no residual)")
-    shares = {}
-    for item in filter(None, (args.replica_shares or "").split(",")):
-        r, eq, v = item.partition("=")
-        try:
-            shares[int(r)] = float(v)
-        except ValueError:
-            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}") from None
-        if not eq:
-            raise FusionError(f"--replica-shares {args.replica_shares}: expected REPLICA=SHARE items, got {item!r}")
-    if args.strategy not in DP_STRATEGIES and any(r >= args.replicas for r in shares):
-        raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
+    codec = _pseudo_codec(args)
+    shares = _replica_shares(args)
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
                   overlap=overlap or "delayed")

@@ -28,45 +28,46 @@ def default_threads(plan, names: list[str], cores: int) -> int | None:
     return max(1, cores // max(1, len(lanes)))
 
 
-def run(args: "Executor") -> int:
-    """``fusion executor`` with its options (:class:`fusion.options.commands.Executor`)."""
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+def _import_frozen() -> None:
+    """Import what an executor runs with, the garbage collector off, then freeze it.
+
+    Importing torch makes about a million long-lived objects and no garbage: the collections it triggers cost
+    10-20% of the import. Frozen afterwards, they are left out of every later full collection too (torch._dynamo,
+    which torch.optim imports at the first optimizer, is then about a second cheaper to import)."""
     import gc
 
-    # Importing torch makes about a million long-lived objects and no garbage: the collections it triggers cost
-    # 10-20% of the import. Frozen afterwards, they are left out of every later full collection too (torch._dynamo,
-    # which torch.optim imports at the first optimizer, is then about a second cheaper to import).
     gc.disable()
     try:
-        from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
-        from fusion.executors.runtime.compnode import CompNode, ExecutorConfig, run_lane
-        from fusion.executors.runtime.plandigest import plan_digest
-        from fusion.ir.errors import FusionError
-        from fusion.plan import load_plan
-
-        from fusion.options.device import check_device
+        import fusion.commands.keys  # noqa: F401
+        import fusion.executors.runtime.compnode  # noqa: F401
+        import fusion.executors.runtime.plandigest  # noqa: F401
+        import fusion.plan  # noqa: F401
     finally:
         gc.enable()
     gc.freeze()
 
-    device = check_device(args.device)  # before the plan and the sockets: a bad device is one line
-    plan = load_plan(args.plan)
+
+def part_names(args: "Executor", plan) -> list[str]:
+    """The parts of ``--node`` (one lane: one part, or all parts of one device under an interleaved schedule);
+    FusionError naming the plan and the part for one it lacks or a set that is not one lane."""
+    from fusion.ir.errors import FusionError
+
     names = [n for n in args.node.split(",") if n]
     for name in names:
         if name not in plan.parts:
             raise FusionError(f"{args.plan}: plan has no part {name!r} (parts: {', '.join(plan.parts)})")
-    if not args.threads:
-        threads = default_threads(plan, names, os.cpu_count() or 1)
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
     lane = plan.lane_of(names[0])
     if sorted(names) != sorted(lane):
         raise FusionError(f"{args.plan}: --node {args.node}: the interleaved schedule runs parts {','.join(lane)} of device "
                           f"{plan.parts[names[0]].device!r} in one process; pass --node {','.join(lane)}" if len(lane) > 1 else
                           f"{args.plan}: --node {args.node}: each of these parts runs in its own process; pass one")
+    return names
+
+
+def per_part(args: "Executor", names: list[str]) -> tuple[list, list]:
+    """(the secret key file, the trace file) of each part: ``--key`` and ``--trace`` split by comma."""
+    from fusion.ir.errors import FusionError
+
     keys = args.security.key.split(",") if args.security.key else [None] * len(names)
     if len(keys) != len(names):
         raise FusionError(f"--key: give one secret key file per part of --node ({len(names)}), comma-separated")
@@ -78,36 +79,69 @@ def run(args: "Executor") -> int:
         traces = [f"{os.path.splitext(traces[0])[0]}.{n}{os.path.splitext(traces[0])[1]}" for n in names]
     if len(traces) != len(names):
         raise FusionError(f"--trace: give one file, or one per part of --node ({len(names)}), comma-separated")
+    return keys, traces
+
+
+def executor_config(args: "Executor", plan, name: str, key, trace, device: str, digest: str):
+    """The :class:`~fusion.executors.runtime.compnode.ExecutorConfig` of part ``name``."""
+    from fusion.commands.keys import COORDINATOR, bind_address, security_from_args
+    from fusion.executors.runtime.compnode import ExecutorConfig
+    from fusion.ir.errors import FusionError
+
+    plan_addr = plan.parts[name].address
+    bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
+    if bind is None:
+        raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
+    advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
+    security = security_from_args(dataclasses.replace(args.security, key=key), args.plan,
+                                  [COORDINATOR, *plan.parts], name, bind)
+    return ExecutorConfig(name, args.coordinator, bind, advertise, device, args.max_message_bytes,
+                          peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
+                          startup_timeout_s=args.startup_timeout, trace_path=trace,
+                          engine_options={**({"compile": True} if args.compile_parts else {}),
+                                          **({"compiled": False} if args.interpreted_parts else {}),
+                                          **({"encode": args.encode} if args.encode else {})},
+                          trust_plugins=args.trust_plugins, security=security, plan_digest=digest)
+
+
+def _fast_exit(status: int) -> None:
+    """Everything is flushed (trace written, sockets closed): skip the interpreter's slow teardown of torch."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run(args: "Executor") -> int:
+    """``fusion executor`` with its options (:class:`fusion.options.commands.Executor`)."""
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    _import_frozen()
+    from fusion.executors.runtime.compnode import CompNode, run_lane
+    from fusion.executors.runtime.plandigest import plan_digest
+    from fusion.options.device import check_device
+    from fusion.plan import load_plan
+
+    device = check_device(args.device)  # before the plan and the sockets: a bad device is one line
+    plan = load_plan(args.plan)
+    names = part_names(args, plan)
+    if not args.threads:
+        threads = default_threads(plan, names, os.cpu_count() or 1)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+    keys, traces = per_part(args, names)
     digest = plan_digest(args.plan)
-    cfgs = []
-    for name, key in zip(names, keys):
-        plan_addr = plan.parts[name].address
-        bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
-        if bind is None:
-            raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
-        advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
-        security = security_from_args(dataclasses.replace(args.security, key=key), args.plan,
-                                      [COORDINATOR, *plan.parts], name, bind)
-        trace = traces[names.index(name)]
-        cfgs.append(ExecutorConfig(name, args.coordinator, bind, advertise, device, args.max_message_bytes,
-                                   peer_timeout_s=args.peer_timeout, data_timeout_s=args.data_timeout,
-                                   startup_timeout_s=args.startup_timeout, trace_path=trace,
-                                   engine_options={**({"compile": True} if args.compile_parts else {}),
-                                                   **({"compiled": False} if args.interpreted_parts else {}),
-                                                   **({"encode": args.encode} if args.encode else {})},
-                                   trust_plugins=args.trust_plugins, security=security, plan_digest=digest))
+    cfgs = [executor_config(args, plan, n, k, t, device, digest) for n, k, t in zip(names, keys, traces)]
     if args.heap == "steady":  # after the checks (a bad argument stays a one-line error), before the engines' tensors
         from fusion.executors.runtime.heap import steady_heap
 
         steady_heap()
     status = run_lane([CompNode(plan, args.plan, c) for c in cfgs])
     if args.fast_exit:
-        # everything is flushed (trace written, sockets closed); skip the interpreter's slow teardown of torch
-        import logging
-        import sys
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        _fast_exit(status)
     return status

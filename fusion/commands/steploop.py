@@ -39,24 +39,11 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     weights are still saved, then KeyboardInterrupt propagates.
     Returns ``{"steps": steps done, "loss": last loss, "interrupted": bool}``.
     """
-    from fusion.commands.rundir import restore_committed_line, trim_metrics
-    from fusion.plan import save_arrays
-
-    out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     resumed = resumed or bool(first)
-    if resumed:
-        trim_metrics(metrics, first)
-        if restore_committed_line(metrics, coord.cfg.checkpoint_dir, first):
-            log.warning("restored the metrics line of step %d from its checkpoint (a crash had lost it)", first - 1)
-    bar = None
-    if progress and first < steps:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-    last = None
-    done = first
-    interrupted = False
+    _open_metrics(coord, out, first, resumed)
+    bar = _progress_bar(first, steps) if progress and first < steps else None
+    last, done, interrupted = None, first, False
     step_log = log_every_s is not None and not sys.stderr.isatty()
     t0 = t_logged = time.monotonic()
     from fusion.commands.metrics_log import LiveBoard
@@ -70,10 +57,7 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     raise KeyboardInterrupt
                 r = coord.step(batch_fn(step))
                 last, done = r, step + 1
-                line = r.metrics_line()
-                mf.write(json.dumps(line) + "\n")
-                mf.flush()
-                board.add(line)
+                _write_line(mf, board, r.metrics_line())
                 if bar is not None:
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
                     bar.update(1)
@@ -82,13 +66,7 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
                               f"({t_logged - t0:.0f} s)")
                 if evaluation is not None and (step + 1) % evaluation.every == 0:
-                    val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
-                    val_line = {"step": r.step, "val_loss": val, "time": time.time()}
-                    mf.write(json.dumps(val_line) + "\n")
-                    mf.flush()
-                    board.add(val_line)
-                    _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
-                              f"batches; metrics.jsonl step {r.step})")
+                    _evaluate(coord, evaluation, r.step, mf, board, lambda t, s=step: _say(bar, f"step {s + 1}/{steps}: {t}"))
             if ctrl_c.asked:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -100,14 +78,54 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
             bar.close()
     if interrupted:
         print(f"interrupted after {done} steps; saving the latest weights (Ctrl-C again to skip)", file=sys.stderr)
-    state = coord.fetch_state()
-    tmp = out / "final.safetensors.tmp"
-    save_arrays(state, tmp, {k: spec.dtype for k, spec in coord.plan.graph.params.items()})
-    tmp.replace(out / "final.safetensors")
+    _save_final(coord, out)
     summary = {"steps": done, "loss": None if last is None else last.loss, "interrupted": interrupted}
     if interrupted:
         raise KeyboardInterrupt(summary)
     return summary
+
+
+def _open_metrics(coord, out: Path, first: int, resumed: bool) -> None:
+    """The run folder, and on a resume its metrics from step ``first`` on dropped (the line of step ``first - 1``
+    restored from its checkpoint when a crash lost it)."""
+    from fusion.commands.rundir import restore_committed_line, trim_metrics
+
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    if resumed:
+        trim_metrics(metrics, first)
+        if restore_committed_line(metrics, coord.cfg.checkpoint_dir, first):
+            log.warning("restored the metrics line of step %d from its checkpoint (a crash had lost it)", first - 1)
+
+
+def _progress_bar(first: int, steps: int):
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _evaluate(coord, evaluation: Evaluation, step: int, mf, board, say: Callable[[str], None]) -> None:
+    """The held-out loss after step ``step`` (the mean over the batches): a metrics line and a line on stderr."""
+    val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
+    _write_line(mf, board, {"step": step, "val_loss": val, "time": time.time()})
+    say(f"val_loss {val:.4f} ({len(evaluation.batches)} held-out batches; metrics.jsonl step {step})")
+
+
+def _write_line(mf, board, line: dict) -> None:
+    """One metrics line into metrics.jsonl (flushed: a crash loses no finished step) and the live board."""
+    mf.write(json.dumps(line) + "\n")
+    mf.flush()
+    board.add(line)
+
+
+def _save_final(coord, out: Path) -> None:
+    """The latest weights as ``out/final.safetensors`` (written beside, then moved: never half a file)."""
+    from fusion.plan import save_arrays
+
+    state = coord.fetch_state()
+    tmp = out / "final.safetensors.tmp"
+    save_arrays(state, tmp, {k: spec.dtype for k, spec in coord.plan.graph.params.items()})
+    tmp.replace(out / "final.safetensors")
 
 
 def _say(bar, text: str) -> None:

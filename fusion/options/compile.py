@@ -93,6 +93,32 @@ class CompileOptions(Section):
             if not ok(getattr(self, dest)):
                 raise FusionError(f"--{dest.replace('_', '-')} {getattr(self, dest)}: {rule}")
         self._check_engines()
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Options that exclude each other: virtual stages without an interleaved schedule, interleaved 1F1B with
+        replicas, and what the data-parallel planners do not plan yet (bottlenecks, a tied codec)."""
+        from fusion.ir.errors import FusionError
+
+        if self.dp_allreduce not in ("ring", "tree", "auto"):
+            raise FusionError(f"--dp-allreduce {self.dp_allreduce!r}: expected ring, tree or auto")
+        if self.virtual_stages is not None and self.schedule not in ("interleaved", "auto"):
+            raise FusionError(f"--virtual-stages {self.virtual_stages}: virtual stages are chunks of interleaved "
+                              f"1F1B; give --schedule interleaved (or auto), not {self.schedule}")
+        interleaves = self.schedule == "interleaved" or (self.schedule == "auto" and (self.virtual_stages or 1) > 1)
+        if interleaves and self.strategy in DP_STRATEGIES:
+            raise FusionError(f"--schedule {self.schedule} --virtual-stages: the {self.strategy} planner plans "
+                              "data-parallel replicas, which interleaved 1F1B does not run; use --strategy "
+                              "equal-flops or equal-count")
+        if interleaves and self.replicas > 1:
+            raise FusionError(f"--replicas {self.replicas}: interleaved 1F1B runs one pipeline (no data-parallel "
+                              "replicas); leave out --replicas or use --schedule 1f1b/zb1")
+        if self.strategy in DP_STRATEGIES and self.bottleneck is not None:
+            raise FusionError(f"--bottleneck with --strategy {self.strategy}: the data-parallel planners do not "
+                              "insert bottlenecks yet; use opfence, equal-flops or equal-count (with --replicas)")
+        if self.strategy in DP_STRATEGIES and self.tied_codec is not None:
+            raise FusionError(f"--tied-codec with --strategy {self.strategy}: the data-parallel planners do not "
+                              "price a tied codec yet; leave it out")
 
     def _check_engines(self) -> None:
         """Each ``--engine`` names a known engine; ``--precision bf16`` only with torch ones: each codec encodes a
