@@ -39,10 +39,12 @@ def compile_from_args(job: CompileJob, model, cluster):
     from fusion.ir.errors import FusionError
 
     args = job.options
-    opt = optimizer_from_args(args, job.steps)
+    # fusion run's --steps and --data, read only where they matter (compile_key.compile_options hashes them there)
+    opt = optimizer_from_args(args, job.steps if args.lr_schedule != "constant" and args.lr_decay_steps is None
+                              else None)
     from fusion.compress.policy import request
 
-    compress = request(args.compress, args.compress_bwd, *_data_samples(args, model, job.data))
+    compress = request(args.compress, args.compress_bwd, *_data_samples(args, model, job))
     if compress is not None and args.compress_ratio is not None:
         raise FusionError("--compress-ratio (AdaTopK) and --compress/--compress-bwd (codecs) exclude each other")
     dp_codec = _dp_codec(args)
@@ -208,7 +210,7 @@ def set_dp_allreduce(plan, cluster, mode: str) -> None:
     plan.predicted["dp_allreduce"] = priced
 
 
-def _data_samples(args: CompileOptions, model, data: str | None = None) -> tuple[int | None, bool | None]:
+def _data_samples(args: CompileOptions, model, job: CompileJob | None = None) -> tuple[int | None, bool | None]:
     """(data set size for delta buffers, whether ``auto`` may choose delta): ``--samples``, or for
     ``fusion run`` on the built-in text corpus its window count, which ``auto`` does not use (windows are
     drawn at random, so a sample rarely comes back within a run)."""
@@ -217,6 +219,7 @@ def _data_samples(args: CompileOptions, model, data: str | None = None) -> tuple
 
     if args.compress is None and args.compress_bwd is None:
         return args.samples, None
+    data = job.data if job is not None else None
     corpus = corpus_samples(model.graph, data) if data else None
     if corpus is None:
         return args.samples, None
