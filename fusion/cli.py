@@ -12,8 +12,7 @@ import logging
 import sys
 
 from fusion.ir.errors import FusionError
-
-from fusion.options.parser import build_parser  # noqa: F401  (the parser: generated from the options tree)
+from fusion.options.parser import build_parser  # the parser, generated from the options tree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +20,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from fusion.options import parse
     from fusion.options.commands import COMMANDS
-    from fusion.options.parser import build_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -29,8 +29,6 @@ from typing import Mapping
 
 import numpy as np
 
-from fusion.ir.errors import FusionError
-
 
 def join_arrays(outer) -> dict[str, np.ndarray]:
     """What a joiner takes from a live part of its stage (an :class:`~.outer.OuterLoop`): the global weights

@@ -1,10 +1,10 @@
 """``fusion graph MODEL``: print a model's OP-DAG (nodes, shapes, parameters)."""
 from __future__ import annotations
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fusion.options.commands import Graph
-
 
 
 def run(args: "Graph") -> int:
