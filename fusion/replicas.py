@@ -226,7 +226,8 @@ def _price_replicas(plan: Plan, cluster: Cluster, stages: list[str]) -> None:
     for r in range(plan.replicas):
         m = plan.replica_parts(r)
         row = [cluster.index(plan.parts[m[s]].device) for s in stages]
-        est = cm.evaluate(node_part, row)
+        # the memory the replica holds is that of the recomputation the compiler chose for each stage
+        est = cm.evaluate(node_part, row, recompute=np.array([plan.parts[m[s]].recompute for s in stages]))
         # as the compiler reports a pipeline: its schedule simulated with the estimator's numbers
         per.append({"devices": [plan.parts[m[s]].device for s in stages],
                     "iteration_s": simulate_estimate(cm, est, plan.schedule, node_part, np.array(row)),
