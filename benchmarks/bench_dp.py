@@ -33,31 +33,14 @@ import time
 from pathlib import Path
 
 from fusion.cluster.scenarios import load_scenario
-from fusion.cost.dp import replica_cost_model
 from fusion.cost.flops import measure_costs
-from fusion.partition.dp import build_cost_model, plan_diloco_model, plan_dp_model
+from fusion.partition.dp import build_cost_model, plan_diloco_model, plan_dp_model, single_pipeline
 from fusion.partition.dtfm import plan_dtfm_model
-from fusion.partition.fence import NoFitError, op_fence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout root: tests/ holds the op-node GPT
 from tests.testing_models import gpt_model  # noqa: E402
 
 DTFM = ["dtfm-1-datacenter", "dtfm-2-spot", "dtfm-3-multi-dc", "dtfm-4-regional", "dtfm-5-worldwide"]
-
-
-def single_pipeline(cm, global_batch: int) -> tuple[float, int]:
-    """OP-Fence's best single pipeline priced on the global batch: (samples/s, parts)."""
-    full = replica_cost_model(cm, global_batch // cm.samples_per_micro_batch)
-    best = (0.0, 0)
-    for n_search in (4, 8, 16):
-        try:
-            part = op_fence(replica_cost_model(cm, n_search))
-        except NoFitError:
-            continue
-        est = full.evaluate(part.node_part, part.part_device)
-        if est.feasible and est.throughput > best[0]:
-            best = (est.throughput, len(part.part_device))
-    return best
 
 
 def describe(pl) -> str:

@@ -123,6 +123,10 @@ def plan_report(plan: Plan) -> str:
                      + (f" + step {pr['step_s']:.4g} s" if pr.get("step_s") else "") + "; "
                      f"dense {pr.get('dense_iteration_s', float('nan')):.4g} s), "
                      f"throughput {pr.get('throughput_samples_s', float('nan')):.4g} samples/s")
+    if pr.get("single_pipeline_parts"):  # a DP x PP plan against OP-Fence's single pipeline on the same batch
+        lines.append(f"against one pipeline: {pr['dp_vs_single_pipeline']:.3g}x the samples/s of OP-Fence's best "
+                     f"single pipeline on the same global batch ({pr['single_pipeline_samples_per_s']:.4g} "
+                     f"samples/s on {pr['single_pipeline_parts']} devices)")
     if pr.get("schedules"):  # every schedule priced on this cut (fusion.cost.schedules), the plan's marked
         lines.append(f"schedules ({pr.get('schedule_choice', 'fixed')}, simulated): " + ", ".join(
             f"{n}{'*' if n == plan.schedule else ''} {v['iteration_s']:.4g} s {v['peak_memory_bytes'] / 1e6:.3g} MB"

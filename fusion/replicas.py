@@ -106,13 +106,16 @@ def next_free_devices(plan: Plan, cluster: Cluster, replicas: int) -> list[list[
 
 
 def replicate(plan: Plan, cluster: Cluster | None, devices: Sequence[Sequence[str]], global_batch: int = 0,
-              engines: Mapping[str, str] | None = None, dp_codec: Mapping[str, Any] | None = None) -> Plan:
+              engines: Mapping[str, str] | None = None, dp_codec: Mapping[str, Any] | None = None,
+              recompute: Sequence[Sequence[bool]] | None = None) -> Plan:
     """``plan`` (one pipeline) as ``len(devices)`` replicas; ``devices[r][s]``: replica r's stage s.
 
     cluster: the plan's cluster (predictions are re-priced on each replica's devices), or None for a
              hand-written plan: devices are then names from ``plan.cluster`` and nothing is priced.
     Row 0 may move replica 0 too. A stage's engine is copied to its replicas unless ``engines``
     (part name -> engine) says otherwise. dp_codec: the all-reduce codec (``Plan.dp_codec``).
+    recompute: ``recompute[r][s]``, replica r's stage s recomputes its activations (a DP planner's choice, priced
+    with it); None: each stage's choice in ``plan``.
     """
     from fusion.ir.boundary import part_order
 
@@ -127,6 +130,8 @@ def replicate(plan: Plan, cluster: Cluster | None, devices: Sequence[Sequence[st
             name = replica_part_name(stage, r)
             parts[name] = replace(plan.parts[stage], name=name, device=row[s], address=addresses[row[s]], replica=r,
                                   stage="" if r == 0 else stage)
+            if recompute is not None:
+                parts[name].recompute = bool(recompute[r][s])
     for p, e in (engines or {}).items():
         if p not in parts:
             raise _error(f"engines names unknown part {p!r} (parts: {', '.join(parts)})")
@@ -142,7 +147,8 @@ def replicate(plan: Plan, cluster: Cluster | None, devices: Sequence[Sequence[st
 def compile_replicated(model: Model, cluster: Cluster, cut: Mapping[str, int], devices: Sequence[Sequence[str]], *,
                        micro_batches: int = 1, global_batch: int = 0, schedule: str = "gpipe",
                        optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0, strategy: str = "dp",
-                       engines: Mapping[str, str] | None = None, dp_codec: Mapping[str, Any] | None = None) -> Plan:
+                       engines: Mapping[str, str] | None = None, dp_codec: Mapping[str, Any] | None = None,
+                       recompute: Sequence[Sequence[bool]] | None = None) -> Plan:
     """A replicated plan from a cut and a device grid.
 
     cut:           node name -> stage index 0 .. S-1 (every replica uses this cut).
@@ -151,6 +157,7 @@ def compile_replicated(model: Model, cluster: Cluster, cut: Mapping[str, int], d
                    replicas (0: not fixed), checked by :func:`split_global_batch`.
     engines:       part name -> engine (default torch).
     dp_codec:      None (exact averaging) or a quant codec cfg for the all-reduce chunks (lossy).
+    recompute:     recompute[r][s]: replica r's stage s recomputes its activations (None: none does).
     """
     from fusion.compile import CompileError, _assemble, _ensure_shapes
     from fusion.cost.estimate import CostModel, optimizer_slots, samples_per_micro_batch
@@ -187,7 +194,7 @@ def compile_replicated(model: Model, cluster: Cluster, cut: Mapping[str, int], d
         raise CompileError("cut: stage indices must follow the pipeline order (stage s may only feed stages > s)")
     if global_batch:
         split_global_batch(global_batch, len(devices), micro_batches, None)
-    return replicate(plan, cluster, devices, global_batch, engines, dp_codec)
+    return replicate(plan, cluster, devices, global_batch, engines, dp_codec, recompute)
 
 
 def _check_grid(devices: Sequence[Sequence[str]], n_stages: int, names: Sequence[str], source: str) -> None:
@@ -226,7 +233,8 @@ def _price_replicas(plan: Plan, cluster: Cluster, stages: list[str]) -> None:
     for r in range(plan.replicas):
         m = plan.replica_parts(r)
         row = [cluster.index(plan.parts[m[s]].device) for s in stages]
-        est = cm.evaluate(node_part, row)
+        # the memory the replica holds is that of the recomputation the compiler chose for each stage
+        est = cm.evaluate(node_part, row, recompute=np.array([plan.parts[m[s]].recompute for s in stages]))
         # as the compiler reports a pipeline: its schedule simulated with the estimator's numbers
         per.append({"devices": [plan.parts[m[s]].device for s in stages],
                     "iteration_s": simulate_estimate(cm, est, plan.schedule, node_part, np.array(row)),

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 
 from fusion.ir.errors import FusionError
 from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
+from fusion.executors.runtime.warm import WarmProcess, WarmServer, can_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +81,16 @@ class LocalCluster:
     curve:     authenticate and encrypt every link with CURVE: fresh key pairs for this run in
                ``run_dir/keys`` (secret files 0600), the executors get theirs with ``--key``; False runs
                plain TCP on loopback (``--insecure``).
+    warm:      fork the executors of torch parts from one process that imported torch once
+               (:mod:`~fusion.executors.runtime.warm`) where the platform allows; a part with its own environment
+               (``part_env``), another engine or another ``python`` gets a process of its own as before.
     """
 
     def __init__(self, plan_dir: str | Path, run_dir: str | Path, cfg: CoordinatorConfig | None = None, *,
                  threads: int | None = None, trace: bool = True, python: str = sys.executable,
                  executor_args: list[str] | None = None, verbose: int = 1,
                  part_env: Mapping[str, Mapping[str, str]] | None = None,
-                 report: Callable[[str], None] | None = None, curve: bool = False):
+                 report: Callable[[str], None] | None = None, curve: bool = False, warm: bool = True):
         from fusion.plan import load_plan
 
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
@@ -102,11 +106,16 @@ class LocalCluster:
         self.trace, self.python, self.verbose = trace, python, verbose
         self.executor_args = list(executor_args or [])
         self.part_env = {p: dict(e) for p, e in (part_env or {}).items()}
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | WarmProcess] = {}
         self.coordinator: Coordinator | None = None
         self._logs: list = []
         self.report = report
         self.curve = curve
+        self._warm = None
+        if warm and python == sys.executable and can_warm_start() and any(
+                p.engine == "torch" and not self.part_env.get(n) for n, p in self.plan.parts.items()):
+            # started now: its imports overlap the coordinator's start and the keys
+            self._warm = WarmServer(python, package_root(), self._env())
 
     def start(self, resume: bool = False) -> int:
         """Spawn the executors and wait until they are ready; returns the first step to run."""
@@ -127,11 +136,14 @@ class LocalCluster:
         self._spawn([p for p in self.plan.parts if self.plan.parts[p].replica not in late])
         return self.coordinator.start(resume=resume)
 
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
+                "PYTHONUNBUFFERED": "1"}
+
     def _spawn(self, only: list[str]) -> None:
         """Start the executor processes of the parts in ``only`` (whole lanes) and record their pids."""
         addr, key_args = self._addr, self._key_args
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
-               "PYTHONUNBUFFERED": "1"}
+        env = self._env()
         for parts in self.plan.lanes().values():  # one process per part; under interleaved, one per device
             if parts[0] not in only:
                 continue
@@ -139,19 +151,23 @@ class LocalCluster:
             keys = [key_args[p] for p in parts]
             key = keys[0] if len(parts) == 1 or keys[0] == ["--insecure"] else \
                 ["--key", ",".join(k[1] for k in keys), *keys[0][2:]]
-            cmd = [self.python, "-c", _ENTRY, package_root(), *(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor",
-                   str(self.plan_dir), "--node", name, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
-                   "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
-                   *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
-                   "--fast-exit", *key, *self.executor_args]
+            argv = [*(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor",
+                    str(self.plan_dir), "--node", name, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
+                    "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
+                    *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
+                    "--fast-exit", *key, *self.executor_args]
             if self.trace:
-                cmd += ["--trace", ",".join(str(self.run_dir / "trace" / f"{p}.json") for p in parts)]
+                argv += ["--trace", ",".join(str(self.run_dir / "trace" / f"{p}.json") for p in parts)]
             log_path = self.run_dir / "logs" / f"{'+'.join(parts)}.log"
-            f = open(log_path, "ab")
-            self._logs.append(f)
             self.coordinator.logs.update(dict.fromkeys(parts, log_path))
             part_env = {k: v for p in parts for k, v in self.part_env.get(p, {}).items()}
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **part_env}, start_new_session=True)
+            if self._warm is not None and not part_env and all(self.plan.parts[p].engine == "torch" for p in parts):
+                proc = self._warm.spawn(argv, env, log_path)
+            else:
+                f = open(log_path, "ab")
+                self._logs.append(f)
+                proc = subprocess.Popen([self.python, "-c", _ENTRY, package_root(), *argv], stdout=f,
+                                        stderr=subprocess.STDOUT, env={**env, **part_env}, start_new_session=True)
             for p in parts:
                 self.processes[p] = proc
         (self.run_dir / "pids.json").write_text(json.dumps({p: pr.pid for p, pr in self.processes.items()}))
@@ -212,6 +228,8 @@ class LocalCluster:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        if self._warm is not None:
+            self._warm.close()
         return status
 
     def __enter__(self) -> "LocalCluster":
@@ -233,7 +251,7 @@ def package_root() -> str:
     return str(Path(fusion.__file__).resolve().parent.parent)
 
 
-def _wait_while_writing(processes: Mapping[str, subprocess.Popen], status: dict[str, int | None], folder: Path,
+def _wait_while_writing(processes: Mapping[str, subprocess.Popen | WarmProcess], status: dict[str, int | None], folder: Path,
                         idle_s: float, cap_s: float = 900.0) -> dict[str, int | None]:
     """Wait on for the executors still running after a stop while a file in ``folder`` (their traces) was written to
     within the last ``idle_s`` seconds, at most ``cap_s``: a long run's trace (tens of MB streamed from its spill
@@ -251,7 +269,7 @@ def _wait_while_writing(processes: Mapping[str, subprocess.Popen], status: dict[
     return status
 
 
-def _wait_all(processes: Mapping[str, subprocess.Popen], timeout_s: float) -> dict[str, int | None]:
+def _wait_all(processes: Mapping[str, subprocess.Popen | WarmProcess], timeout_s: float) -> dict[str, int | None]:
     deadline = time.monotonic() + timeout_s
     out: dict[str, int | None] = {}
     for p, proc in processes.items():

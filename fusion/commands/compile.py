@@ -421,7 +421,7 @@ def _compile_dp(args: CompileOptions, model, cluster, opt, compress, dp_codec):
     from fusion.compile import _ensure_shapes
     from fusion.cost.estimate import optimizer_slots
     from fusion.ir.errors import FusionError
-    from fusion.partition.dp import plan_dp
+    from fusion.partition.dp import against_single_pipeline, plan_dp
     from fusion.partition.dtfm import plan_dtfm
     from fusion.replicas import compile_replicated
 
@@ -454,12 +454,16 @@ def _compile_dp(args: CompileOptions, model, cluster, opt, compress, dp_codec):
     batch = args.global_batch if args.global_batch % (pl.replicas * micro) == 0 or not diloco else 0
     plan = compile_replicated(model, cluster, pl.cut, pl.devices, micro_batches=micro, global_batch=batch,
                               schedule=args.schedule, optimizer=opt, seed=args.seed, strategy=pl.strategy,
-                              dp_codec=None if diloco else dp_codec)
+                              dp_codec=None if diloco else dp_codec, recompute=pl.info.get("recompute"))
     plan.predicted["dp_planner"] = dict(pl.predicted)
     apply_dp_sync(plan, pl)
     # the planner priced the gradient all-reduce too (fusion.cost.dp): its iteration time is the plan's
     plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
                           throughput_samples_s=pl.predicted["samples_per_s"])
+    plan.predicted.update(against_single_pipeline(model.graph, cluster, global_batch=args.global_batch,
+                                                  schedule=args.schedule,
+                                                  optimizer_slots=optimizer_slots(opt.name, opt.momentum),
+                                                  samples_per_s=pl.predicted["samples_per_s"]))
     assign_engines(plan, args.engine)
     return plan
 
@@ -519,12 +523,6 @@ def apply_dp_sync(plan, pl) -> None:
         return
     plan.predicted["dp_sync"] = {**pl.predicted, "micro_batches_per_replica": list(pl.info["micro_batches"]),
                                  "codec": pl.info["codec"]}
-    from fusion.ir.boundary import part_order
-
-    stages = part_order(plan.graph, plan.assignment)
-    for r, flags in enumerate(pl.info.get("recompute", [])):  # the parts priced with recomputation to fit
-        for stage, on in zip(stages, flags):
-            plan.parts[plan.replica_parts(r)[stage]].recompute = bool(on)
     plan.predicted.update(iteration_s=pl.predicted["iteration_s"], dp_sync_s=pl.predicted["dp_sync_s"],
                           throughput_samples_s=pl.predicted["samples_per_s"])
 

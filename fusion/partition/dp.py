@@ -392,6 +392,34 @@ def plan_dp(graph: OpGraph, cluster: Cluster, *, global_batch: int, micro_batche
 
 
 
+def single_pipeline(cm: CostModel, global_batch: int) -> tuple[float, int]:
+    """The anchor a DP x PP plan is measured against: OP-Fence's best single pipeline (searched with 4, 8 and
+    16 micro-batches, the best that fits) priced on the same global batch, all of it through that one
+    pipeline. Returns (samples/s, parts); (0.0, 0) when no single pipeline fits."""
+    full = replica_cost_model(cm, max(1, global_batch // cm.samples_per_micro_batch))
+    best = (0.0, 0)
+    for n_search in (4, 8, 16):
+        try:
+            part = op_fence(replica_cost_model(cm, n_search))
+        except NoFitError:
+            continue
+        est = full.evaluate(part.node_part, part.part_device)
+        if est.feasible and est.throughput > best[0]:
+            best = (float(est.throughput), len(part.part_device))
+    return best
+
+
+def against_single_pipeline(graph: OpGraph, cluster: Cluster, *, global_batch: int, schedule: str,
+                            optimizer_slots: int, samples_per_s: float) -> dict:
+    """What a DP x PP plan's ``samples_per_s`` is worth against :func:`single_pipeline` on the same cluster and
+    global batch: ``{"single_pipeline_samples_per_s", "single_pipeline_parts", "dp_vs_single_pipeline"}`` (the
+    ratio is None when no single pipeline fits), written to ``plan.predicted`` and shown by ``fusion inspect``."""
+    cm = build_cost_model(graph, cluster, schedule=schedule, optimizer_slots=optimizer_slots)
+    single, parts = single_pipeline(cm, global_batch)
+    return {"single_pipeline_samples_per_s": single, "single_pipeline_parts": parts,
+            "dp_vs_single_pipeline": samples_per_s / single if single > 0 else None}
+
+
 # -- DiLoCo: the sync mode, H, codec, shares and placement (--dp-sync auto|diloco) --------------------------------
 
 #: ``--dp-sync auto`` keeps synchronous DP unless DiLoCo is predicted this much faster (it changes the training

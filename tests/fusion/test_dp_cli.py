@@ -234,3 +234,26 @@ def test_a_batch_that_is_not_the_global_batch_exits_2_with_one_line(cli, tmp_pat
     last = r.stderr.strip().splitlines()[-1]
     assert "step 0: field 'x' has shape [6, 3, 6, 6], the plan expects [8, 3, 6, 6] (4 micro-batch(es) of [2, 3, 6, 6])" \
         in last, r.stderr[-2000:]
+
+
+def test_a_dp_plan_says_what_it_is_worth_against_one_pipeline(tmp_path, capsys):
+    """Issue 34: ``predicted.dp_vs_single_pipeline`` in plan.json, the plan's samples/s over OP-Fence's best
+    single pipeline priced on the same cluster and global batch (fusion.partition.dp.single_pipeline), in inspect."""
+    from fusion.cost.estimate import optimizer_slots
+    from fusion.cluster.load import load_cluster
+    from fusion.loader import load_model
+    from fusion.partition.dp import build_cost_model, single_pipeline
+
+    m, out = _model(tmp_path), tmp_path / "dp.plan"
+    assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dp", "--global-batch", "8", "--optimizer", "sgd",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    pr = load_plan(out).predicted
+    cm = build_cost_model(load_model(m).graph, load_cluster(LOCAL), schedule="gpipe",
+                          optimizer_slots=optimizer_slots("sgd", 0.0))
+    single, parts = single_pipeline(cm, 8)
+    assert single > 0 and parts == pr["single_pipeline_parts"]
+    assert pr["single_pipeline_samples_per_s"] == single
+    assert pr["dp_vs_single_pipeline"] == pr["throughput_samples_s"] / single
+    assert main(["inspect", str(out)]) == 0
+    assert f"{pr['dp_vs_single_pipeline']:.3g}x the samples/s of OP-Fence's best single pipeline" in capsys.readouterr().out

@@ -119,3 +119,17 @@ def test_a_numpy_engine_cannot_take_a_part_that_needs_recomputation(gpt, tmp_pat
     plan = compile_model(gpt, cluster, strategy="equal-flops", micro_batches=MICRO)
     with pytest.raises(FusionError, match=f"{squeezed}.*recomputation"):
         assign_engines(plan, [f"{squeezed}=numpy"])
+
+
+def test_replicas_are_priced_with_the_recomputation_the_compiler_chose(gpt):
+    """Issue 34: the DP planner re-prices each replica's pipeline on its devices; it checked memory as if no
+    part recomputed, so a plan that fits only with recomputation was refused (``part 0 ... needs 17.477 GB``)."""
+    from fusion.ir.boundary import part_order
+    from fusion.replicas import replicate
+
+    cluster, squeezed = _tight_cluster(gpt)
+    plan = compile_model(gpt, cluster, strategy="equal-flops", micro_batches=MICRO)
+    stages = part_order(plan.graph, plan.assignment)
+    out = replicate(plan, cluster, [[plan.parts[s].device for s in stages]])
+    part = out.parts[squeezed]
+    assert part.recompute and part.memory_bytes == plan.parts[squeezed].memory_bytes
