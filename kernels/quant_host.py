@@ -1,0 +1,297 @@
+"""The fast NumPy host path of ``quant`` / ``hadamard-quant``: the same IEEE operations as
+:func:`fusion.kernels.quant.encode_core` / ``decode_core``, in place, on reused buffers.
+
+Why it exists: on a CPU part the host path encodes every activation and gradient that crosses a compressed
+edge, and the shared algorithm (written once against an array-ops interface so NumPy and torch give the same
+bytes) builds a fresh float64 temporary for almost every operation: at 1M elements the temporaries, their page
+faults and ``min``/``max`` over 64-element rows cost more than the arithmetic (``docs/kernels.md``, "Codec CPU
+cost"). This module computes the *same values in the same order*:
+
+* the tensor is widened once into a float64 work buffer, and every later step (the power-of-two scaling, the
+  Walsh-Hadamard butterflies, ``x - offset``, ``/ scale``, ``+ 0.5`` or ``+ u``, ``floor``, ``clip``) writes
+  back into it (``out=``);
+* block minima and maxima come from ``np.minimum.reduceat`` over the flat buffer (the same values as
+  ``min(axis=1)``: ``min`` is exact), and the tensor's largest magnitude from them (``max(|x|) =
+  max(max x, -min x)``); the per-block minimum of the *scaled* values is the scaled minimum (scaling by a power
+  of two is monotone), so the scaled block is never reduced again;
+* the stochastic-rounding hash runs in place on an int64 buffer;
+* buffers live in a :class:`QuantScratch` that only grows; each thread has its own (:func:`scratch`), so a
+  sender's encode and a receiver's decode never share one. What a payload or a decoded tensor holds is always
+  freshly allocated: scratch never escapes.
+
+Anything off the fast path (an empty tensor, more than 2**32 elements, bfloat16 input) runs the shared
+algorithm. ``tests/kernels/test_quant_host.py`` checks both give the same bytes; the golden test pins them.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusion.ir.errors import FusionError
+from fusion.kernels import quant as Q
+
+#: Elements of a tensor the in-place hash handles (indices below 2**32: ``i >> 32`` is 0).
+HASH_LIMIT = 1 << 32
+
+
+@dataclass
+class QuantScratch:
+    """Work buffers reused across messages (one per thread: :func:`scratch`); they only grow, by half again.
+
+    ``grown`` counts (re)allocations, so a test can see that steady-state messages allocate none here.
+    """
+
+    buffers: dict = field(default_factory=dict)
+    grown: int = 0
+
+    def take(self, name: str, n: int, dtype) -> np.ndarray:
+        """A 1-D view of ``n`` elements of buffer ``name`` (its contents are whatever the last user left)."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            size = max(n, int(1.5 * buf.size) if buf is not None and buf.dtype == dtype else n)
+            buf = self.buffers[name] = np.empty(size, dtype=dtype)
+            self.grown += 1
+        return buf[:n]
+
+    def starts(self, total: int, block: int) -> np.ndarray:
+        """Block start offsets ``0, block, 2*block, ... < total`` (for ``reduceat``)."""
+        key = ("starts", block)
+        s = self.buffers.get(key)
+        if s is None or s.size * block < total:
+            s = self.buffers[key] = np.arange(0, max(total, 2 * (s.size * block if s is not None else 0)), block,
+                                              dtype=np.intp)
+            self.grown += 1
+        return s[:-(-total // block)]
+
+    def arange(self, n: int) -> np.ndarray:
+        """``0 .. n-1`` as int64 (the element indices the hash mixes)."""
+        a = self.buffers.get("arange")
+        if a is None or a.size < n:
+            a = self.buffers["arange"] = np.arange(max(n, int(1.5 * (a.size if a is not None else 0))),
+                                                   dtype=np.int64)
+            self.grown += 1
+        return a[:n]
+
+
+_LOCAL = threading.local()
+
+
+def scratch() -> QuantScratch:
+    """This thread's scratch buffers."""
+    s = getattr(_LOCAL, "scratch", None)
+    if s is None:
+        s = _LOCAL.scratch = QuantScratch()
+    return s
+
+
+# ---------------------------------------------------------------------------- pieces
+
+def _mul_pow2_inplace(x: np.ndarray, e: int) -> None:
+    """``x *= 2**e`` exactly as :func:`quant.mul_pow2` computes it (one or two multiplies)."""
+    if -1000 <= e <= 1000:
+        np.multiply(x, math.ldexp(1.0, e), out=x)
+    else:
+        np.multiply(x, math.ldexp(1.0, e // 2), out=x)
+        np.multiply(x, math.ldexp(1.0, e - e // 2), out=x)
+
+
+def _block_min_max(flat: np.ndarray, block: int, ws: QuantScratch) -> tuple[np.ndarray, np.ndarray]:
+    starts = ws.starts(flat.size, block)
+    return np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)
+
+
+def _largest(lo: np.ndarray, hi: np.ndarray) -> float:
+    """``max(|x|)`` from block minima and maxima; NaN when any is NaN."""
+    return max(float(hi.max()), -float(lo.min())) if lo.size else 0.0
+
+
+def _finite_range(lo: float, hi: float, cfg: Q.QuantConfig) -> tuple[float, float]:
+    """``(lo, hi)``, or FusionError when either is NaN or infinite (the tensor holds one)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise FusionError(f"{cfg.algo}: the tensor holds NaN or inf, which cannot be quantised")
+    return lo, hi
+
+
+def fwht_inplace(x2: np.ndarray, block: int, ws: QuantScratch) -> np.ndarray:
+    """:func:`quant.fwht` of each row of ``x2``, written back into ``x2`` (returned): the same butterflies in the
+    same order, on a transposed copy (``(block, nblocks)``), so every butterfly is one long contiguous run of
+    ``h * nblocks`` elements instead of ``nblocks * block / h`` runs of ``h``."""
+    nb = x2.shape[0]
+    a = ws.take("fwht_a", x2.size, np.float64).reshape(block, nb)
+    b = ws.take("fwht_b", x2.size, np.float64).reshape(block, nb)
+    np.copyto(a, x2.T)
+    h = 1
+    while h < block:
+        src = a.reshape(block // (2 * h), 2, h * nb)
+        dst = b.reshape(block // (2 * h), 2, h * nb)
+        np.add(src[:, 0], src[:, 1], out=dst[:, 0])
+        np.subtract(src[:, 0], src[:, 1], out=dst[:, 1])
+        a, b = b, a
+        h *= 2
+    if block > 1:
+        np.multiply(a, Q.hadamard_norm(block), out=a)
+    np.copyto(x2, a.T)
+    return x2
+
+
+def _mix_inplace(h: np.ndarray, t: np.ndarray) -> None:
+    for _ in range(2):  # h = ((h >> 16) ^ h) * MUL & M32, twice
+        np.right_shift(h, 16, out=t)
+        np.bitwise_xor(h, t, out=h)
+        np.multiply(h, Q.HASH_MUL, out=h)
+        np.bitwise_and(h, Q.M32, out=h)
+    np.right_shift(h, 16, out=t)  # then (h >> 16) ^ h
+    np.bitwise_xor(h, t, out=h)
+
+
+def add_hash_uniform(t2: np.ndarray, seed: int, ws: QuantScratch) -> None:
+    """``t2 += quant.hash_uniform(seed, t2.size)`` (flat element order), in place; ``t2.size < 2**32``."""
+    n = t2.size
+    k1, k2 = Q.seed_keys(seed)
+    h, tmp = ws.take("hash", n, np.int64), ws.take("hash_tmp", n, np.int64)
+    np.bitwise_xor(ws.arange(n), k1, out=h)  # (i & M32) ^ k1, i < 2**32
+    _mix_inplace(h, tmp)
+    np.bitwise_xor(h, k2, out=h)  # ^ (i >> 32) (zero here) ^ k2
+    _mix_inplace(h, tmp)
+    u = ws.take("hash_u", n, np.float64)
+    np.multiply(h, 1.0 / 4294967296.0, out=u, dtype=np.float64)
+    np.add(t2.reshape(-1), u, out=t2.reshape(-1))
+
+
+def pack_into(codes: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`quant.pack` into a fresh array (the payload's), without intermediate arrays."""
+    per = 8 // bits
+    if per == 1:
+        return codes.copy()
+    n = codes.size
+    nbytes = -(-n // per)
+    out = np.empty(nbytes, dtype=np.uint8)
+    whole = n // per
+    c2 = codes[:whole * per].reshape(whole, per)
+    np.left_shift(c2[:, per - 1], (per - 1) * bits, out=out[:whole])
+    for j in range(per - 2, -1, -1):
+        if j:
+            np.bitwise_or(out[:whole], np.left_shift(c2[:, j], j * bits), out=out[:whole])
+        else:
+            np.bitwise_or(out[:whole], c2[:, 0], out=out[:whole])
+    if whole < nbytes:  # the last, partly used byte
+        tail = codes[whole * per:]
+        out[-1] = sum(int(c) << (j * bits) for j, c in enumerate(tail))
+    return out
+
+
+def unpack_into(packed: np.ndarray, bits: int, dst: np.ndarray) -> None:
+    """The first ``dst.size`` codes of ``packed`` into ``dst`` (uint8), as :func:`quant.unpack` gives them."""
+    per = 8 // bits
+    n = dst.size
+    if per == 1:
+        np.copyto(dst, packed[:n])
+        return
+    whole = n // per
+    mask = (1 << bits) - 1
+    c2 = dst[:whole * per].reshape(whole, per)
+    src = packed[:whole]
+    for j in range(per):
+        col = c2[:, j]
+        if j:
+            np.right_shift(src, j * bits, out=col)
+            if j < per - 1:
+                np.bitwise_and(col, mask, out=col)
+        else:
+            np.bitwise_and(src, mask, out=col)
+    if whole * per < n:
+        last = int(packed[whole])
+        for j in range(n - whole * per):
+            dst[whole * per + j] = (last >> (j * bits)) & mask
+
+
+# ---------------------------------------------------------------------------- encode / decode
+
+def fast_path(numel: int, dtype: str) -> bool:
+    """Whether :func:`encode` / :func:`decode` take the in-place path (else the shared algorithm runs)."""
+    return 0 < numel < HASH_LIMIT and dtype in ("float32", "float64", "float16")
+
+
+def encode(a: np.ndarray, cfg: Q.QuantConfig, ws: QuantScratch | None = None):
+    """``(scale_exp, scales f16, offsets f16, packed codes u8)`` of a float32/float64/float16 array: the bytes of
+    :func:`quant.encode_core` on its float64 widening."""
+    ws = ws or scratch()
+    flat = np.ascontiguousarray(a).reshape(-1)
+    numel, block, L = flat.size, cfg.block, cfg.levels
+    nb = Q.nblocks(numel, block)
+    total = nb * block
+    buf = ws.take("x", total, np.float64)
+    np.copyto(buf[:numel], flat)  # exact widening
+    if cfg.hadamard:
+        lo_in, hi_in = _finite_range(float(flat.min()), float(flat.max()), cfg)
+        buf[numel:] = 0.0
+        e_in = Q.scale_exp_for(max(hi_in, -lo_in))
+        _mul_pow2_inplace(buf, -e_in)
+        v2 = fwht_inplace(buf.reshape(nb, block), block, ws)
+        vflat = v2.reshape(-1)
+        lo, hi = _block_min_max(vflat, block, ws)
+        extra = Q.scale_exp_for(_largest(lo, hi))
+        _mul_pow2_inplace(vflat, -extra)
+        exp = e_in + extra
+        lo, hi = Q.mul_pow2(lo, -extra), Q.mul_pow2(hi, -extra)
+    else:
+        buf[numel:] = buf[numel - 1]  # the short block repeats its last element: its min and max stay
+        lo, hi = _block_min_max(buf, block, ws)  # NaN in a block makes its min and max NaN
+        lo_in, hi_in = _finite_range(float(lo.min()), float(hi.max()), cfg)
+        exp = Q.scale_exp_for(max(hi_in, -lo_in))
+        _mul_pow2_inplace(buf, -exp)
+        lo, hi = Q.mul_pow2(lo, -exp), Q.mul_pow2(hi, -exp)  # min/max of the scaled blocks: scaling is monotone
+        v2 = buf.reshape(nb, block)
+    off16 = Q.f16_round(Q.NumpyOps, lo + 0.0, up=False)
+    off = off16.astype(np.float64)
+    scale16 = Q.f16_round(Q.NumpyOps, (hi + 0.0 - off) / float(L) + 0.0, up=True)
+    scale = scale16.astype(np.float64)
+    safe = np.where(scale > 0, scale, 1.0)
+    np.subtract(v2, off[:, None], out=v2)
+    np.divide(v2, safe[:, None], out=v2)
+    if cfg.rounding == "nearest":
+        np.add(v2, 0.5, out=v2)
+    else:
+        add_hash_uniform(v2, cfg.seed, ws)
+    np.floor(v2, out=v2)
+    np.clip(v2, 0.0, float(L), out=v2)
+    codes = ws.take("codes", total, np.uint8)
+    np.copyto(codes, v2.reshape(-1), casting="unsafe")
+    if not cfg.hadamard:
+        codes = codes[:numel]
+    return exp, scale16, off16, pack_into(codes, cfg.bits)
+
+
+def decode(p: Q.QuantPayload, ws: QuantScratch | None = None) -> np.ndarray:
+    """The flat array of a validated payload in ``p.dtype``: the bytes of ``finish(decode_core(...))``."""
+    ws = ws or scratch()
+    block, numel = p.block, p.numel
+    nb = Q.nblocks(numel, block)
+    total = nb * block
+    n = Q.ncodes(numel, block, p.hadamard)
+    codes = ws.take("codes", total, np.uint8)
+    unpack_into(p.codes, p.bits, codes[:n])
+    codes[n:] = 0
+    y = ws.take("y", total, np.float64).reshape(nb, block)
+    np.multiply(codes.reshape(nb, block), p.scales.astype(np.float64)[:, None], out=y, dtype=np.float64)
+    np.add(y, p.offsets.astype(np.float64)[:, None], out=y)  # offset + code * scale (addition commutes)
+    if p.hadamard:
+        y = fwht_inplace(y, block, ws)
+    lim = Q._scaled_limit(p.dtype, p.scale_exp)
+    if lim != math.inf:
+        np.clip(y, -lim, lim, out=y)
+    flat = y.reshape(-1)[:numel]
+    e = p.scale_exp
+    if p.dtype == "float32" and -1000 <= e <= 1000:  # the last multiply and the cast in one pass
+        out = np.empty(numel, dtype=np.float32)
+        np.multiply(flat, math.ldexp(1.0, e), out=out, dtype=np.float64, casting="same_kind")
+        return out
+    _mul_pow2_inplace(flat, e)
+    return Q.NumpyOps.narrow(flat, p.dtype).copy() if p.dtype == "float64" else Q.NumpyOps.narrow(flat, p.dtype)
+
+
+__all__ = ["QuantScratch", "scratch", "fast_path", "encode", "decode", "fwht_inplace", "add_hash_uniform",
+           "pack_into", "unpack_into"]

@@ -1,0 +1,73 @@
+"""The in-place NumPy host path of quant / hadamard-quant (``kernels/quant_host.py``) gives the shared algorithm's
+bytes (``encode_core`` / ``decode_core`` over ``NumpyOps``, the path it replaced) on hard inputs, and reuses its
+buffers instead of allocating per message."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusion.kernels import quant as Q, quant_host as H
+from fusion.ir.errors import FusionError
+
+
+def _reference(a: np.ndarray, cfg: Q.QuantConfig) -> Q.QuantPayload:
+    flat = Q.NumpyOps.widen(a, a.dtype.name)
+    exp, s16, o16, packed = Q.encode_core(Q.NumpyOps, flat, flat.size, cfg)
+    return Q.QuantPayload(a.shape, a.dtype.name, cfg.bits, cfg.block, cfg.rounding, cfg.hadamard, exp, s16, o16, packed)
+
+
+def _inputs():
+    rng = np.random.default_rng(7)
+    yield "normal", rng.standard_normal((3, 37, 11)).astype(np.float32)
+    x = rng.standard_normal(1000).astype(np.float32)
+    x[::97] = 40.0
+    yield "outliers", x
+    yield "zeros-and-negzero", np.array([0.0, -0.0] * 50 + [-0.0] * 7, dtype=np.float32)
+    yield "constant", np.full(130, -3.25, dtype=np.float32)
+    yield "tiny", (rng.standard_normal(300) * 1e-41).astype(np.float32)  # float32 subnormals
+    yield "huge-f64", rng.standard_normal(200) * 1e300
+    yield "small-f64", rng.standard_normal(200) * 1e-310  # subnormal float64: two-multiply scaling
+    yield "mixed-f64", np.concatenate([rng.standard_normal(100) * 1e-300, [1e300, -1e300]])
+    yield "float16", rng.standard_normal(333).astype(np.float16)
+    yield "one", np.array([5.0], dtype=np.float32)
+    yield "short-tail", rng.standard_normal(64 * 3 + 5).astype(np.float64)
+
+
+CFGS = [dict(bits=b, block=blk, rounding=r) for b in (2, 4, 8) for blk in (1, 16, 64) for r in ("nearest", "stochastic")]
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: f"{c['bits']}b-{c['block']}-{c['rounding'][:4]}")
+def test_host_path_gives_the_shared_algorithms_bytes(cfg, hadamard):
+    qc = Q.QuantConfig.from_cfg({**cfg, "seed": 11}, hadamard)
+    for name, a in _inputs():
+        assert H.fast_path(a.size, a.dtype.name)
+        fast, ref = Q.quantize(a, qc), _reference(a, qc)
+        assert fast.to_msg() == ref.to_msg(), name
+        y = Q.dequantize(fast)
+        y_ref = Q.finish(Q.NumpyOps, Q.decode_core(Q.NumpyOps, ref.scales, ref.offsets, ref.codes, ref), ref.dtype)
+        assert y.dtype == y_ref.dtype and y.tobytes() == y_ref.reshape(a.shape).tobytes(), name
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nan_and_inf_are_refused(hadamard):
+    qc = Q.QuantConfig.from_cfg({"bits": 4}, hadamard)
+    for bad in (np.nan, np.inf, -np.inf):
+        a = np.zeros(100, dtype=np.float32)
+        a[70] = bad
+        with pytest.raises(FusionError, match="NaN or inf"):
+            Q.quantize(a, qc)
+
+
+def test_steady_state_messages_allocate_no_scratch():
+    ws = H.QuantScratch()
+    qc = Q.QuantConfig.from_cfg({"bits": 4, "rounding": "stochastic"}, False)
+    a = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    p = Q.QuantPayload(a.shape, "float32", 4, 64, "stochastic", False, *H.encode(a, qc, ws))
+    H.decode(p, ws)
+    grown = ws.grown
+    for _ in range(3):
+        out = H.encode(a, qc, ws)
+        y = H.decode(p, ws)
+    assert ws.grown == grown
+    assert not any(np.shares_memory(y, b) or np.shares_memory(out[3], b) for b in ws.buffers.values())
