@@ -667,13 +667,8 @@ def quantize(arr: np.ndarray, cfg: QuantConfig | Mapping[str, Any], dtype: str |
     if name not in VALUE_DTYPES or (name == "bfloat16") != (a.dtype == np.uint16):
         raise FusionError(f"{cfg.algo}: cannot quantise a {a.dtype} array as {name!r}; "
                           f"floating dtypes only: {sorted(VALUE_DTYPES)} (bfloat16 as uint16 bits)")
-    from fusion.kernels import quant_host
-
-    if quant_host.fast_path(a.size, name):  # the same bytes, in place on reused buffers
-        exp, s16, o16, packed = quant_host.encode(a, cfg)
-    else:
-        flat = NumpyOps.widen(a, name)
-        exp, s16, o16, packed = encode_core(NumpyOps, flat, flat.size, cfg)
+    flat = NumpyOps.widen(a, name)
+    exp, s16, o16, packed = encode_core(NumpyOps, flat, flat.size, cfg)
     return QuantPayload(tuple(a.shape), name, cfg.bits, cfg.block, cfg.rounding, cfg.hadamard, exp,
                         s16, o16, packed)
 
@@ -686,11 +681,6 @@ def dequantize_f64(p: QuantPayload) -> np.ndarray:
 
 def dequantize(p: QuantPayload) -> np.ndarray:
     """The dense NumPy array of a payload in ``p.dtype`` (bfloat16 as uint16 bits); validates first."""
-    from fusion.kernels import quant_host
-
-    if quant_host.fast_path(p.numel, p.dtype):  # the same values, in place on reused buffers
-        p.validate()
-        return quant_host.decode(p).reshape(p.shape)
     return finish(NumpyOps, dequantize_f64(p), p.dtype).reshape(p.shape)
 
 

@@ -19,8 +19,9 @@ cost"). This module computes the *same values in the same order*:
   sender's encode and a receiver's decode never share one. What a payload or a decoded tensor holds is always
   freshly allocated: scratch never escapes.
 
-Anything off the fast path (an empty tensor, more than 2**32 elements, bfloat16 input) runs the shared
-algorithm. ``tests/kernels/test_quant_host.py`` checks both give the same bytes; the golden test pins them.
+:func:`quantize` / :func:`dequantize` are the host path's entry points (the codecs' ``encode_host`` /
+``decode_host``, ``delta``'s NumPy buffers); anything off the fast path (an empty tensor, more than 2**32
+elements, bfloat16 input) runs :func:`quant.quantize` / :func:`quant.dequantize`, the shared algorithm. ``tests/kernels/test_quant_host.py`` checks both give the same bytes; the golden test pins them.
 """
 from __future__ import annotations
 
@@ -265,8 +266,9 @@ def encode(a: np.ndarray, cfg: Q.QuantConfig, ws: QuantScratch | None = None):
     return exp, scale16, off16, pack_into(codes, cfg.bits)
 
 
-def decode(p: Q.QuantPayload, ws: QuantScratch | None = None) -> np.ndarray:
-    """The flat array of a validated payload in ``p.dtype``: the bytes of ``finish(decode_core(...))``."""
+def decode(p: Q.QuantPayload, ws: QuantScratch | None = None, f64: bool = False) -> np.ndarray:
+    """The flat array of a validated payload in ``p.dtype``: the bytes of ``finish(decode_core(...))``;
+    ``f64``: the float64 reconstruction before the cast (``decode_core``'s own values)."""
     ws = ws or scratch()
     block, numel = p.block, p.numel
     nb = Q.nblocks(numel, block)
@@ -285,13 +287,46 @@ def decode(p: Q.QuantPayload, ws: QuantScratch | None = None) -> np.ndarray:
         np.clip(y, -lim, lim, out=y)
     flat = y.reshape(-1)[:numel]
     e = p.scale_exp
-    if p.dtype == "float32" and -1000 <= e <= 1000:  # the last multiply and the cast in one pass
+    if p.dtype == "float32" and -1000 <= e <= 1000 and not f64:  # the last multiply and the cast in one pass
         out = np.empty(numel, dtype=np.float32)
         np.multiply(flat, math.ldexp(1.0, e), out=out, dtype=np.float64, casting="same_kind")
         return out
     _mul_pow2_inplace(flat, e)
-    return Q.NumpyOps.narrow(flat, p.dtype).copy() if p.dtype == "float64" else Q.NumpyOps.narrow(flat, p.dtype)
+    if f64 or p.dtype == "float64":
+        return flat.copy()  # the scratch buffer never escapes
+    return Q.NumpyOps.narrow(flat, p.dtype)
 
 
-__all__ = ["QuantScratch", "scratch", "fast_path", "encode", "decode", "fwht_inplace", "add_hash_uniform",
+# ---------------------------------------------------------------------------- the host API
+
+def quantize(arr: np.ndarray, cfg, dtype: str | None = None, hadamard: bool | None = None) -> Q.QuantPayload:
+    """:func:`quant.quantize` (same arguments, same bytes), in place where :func:`fast_path` allows."""
+    a = np.asarray(arr)
+    name = dtype or a.dtype.name
+    if not fast_path(a.size, name) or (name == "bfloat16") != (a.dtype == np.uint16):
+        return Q.quantize(a, cfg, dtype=dtype, hadamard=hadamard)
+    if not isinstance(cfg, Q.QuantConfig):
+        cfg = Q.QuantConfig.from_cfg(cfg, bool(hadamard))
+    exp, s16, o16, packed = encode(a, cfg)
+    return Q.QuantPayload(tuple(a.shape), name, cfg.bits, cfg.block, cfg.rounding, cfg.hadamard, exp,
+                          s16, o16, packed)
+
+
+def dequantize(p: Q.QuantPayload) -> np.ndarray:
+    """:func:`quant.dequantize` (same values), in place where :func:`fast_path` allows; validates first."""
+    if not fast_path(p.numel, p.dtype):
+        return Q.dequantize(p)
+    p.validate()
+    return decode(p).reshape(p.shape)
+
+
+def dequantize_f64(p: Q.QuantPayload) -> np.ndarray:
+    """:func:`quant.dequantize_f64` (same values), in place where :func:`fast_path` allows; validates first."""
+    if not fast_path(p.numel, p.dtype):
+        return Q.dequantize_f64(p)
+    p.validate()
+    return decode(p, f64=True)
+
+
+__all__ = ["quantize", "dequantize", "dequantize_f64", "QuantScratch", "scratch", "fast_path", "encode", "decode", "fwht_inplace", "add_hash_uniform",
            "pack_into", "unpack_into"]
