@@ -8,7 +8,8 @@ faults and ``min``/``max`` over 64-element rows cost more than the arithmetic (`
 cost"). This module computes the *same values in the same order*:
 
 * the tensor is widened once into a float64 work buffer, and every later step (the power-of-two scaling, the
-  Walsh-Hadamard butterflies, ``x - offset``, ``/ scale``, ``+ 0.5`` or ``+ u``, ``floor``, ``clip``) writes
+  Walsh-Hadamard butterflies, ``x - offset``, ``/ scale``, ``+ 0.5`` or ``+ u``, ``clip``; a truncating
+  cast stands for ``floor``) writes
   back into it (``out=``);
 * block minima and maxima come from ``np.minimum.reduceat`` over the flat buffer (the same values as
   ``min(axis=1)``: ``min`` is exact), and the tensor's largest magnitude from them (``max(|x|) =
@@ -107,6 +108,16 @@ def _block_min_max(flat: np.ndarray, block: int, ws: QuantScratch) -> tuple[np.n
 def _largest(lo: np.ndarray, hi: np.ndarray) -> float:
     """``max(|x|)`` from block minima and maxima; NaN when any is NaN."""
     return max(float(hi.max()), -float(lo.min())) if lo.size else 0.0
+
+
+def f16_round(v: np.ndarray, up: bool) -> np.ndarray:
+    """:func:`quant.f16_round` (float64 ``v`` to float16 towards +inf or -inf) with ``np.nextafter`` for the step
+    to the neighbouring float16: the same bits (every float16 checked in the tests), a third of the operations."""
+    h = v.astype(np.float32).astype(np.float16)
+    back = h.astype(np.float64)
+    need = back < v if up else back > v
+    with np.errstate(over="ignore"):  # 65504 rounded up is inf, as the bit arithmetic gives it
+        return np.where(need, np.nextafter(h, np.float16(np.inf if up else -np.inf)), h)
 
 
 def _finite_range(lo: float, hi: float, cfg: Q.QuantConfig) -> tuple[float, float]:
@@ -246,9 +257,9 @@ def encode(a: np.ndarray, cfg: Q.QuantConfig, ws: QuantScratch | None = None):
         _mul_pow2_inplace(buf, -exp)
         lo, hi = Q.mul_pow2(lo, -exp), Q.mul_pow2(hi, -exp)  # min/max of the scaled blocks: scaling is monotone
         v2 = buf.reshape(nb, block)
-    off16 = Q.f16_round(Q.NumpyOps, lo + 0.0, up=False)
+    off16 = f16_round(lo + 0.0, up=False)
     off = off16.astype(np.float64)
-    scale16 = Q.f16_round(Q.NumpyOps, (hi + 0.0 - off) / float(L) + 0.0, up=True)
+    scale16 = f16_round((hi + 0.0 - off) / float(L) + 0.0, up=True)
     scale = scale16.astype(np.float64)
     safe = np.where(scale > 0, scale, 1.0)
     np.subtract(v2, off[:, None], out=v2)
@@ -257,7 +268,8 @@ def encode(a: np.ndarray, cfg: Q.QuantConfig, ws: QuantScratch | None = None):
         np.add(v2, 0.5, out=v2)
     else:
         add_hash_uniform(v2, cfg.seed, ws)
-    np.floor(v2, out=v2)
+    # clip(floor(t), 0, L) == trunc(clip(t, 0, L)): both are L above L, 0 below 0, floor = trunc in between;
+    # the cast to uint8 truncates, so the floor pass goes
     np.clip(v2, 0.0, float(L), out=v2)
     codes = ws.take("codes", total, np.uint8)
     np.copyto(codes, v2.reshape(-1), casting="unsafe")

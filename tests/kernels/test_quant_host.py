@@ -73,3 +73,13 @@ def test_steady_state_messages_allocate_no_scratch():
         y = H.decode(p, ws)
     assert ws.grown == grown
     assert not any(np.shares_memory(y, b) or np.shares_memory(out[3], b) for b in ws.buffers.values())
+
+
+@pytest.mark.parametrize("up", [True, False])
+def test_f16_round_matches_the_bit_arithmetic_on_every_float16(up):
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    h = h[np.isfinite(h)].astype(np.float64)
+    rng = np.random.default_rng(0)
+    v = np.concatenate([h, h * (1 + 1e-6), h * (1 - 1e-6), h + 1e-9, h - 1e-9, rng.standard_normal(10000) * 100])
+    v = v[np.abs(v) < 65504]
+    assert H.f16_round(v, up).view(np.uint16).tobytes() == Q.f16_round(Q.NumpyOps, v, up).view(np.uint16).tobytes()
