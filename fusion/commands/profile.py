@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
                                    "and the optimizer step per parameter byte. With -o, write a copy of the cluster "
                                    "with that device's lambda and these fitted costs (node_overhead_s, "
                                    "message_overhead_s, step_overhead_s, feed_overhead_s, feed_byte_s, "
-                                   "optimizer_byte_s) set, "
+                                   "optimizer_byte_s, codec_costs: encode + decode per message and per "
+                                   "byte of each codec the compiler may choose) set, "
                                    "in the format -o names (.yaml: your YAML file with the lambda added; .json: "
                                    "the scenario format). With --model MODEL: time each node of the model "
                                    "forward and backward at its micro-batch shapes instead and write that table "
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
             fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
             fields["message_overhead_s"] = prof.message_overhead_s
             fields.update(step_overhead_s=prof.step_overhead_s, feed_overhead_s=prof.feed_overhead_s,
-                          feed_byte_s=prof.feed_byte_s, optimizer_byte_s=tuple(prof.optimizer_byte_s))
+                          feed_byte_s=prof.feed_byte_s, optimizer_byte_s=tuple(prof.optimizer_byte_s),
+                          codec_costs=tuple(prof.codec_costs))
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() in (".yaml", ".yml"):
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 #: Device attribute -> the key the cluster file spells it with
 _FILE_KEYS = {"lam": "lambda", "node_overhead_s": "node_overhead_s", "message_overhead_s": "message_overhead_s",
               "step_overhead_s": "step_overhead_s", "feed_overhead_s": "feed_overhead_s", "feed_byte_s": "feed_byte_s",
-              "optimizer_byte_s": "optimizer_byte_s"}
+              "optimizer_byte_s": "optimizer_byte_s", "codec_costs": "codec_costs"}
 
 
 def _file_value(key: str, v):
@@ -119,6 +121,10 @@ def _file_value(key: str, v):
         return round(float(v), 6)
     if key == "optimizer_byte_s":
         return {k: float(f"{float(x):.4g}") for k, x in zip(OPTIMIZER_KINDS, v)}
+    if key == "codec_costs":
+        from fusion.cluster.model import codec_costs_dict
+
+        return codec_costs_dict(v, digits=4)
     return float(f"{float(v):.4g}")
 
 

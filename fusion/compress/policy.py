@@ -180,11 +180,18 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
     it is priced at its steady state (every row a delta; first visits go at 8 bits), and each end of
     its edge keeps ``req.samples * M_t / samples_per_micro_batch`` bytes of buffers, in the
     activation's dtype as the runtime keeps them (``kernels/delta.py``: ``delta_buffer_nbytes``).
+
+    Seconds: the host's measured encode + decode of a message of the tensor's size
+    (``Device.codec_costs``, from ``fusion profile``; the slowest device that measured the codec) where the
+    cluster has them, else the dense bytes over the codec's built-in ``rate``.
     """
     import numpy as np
 
     from fusion.cost.estimate import CodecPrices
 
+    from fusion.cost.codec_costs import codec_seconds
+
+    devices = cm.cluster.devices
     n = len(cm.t_key)
     spmb = max(1, int(cm.samples_per_micro_batch))
     metas = [_meta(cm, t) for t in range(n)]
@@ -196,7 +203,9 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
         for k, cfg in enumerate(cands):
             if cfg is None:
                 continue
-            codec, rate = CODECS.unit(cfg["algo"]), _rate(cfg["algo"])
+            codec = CODECS.unit(cfg["algo"])
+            measured = [codec_seconds(devices, cfg, float(m.nbytes)) if m is not None else None for m in metas]
+            rate = _rate(cfg["algo"]) if any(m is not None and s is None for m, s in zip(metas, measured)) else None
             for t, meta in enumerate(metas):
                 if meta is None:
                     continue
@@ -205,7 +214,7 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
                         continue  # no sample rows: the runtime sends it dense
                     mem[k, t] = float(req.samples * (meta.nbytes // spmb))
                 wire[k, t] = float(codec.wire_nbytes(meta.numel, meta.dtype, cfg))
-                secs[k, t] = float(meta.nbytes) / rate
+                secs[k, t] = measured[t] if measured[t] is not None else float(meta.nbytes) / rate
         out[f"{d}_wire"], out[f"{d}_s"], out[f"{d}_cfgs"] = wire, secs, [c for c in cands if c is not None]
         if d == "fwd":
             out["fwd_mem"] = mem
