@@ -30,6 +30,8 @@ compresses exactly what was priced.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +155,8 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
         (outs[index] if index is not None and index < len(outs) else None)
     if not isinstance(o, TensorMeta) or not o.dtype.startswith(("float", "bfloat")) or o.numel == 0:
         return None
+    if producer in cm.bf16 and o.dtype == "float32":  # autocast sends it as bfloat16 (--precision bf16)
+        return dataclasses.replace(o, dtype="bfloat16")
     return o
 
 
