@@ -100,24 +100,31 @@ def add_eval_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=positive_int, default=4, metavar="K",
                    help="held-out batches per evaluation (default 4): the corpus's held-out text, other synthetic "
                         "batches, or your FUNCTION(k, split='val')")
+    p.add_argument("--stop-at-val-loss", type=float, default=None, metavar="LOSS",
+                   help="stop training after the first evaluation whose held-out loss is <= LOSS (time to a "
+                        "quality: --steps is then the cap); needs --eval-every")
 
 
 def eval_from_args(args: argparse.Namespace, plan, batch_fn=None) -> "Evaluation | None":
     """The run's :class:`Evaluation` (None without ``--eval-every``); its batches are made here, before any process
     starts, so a data function without ``split`` fails at once. Training data that holds its own validation split
     (``--data text:PATH`` with ``--val-split``: ``batch_fn.validation(k)``) gives the held-out batches itself."""
+    from fusion.ir.errors import FusionError
+
+    stop = getattr(args, "stop_at_val_loss", None)
     if not getattr(args, "eval_every", 0):
+        if stop is not None:
+            raise FusionError("--stop-at-val-loss needs --eval-every N (the held-out loss it compares)")
         return None
     from fusion.data.batches import make_eval_batches
-    from fusion.ir.errors import FusionError
 
     if any(len(ps) > 1 for ps in plan.lanes().values()):
         raise FusionError("--eval-every does not run under the interleaved schedule yet (several parts per process)")
 
     held_out = getattr(batch_fn, "validation", None)
     if held_out is not None:
-        return Evaluation(args.eval_every, [held_out(k) for k in range(args.eval_batches)])
-    return Evaluation(args.eval_every, make_eval_batches(plan, args.data, plan.seed, args.eval_batches))
+        return Evaluation(args.eval_every, [held_out(k) for k in range(args.eval_batches)], stop)
+    return Evaluation(args.eval_every, make_eval_batches(plan, args.data, plan.seed, args.eval_batches), stop)
 
 
 def joins_from_args(args: argparse.Namespace, plan) -> dict[int, int]:

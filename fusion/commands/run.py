@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"interrupted: {steps} steps, {result}, run folder {out}", flush=True)  # the result: on stdout
         return 130
     restarts = (summary or {}).get("restarts")
-    _say(f"done: {args.steps} steps in {time.monotonic() - t_start:.1f} s"
+    _say(f"done: {(summary or {}).get('steps', args.steps)} steps in {time.monotonic() - t_start:.1f} s"
          + (f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else "") + f"; {what}")
     print(f"done: {summary['steps'] if summary else args.steps} steps, {result}, run folder {out}", flush=True)
     return 0

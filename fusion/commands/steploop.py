@@ -22,6 +22,8 @@ class Evaluation:
 
     every: int
     batches: list
+    #: stop after the first evaluation whose loss is <= this (``--stop-at-val-loss``); None: run every step
+    stop_below: float | None = None
 
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
@@ -31,7 +33,8 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     ``log_every_s``: when stderr is not a terminal (a log file, a CI job), a one-line step log there at most
     this often (and after the last step), whatever ``progress`` says; None: never.
     evaluation: after every ``evaluation.every``-th step, the held-out loss (:meth:`Coordinator.evaluate`, mean over
-    its batches) is printed and written as ``{"step", "val_loss", "time"}``.
+    its batches) is printed and written as ``{"step", "val_loss", "time"}``; with ``evaluation.stop_below`` the loop
+    ends after the first evaluation at or below it (``steps`` is then the cap).
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
     replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
@@ -89,6 +92,10 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     board.add(val_line)
                     _say(bar, f"step {step + 1}/{steps}: val_loss {val:.4f} ({len(evaluation.batches)} held-out "
                               f"batches; metrics.jsonl step {r.step})")
+                    if evaluation.stop_below is not None and val <= evaluation.stop_below:
+                        _say(bar, f"step {step + 1}: val_loss {val:.4f} <= --stop-at-val-loss "
+                                  f"{evaluation.stop_below:g}: stopping")
+                        break
             if ctrl_c.asked:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:

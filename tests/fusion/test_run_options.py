@@ -106,3 +106,24 @@ def _expand(argv, parser):
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return expand(argv, parser, sub.choices["run"])
+
+
+def test_stop_at_val_loss_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, capsys):
+    """Time to a quality (issue 36): --steps is the cap, the run stops after the first held-out loss <= LOSS."""
+    import json as _json
+    from pathlib import Path
+
+    from fusion.cli import main as _main
+
+    ROOT = Path(__file__).resolve().parents[2]
+
+    plan = tmp_path / "p"
+    assert _main(["compile", str(ROOT / "examples/models/gpt.py:tiny"), "--cluster", "local-4-two-sites", "-o", str(plan)]) == 0
+    out = tmp_path / "r"
+    assert _main(["run", str(plan), "--steps", "8", "--eval-every", "2", "--stop-at-val-loss", "1e9",
+                  "--out", str(out), "--no-progress"]) == 0
+    lines = [_json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [0, 1] and sum("val_loss" in x for x in lines) == 1
+    assert _main(["run", str(plan), "--steps", "2", "--stop-at-val-loss", "1", "--out", str(out),
+                  "--overwrite"]) == 2
+    assert "--stop-at-val-loss needs --eval-every" in capsys.readouterr().err
