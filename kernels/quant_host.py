@@ -27,6 +27,7 @@ elements, bfloat16 input) runs :func:`quant.quantize` / :func:`quant.dequantize`
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -173,8 +174,16 @@ def add_hash_uniform(t2: np.ndarray, seed: int, ws: QuantScratch) -> None:
     np.add(t2.reshape(-1), u, out=t2.reshape(-1))
 
 
+#: unsigned integer holding one packed byte's ``8 // bits`` codes, one per byte (little-endian hosts)
+_WORD = {4: np.uint16, 2: np.uint32}
+_LITTLE = sys.byteorder == "little"
+
+
 def pack_into(codes: np.ndarray, bits: int) -> np.ndarray:
-    """:func:`quant.pack` into a fresh array (the payload's), without intermediate arrays."""
+    """:func:`quant.pack` into a fresh array (the payload's). On a little-endian host the ``8 // bits`` codes of
+    an output byte are read as one integer (code ``j`` in its byte ``j``) and folded with shifts: code ``j`` moves
+    from bit ``8 j`` to bit ``bits * j`` by ``>> j * (8 - bits)``, and what else the shifts bring lands above bit 7,
+    which the cast to uint8 drops. Three contiguous passes instead of strided ones."""
     per = 8 // bits
     if per == 1:
         return codes.copy()
@@ -182,13 +191,17 @@ def pack_into(codes: np.ndarray, bits: int) -> np.ndarray:
     nbytes = -(-n // per)
     out = np.empty(nbytes, dtype=np.uint8)
     whole = n // per
-    c2 = codes[:whole * per].reshape(whole, per)
-    np.left_shift(c2[:, per - 1], (per - 1) * bits, out=out[:whole])
-    for j in range(per - 2, -1, -1):
-        if j:
+    if _LITTLE:
+        w = codes[:whole * per].view(_WORD[bits])
+        acc = w.copy()
+        for j in range(1, per):
+            np.bitwise_or(acc, w >> (j * (8 - bits)), out=acc)
+        np.copyto(out[:whole], acc, casting="unsafe")
+    else:
+        c2 = codes[:whole * per].reshape(whole, per)
+        np.copyto(out[:whole], c2[:, 0])
+        for j in range(1, per):
             np.bitwise_or(out[:whole], np.left_shift(c2[:, j], j * bits), out=out[:whole])
-        else:
-            np.bitwise_or(out[:whole], c2[:, 0], out=out[:whole])
     if whole < nbytes:  # the last, partly used byte
         tail = codes[whole * per:]
         out[-1] = sum(int(c) << (j * bits) for j, c in enumerate(tail))
@@ -196,7 +209,8 @@ def pack_into(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_into(packed: np.ndarray, bits: int, dst: np.ndarray) -> None:
-    """The first ``dst.size`` codes of ``packed`` into ``dst`` (uint8), as :func:`quant.unpack` gives them."""
+    """The first ``dst.size`` codes of ``packed`` into ``dst`` (uint8), as :func:`quant.unpack` gives them (on a
+    little-endian host: each byte widened to one integer, code ``j`` shifted up to its byte ``j`` and masked)."""
     per = 8 // bits
     n = dst.size
     if per == 1:
@@ -204,16 +218,18 @@ def unpack_into(packed: np.ndarray, bits: int, dst: np.ndarray) -> None:
         return
     whole = n // per
     mask = (1 << bits) - 1
-    c2 = dst[:whole * per].reshape(whole, per)
     src = packed[:whole]
-    for j in range(per):
-        col = c2[:, j]
-        if j:
-            np.right_shift(src, j * bits, out=col)
-            if j < per - 1:
-                np.bitwise_and(col, mask, out=col)
-        else:
-            np.bitwise_and(src, mask, out=col)
+    if _LITTLE:
+        word = _WORD[bits]
+        w = dst[:whole * per].view(word)
+        np.copyto(w, src)
+        for j in range(1, per):
+            np.bitwise_or(w, src.astype(word) << (j * (8 - bits)), out=w)
+        np.bitwise_and(w, word(int.from_bytes(bytes([mask] * per), "little")), out=w)
+    else:
+        c2 = dst[:whole * per].reshape(whole, per)
+        for j in range(per):
+            np.bitwise_and(np.right_shift(src, j * bits), mask, out=c2[:, j])
     if whole * per < n:
         last = int(packed[whole])
         for j in range(n - whole * per):

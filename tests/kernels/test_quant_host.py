@@ -83,3 +83,15 @@ def test_f16_round_matches_the_bit_arithmetic_on_every_float16(up):
     v = np.concatenate([h, h * (1 + 1e-6), h * (1 - 1e-6), h + 1e-9, h - 1e-9, rng.standard_normal(10000) * 100])
     v = v[np.abs(v) < 65504]
     assert H.f16_round(v, up).view(np.uint16).tobytes() == Q.f16_round(Q.NumpyOps, v, up).view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_and_unpack_match_the_shared_ones(bits):
+    rng = np.random.default_rng(bits)
+    for n in (1, 2, 3, 5, 8, 1001, 4096):
+        codes = rng.integers(0, 1 << bits, n, dtype=np.uint8)
+        packed = H.pack_into(codes, bits)
+        assert packed.tobytes() == Q.pack(Q.NumpyOps, codes, bits).tobytes()
+        out = np.full(n, 255, dtype=np.uint8)
+        H.unpack_into(packed, bits, out)
+        assert out.tobytes() == Q.unpack(Q.NumpyOps, packed, bits, n).tobytes() == codes.tobytes()
