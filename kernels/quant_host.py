@@ -15,7 +15,7 @@ cost"). This module computes the *same values in the same order*:
   ``min(axis=1)``: ``min`` is exact), and the tensor's largest magnitude from them (``max(|x|) =
   max(max x, -min x)``); the per-block minimum of the *scaled* values is the scaled minimum (scaling by a power
   of two is monotone), so the scaled block is never reduced again;
-* the stochastic-rounding hash runs in place on an int64 buffer;
+* the stochastic-rounding hash runs in place on uint32 buffers;
 * buffers live in a :class:`QuantScratch` that only grows; each thread has its own (:func:`scratch`), so a
   sender's encode and a receiver's decode never share one. What a payload or a decoded tensor holds is always
   freshly allocated: scratch never escapes.
@@ -70,11 +70,11 @@ class QuantScratch:
         return s[:-(-total // block)]
 
     def arange(self, n: int) -> np.ndarray:
-        """``0 .. n-1`` as int64 (the element indices the hash mixes)."""
+        """``0 .. n-1`` as uint32 (the element indices the hash mixes; fewer than 2**32)."""
         a = self.buffers.get("arange")
         if a is None or a.size < n:
             a = self.buffers["arange"] = np.arange(max(n, int(1.5 * (a.size if a is not None else 0))),
-                                                   dtype=np.int64)
+                                                   dtype=np.uint32)
             self.grown += 1
         return a[:n]
 
@@ -154,17 +154,20 @@ def _mix_inplace(h: np.ndarray, t: np.ndarray) -> None:
     for _ in range(2):  # h = ((h >> 16) ^ h) * MUL & M32, twice
         np.right_shift(h, 16, out=t)
         np.bitwise_xor(h, t, out=h)
-        np.multiply(h, Q.HASH_MUL, out=h)
-        np.bitwise_and(h, Q.M32, out=h)
+        np.multiply(h, Q.HASH_MUL, out=h)  # modulo 2**32: the & M32
     np.right_shift(h, 16, out=t)  # then (h >> 16) ^ h
     np.bitwise_xor(h, t, out=h)
 
 
 def add_hash_uniform(t2: np.ndarray, seed: int, ws: QuantScratch) -> None:
-    """``t2 += quant.hash_uniform(seed, t2.size)`` (flat element order), in place; ``t2.size < 2**32``."""
+    """``t2 += quant.hash_uniform(seed, t2.size)`` (flat element order), in place; ``t2.size < 2**32``.
+
+    In uint32, not the shared algorithm's int64: every value is below 2**32, shifts and xors are the same, and
+    ``(h * MUL) & M32`` is the product modulo 2**32, which uint32 multiplication gives by wrapping: the same
+    numbers, half the bytes per pass."""
     n = t2.size
     k1, k2 = Q.seed_keys(seed)
-    h, tmp = ws.take("hash", n, np.int64), ws.take("hash_tmp", n, np.int64)
+    h, tmp = ws.take("hash", n, np.uint32), ws.take("hash_tmp", n, np.uint32)
     np.bitwise_xor(ws.arange(n), k1, out=h)  # (i & M32) ^ k1, i < 2**32
     _mix_inplace(h, tmp)
     np.bitwise_xor(h, k2, out=h)  # ^ (i >> 32) (zero here) ^ k2
