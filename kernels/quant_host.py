@@ -38,6 +38,10 @@ from fusion.kernels import quant as Q
 
 #: Elements of a tensor the in-place hash handles (indices below 2**32: ``i >> 32`` is 0).
 HASH_LIMIT = 1 << 32
+#: Largest buffer a thread's scratch keeps between messages (a message of up to 4M elements reuses its float64
+#: buffers; a larger one allocates them for itself, as the shared algorithm does, so a thread that once encoded a
+#: huge tensor does not hold ~50 bytes per element of it for good).
+KEEP_MAX_BYTES = 32 << 20
 
 
 @dataclass
@@ -51,7 +55,10 @@ class QuantScratch:
     grown: int = 0
 
     def take(self, name: str, n: int, dtype) -> np.ndarray:
-        """A 1-D view of ``n`` elements of buffer ``name`` (its contents are whatever the last user left)."""
+        """A 1-D view of ``n`` elements of buffer ``name`` (its contents are whatever the last user left); a
+        buffer over :data:`KEEP_MAX_BYTES` is allocated for this message only, never kept."""
+        if n * np.dtype(dtype).itemsize > KEEP_MAX_BYTES:
+            return np.empty(n, dtype=dtype)
         buf = self.buffers.get(name)
         if buf is None or buf.size < n or buf.dtype != dtype:
             size = max(n, int(1.5 * buf.size) if buf is not None and buf.dtype == dtype else n)
@@ -71,6 +78,8 @@ class QuantScratch:
 
     def arange(self, n: int) -> np.ndarray:
         """``0 .. n-1`` as uint32 (the element indices the hash mixes; fewer than 2**32)."""
+        if 4 * n > KEEP_MAX_BYTES:
+            return np.arange(n, dtype=np.uint32)
         a = self.buffers.get("arange")
         if a is None or a.size < n:
             a = self.buffers["arange"] = np.arange(max(n, int(1.5 * (a.size if a is not None else 0))),

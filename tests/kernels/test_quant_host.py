@@ -95,3 +95,13 @@ def test_pack_and_unpack_match_the_shared_ones(bits):
         out = np.full(n, 255, dtype=np.uint8)
         H.unpack_into(packed, bits, out)
         assert out.tobytes() == Q.unpack(Q.NumpyOps, packed, bits, n).tobytes() == codes.tobytes()
+
+
+def test_huge_messages_do_not_stay_in_the_scratch(monkeypatch):
+    monkeypatch.setattr(H, "KEEP_MAX_BYTES", 8 * 1000)
+    ws = H.QuantScratch()
+    qc = Q.QuantConfig.from_cfg({"bits": 4, "rounding": "stochastic"}, True)
+    a = np.random.default_rng(1).standard_normal(5000).astype(np.float32)
+    p = Q.QuantPayload(a.shape, "float32", 4, 64, "stochastic", True, *H.encode(a, qc, ws))
+    assert p.to_msg() == _reference(a, qc).to_msg()
+    assert all(b.nbytes <= 8 * 1000 for b in ws.buffers.values())
