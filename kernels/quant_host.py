@@ -306,6 +306,16 @@ def encode(a: np.ndarray, cfg: Q.QuantConfig, ws: QuantScratch | None = None):
     return exp, scale16, off16, pack_into(codes, cfg.bits)
 
 
+def _largest_decoded(p: Q.QuantPayload) -> float:
+    """An upper bound of ``|offset + code * scale|`` over a ``quant`` payload's blocks: ``|offset| + L * scale``
+    (``code * scale`` is exact in float64; the sum's one rounding is covered by the relative 2**-40 added)."""
+    if not p.scales.size:
+        return 0.0
+    L = (1 << p.bits) - 1
+    b = np.abs(p.offsets.astype(np.float64)) + L * p.scales.astype(np.float64)
+    return float(b.max()) * (1.0 + 2.0 ** -40)
+
+
 def decode(p: Q.QuantPayload, ws: QuantScratch | None = None, f64: bool = False) -> np.ndarray:
     """The flat array of a validated payload in ``p.dtype``: the bytes of ``finish(decode_core(...))``;
     ``f64``: the float64 reconstruction before the cast (``decode_core``'s own values)."""
@@ -323,8 +333,8 @@ def decode(p: Q.QuantPayload, ws: QuantScratch | None = None, f64: bool = False)
     if p.hadamard:
         y = fwht_inplace(y, block, ws)
     lim = Q._scaled_limit(p.dtype, p.scale_exp)
-    if lim != math.inf:
-        np.clip(y, -lim, lim, out=y)
+    if lim != math.inf and (p.hadamard or _largest_decoded(p) >= lim):
+        np.clip(y, -lim, lim, out=y)  # else no element can reach lim: the clip would change nothing
     flat = y.reshape(-1)[:numel]
     e = p.scale_exp
     if p.dtype == "float32" and -1000 <= e <= 1000 and not f64:  # the last multiply and the cast in one pass

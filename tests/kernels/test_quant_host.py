@@ -105,3 +105,14 @@ def test_huge_messages_do_not_stay_in_the_scratch(monkeypatch):
     p = Q.QuantPayload(a.shape, "float32", 4, 64, "stochastic", True, *H.encode(a, qc, ws))
     assert p.to_msg() == _reference(a, qc).to_msg()
     assert all(b.nbytes <= 8 * 1000 for b in ws.buffers.values())
+
+
+def test_decode_clips_where_the_values_reach_the_dtypes_range():
+    """float16 output of values near its limit: the clip runs (the bound says it may matter) and the bytes match."""
+    qc = Q.QuantConfig.from_cfg({"bits": 8, "block": 16}, False)
+    a = np.array([65504.0, -65504.0, 65000.0, 1.0] * 8, dtype=np.float16)
+    p = H.quantize(a, qc)
+    assert H._largest_decoded(p) >= Q._scaled_limit("float16", p.scale_exp)  # so the clip runs
+    ref = Q.finish(Q.NumpyOps, Q.decode_core(Q.NumpyOps, p.scales, p.offsets, p.codes, p), "float16")
+    assert H.dequantize(p).tobytes() == ref.reshape(a.shape).tobytes()
+    assert np.isfinite(H.dequantize(p).astype(np.float32)).all()
