@@ -53,10 +53,11 @@ def default_cfgs() -> list[dict]:
 
 
 def profile_codecs(cfgs: Iterable[Mapping[str, Any]] | None = None, sizes: tuple[int, ...] = SIZES,
-                   repeats: int = 5, min_time: float = 0.3) -> tuple[tuple[str, float, float], ...]:
+                   repeats: int = 25, min_time: float = 0.5) -> tuple[tuple[str, float, float], ...]:
     """``(key, message_s, byte_s)`` per cfg: the fastest encode + decode of a float32 N(0, 1) message of each
     size through the codec's host path, round-robin over sizes and codecs (at least ``repeats`` rounds and
-    ``min_time`` seconds), fitted by least squares against the dense bytes."""
+    ``min_time`` seconds: on a shared host the minimum of a few runs of a 100 µs call is still loaded), fitted by
+    least squares against the dense bytes."""
     from fusion.kernels.codecs import CODECS, CodecContext, Counter, Role
 
     cfgs = list(cfgs) if cfgs is not None else default_cfgs()
