@@ -30,9 +30,14 @@ with this host's speed and fixed costs fitted by ``fusion profile`` and the mode
 ``predicted_over_measured`` is the plan's predicted step time over the median measured one (first 2 steps
 dropped). Throughput: samples per second of the training steps (from the first step's start to the last step's
 end, evaluations taken out, process start-up not counted), on both sides; ``wall_s`` (the time axis of the
-validation curves) counts the evaluations. ``time_to_torch_final_val_loss_ratio``: fusion auto's wall time until
-its held-out loss first is <= torch's final one, over torch's whole wall time (median of the seeds; a seed that
-never gets there counts as infinite and is listed with its gap). ``between_sites_bytes_per_step``: what crossed the
+validation curves) counts the evaluations. **The headline**, the JSON's first figure,
+``time_to_torch_final_val_loss_ratio``: fusion auto trains until its held-out loss first is <= torch's final one
+(``--stop-at-val-loss``; at most ``CAP_FACTOR`` = 2 x torch's steps), and its wall time to there over torch's whole
+wall time is the ratio (median of the seeds; a seed that never gets there counts as infinite and is listed with its
+gap). samples/s comes second. ``codec_cpu_over_link_saved``: the codecs' CPU seconds per step (the parts'
+``codec_s``, thread CPU time in encode and decode, median over the steps after the first two) over the seconds of
+the slow link the plan's codecs save per step (dense minus wire bytes of every compressed cut edge and direction,
+per micro-batch, at the link's bandwidth): below 1 the codecs pay for themselves on an idle link. ``between_sites_bytes_per_step``: what crossed the
 slow link (both ways, read from the inter-site veth's tc counters around each side's run, start-up and evaluations
 included) over the steps.
 
@@ -65,6 +70,8 @@ HOSTS = {"coord": "site-a", "dev-a": "site-a", "dev-b": "site-b"}
 #: device -> host (namespace) of the two stages, in stage order
 DEVICES = ("dev-a", "dev-b")
 VAL_SEED = 12345
+#: fusion auto trains until it reaches torch's final held-out loss, at most this many times torch's steps
+CAP_FACTOR = 2
 
 
 #: model -> (rows per step, micro-batches per step): what both sides train with (``wan_model.gpt_setup``)
@@ -193,8 +200,13 @@ def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, c
     return json.loads((out / "plan.json").read_text())
 
 
-def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int) -> dict:
+def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int, steps: int | None = None,
+               stop_at: float | None = None) -> dict:
+    """One fusion side: ``steps`` (default ``--steps``) training steps, or fewer with ``stop_at``: the run ends after
+    the first evaluation whose held-out loss is <= it (``fusion coordinator --stop-at-val-loss``)."""
     work.mkdir(parents=True, exist_ok=True)
+    steps = steps or args.steps
+    stop = ["--stop-at-val-loss", repr(stop_at)] if stop_at is not None else []
     plan = json.loads((plan_dir / "plan.json").read_text())
     keys, run, logf = work / "keys", work / "run", work / "fusion.log"
     _cli(["keys", str(plan_dir), "--out", str(keys), "--force"], "fusion keys", {})
@@ -202,7 +214,7 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int)
     coord = f"tcp://{sites.ip['coord']}:{port}"
     with open(logf, "wb") as lf:
         procs = [subprocess.Popen(sites.cmd("coord", _fusion(
-            "coordinator", str(plan_dir), "--bind", coord, "--steps", str(args.steps), "--out", str(run),
+            "coordinator", str(plan_dir), "--bind", coord, "--steps", str(steps), *stop, "--out", str(run),
             "--overwrite", "--data", f"{_entry(setup)}:batches", "--no-progress", "--eval-every", str(args.eval_every),
             "--eval-batches", str(args.eval_batches), "--peer-timeout", "60", "--key", str(keys / "coordinator.secret"))),
             stdout=lf, stderr=subprocess.STDOUT, env=env)]
@@ -212,20 +224,42 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int)
                 "--key", str(keys / f"{name}.secret"))), stdout=lf, stderr=subprocess.STDOUT, env=env))
         _wait_all(procs, args.timeout, f"fusion {plan_dir.name}", logf)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if "loss" in x]
+    steps = steps_lines = [x for x in lines if "loss" in x]
     t0 = steps[0]["time"] - steps[0]["iteration_s"]
     wall = max(x["time"] for x in lines) - t0
     # evaluation time: from the step line before each evaluation line to it (the torch side counts it apart too)
     eval_s = sum(b["time"] - a["time"] for a, b in zip(lines, lines[1:]) if "val_loss" in b and "loss" in a)
     it = [x["iteration_s"] for x in steps][2:] or [x["iteration_s"] for x in steps]
     measured = statistics.median(it)
+    codec = [sum(p.get("codec_s", 0.0) for p in x["parts"].values()) for x in steps_lines][2:] or [0.0]
     predicted = float((plan.get("predicted") or {}).get("iteration_s", float("nan")))
     return {"samples_per_s": len(steps) * setup.batch / (wall - eval_s), "wall_s": wall, "eval_s": eval_s,
             "val": [[x["step"] + 1, x["time"] - t0, x["val_loss"]] for x in lines if "val_loss" in x],
             "losses": [x["loss"] for x in steps], "step_s_measured": measured, "step_s_predicted": predicted,
-            "predicted_over_measured": predicted / measured,
+            "predicted_over_measured": predicted / measured, "steps": len(steps),
+            "codec_cpu_s_per_step": statistics.median(codec),
             "parts": {n: p["device"] for n, p in plan["parts"].items()},
             "compression": plan.get("compression") or []}
+
+
+def link_saved_s_per_step(plan_dir: Path, between_mbit: float) -> float:
+    """Seconds of the slow link the plan's codecs save per step: for every compressed cut edge and direction (each
+    crosses the sites: one device per site), the dense bytes minus the codec's wire bytes, per micro-batch, over the
+    link's bandwidth."""
+    from fusion.kernels.codecs import CODECS
+    from fusion.plan import load_plan
+
+    plan = load_plan(plan_dir)
+    saved = 0.0
+    for e in plan.compression:
+        meta = plan.graph.output_meta(e.producer, e.index)
+        for d in ("fwd", "bwd"):
+            cfg = e.codec(d)
+            if cfg is None or meta is None:
+                continue
+            wire = CODECS.unit(cfg["algo"]).wire_nbytes(meta.numel, meta.dtype, cfg)
+            saved += (meta.nbytes - wire) * plan.micro_batches
+    return saved * 8 / (between_mbit * 1e6)
 
 
 def time_to(val: list, target: float) -> float | None:
@@ -305,14 +339,21 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
         row["auto_strategy"] = "equal-flops (OP-Fence kept the model on one device)"
         auto = compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan")
     row["auto_cut"] = cut_tensors(work / "auto.plan")
-    log.info("%s seed %d: fusion auto (%s)", profile.name, seed, row["auto_strategy"])
-    row["fusion_auto"] = run_fusion(sites, work / "auto.plan", setup, args, work / "auto", port + 2)
+    t = row["torch"]
+    target = t["val"][-1][2]
+    cap = CAP_FACTOR * args.steps
+    log.info("%s seed %d: fusion auto (%s) until torch's final held-out loss %.4f, at most %d steps", profile.name,
+             seed, row["auto_strategy"], target, cap)
+    row["fusion_auto"] = run_fusion(sites, work / "auto.plan", setup, args, work / "auto", port + 2, steps=cap,
+                                    stop_at=target)
     b3 = sites.between_sent_bytes()
     # bytes that crossed the slow link between the sites per training step, both ways, start-up and evaluations in
     for side, (x, y) in (("torch", (b0, b1)), ("fusion_dense", (b1, b2)), ("fusion_auto", (b2, b3))):
-        row[side]["between_sites_bytes_per_step"] = (y - x) / args.steps
-    t = row["torch"]
-    target = t["val"][-1][2]
+        row[side]["between_sites_bytes_per_step"] = (y - x) / row[side].get("steps", args.steps)
+    auto = row["fusion_auto"]
+    auto["link_saved_s_per_step"] = link_saved_s_per_step(work / "auto.plan", profile.between_mbit)
+    row["codec_cpu_over_link_saved"] = (auto["codec_cpu_s_per_step"] / auto["link_saved_s_per_step"]
+                                        if auto["link_saved_s_per_step"] > 0 else None)
     hit = time_to(row["fusion_auto"]["val"], target)
     row["torch_final_val_loss"] = target
     row["time_to_torch_final_val_loss_ratio"] = None if hit is None else hit / t["wall_s"]
@@ -321,11 +362,11 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
     for side in ("fusion_dense", "fusion_auto"):
         row[f"{side}_vs_torch_samples_per_s"] = row[side]["samples_per_s"] / t["samples_per_s"]
     row["first_loss"] = {s: row[s]["losses"][0] for s in ("torch", "fusion_dense", "fusion_auto")}
-    log.info("%s seed %d: samples/s torch %.1f dense %.1f auto %.1f; val torch %.3f dense %.3f auto %.3f; "
-             "time to torch's final val loss %s", profile.name, seed, t["samples_per_s"],
-             row["fusion_dense"]["samples_per_s"], row["fusion_auto"]["samples_per_s"], target,
-             row["fusion_dense"]["val"][-1][2], row["fusion_auto"]["val"][-1][2],
-             row["time_to_torch_final_val_loss_ratio"])
+    log.info("%s seed %d: time to torch's final val loss %s of torch's (auto: %d steps); samples/s torch %.1f dense "
+             "%.1f auto %.1f; val torch %.3f dense %.3f auto %.3f; codec CPU / link saved %s", profile.name, seed,
+             row["time_to_torch_final_val_loss_ratio"], auto["steps"], t["samples_per_s"],
+             row["fusion_dense"]["samples_per_s"], auto["samples_per_s"], target,
+             row["fusion_dense"]["val"][-1][2], auto["val"][-1][2], row["codec_cpu_over_link_saved"])
     return row
 
 
@@ -343,17 +384,23 @@ def summarise(results: dict, args, latency: str | None) -> dict:
         return _median([r[key] for r in rows]) if rows else None
 
     first = next(iter(results), None)
-    out = {"benchmark": "wan", "model": args.model, "steps": args.steps, "seeds": args.seeds,
+    head = "20mbit" if "20mbit" in results else first
+    out = {"benchmark": "wan",
+           # the headline: fusion auto's wall time to torch's final held-out loss over torch's wall time (median of
+           # the seeds; a seed that never gets there within CAP_FACTOR x torch's steps counts as infinite)
+           "time_to_torch_final_val_loss_ratio": med(head, "time_to_torch_final_val_loss_ratio") if first else None,
+           "time_to_torch_final_val_loss_ratio_5mbit": med("5mbit", "time_to_torch_final_val_loss_ratio"),
+           "fusion_auto_vs_torch_samples_per_s": med("20mbit", "fusion_auto_vs_torch_samples_per_s"),
+           "codec_cpu_over_link_saved": med(head, "codec_cpu_over_link_saved") if first else None,
+           "cap_steps": CAP_FACTOR * args.steps,
+           "model": args.model, "steps": args.steps, "seeds": args.seeds,
            "stages": len(DEVICES), "topology": "2 sites x 1 device, coordinator in site A",
            "latency": latency,
            "profiles": {p: {"between_mbit": PROFILES[p].between_mbit, "within_mbit": PROFILES[p].within_mbit}
                         for p in args.profiles},
-           "fusion_auto_vs_torch_samples_per_s": med("20mbit", "fusion_auto_vs_torch_samples_per_s"),
            "fusion_auto_vs_torch_samples_per_s_5mbit": med("5mbit", "fusion_auto_vs_torch_samples_per_s"),
            "fusion_dense_vs_torch_samples_per_s": med("20mbit" if "20mbit" in results else first,
                                                       "fusion_dense_vs_torch_samples_per_s") if first else None,
-           "time_to_torch_final_val_loss_ratio": med("20mbit" if "20mbit" in results else first,
-                                                     "time_to_torch_final_val_loss_ratio") if first else None,
            "predicted_over_measured": {
                f"{p}/{side}": _median([r[side]["predicted_over_measured"] for r in rows])
                for p, rows in results.items() for side in ("fusion_dense", "fusion_auto")},
@@ -367,6 +414,10 @@ def summarise(results: dict, args, latency: str | None) -> dict:
                              "fusion_auto_vs_torch_samples_per_s": round(r["fusion_auto_vs_torch_samples_per_s"], 3),
                              "fusion_dense_vs_torch_samples_per_s": round(r["fusion_dense_vs_torch_samples_per_s"], 3),
                              "time_to_torch_final_val_loss_ratio": r["time_to_torch_final_val_loss_ratio"],
+                             "fusion_auto_steps": r["fusion_auto"]["steps"],
+                             "codec_cpu_over_link_saved": r["codec_cpu_over_link_saved"],
+                             "codec_cpu_s_per_step": round(r["fusion_auto"]["codec_cpu_s_per_step"], 6),
+                             "link_saved_s_per_step": round(r["fusion_auto"]["link_saved_s_per_step"], 6),
                              "auto_val_gap": r.get("auto_val_gap"),
                              "final_val": {s: round(r[s]["val"][-1][2], 4)
                                            for s in ("torch", "fusion_dense", "fusion_auto")},

@@ -44,7 +44,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
                   compress: CompressRequest | None = None, recompute: str = "auto",
                   tied_codec: dict | str | None = None, virtual_stages: int | None = None,
-                  node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None) -> Plan:
+                  node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None,
+                  precision: str = "fp32") -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -76,12 +77,16 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                     ``plan.bottlenecks`` says what was inserted. The returned plan's graph has new parameters:
                     their initial values are :func:`fusion.compress.bottleneck.initial_values` of
                     ``plan.bottlenecks``. Not with an interleaved schedule or ``node_times``.
+    precision:      ``fp32`` or ``bf16`` (the plan then runs under autocast; ``set_precision`` sets it): bf16
+                    prices the tensors autocast makes bfloat16 at 2 bytes an element (:mod:`fusion.cost.autocast`).
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
+    if precision not in ("fp32", "bf16"):
+        raise CompileError(f"precision must be fp32 or bf16, got {precision!r}")
     request = check_request(strategy=strategy, micro_batches=micro_batches, compress_ratio=compress_ratio,
                             schedule=schedule, optimizer=optimizer, seed=seed, compress=compress, recompute=recompute,
                             tied_codec=tied_codec, virtual_stages=virtual_stages, node_times=node_times,
-                            bottleneck=bottleneck)
+                            bottleneck=bottleneck, precision=precision)
     state = CompileState(model, cluster, request, started=time.perf_counter())
     for run_pass in PASSES:
         state = run_pass(state)

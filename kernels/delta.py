@@ -53,7 +53,7 @@ import numpy as np
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import PayloadCodec, register_payload_codec
 
-from fusion.kernels import quant as Q
+from fusion.kernels import quant as Q, quant_host
 from fusion.kernels.dtypes import VALUE_DTYPES, dtype_size
 from fusion.kernels.quant import QuantConfig, QuantPayload
 
@@ -453,10 +453,10 @@ class DeltaBuffer(DeltaBufferBase):
         return Q.NumpyOps.widen(self._select(x, sel, row_numel), self.dtype).reshape(sel.size, row_numel)
 
     def _quantize(self, x, cfg, dtype):
-        return Q.quantize(x, cfg, dtype=dtype)
+        return quant_host.quantize(x, cfg, dtype=dtype)
 
     def _dequantize_f64(self, p):
-        return Q.dequantize_f64(p)
+        return quant_host.dequantize_f64(p)
 
     def _cast(self, y64, dtype):
         return Q.clip_cast(Q.NumpyOps, y64, dtype)

@@ -65,8 +65,8 @@ def exact_among(keys: np.ndarray, k: int) -> np.ndarray:
     v = np.partition(keys, c - k)[c - k]  # the k-th largest
     gt = keys > v
     need = k - int(np.count_nonzero(gt))
-    eq = keys == v
-    return np.flatnonzero(gt | (eq & (np.cumsum(eq) <= need)))
+    gt[np.flatnonzero(keys == v)[:need]] = True  # the ``need`` lowest positions equal to it (no int64 cumsum)
+    return np.flatnonzero(gt)
 
 
 def _exact(w: Wide, k: int) -> np.ndarray:

@@ -664,7 +664,7 @@ class CompNode:
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
             feeds[int(mb)][ph] = arr
-        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0, "weight_s": []}
+        stats = {"forward_s": [], "backward_s": [], "idle_s": 0.0, "weight_s": [], "codec_s": 0.0}
         return _Step(c, it, feeds, [], stats, time.time(), splits_backward(self.actions))
 
     def _act(self, st: "_Step", a) -> None:
@@ -677,6 +677,8 @@ class CompNode:
             self.tracer.add(f"W{mb}", "backward", t0, t1)
             stats["weight_s"].append((t1 - t0) / 1e6)
             return
+        table = rt.compression
+        c0 = table.codec_s if table is not None else 0.0
         if a.kind == ActionKind.F:
             box, idle = self._wait(lambda: self.inbox.activations(it, mb), f"activations of F{mb}", self.cfg.data_timeout_s)
             t0 = now_us()
@@ -693,6 +695,8 @@ class CompNode:
         self.tracer.add(str(a), "forward" if a.kind == ActionKind.F else "backward", t0, t1)
         stats["forward_s" if a.kind == ActionKind.F else "backward_s"].append((t1 - t0) / 1e6)
         stats["idle_s"] += idle
+        if table is not None:  # the codecs' CPU time inside this action (part of its forward or backward time)
+            stats["codec_s"] += table.codec_s - c0
         for msg in out:
             self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
 

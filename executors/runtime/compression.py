@@ -49,6 +49,7 @@ NumPy-engine processes stay torch-free. Only error feedback uses torch
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Iterable, Mapping
@@ -184,6 +185,9 @@ class CompressionTable:
     graph: OpGraph | None = field(default=None, repr=False)  # to check decoded user payloads against
     device: Any = None
     torch_on_cpu: bool = False
+    #: CPU seconds (this thread's, ``time.thread_time``) spent in the codecs' encode and decode so far: what a step
+    #: pays for its wire savings (``codec_s`` in the step's stats, issue 36)
+    codec_s: float = 0.0
     _ef: Any = field(default=None, repr=False)
     _counter: Counter = field(default_factory=Counter, repr=False)  # messages sent (seeds stochastic rounding)
     _dense_warned: set = field(default_factory=set, repr=False)
@@ -300,6 +304,13 @@ class CompressionTable:
         """What the engine gets for a received message: the payload decoded by the codec that made it (a tensor on
         the device when the table runs the device paths), a stateful codec's through this end's state (which it
         updates), reshaped to ``shape``; dense payloads unchanged."""
+        t0 = time.thread_time()
+        try:
+            return self._decode(od, shape)
+        finally:
+            self.codec_s += time.thread_time() - t0
+
+    def _decode(self, od: Any, shape: tuple[int, ...] | None) -> Any:
         p = od.payload
         if isinstance(p, CodecPayload):
             return self._user_decode(od)
@@ -352,6 +363,14 @@ class CompressionTable:
         ``payload``: a NumPy array, or a tensor (encoded on its device by the codec's device path where the
         table runs it, else on a NumPy view/copy; a tensor sent dense leaves as a NumPy array).
         ids: the micro-batch's sample ids (per-sample codecs need them); it: the iteration."""
+        t0 = time.thread_time()
+        try:
+            return self._encode(payload, key, peer, is_grad, mb, ids, it)
+        finally:
+            self.codec_s += time.thread_time() - t0
+
+    def _encode(self, payload: Any, key: Key, peer: str, is_grad: bool, mb: int, ids: Any,
+                it: int | None) -> tuple[Any, dict | None]:
         rule = (self.bwd if is_grad else self.fwd).get((key, peer))
         tensor = is_torch(payload)
         dtype = dtype_of(payload, self.travels_as_bf16(key))

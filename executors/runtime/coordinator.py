@@ -134,7 +134,9 @@ class StepReport:
         that a crash between the commit and the line loses nothing: ``rundir.restore_committed_line``)."""
         parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
                      "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
-                     "bytes_sent": sum(v["bytes"] for v in s["sent"].values())} for p, s in self.parts.items()}
+                     "bytes_sent": sum(v["bytes"] for v in s["sent"].values()),
+                     **({"codec_s": round(s["codec_s"], 6)} if s.get("codec_s") else {})}
+                 for p, s in self.parts.items()}
         line = {"step": self.step, "loss": self.loss, "iteration_s": round(self.iteration_s, 6),
                 "samples_per_s": round(self.samples_per_s, 3), "time": time.time(), "parts": parts}
         if self.lr is not None:

@@ -67,6 +67,10 @@ class Device:
     optimizer_byte_s: seconds per trainable parameter byte of one optimizer step, one entry per
                       optimizer kind (:data:`OPTIMIZER_KINDS`: SGD, SGD with momentum, AdamW), timed on
                       torch's optimizers by ``fusion profile``; 0 when absent.
+    codec_costs:      encode + decode of one message on this host's host path, per codec cfg key
+                      (``fusion.cost.codec_costs.cost_key``: ``quant-4``, ``hadamard-quant-4``, ``topk``, ...):
+                      ``(key, seconds per message, seconds per dense byte)``, timed by ``fusion profile``; the
+                      compiler prices a codec by these where given, else by the codec's built-in ``rate``.
     """
 
     name: str
@@ -82,6 +86,14 @@ class Device:
     feed_overhead_s: float = 0.0
     feed_byte_s: float = 0.0
     optimizer_byte_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    codec_costs: tuple[tuple[str, float, float], ...] = ()
+
+    def codec_seconds(self, key: str, nbytes: float) -> float | None:
+        """Measured encode + decode seconds of one ``nbytes`` message with codec ``key``; None: not measured."""
+        for k, message_s, byte_s in self.codec_costs:
+            if k == key:
+                return message_s + nbytes * byte_s
+        return None
 
     @property
     def speed(self) -> float:
@@ -175,6 +187,8 @@ class Cluster:
                     e[key] = getattr(d, key)
             if any(d.optimizer_byte_s):
                 e["optimizer_byte_s"] = dict(zip(OPTIMIZER_KINDS, d.optimizer_byte_s))
+            if d.codec_costs:
+                e["codec_costs"] = codec_costs_dict(d.codec_costs)
             devs.append(e)
         alpha = self.alpha.copy()
         np.fill_diagonal(alpha, 0.0)
@@ -264,7 +278,26 @@ def overheads_from_dict(e: dict, where: str, name: str) -> dict[str, Any]:
                                f"(known: {', '.join(OPTIMIZER_KINDS)})")
         out["optimizer_byte_s"] = tuple(_seconds(opt.get(k, 0.0), f"{where}.optimizer_byte_s.{k} ({name})")
                                         for k in OPTIMIZER_KINDS)
+    costs = e.get("codec_costs")
+    if costs is not None:
+        if not isinstance(costs, dict):
+            raise ClusterError(f"{where}.codec_costs ({name}): must be a mapping of codec keys (quant-4, ...) to "
+                               f"{{message_s: ..., byte_s: ...}}, got {costs!r}"[:300])
+        rows = []
+        for key, v in costs.items():
+            w = f"{where}.codec_costs.{key} ({name})"
+            if not isinstance(v, dict) or set(v) - {"message_s", "byte_s"}:
+                raise ClusterError(f"{w}: must be {{message_s: seconds, byte_s: seconds per dense byte}}, got {v!r}")
+            rows.append((str(key), _seconds(v.get("message_s", 0.0), f"{w}.message_s"),
+                         _seconds(v.get("byte_s", 0.0), f"{w}.byte_s")))
+        out["codec_costs"] = tuple(rows)
     return out
+
+
+def codec_costs_dict(costs: tuple[tuple[str, float, float], ...], digits: int | None = None) -> dict:
+    """``Device.codec_costs`` as a cluster file writes it (``digits``: significant digits kept)."""
+    r = (lambda v: float(f"{v:.{digits}g}")) if digits else float  # noqa: E731
+    return {k: {"message_s": r(m), "byte_s": r(b)} for k, m, b in costs}
 
 
 def check_unique(devices: list[Device], source: str) -> None:

@@ -31,7 +31,7 @@ from fusion.cluster.units import UnitError, forgotten_unit, parse_quantity
 
 _DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address",
                 "node_overhead_s", "message_overhead_s", "step_overhead_s", "feed_overhead_s", "feed_byte_s",
-                "optimizer_byte_s"}
+                "optimizer_byte_s", "codec_costs"}
 _LINK_KEYS = {"latency", "bandwidth"}
 
 

@@ -81,7 +81,8 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
-                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck)
+                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
+                         precision=getattr(args, "precision", "fp32"))
     if plan.bottlenecks:  # the model is now the one with bottlenecks: its graph and initial weights
         from fusion.compress.bottleneck import initial_values
 

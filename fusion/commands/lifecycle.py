@@ -50,8 +50,9 @@ def evaluation_of(data: DataOptions, plan, batch_fn=None) -> Evaluation | None:
         raise FusionError("--eval-every does not run under the interleaved schedule yet (several parts per process)")
     held_out = getattr(batch_fn, "validation", None)
     if held_out is not None:
-        return Evaluation(data.eval_every, [held_out(k) for k in range(data.eval_batches)])
-    return Evaluation(data.eval_every, make_eval_batches(plan, data.data, plan.seed, data.eval_batches))
+        return Evaluation(data.eval_every, [held_out(k) for k in range(data.eval_batches)], data.stop_at_val_loss)
+    return Evaluation(data.eval_every, make_eval_batches(plan, data.data, plan.seed, data.eval_batches),
+                      data.stop_at_val_loss)
 
 
 @dataclass

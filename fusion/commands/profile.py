@@ -48,12 +48,7 @@ def run(args: "Profile") -> int:
     if cluster is not None and args.output:
         if prof.lam <= 0:
             raise ClusterError(f"{args.cluster}: fitted lambda {prof.lam} is not positive")
-        fields: dict = {"lam": prof.lam}
-        if not args.no_overheads:
-            fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
-            fields["message_overhead_s"] = prof.message_overhead_s
-            fields.update(step_overhead_s=prof.step_overhead_s, feed_overhead_s=prof.feed_overhead_s,
-                          feed_byte_s=prof.feed_byte_s, optimizer_byte_s=tuple(prof.optimizer_byte_s))
+        fields = _fitted_fields(args, prof)
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() in (".yaml", ".yml"):
@@ -71,10 +66,22 @@ def run(args: "Profile") -> int:
     return 0
 
 
+def _fitted_fields(args: "Profile", prof) -> dict:
+    """The device attributes ``-o`` writes: lambda, and unless ``--no-overheads`` the fitted fixed costs and each
+    codec's measured encode + decode cost."""
+    fields: dict = {"lam": prof.lam}
+    if not args.no_overheads:
+        fields["node_overhead_s"] = prof.node_overhead_interpreted_s if args.interpreted_parts else prof.node_overhead_s
+        fields.update(message_overhead_s=prof.message_overhead_s, step_overhead_s=prof.step_overhead_s,
+                      feed_overhead_s=prof.feed_overhead_s, feed_byte_s=prof.feed_byte_s,
+                      optimizer_byte_s=tuple(prof.optimizer_byte_s), codec_costs=tuple(prof.codec_costs))
+    return fields
+
+
 #: Device attribute -> the key the cluster file spells it with
 _FILE_KEYS = {"lam": "lambda", "node_overhead_s": "node_overhead_s", "message_overhead_s": "message_overhead_s",
               "step_overhead_s": "step_overhead_s", "feed_overhead_s": "feed_overhead_s", "feed_byte_s": "feed_byte_s",
-              "optimizer_byte_s": "optimizer_byte_s"}
+              "optimizer_byte_s": "optimizer_byte_s", "codec_costs": "codec_costs"}
 
 
 def _file_value(key: str, v):
@@ -86,6 +93,10 @@ def _file_value(key: str, v):
         return round(float(v), 6)
     if key == "optimizer_byte_s":
         return {k: float(f"{float(x):.4g}") for k, x in zip(OPTIMIZER_KINDS, v)}
+    if key == "codec_costs":
+        from fusion.cluster.model import codec_costs_dict
+
+        return codec_costs_dict(v, digits=4)
     return float(f"{float(v):.4g}")
 
 

@@ -210,7 +210,7 @@ def report(opts: "Run", outcome: Outcome, out: Path, t_start: float) -> int:
         print(f"interrupted: {done} steps, {result}, run folder {out}", flush=True)  # the result: on stdout
         return 130
     restarts = (summary or {}).get("restarts")
-    say(f"done: {steps} steps in {time.monotonic() - t_start:.1f} s"
+    say(f"done: {(summary or {}).get('steps', steps)} steps in {time.monotonic() - t_start:.1f} s"
         + (f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else "") + f"; {what}")
     print(f"done: {summary['steps'] if summary else steps} steps, {result}, run folder {out}", flush=True)
     return 0

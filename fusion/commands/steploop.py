@@ -22,6 +22,8 @@ class Evaluation:
 
     every: int
     batches: list
+    #: stop after the first evaluation whose loss is <= this (``--stop-at-val-loss``); None: run every step
+    stop_below: float | None = None
 
 
 def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: Path, progress: bool = True,
@@ -31,7 +33,8 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     ``log_every_s``: when stderr is not a terminal (a log file, a CI job), a one-line step log there at most
     this often (and after the last step), whatever ``progress`` says; None: never.
     evaluation: after every ``evaluation.every``-th step, the held-out loss (:meth:`Coordinator.evaluate`, mean over
-    its batches) is printed and written as ``{"step", "val_loss", "time"}``.
+    its batches) is printed and written as ``{"step", "val_loss", "time"}``; with ``evaluation.stop_below`` the loop
+    ends after the first evaluation at or below it (``steps`` is then the cap).
 
     Metrics of steps from ``first`` on are replaced, never appended twice (a resumed run rewrites what it
     replays; ``resumed``: also when ``first`` is 0, as after a restart before the first checkpoint), and the
@@ -58,15 +61,14 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 r = coord.step(batch_fn(step))
                 last, done = r, step + 1
                 _write_line(mf, board, r.metrics_line())
-                if bar is not None:
-                    bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
-                    bar.update(1)
+                _advance(bar, r)
                 if step_log and (time.monotonic() - t_logged >= log_every_s or step + 1 == steps):
                     t_logged = time.monotonic()
                     _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
                               f"({t_logged - t0:.0f} s)")
-                if evaluation is not None and (step + 1) % evaluation.every == 0:
-                    _evaluate(coord, evaluation, r.step, mf, board, lambda t, s=step: _say(bar, f"step {s + 1}/{steps}: {t}"))
+                if evaluation is not None and (step + 1) % evaluation.every == 0 and _evaluate(
+                        coord, evaluation, r.step, mf, board, lambda t, s=step: _say(bar, f"step {s + 1}/{steps}: {t}")):
+                    break  # --stop-at-val-loss reached
             if ctrl_c.asked:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -104,11 +106,23 @@ def _progress_bar(first: int, steps: int):
     return tqdm(total=steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def _evaluate(coord, evaluation: Evaluation, step: int, mf, board, say: Callable[[str], None]) -> None:
-    """The held-out loss after step ``step`` (the mean over the batches): a metrics line and a line on stderr."""
+def _advance(bar, r) -> None:
+    """The progress bar one step on, with the step's loss and samples/s (no bar: nothing)."""
+    if bar is not None:
+        bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{r.samples_per_s:.1f}")
+        bar.update(1)
+
+
+def _evaluate(coord, evaluation: Evaluation, step: int, mf, board, say: Callable[[str], None]) -> bool:
+    """The held-out loss after step ``step`` (the mean over the batches): a metrics line and a line on stderr.
+    True when it reached ``evaluation.stop_below`` (``--stop-at-val-loss``): the run stops there."""
     val = float(sum(coord.evaluate(b) for b in evaluation.batches) / len(evaluation.batches))
     _write_line(mf, board, {"step": step, "val_loss": val, "time": time.time()})
     say(f"val_loss {val:.4f} ({len(evaluation.batches)} held-out batches; metrics.jsonl step {step})")
+    if evaluation.stop_below is None or val > evaluation.stop_below:
+        return False
+    say(f"val_loss {val:.4f} <= --stop-at-val-loss {evaluation.stop_below:g}: stopping")
+    return True
 
 
 def _write_line(mf, board, line: dict) -> None:

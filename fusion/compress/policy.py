@@ -30,6 +30,8 @@ compresses exactly what was priced.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +155,8 @@ def _meta(cm: CostModel, t: int) -> TensorMeta | None:
         (outs[index] if index is not None and index < len(outs) else None)
     if not isinstance(o, TensorMeta) or not o.dtype.startswith(("float", "bfloat")) or o.numel == 0:
         return None
+    if producer in cm.bf16 and o.dtype == "float32":  # autocast sends it as bfloat16 (--precision bf16)
+        return dataclasses.replace(o, dtype="bfloat16")
     return o
 
 
@@ -180,11 +184,18 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
     it is priced at its steady state (every row a delta; first visits go at 8 bits), and each end of
     its edge keeps ``req.samples * M_t / samples_per_micro_batch`` bytes of buffers, in the
     activation's dtype as the runtime keeps them (``kernels/delta.py``: ``delta_buffer_nbytes``).
+
+    Seconds: the host's measured encode + decode of a message of the tensor's size
+    (``Device.codec_costs``, from ``fusion profile``; the slowest device that measured the codec) where the
+    cluster has them, else the dense bytes over the codec's built-in ``rate``.
     """
     import numpy as np
 
     from fusion.cost.estimate import CodecPrices
 
+    from fusion.cost.codec_costs import codec_seconds
+
+    devices = cm.cluster.devices
     n = len(cm.t_key)
     spmb = max(1, int(cm.samples_per_micro_batch))
     metas = [_meta(cm, t) for t in range(n)]
@@ -196,7 +207,9 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
         for k, cfg in enumerate(cands):
             if cfg is None:
                 continue
-            codec, rate = CODECS.unit(cfg["algo"]), _rate(cfg["algo"])
+            codec = CODECS.unit(cfg["algo"])
+            measured = [codec_seconds(devices, cfg, float(m.nbytes)) if m is not None else None for m in metas]
+            rate = _rate(cfg["algo"]) if any(m is not None and s is None for m, s in zip(metas, measured)) else None
             for t, meta in enumerate(metas):
                 if meta is None:
                     continue
@@ -205,7 +218,7 @@ def codec_prices(cm: CostModel, req: CompressRequest) -> "CodecPrices":
                         continue  # no sample rows: the runtime sends it dense
                     mem[k, t] = float(req.samples * (meta.nbytes // spmb))
                 wire[k, t] = float(codec.wire_nbytes(meta.numel, meta.dtype, cfg))
-                secs[k, t] = float(meta.nbytes) / rate
+                secs[k, t] = measured[t] if measured[t] is not None else float(meta.nbytes) / rate
         out[f"{d}_wire"], out[f"{d}_s"], out[f"{d}_cfgs"] = wire, secs, [c for c in cands if c is not None]
         if d == "fwd":
             out["fwd_mem"] = mem

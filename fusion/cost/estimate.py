@@ -216,6 +216,9 @@ class CostModel:
     #: seconds x the profiling host's speed, their ``mem``/``fwd_mem`` 0, and they pay no ``node_overhead``
     timed: np.ndarray | None = None
     op_flops: np.ndarray | None = None  # the counted FLOPs per node when ``flops`` holds measured time (reports)
+    #: nodes whose float32 outputs bfloat16 autocast makes bfloat16 (``--precision bf16``,
+    #: :func:`fusion.cost.autocast.with_precision`): their tensors are priced at 2 bytes an element
+    bf16: frozenset = frozenset()
     speed: np.ndarray = field(init=False)
     mem_speed: np.ndarray = field(init=False)
     mem_cap: np.ndarray = field(init=False)

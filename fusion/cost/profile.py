@@ -36,6 +36,9 @@ Three more price the iteration's work outside the pipeline (``T_step`` of
   parameters of several total sizes (``zero_grad`` included: gradients set to
   None, as the runtime does), the slope of time against parameter bytes, one
   per optimizer.
+
+And what the codecs cost here: ``codec_costs``, encode + decode per message and
+per byte through each codec's host path (:mod:`fusion.cost.codec_costs`).
 """
 from __future__ import annotations
 
@@ -68,6 +71,8 @@ class Profile:
     feed_byte_s:    seconds per fed byte.
     optimizer_byte_s: seconds per trainable parameter byte of one optimizer step, per
                     :data:`fusion.cluster.model.OPTIMIZER_KINDS` (SGD, SGD with momentum, AdamW).
+    codec_costs:    ``(codec key, seconds per message, seconds per dense byte)`` of encode + decode through
+                    each codec's host path (:mod:`fusion.cost.codec_costs`).
     """
 
     device: str
@@ -84,6 +89,7 @@ class Profile:
     feed_overhead_s: float = 0.0
     feed_byte_s: float = 0.0
     optimizer_byte_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    codec_costs: tuple[tuple[str, float, float], ...] = ()
 
     def to_dict(self) -> dict:
         return {"device": self.device, "peak_flops": self.peak_flops, "fitted_flops": self.fitted_flops,
@@ -94,6 +100,7 @@ class Profile:
                 "step_overhead_s": self.step_overhead_s, "feed_overhead_s": self.feed_overhead_s,
                 "feed_byte_s": self.feed_byte_s,
                 "optimizer_byte_s": dict(zip(("sgd", "sgd_momentum", "adamw"), self.optimizer_byte_s)),
+                "codec_costs": {k: {"message_s": m, "byte_s": b} for k, m, b in self.codec_costs},
                 "samples": [[f, t] for f, t in self.samples]}
 
 
@@ -395,12 +402,16 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
         node = node_i = msg = 0.0
         step: tuple[float, float, float] = (0.0, 0.0, 0.0)
         opt: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        codecs: tuple = ()
         if overheads:
             node = profile_node_overhead(device, compiled=True)
             node_i = profile_node_overhead(device, compiled=False)
             msg = profile_message_overhead()
             step = profile_step_overhead()
             opt = profile_optimizer(device)
+            from fusion.cost.codec_costs import profile_codecs
+
+            codecs = profile_codecs()
     finally:
         torch.set_num_threads(old_threads)
     samples = list(zip(flops, best))
@@ -410,4 +421,4 @@ def profile_host(peak_flops: float, device: str = "cpu", sizes: tuple[int, ...] 
     log.info("profile overheads: %.3g s per node compiled, %.3g s interpreted, %.3g s per message", node, node_i, msg)
     log.info("profile step: %.3g s per round trip, %.3g s per fed array, %.3g s per fed byte", *step)
     return Profile(str(dev), float(peak_flops), speed, speed / peak_flops, t0, r2, samples, node, node_i, msg,
-                   *step, opt)
+                   *step, opt, codecs)

@@ -53,6 +53,7 @@ class DataOptions(Section):
     data: str = option("--data", default="auto", metavar="auto|text|synthetic|text:PATH|FILE.py:FUNCTION", help="training data: auto (generated text corpus for language models, synthetic otherwise), text:PATH[?tokenizer=NAME] (your text file or folder of .txt/.md/.py files; byte-level tokens, or an installed tokenizer available offline; see docs/training.md), or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
     val_split: float = option("--val-split", default=0.0, type=percentage, metavar="PCT", help="with --data text:PATH: hold out the last PCT %% of the text for validation, never trained on")
     eval_every: int = option("--eval-every", default=0, type=non_negative_int, metavar="N", help="every N steps, the loss of --eval-batches held-out batches, forward only through the pipeline (no gradient, no optimizer step), in metrics.jsonl and loss.png (0: never)")
+    stop_at_val_loss: float | None = option("--stop-at-val-loss", default=None, type=float, metavar="LOSS", help="stop training after the first evaluation whose held-out loss is <= LOSS (time to a quality: --steps is then the cap); needs --eval-every")
     eval_batches: int = option("--eval-batches", default=4, type=positive_int, metavar="K", help="held-out batches per evaluation (default 4): the corpus's held-out text, other synthetic batches, or your FUNCTION(k, split='val')")
 
     def check(self) -> None:
@@ -73,6 +74,8 @@ class DataOptions(Section):
             file = data.rpartition(":")[0]
             if file.endswith(".py") and not Path(file).is_file():
                 raise FusionError(f"--data {data}: no such file {file!r}")
+        if self.stop_at_val_loss is not None and not self.eval_every:
+            raise FusionError("--stop-at-val-loss needs --eval-every N (the held-out loss it compares)")
         if val > 0 and not data.startswith("text:"):
             raise FusionError(f"--val-split {val:g} holds out part of --data text:PATH, but --data is {data}: nothing "
                               "would be held out (--eval-every takes its held-out batches from the data source: "

@@ -60,6 +60,8 @@ class CompileRequest:
     node_times: "NodeTimes | None"
     #: learned bottlenecks to insert at the cut (None: none)
     bottleneck: "BottleneckRequest | None"
+    #: ``fp32`` or ``bf16`` (autocast): bf16 prices the tensors autocast makes bfloat16 at 2 bytes an element
+    precision: str = "fp32"
 
     @property
     def auto_schedule(self) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Callable
 
 from fusion.cluster.topology import device_clusters
+from fusion.cost.autocast import with_precision
 from fusion.cost.estimate import CostModel, optimizer_slots, samples_per_micro_batch
 from fusion.cost.flops import measure_costs
 from fusion.cost.schedules import best_schedule
@@ -55,6 +56,7 @@ def costs(s: CompileState) -> CompileState:
     cm = CostModel.build(graph, node_costs, s.cluster, r.micro_batches,
                          AUTO_PARTITION_SCHEDULE if r.auto_schedule else r.schedule,
                          optimizer_slots(r.optimizer.name, r.optimizer.momentum), samples_per_micro_batch(graph))
+    cm = with_precision(cm, r.precision)
     return replace(s, costs=node_costs, cm=cm.variant(recompute_all=r.recompute == "all"), schedule=cm.schedule)
 
 
@@ -130,7 +132,7 @@ def bottleneck(s: CompileState) -> CompileState:
     def build(g) -> CostModel:  # a candidate's model: --compress's prices, its tied gradients dense
         c = CostModel.build(g, measure_costs(g), s.cluster, r.micro_batches, s.cm.schedule,
                             optimizer_slots(r.optimizer.name, r.optimizer.momentum), samples_per_micro_batch(g))
-        c = c.variant(recompute_all=s.cm.recompute_all)
+        c = with_precision(c, r.precision).variant(recompute_all=s.cm.recompute_all)
         return c.variant(codec_prices=prices_of(c, r.compress)) if r.compress is not None else c
 
     model, cm2, part, specs, info = insert_bottleneck(s.model, s.estimator(), s.part, r.bottleneck, r.seed,

@@ -4,7 +4,7 @@ orthonormal block-wise Walsh-Hadamard rotation (TAH-Quant / QuIP# style outlier 
 cfg keys: ``bits`` (2, 4, 8; default 8), ``block`` (default 64; a power of two for hadamard-quant),
 ``rounding`` (``"nearest"``/``"stochastic"``), ``seed`` (stochastic rounding, default 0), ``algo``; other keys
 are refused. In a table, stochastic rounding draws fresh noise per message from the context
-(:meth:`~.base.CodecContext.rounding_seed`). Host path: the NumPy kernels; device path: ``kernels.quant_torch``
+(:meth:`~.base.CodecContext.rounding_seed`). Host path: the NumPy kernels (``kernels.quant_host``, in place); device path: ``kernels.quant_torch``
 (the same bytes; frames cross through the device's staging buffer).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from fusion.ir.errors import FusionError
-from fusion.kernels import quant as _quant
+from fusion.kernels import quant as _quant, quant_host
 from fusion.kernels.codecs.base import ALL_ROLES, Codec, CodecContext, Role, check_dtype
 from fusion.kernels.quant import QuantConfig, QuantPayload
 
@@ -64,7 +64,7 @@ class QuantCodec(Codec):
     def encode(self, tensor, cfg: Mapping[str, Any]) -> QuantPayload:
         qc = self.config(cfg)
         if isinstance(tensor, np.ndarray):
-            return _quant.quantize(tensor, qc)
+            return quant_host.quantize(tensor, qc)
         from fusion.kernels import quant_torch
 
         return quant_torch.quantize(tensor, qc)
@@ -100,10 +100,10 @@ class QuantCodec(Codec):
         return qc
 
     def encode_host(self, arr: np.ndarray, dtype: str, cfg: Mapping[str, Any], ctx: CodecContext) -> QuantPayload:
-        return _quant.quantize(arr, self._seeded(cfg, ctx), dtype=dtype)
+        return quant_host.quantize(arr, self._seeded(cfg, ctx), dtype=dtype)
 
     def decode_host(self, payload: QuantPayload, ctx: CodecContext | None = None) -> np.ndarray:
-        return _quant.dequantize(payload)
+        return quant_host.dequantize(payload)
 
     def encode_device(self, t, dtype: str, cfg: Mapping[str, Any], ctx: CodecContext) -> QuantPayload:
         from fusion.kernels import quant_torch

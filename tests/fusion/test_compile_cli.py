@@ -141,6 +141,10 @@ def test_profile_writes_lambda_into_a_cluster_copy(tmp_path, capsys):
         assert data["devices"][1].get(key, 0.0) == pytest.approx(result[key]) and key not in data["devices"][0]
     assert all(v > 0 for v in result["optimizer_byte_s"].values())
     assert data["devices"][1]["optimizer_byte_s"] == pytest.approx(result["optimizer_byte_s"])
+    # and what each codec the compiler may choose costs here (issue 36: the estimator's codec price)
+    assert {"quant-4", "quant-8", "hadamard-quant-4", "topk"} <= set(result["codec_costs"])
+    assert all(data["devices"][1]["codec_costs"][k] == pytest.approx(v) for k, v in result["codec_costs"].items())
+    assert "codec_costs" not in data["devices"][0]
     # without a peak (the README's `fusion profile --threads 1`): the measured speed, and what lambda needs
     assert main(["profile", "--threads", "1", "--sizes", "256,512"]) == 0
     cap = capsys.readouterr()
@@ -170,6 +174,10 @@ def test_profile_writes_the_users_yaml_back_as_yaml(tmp_path, capsys):
     assert after.devices[1].feed_byte_s == pytest.approx(result["feed_byte_s"], rel=1e-3)
     assert after.devices[1].optimizer_byte_s == pytest.approx(tuple(result["optimizer_byte_s"].values()), rel=1e-3)
     assert after.devices[0].optimizer_byte_s == (0.0, 0.0, 0.0)
+    q4 = result["codec_costs"]["quant-4"]
+    assert after.devices[1].codec_seconds("quant-4", 65536) == pytest.approx(
+        q4["message_s"] + 65536 * q4["byte_s"], rel=1e-3)
+    assert after.devices[0].codec_costs == ()
     assert [d.group for d in after.devices] == [d.group for d in before.devices]
     assert after.to_dict()["bandwidth_bps"] == before.to_dict()["bandwidth_bps"]
 

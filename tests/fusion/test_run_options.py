@@ -88,3 +88,24 @@ def test_the_command_line_overrides_the_config(tmp_path):
         ("a.py:f", 5, 0.2, ["numpy", "part0=torch"], True)
     o = parse(["-v", "run", "b.py:g", "--config", str(cfg), "--steps", "7", "--engine", "part1=numpy"])[1]
     assert (o.target, o.train.steps, o.compile.engine) == ("b.py:g", 7, ["numpy", "part0=torch", "part1=numpy"])
+
+
+def test_stop_at_val_loss_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, capsys):
+    """Time to a quality (issue 36): --steps is the cap, the run stops after the first held-out loss <= LOSS."""
+    import json as _json
+    from pathlib import Path
+
+    from fusion.cli import main as _main
+
+    ROOT = Path(__file__).resolve().parents[2]
+
+    plan = tmp_path / "p"
+    assert _main(["compile", str(ROOT / "examples/models/gpt.py:tiny"), "--cluster", "local-4-two-sites", "-o", str(plan)]) == 0
+    out = tmp_path / "r"
+    assert _main(["run", str(plan), "--steps", "8", "--eval-every", "2", "--stop-at-val-loss", "1e9",
+                  "--out", str(out), "--no-progress"]) == 0
+    lines = [_json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [0, 1] and sum("val_loss" in x for x in lines) == 1
+    assert _main(["run", str(plan), "--steps", "2", "--stop-at-val-loss", "1", "--out", str(out),
+                  "--overwrite"]) == 2
+    assert "--stop-at-val-loss needs --eval-every" in capsys.readouterr().err

@@ -29,6 +29,9 @@ def test_bench_wan_quick(tmp_path, capsys):
 
     assert bench_wan.main(["--quick", "--work", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the headline first (issue 36): time to torch's final held-out loss, then samples/s
+    assert list(out)[1:3] == ["time_to_torch_final_val_loss_ratio", "time_to_torch_final_val_loss_ratio_5mbit"]
+    assert out["cap_steps"] == 2 * out["steps"]
     for key in ("fusion_auto_vs_torch_samples_per_s", "fusion_dense_vs_torch_samples_per_s"):
         assert out[key] is not None and math.isfinite(out[key]) and out[key] > 0, (key, out)
     assert out["fusion_auto_vs_torch_samples_per_s_5mbit"] is None  # --quick: the first profile only
@@ -40,5 +43,10 @@ def test_bench_wan_quick(tmp_path, capsys):
     assert ratio is None and row["auto_val_gap"] > 0 or math.isfinite(ratio)
     for side in ("torch", "fusion_dense", "fusion_auto"):
         assert math.isfinite(row["final_val"][side]) and row["samples_per_s"][side] > 0
+    assert 0 < row["fusion_auto_steps"] <= out["cap_steps"]
+    if row["auto_compression"]:  # the codecs' CPU time over the link time they save, both measured per step
+        assert row["codec_cpu_s_per_step"] > 0 and row["link_saved_s_per_step"] > 0
+        assert row["codec_cpu_over_link_saved"] == pytest.approx(
+            row["codec_cpu_s_per_step"] / row["link_saved_s_per_step"], rel=1e-3)
     first = row["first_loss"]
     assert first["fusion_dense"] == pytest.approx(first["torch"], rel=1e-4, abs=1e-4), first
