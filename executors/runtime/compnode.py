@@ -35,8 +35,8 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges, faults
-from fusion.executors.runtime.allreduce import NotYourTurn, RingInbox, average, flatten, make_buckets, unflatten
-from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads
+from fusion.executors.runtime.dp.allreduce import NotYourTurn, RingInbox, average, flatten, make_buckets, unflatten
+from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
                                               Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
                                               Regroup as RegroupMsg, Regrouped, Setup, State, Step, decode_ctrl,
@@ -44,10 +44,10 @@ from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitte
 from fusion.executors.engines.select import check_optimizer, engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
-from fusion.executors.runtime.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
+from fusion.executors.runtime.dp.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
                                             write_params)
 from fusion.executors.runtime.inbox import Inbox
-from fusion.executors.runtime.join import adopt, join_arrays
+from fusion.executors.runtime.dp.join import adopt, join_arrays
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import allreduce_message_limit, coordinator_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan

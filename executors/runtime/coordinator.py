@@ -12,7 +12,7 @@ Every ``checkpoint_every`` steps the executors save their own parameters and
 optimizer state; once all have, the coordinator marks the checkpoint
 complete (:mod:`fusion.executors.runtime.checkpoint`). A DiLoCo plan may start with replicas held back
 (``CoordinatorConfig.joins``), each admitted at its outer boundary (:meth:`Coordinator._admit`,
-:mod:`fusion.executors.runtime.join`). After a replica was
+:mod:`fusion.executors.runtime.dp.join`). After a replica was
 dropped the survivors alone save (their copy of each stage stands for the
 dropped one), and a resume of the full plan loads every part of a dropped
 replica from the saved copy of its stage. A part that reports an error,
@@ -38,8 +38,8 @@ from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
 from fusion.executors.runtime.logtail import last_error
-from fusion.executors.runtime.outer import replica_micro_batches
-from fusion.executors.runtime.clip import total_norm
+from fusion.executors.runtime.dp.outer import replica_micro_batches
+from fusion.executors.runtime.dp.clip import total_norm
 from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval, Fetch,
                                               Hb, Hello, Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
@@ -96,7 +96,7 @@ class CoordinatorConfig:
     security: Security | None = None  # CURVE keys (executors.runtime.keys); None: plain TCP (--insecure)
     plan_digest: str = ""  # the plan's digest (plandigest.plan_digest); executors with another one are refused
     #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
-    #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/join.py)
+    #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/dp/join.py)
     joins: dict[int, int] = field(default_factory=dict)
 
 
@@ -426,7 +426,7 @@ class Coordinator:
         first = resume_step or 0
         return {r: s for r, s in self.cfg.joins.items() if s >= first}
 
-    # -- a replica joins (DiLoCo, at an outer boundary; executors/runtime/join.py) --------------------
+    # -- a replica joins (DiLoCo, at an outer boundary; executors/runtime/dp/join.py) --------------------
     def _admit_due(self) -> list[dict]:
         """Admit the late replicas due before the current step; their records (a refused one is logged)."""
         out = []

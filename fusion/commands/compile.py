@@ -327,7 +327,7 @@ def _set_dp_sync(plan, sync) -> None:
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync
 
-    from fusion.executors.runtime.outer import replica_micro_batches
+    from fusion.executors.runtime.dp.outer import replica_micro_batches
 
     plan.dp_sync = sync if plan.replicas > 1 else DPSync()
     plan.check()
@@ -502,7 +502,7 @@ def dp_sync_from_args(args: argparse.Namespace):
     (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
     here, after :func:`_compile_dp`'s planner ran.)"""
     from fusion.compress.policy import parse_spec
-    from fusion.executors.runtime.outer import check_pseudo_codec
+    from fusion.executors.runtime.dp.outer import check_pseudo_codec
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync, PlanError
 

@@ -80,7 +80,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on "
                         "with the others (the step is redone on them with the global batch re-split; metrics.jsonl "
                         "records the replica and step)")
-    from fusion.executors.runtime.join import join_at
+    from fusion.executors.runtime.dp.join import join_at
 
     p.add_argument("--join-at", type=join_at, action="append", default=[], metavar="STEP:REPLICA",
                    help="DiLoCo: replica REPLICA of the plan starts late and joins the running job before step STEP (an "
@@ -122,7 +122,7 @@ def eval_from_args(args: argparse.Namespace, plan, batch_fn=None) -> "Evaluation
 
 def joins_from_args(args: argparse.Namespace, plan) -> dict[int, int]:
     """``--join-at`` as replica -> step, checked against ``plan`` (one line, exit 2, for a schedule that cannot run)."""
-    from fusion.executors.runtime.join import check_joins
+    from fusion.executors.runtime.dp.join import check_joins
     from fusion.ir.errors import FusionError
 
     joins: dict[int, int] = {}

@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
         dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
         if args.join_at:  # what the options say already (the rest is checked on the compiled plan)
-            from fusion.executors.runtime.join import check_join_options
+            from fusion.executors.runtime.dp.join import check_join_options
 
             check_join_options(args.replicas, args.dp_sync, [r for _, r in args.join_at])
         optimizer_from_args(args)  # a bad --lr, --lr-schedule, --warmup-steps or --clip-grad-norm

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.executors.runtime.allreduce import KIND, NotYourTurn, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
+from fusion.executors.runtime.dp.allreduce import KIND, NotYourTurn, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
 from fusion.ir.errors import WireError
 from fusion.ir.wire import decode, encode, encode_payload
 from fusion.plan import OptimizerConfig, PlanError, load_plan, save_plan

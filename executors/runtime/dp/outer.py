@@ -92,7 +92,7 @@ import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode, encode_payload
-from fusion.executors.runtime.allreduce import (KIND, Bucket, RingInbox, average, check_group, flatten, make_buckets,
+from fusion.executors.runtime.dp.allreduce import (KIND, Bucket, RingInbox, average, check_group, flatten, make_buckets,
                                                 unflatten)
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
