@@ -35,7 +35,6 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.opdata import SAMPLE_IDS, OpData
 from fusion.ir.wire import Message, encode_opdata, opdata_from_message
 from fusion.executors.runtime import checkpoint, delta_edges, faults
-from fusion.executors.runtime.dp.allreduce import NotYourTurn, RingInbox, average, flatten, make_buckets, unflatten
 from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitted, Clip, Commit, Control, Done, Error, Eval,
                                               Evaluated, Fetch, GradNorm, Hb, Hello, Ready, Reduced,
@@ -44,12 +43,12 @@ from fusion.executors.runtime.control import (TO_EXECUTOR, Abort, Admit, Admitte
 from fusion.executors.engines.select import check_optimizer, engine_options_for, make_engine_part, make_optimizer
 from fusion.executors.runtime.linkemu import EmulatedLink, link_model
 from fusion.executors.runtime.compression import CompressionTable, TiedCodec, sum_in_order
-from fusion.executors.runtime.dp.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets, replica_micro_batches,
-                                            write_params)
+from fusion.executors.runtime.dp.outer import replica_micro_batches
+from fusion.executors.runtime.dp.registry import make_sync
+from fusion.executors.runtime.dp.sync import GradSync, Regroup, SyncLinks
 from fusion.executors.runtime.inbox import Inbox
-from fusion.executors.runtime.dp.join import adopt, join_arrays
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
-from fusion.executors.runtime.limits import allreduce_message_limit, coordinator_message_limit, part_message_limit
+from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
 from fusion.plan import OptimizerConfig, Plan
 from fusion.executors.runtime.part import PartRuntime, make_routes
 from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_schedule, splits_backward
@@ -59,10 +58,6 @@ from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.transport import Transport, pump_any
 
 log = logging.getLogger(__name__)
-#: all-reduce messages kept for the next ring after a regroup (:class:`NotYourTurn`), at most; a survivor sends at
-#: most one step per bucket ahead of this part's regroup, so this bounds memory, not correctness, for sane groups
-MAX_EARLY_RING = 256
-
 COORDINATOR = "coordinator"
 #: control messages waiting for the engine loop (the coordinator sends one at a time; more is a flood)
 MAX_QUEUED_CTRL = 64
@@ -70,10 +65,6 @@ MAX_QUEUED_CTRL = 64
 
 class ExecutorAbort(FusionError):
     """The executor stops: told to abort, coordinator gone, or a wait timed out."""
-
-
-class Regroup(Exception):
-    """The coordinator dropped a replica: the current attempt is abandoned (a wait raises this)."""
 
 
 @dataclass
@@ -186,31 +177,13 @@ class CompNode:
         self.feed_specs = feed_specs(plan, [n for n in self.sub.nodes if g[n].kind.value in ("input", "label")])
         if self.tied is not None:
             self.inbox.decode_pgrad = self._decode_tied
-        # data parallelism: this stage's replicas average their gradients over a ring or a tree (allreduce.py)
-        self.dp_group = plan.dp_group(self.me)
+        # data parallelism: this stage's replicas sync their gradients (dp/: the plan's dp_sync.mode); a stage of one
+        # replica has none
         trainable = {p: (tuple(g.params[p].shape), g.params[p].dtype) for p in self.param_names if g.params[p].trainable}
-        # DiLoCo's buckets: one run per streaming fragment (one fragment: make_buckets itself)
-        # (only a group of 2 or more has buckets: a single pipeline keeps any dtype, bfloat16 included)
-        self.ring, self._fragments, self._dp_buckets = None, None, []
-        # all-reduce messages sent in a group this part has not regrouped into yet (NotYourTurn): a survivor that
-        # regrouped first already sends in the new group; offered to the next ring (_new_ring)
-        self._early_ring: deque = deque(maxlen=MAX_EARLY_RING)
-        if len(self.dp_group) > 1:
-            # (kept for every later ring: a group that shrinks to one part has none, and may grow again by a join)
-            self._dp_buckets, self._fragments = (fragment_buckets(trainable, plan.dp_sync.fragments)
-                                                 if plan.dp_sync.mode == "diloco" else (make_buckets(trainable), None))
-            self._new_ring()
-        # DiLoCo (plan.dp_sync.mode "diloco"): no per-step all-reduce; an outer step every H steps (outer.py)
-        self.diloco = self.ring is not None and plan.dp_sync.mode == "diloco"
-        if self.shares and not self.diloco:
+        self.sync: GradSync | None = make_sync(plan, self.me, trainable)
+        if self.shares and not (self.sync is not None and self.sync.UNEQUAL_SHARES):
             raise FusionError("plan.dp_sync.shares: unequal replica shares need DiLoCo (dp_sync.mode 'diloco'); "
                               "synchronous DP splits the global batch equally")
-        self.outer: OuterLoop | None = None  # built in _setup, from the weights the part starts with
-        self._pseudo: PseudoInbox | None = None
-        # delayed outer steps (dp_sync.delay 1): the rounds in flight, kept across regroups (the plan's group);
-        # built before any socket opens, so a peer's round that arrives before this part's setup is kept
-        self._delayed = (DelayedInbox(self.me, self.dp_group, self.ring.buckets, plan.dp_sync.codec)
-                         if self.diloco and plan.dp_sync.delay else None)
         self._aborted: str | None = None
         self._regroup: RegroupMsg | None = None  # a replica was dropped: abandon the attempt (failover runs)
         self.failover = False
@@ -219,10 +192,8 @@ class CompNode:
         self._peers = self._peer_parts()
         # only the coordinator and the parts this one exchanges OP-Data with may send to it
         limit = cfg.max_message_bytes or part_message_limit(plan, plan.stage_of(self.me))
-        if self.ring is not None and not cfg.max_message_bytes:
-            limit = max(limit, allreduce_message_limit(self.ring.buckets, 1 if self.diloco else self.ring.chunks))
-            if self.diloco:  # a joiner's setup carries the global weights and the outer momentum (join.py)
-                limit = max(limit, 2 * allreduce_message_limit(self.ring.buckets, 1) * len(self.ring.buckets))
+        if self.sync is not None and not cfg.max_message_bytes:
+            limit = self.sync.message_limit(limit)
         self.transport = Transport(self.me, cfg.bind, self._peers | {COORDINATOR}, self._on_message,
                                    max_message_bytes=limit, tracer=self.tracer,
                                    on_error=self._on_send_error, recv_thread=False,  # the engine loop receives
@@ -238,14 +209,29 @@ class CompNode:
         self._die_in_outer = os.environ.get("FUSION_TEST_DIE_IN_OUTER")
         self._weights: dict[str, np.ndarray] | None = None
 
+    @property
+    def ring(self):
+        """The ring (or tree) inbox of this stage's live replicas (None: no group now)."""
+        return self.sync.ring if self.sync is not None else None
+
+    @property
+    def dp_group(self) -> list[str]:
+        """This stage's live replicas, rank order (this part alone without data parallelism)."""
+        return self.sync.group if self.sync is not None else list(self.plan.dp_group(self.me))
+
+    def _links(self, send=None) -> SyncLinks:
+        """How the data-parallel sync reaches the group from the engine loop (``send``: the transport's)."""
+        return SyncLinks(send=send or self._send, wait=self._outer_wait, span=self.tracer.span,
+                         regroup=self._apply_regroup)
+
     def _peer_parts(self) -> set[str]:
         """Parts this one exchanges OP-Data with: producers, consumers, co-owners of tied parameters."""
         b, a = self.sub.boundary, self.assignment
         peers = {a[e.actual_user] for e in b.sent_acts} | {a[e.producer] for e in b.required_acts}
         for owners in self.shared.values():
             peers.update(owners)
-        if self.ring is not None:  # all-reduce neighbours in the data-parallel group (ring or tree)
-            peers.update(self.ring.neighbours)
+        if self.sync is not None:  # the other replicas of this stage (ring or tree neighbours, outer exchange)
+            peers.update(self.sync.neighbours)
         peers.discard(self.me)
         return peers
 
@@ -277,19 +263,9 @@ class CompNode:
             return
         if msg.kind == "allreduce":
             with self._cv:
-                if self.ring is None:
+                if self.sync is None:
                     raise WireError(f"all-reduce message from {sender!r}, but {self.me} has no data-parallel group")
-                if msg.header.get("delayed") is True:  # a delayed round's pseudo-gradient (outer.py, delay 1)
-                    if self._delayed is None:
-                        raise WireError(f"delayed pseudo-gradient from {sender!r}, but {self.me} runs no delayed "
-                                        "outer step")
-                    self._delayed.accept(sender, msg)
-                else:
-                    try:
-                        self._accept_ring(sender, msg)
-                    except NotYourTurn as e:  # refused by this group (logged and counted), kept for the next
-                        self._early_ring.append((sender, msg))
-                        raise WireError(f"{e} (kept in case this part regroups: a survivor may send first)") from None
+                self.sync.accept(sender, msg)  # routed by its header's type (dp/header.py)
                 self._cv.notify_all()
             return
         try:
@@ -462,30 +438,20 @@ class CompNode:
             with self._cv:
                 self._set_members([p for p in self.plan.dp_group(self.me) if c.members is None or p in c.members],
                                   c.micro_batches or self.n_micro)
-        if self.diloco:  # DiLoCo's global weights and outer momentum: the start, or the checkpoint's
-            names = {n for b in self._dp_buckets for n in b.names}
-            trainable = {n: a for n, a in engine.state().items() if n in names}
-            self.outer = OuterLoop(self.plan.dp_sync, self._dp_buckets, trainable, self._fragments)
-            if resume is not None:
+        if self.sync is not None:  # what the sync keeps of the weights (DiLoCo: the global weights, outer momentum)
+            self.sync.start(engine)
+            if resume is not None and self.sync.KEEPS_STATE:
                 arrays = checkpoint.load_outer(c.checkpoint_dir, int(resume), source)
-                self.outer.load_arrays(arrays, f"checkpoint step {resume} of {source}")
-            elif c.start_it is not None:  # a joiner: the live replica's global weights and outer momentum
-                if c.join_from not in self.plan.dp_group(self.me) or c.join_from == self.me:
-                    raise ExecutorAbort(f"setup: join_from {str(c.join_from)[:80]!r} is not another replica of stage "
-                                        f"{self.plan.stage_of(self.me)!r}")
-                write_params(engine, adopt(self.outer, c.arrays, f"outer state from {c.join_from}"))
-                log.info("%s: joining at iteration %d with %s's global weights and outer momentum (error feedback "
-                         "zeros, a fresh inner optimizer); group %s, %d micro-batches", self.me, c.start_it,
-                         c.join_from, self.dp_group, self.n_micro)
-        elif c.start_it is not None:
-            raise ExecutorAbort("setup: a part that runs no DiLoCo outer loop cannot join a running job")
+                self.sync.load_state(arrays, f"checkpoint step {resume} of {source}")
+        if c.start_it is not None:
+            self._join(engine, c, resume)
         # a copied replica starts its delta buffers afresh, at both ends of each edge (both are copies)
         delta_edges.attach(self.runtime, self.inbox, c.checkpoint_dir, resume if source == self.me else None)
         first = int(resume or 0) if c.start_it is None else int(c.start_it)
         with self._cv:
             self.inbox.expected_iter = first
-            if self.ring is not None:
-                self.ring.expected_iter = first
+            if self.sync is not None:
+                self.sync.start_at(first)
             self.inbox.open = True
         self.checkpoint_dir = c.checkpoint_dir
         self.failover = c.failover is True
@@ -497,8 +463,23 @@ class CompNode:
             if p not in peers:
                 raise FusionError(f"setup gives no address for peer {p!r}")
             self._connect(p, peers[p])
-        if self.outer is not None and self.outer.pending:  # a checkpoint's rounds in flight: send ours again
-            self.outer.announce(self.me, self.ring.group, self._send)
+        if self.sync is not None:
+            self.sync.announce(self._links())
+
+    def _join(self, engine, c: Setup, resume) -> None:
+        """A joiner (``c.start_it``) starts from a live replica's state: the global weights and outer momentum
+        (a resume's checkpoint has them already)."""
+        if self.sync is None or not self.sync.JOINABLE:
+            raise ExecutorAbort("setup: a part that runs no DiLoCo outer loop cannot join a running job")
+        if resume is not None:
+            return
+        if c.join_from not in self.plan.dp_group(self.me) or c.join_from == self.me:
+            raise ExecutorAbort(f"setup: join_from {str(c.join_from)[:80]!r} is not another replica of stage "
+                                f"{self.plan.stage_of(self.me)!r}")
+        self.sync.join(engine, c.arrays, f"outer state from {c.join_from}")
+        log.info("%s: joining at iteration %d with %s's global weights and outer momentum (error feedback "
+                 "zeros, a fresh inner optimizer); group %s, %d micro-batches", self.me, c.start_it,
+                 c.join_from, self.dp_group, self.n_micro)
 
     def _connect(self, p: str, address: str) -> None:
         """Connect to peer ``p`` (through the emulated link of the plan's devices when the run emulates them)."""
@@ -524,47 +505,13 @@ class CompNode:
         self.inbox.n_micro = n
         self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                      self.devices)[self.me]
-        self.dp_group = group
-        self._new_ring()
-
-    def _accept_ring(self, sender: str, msg) -> None:
-        """(Under ``_cv``, ``self.ring`` set) an all-reduce message of the group: a ring or tree step, or (header
-        ``gather``) an encoded DiLoCo pseudo-gradient (outer.py). NotYourTurn: sent in another group."""
-        if msg.header.get("gather") is True:
-            if self.outer is None or self.plan.dp_sync.codec is None:
-                raise WireError(f"pseudo-gradient from {sender!r}, but {self.me} runs no pseudo-gradient codec")
-            self._pseudo_inbox().accept(sender, msg)
-        else:
-            self.ring.accept(sender, msg)
-
-    def _new_ring(self) -> None:
-        """(Under ``_cv``) the ring (or tree) over ``self.dp_group`` (None for one part), at this part's
-        iteration; the messages a member already sent in this group (kept as NotYourTurn) are offered to it, and
-        those sent in yet another group of this iteration are kept again (two regroups in one step)."""
-        self.ring = (RingInbox(self.me, self.dp_group, self._dp_buckets, self.plan.dp_codec,
-                               self.plan.dp_algo_of(self.me), self.plan.dp_group(self.me))
-                     if len(self.dp_group) > 1 else None)
-        if self.ring is not None:
-            self.ring.expected_iter = self.inbox.expected_iter
-        early, self._early_ring = list(self._early_ring), deque(maxlen=MAX_EARLY_RING)
-        for sender, msg in early:  # sent in this group by a member that regrouped before this part did
-            try:
-                if self.ring is None:
-                    raise WireError(f"{self.me} has no data-parallel group now")
-                self._accept_ring(sender, msg)
-            except NotYourTurn:
-                if msg.header.get("it") == self.inbox.expected_iter:
-                    self._early_ring.append((sender, msg))
-            except WireError as e:
-                log.warning("%s: dropped an all-reduce message of %s kept from before the regroup: %s", self.me,
-                            sender, e)
-        if early:
+        if self.sync is not None and self.sync.set_group(group, self.inbox.expected_iter):
             self._cv.notify_all()
 
     def _admit(self, c: Admit) -> None:
         """A replica joins before iteration ``c.it`` (an outer boundary; join.py): connect to its parts, take
         the one of this stage into the group, run the new micro-batch count; tell the coordinator."""
-        if self.outer is None:
+        if self.sync is None or not self.sync.JOINABLE:
             raise ExecutorAbort(f"admit: {self.me} runs no DiLoCo outer loop; a replica cannot join it")
         if c.it != self.inbox.expected_iter:
             raise ExecutorAbort(f"admit for iteration {c.it}, this part is at {self.inbox.expected_iter}")
@@ -710,11 +657,8 @@ class CompNode:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_wait(it, st.own)
         stats["sync_s"] = time.perf_counter() - st.t_sync
-        if self.ring is not None and self.outer is None:
-            t_ar = time.perf_counter()
-            with self.tracer.span("allreduce", "sync"):
-                self._allreduce(it)
-            stats["allreduce_s"] = time.perf_counter() - t_ar
+        if self.sync is not None:  # every-step DP: the gradients averaged over the group
+            stats.update(self.sync.after_backward(it, self.runtime.engine, self._links()))
         if self.optcfg.clip_grad_norm is not None:  # this part's share of the global norm, to the coordinator
             counted = {n for n, owners in self.shared.items() if owners[0] != self.me}  # tied: its first owner counts it
             sq = part_sq_norm(self.runtime.engine.grads(), skip=counted, dtypes=self._param_dtypes)
@@ -752,22 +696,21 @@ class CompNode:
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
         done = it + 1 if c.save_step is None else c.save_step  # completed steps (the coordinator's count)
-        frag = self.outer.due(done) if self.outer is not None else None
-        if frag is not None:
-            stats["outer"] = self._outer_step(it, done, frag)
+        if self.sync is not None:  # DiLoCo: the outer step when one is due
+            stats.update(self.sync.after_step(it, done, engine, self._links(self._outer_send(done))))
         if c.checkpoint:
             # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
             save = it + 1 if c.save_step is None else c.save_step
             with self.tracer.span("checkpoint", "checkpoint"):
                 checkpoint.save_part(self.checkpoint_dir, save, self.me, engine.state(), *self.opt.state(),
                                      delta=delta_edges.checkpoint_arrays(rt),
-                                     outer=self.outer.state_arrays() if self.outer is not None else None)
+                                     outer=self.sync.state() if self.sync is not None else None)
                 checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
             stats["checkpoint_step"] = save
         with self._cv:
             self.inbox.finish(it)
-            if self.ring is not None:
-                self.ring.finish(it)
+            if self.sync is not None:
+                self.sync.finish(it)
         sent = {}
         for p, s in self.transport.stats().items():
             prev = self._prev_sent.get(p, (0, 0, 0.0))
@@ -840,54 +783,23 @@ class CompNode:
             self.inbox.n_micro = n
             self.actions = make_schedule(self.plan.schedule, self.order, part_links(self.graph, self.assignment), n,
                                          self.devices)[self.me]
-            self.dp_group = [p for p in self.dp_group if p not in drop]
-            self._new_ring()
+            if self.sync is not None and self.sync.set_group([p for p in self.dp_group if p not in drop],
+                                                             self.inbox.expected_iter):
+                self._cv.notify_all()
         log.warning("%s: replica part(s) %s dropped at iteration %d; group now %s, %d micro-batches", self.me,
                     ", ".join(sorted(drop)), it, self.dp_group, n)
         self.transport.send(COORDINATOR, Regrouped(it=self.inbox.expected_iter).frames())
 
-    def _pseudo_inbox(self) -> PseudoInbox:
-        """The inbox of encoded pseudo-gradients for the current group (rebuilt when a regroup changed the ring)."""
-        if self._pseudo is None or self._pseudo.ring is not self.ring:
-            self._pseudo = PseudoInbox(self.ring, self.plan.dp_sync.codec)
-        return self._pseudo
-
-    def _outer_step(self, it: int, steps_done: int, fragment: int = 0) -> dict:
-        """DiLoCo's outer step after this part's inner step of iteration ``it`` (:mod:`.outer`): average the
-        pseudo-gradients over the group, update the global weights, continue from them. The step was committed
-        (failover runs): a replica lost meanwhile makes the survivors regroup and average among themselves."""
-        engine = self.runtime.engine
-        names = {n for b in self.outer.buckets for n in b.names}
-        params = {n: a for n, a in engine.state().items() if n in names}
-
+    def _outer_send(self, steps_done: int):
+        """The send of an outer exchange after ``steps_done`` steps, with the test hook of ``__init__``."""
         def send(peer: str, frames: list, label: str) -> None:
             self._send(peer, frames, label)
-            if self._die_in_outer == f"{self.me}:{steps_done}":  # the test hook (see __init__)
+            if self._die_in_outer == f"{self.me}:{steps_done}":
                 time.sleep(1.0)  # the message leaves; then this replica is gone in mid-exchange
                 log.error("%s: FUSION_TEST_DIE_IN_OUTER: exiting in the outer exchange after step %d", self.me,
                           steps_done)
                 os._exit(17)
-
-        t0 = time.perf_counter()
-        while True:
-            try:
-                with self.tracer.span("outer", "sync"):
-                    with self._cv:
-                        pseudo = self._pseudo_inbox() if self.ring is not None else None
-                    n_it = self.ring.expected_iter if self.ring is not None else it
-                    weights = self._outer_weights()
-                    wait = self._outer_wait
-                    if self._delayed is not None:  # the exchange overlapping the next window: eager or delayed
-                        new, st = self.outer.overlapped_step(self.me, self._outer_group(), self._delayed,
-                                                             steps_done, params, send, wait, weights, fragment)
-                    else:
-                        new, st = self.outer.step(self.me, self.ring, pseudo, n_it, params, send, wait, weights,
-                                                  fragment)
-                break
-            except Regroup:
-                self._apply_regroup()
-        write_params(engine, new)
-        return {"step": steps_done, "s": round(time.perf_counter() - t0, 6), **st}
+        return send
 
     def _send(self, peer: str, frames: list, label: str) -> None:
         self.transport.send(peer, frames, label=label)
@@ -895,50 +807,11 @@ class CompNode:
     def _outer_wait(self, ready, what: str):
         return self._wait(ready, what, self.cfg.data_timeout_s)[0]
 
-    def _outer_group(self) -> list[str]:
-        """The replicas of this stage whose pseudo-gradients an outer step averages now (the survivors)."""
-        return list(self.ring.group) if self.ring is not None else [self.me]
-
-    def _outer_weights(self) -> dict[str, float] | None:
-        """Unequal shares: part -> the samples its replica sees per step (None: equal shares, the plain mean)."""
-        if not self.shares or self.ring is None:
-            return None
-        return {p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
-
     def _final_state(self) -> dict[str, np.ndarray]:
-        """The parameters a fetch returns: the engine's, with every delayed round still in flight collected and
-        applied (:meth:`OuterLoop.flushed`; the training state itself is unchanged)."""
+        """The parameters a fetch returns: the engine's, as the sync completes them (DiLoCo: every delayed round
+        still in flight collected and applied; the training state itself is unchanged)."""
         state = self.runtime.engine.state()
-        if self._delayed is None or self.outer is None or not self.outer.pending:
-            return state
-        names = {n for b in self.outer.buckets for n in b.names}
-        while True:
-            try:
-                new = self.outer.flushed(self.me, self._outer_group(), self._delayed,
-                                         {n: a for n, a in state.items() if n in names}, self._outer_wait,
-                                         self._outer_weights())
-                break
-            except Regroup:
-                self._apply_regroup()
-        return {**state, **{n: v.astype(np.asarray(state[n]).dtype, copy=False) for n, v in new.items()}}
-
-    def _allreduce(self, it: int) -> None:
-        """Average the parameter gradients over this stage's replicas (ring or tree all-reduce, NumPy)."""
-        engine = self.runtime.engine
-        grads = engine.grads()
-        buffers = [flatten(b, grads) for b in self.ring.buckets]
-
-        def send(peer: str, frames: list, label: str) -> None:
-            self.transport.send(peer, frames, label=label)
-
-        def wait(ready, what: str):
-            return self._wait(ready, what, self.cfg.data_timeout_s)[0]
-
-        average(self.ring, it, buffers, send, wait)
-        for b, flat in zip(self.ring.buckets, buffers):
-            for name, g in unflatten(b, flat).items():
-                if grads.get(name) is not None:  # a parameter without a gradient keeps none (on every replica)
-                    engine.set_grad(name, g)
+        return state if self.sync is None else self.sync.final_state(state, self._links())
 
     # -- the process ------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -1016,9 +889,9 @@ class CompNode:
         """What a fetch asks for: the parameters, or (``outer``) the DiLoCo state a joiner starts from."""
         if not c.outer:
             return self._final_state()
-        if self.outer is None:
+        if self.sync is None or not self.sync.JOINABLE:
             raise ExecutorAbort(f"fetch of the outer state: {self.me} runs no DiLoCo outer loop")
-        return join_arrays(self.outer)
+        return self.sync.join_state()
 
     def _serve(self) -> int:
         """Steps, fetches and the stop, one control message at a time; the exit status."""
