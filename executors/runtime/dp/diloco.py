@@ -113,9 +113,10 @@ class DiLoCo(GradSync):
         return {n: a for n, a in state.items() if n in names}
 
     def after_step(self, it: int, steps_done: int, engine: Any, links: SyncLinks) -> dict:
-        """The outer step due after ``steps_done`` completed steps (None: none is due): average the
-        pseudo-gradients over the group, update the global weights, continue from them; its stats as ``outer``. The step was committed
-        (failover runs): a replica lost meanwhile makes the survivors regroup and average among themselves."""
+        """The outer step due after ``steps_done`` completed steps (none due: no stats): average the
+        pseudo-gradients over the group, update the global weights, continue from them; its stats as ``outer``.
+        The step was committed (failover runs): a replica lost meanwhile makes the survivors regroup and average
+        among themselves."""
         fragment = self.outer.due(steps_done)
         if fragment is None:
             return {}
