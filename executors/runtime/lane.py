@@ -16,13 +16,13 @@ log = logging.getLogger(__name__)
 def _serve_lane(nodes: list) -> int:
     """Several parts in one process (the virtual stages of one device under interleaved 1F1B): each step
     runs the device's merged action list (:func:`fusion.ir.schedule.make_lanes`), one action at a time on
-    the part it belongs to; the end of a step goes phase by phase over the parts, so that no part waits for
-    a tied gradient its neighbour in this process has not sent yet."""
+    the part it belongs to; the end of a step goes kind by kind (:func:`~fusion.ir.schedule.step_tail`) over the
+    parts, so that no part waits for a tied gradient its neighbour in this process has not sent yet."""
     first = nodes[0]
     plan = first.plan
     devices = dict(first.spec.devices)
-    lane = make_lanes(plan.schedule, list(first.spec.order), part_links(first.graph, first.spec.assignment), first.n_micro,
-                      devices)[devices[first.me]]
+    links = part_links(first.graph, first.spec.assignment)
+    lane = make_lanes(plan.schedule, list(first.spec.order), links, first.n_micro, devices)[devices[first.me]]
     by_part = {n.me: n for n in nodes}
     while True:
         steps: dict[str, Step] = {}
@@ -49,9 +49,9 @@ def _serve_lane(nodes: list) -> int:
         sts = {p: by_part[p]._begin(c) for p, c in steps.items()}
         for p, a in lane:
             by_part[p]._act(sts[p], a)
-        for phase in ("_end_send", "_end_reduce", "_end_commit"):
+        for kind in first._tail(sts[first.me]):  # (every part of a process runs the same tail)
             for n in nodes:
-                getattr(n, phase)(sts[n.me])
+                n._run_tail(sts[n.me], kind)
 
 
 def run_lane(nodes: list) -> int:

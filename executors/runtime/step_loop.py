@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.control import Abort, Clip, Commit, Done, Eval, Evaluated, GradNorm, Reduced, Step
 from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.node_common import COORDINATOR, ExecutorAbort
-from fusion.executors.runtime.schedule import ActionKind, splits_backward
+from fusion.executors.runtime.schedule import ActionKind, TailKind, splits_backward, step_tail
 from fusion.executors.runtime.trace_events import now_us
 from fusion.ir.wire import encode_opdata
 
@@ -31,6 +32,12 @@ class _Step:
     split: bool
     own: dict = field(default_factory=dict)
     t_sync: float = 0.0
+    grads: dict = field(default_factory=dict)  #: the gradients the coordinator asked for (``want_grads``)
+
+    @property
+    def done(self) -> int:
+        """The completed steps after this one (the coordinator's count, which redone attempts put behind ``it``)."""
+        return self.it + 1 if self.c.save_step is None else self.c.save_step
 
 
 class StepLoop:
@@ -40,13 +47,12 @@ class StepLoop:
     evaluations."""
 
     def _iteration(self, c: Step) -> None:
-        """Run one step: this part's actions, then the end of the step (:meth:`_end_send` .. :meth:`_end_commit`)."""
+        """Run one step: this part's actions, then the end of the step (:meth:`_tail`), kind by kind."""
         st = self._begin(c)
         for a in self.actions:
             self._act(st, a)
-        self._end_send(st)
-        self._end_reduce(st)
-        self._end_commit(st)
+        for kind in self._tail(st):
+            self._run_tail(st, kind)
 
     def _evaluate(self, c: Eval) -> None:
         """An evaluation (``--eval-every``): this part's forwards of the micro-batches in ``c``, in schedule order,
@@ -120,70 +126,97 @@ class StepLoop:
         for msg in out:
             self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
 
-    def _end_send(self, st: "_Step") -> None:
-        """End of a step, first phase: send this part's tied-parameter gradients to their co-owners (nothing
-        waits here, so the parts of one process may all send before any of them waits)."""
+    def _tail(self, st: "_Step") -> list[TailKind]:
+        """The end of this step (:func:`~fusion.ir.schedule.step_tail`), as the coordinator runs it too."""
+        return step_tail(self.optcfg.clip_grad_norm is not None, self.failover, bool(st.c.checkpoint))
+
+    def _tail_handlers(self) -> dict[TailKind, Callable[["_Step"], None]]:
+        """What this part does for each kind of the step's end."""
+        k = TailKind
+        return {k.SEND_TIED: self._send_tied, k.SUM_TIED: self._sum_tied, k.REDUCE: self._reduce,
+                k.GRAD_NORM: self._grad_norm, k.CLIP: self._clip, k.REDUCED: self._reduced, k.COMMIT: self._commit,
+                k.OPTIMIZER: self._optimizer, k.OUTER: self._outer, k.CHECKPOINT: self._checkpoint, k.DONE: self._done}
+
+    def _run_tail(self, st: "_Step", kind: TailKind) -> None:
+        self._tail_handlers()[kind](st)
+
+    def _send_tied(self, st: "_Step") -> None:
+        """Send this part's tied-parameter gradients to their co-owners (nothing waits here, so the parts of one
+        process may all send before any of them waits)."""
         st.t_sync = time.perf_counter()
         with self.tracer.span("grad-sync", "sync"):
             st.own = self._sync_send(st.it)
 
-    def _end_reduce(self, st: "_Step") -> None:
-        """Second phase: sum the tied gradients, average over the data-parallel group, and (failover runs) tell
-        the coordinator this part has its gradients."""
-        it, stats = st.it, st.stats
+    def _sum_tied(self, st: "_Step") -> None:
         with self.tracer.span("grad-sync", "sync"):
-            self._sync_wait(it, st.own)
-        stats["sync_s"] = time.perf_counter() - st.t_sync
-        if self.sync is not None:  # every-step DP: the gradients averaged over the group
-            stats.update(self.sync.after_backward(it, self.runtime.engine, self._links()))
-        if self.optcfg.clip_grad_norm is not None:  # this part's share of the global norm, to the coordinator
-            counted = {n for n, owners in self.spec.shared.items() if owners[0] != self.me}  # tied: its first owner counts it
-            sq = part_sq_norm(self.runtime.engine.grads(), skip=counted, dtypes=self.spec.param_dtypes)
-            self.transport.send(COORDINATOR, GradNorm(it=it, sq=sq).frames())
-        if self.failover:  # every live part has its averaged gradients before anyone steps: all step, or none
-            self.transport.send(COORDINATOR, Reduced(it=it).frames())
+            self._sync_wait(st.it, st.own)
+        st.stats["sync_s"] = time.perf_counter() - st.t_sync
 
-    def _end_commit(self, st: "_Step") -> None:
-        """Last phase: (failover runs) the coordinator's go-ahead, the optimizer step, a checkpoint, ``done``."""
-        c, it, stats, rt = st.c, st.it, st.stats, self.runtime
-        if self.optcfg.clip_grad_norm is not None:  # the pipeline's global norm, from every part's GradNorm
-            c1, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the gradient norm of iteration {it}",
-                               self.cfg.data_timeout_s)
-            if isinstance(c1, Abort):
-                raise ExecutorAbort(f"aborted by the coordinator: {c1.reason}")
-            if not isinstance(c1, Clip) or c1.it != it:
-                raise ExecutorAbort(f"expected the gradient norm of iteration {it} from the coordinator, got {c1.op!r}")
-            scale_grads(rt.engine, clip_coef(self.optcfg.clip_grad_norm, c1.norm), self.spec.param_dtypes)
-            stats["grad_norm"] = c1.norm
-        if self.failover:
-            c2, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"the go-ahead of iteration {it}",
-                               self.cfg.data_timeout_s, before_regroup=True)
-            if isinstance(c2, Abort):
-                raise ExecutorAbort(f"aborted by the coordinator: {c2.reason}")
-            if not isinstance(c2, Commit) or c2.it != it:
-                raise ExecutorAbort(f"expected commit of iteration {it} from the coordinator, got {c2.op!r}")
-        engine = rt.engine
-        grads = {n: g for n, g in engine.grads().items() if g is not None} if c.want_grads else {}
-        grads = {n: np.array(g) for n, g in grads.items()}
+    def _reduce(self, st: "_Step") -> None:
+        if self.sync is not None:  # every-step DP: the gradients averaged over the group
+            st.stats.update(self.sync.after_backward(st.it, self.runtime.engine, self._links()))
+
+    def _grad_norm(self, st: "_Step") -> None:
+        """This part's share of the global norm, to the coordinator (a tied parameter: its first owner counts it)."""
+        counted = {n for n, owners in self.spec.shared.items() if owners[0] != self.me}
+        sq = part_sq_norm(self.runtime.engine.grads(), skip=counted, dtypes=self.spec.param_dtypes)
+        self.transport.send(COORDINATOR, GradNorm(it=st.it, sq=sq).frames())
+
+    def _coordinator_says(self, cls: type, it: int, what: str, before_regroup: bool = False):
+        """The coordinator's next control message, which must be a ``cls`` of iteration ``it``."""
+        c, _ = self._wait(lambda: self._ctrl.popleft() if self._ctrl else None, f"{what} of iteration {it}",
+                          self.cfg.data_timeout_s, before_regroup=before_regroup)
+        if isinstance(c, Abort):
+            raise ExecutorAbort(f"aborted by the coordinator: {c.reason}")
+        if not isinstance(c, cls) or c.it != it:
+            raise ExecutorAbort(f"expected {what} of iteration {it} from the coordinator, got {c.op!r}")
+        return c
+
+    def _clip(self, st: "_Step") -> None:
+        """The pipeline's global norm, from every part's GradNorm: scale the gradients."""
+        c = self._coordinator_says(Clip, st.it, "the gradient norm")
+        scale_grads(self.runtime.engine, clip_coef(self.optcfg.clip_grad_norm, c.norm), self.spec.param_dtypes)
+        st.stats["grad_norm"] = c.norm
+
+    def _reduced(self, st: "_Step") -> None:
+        """Every live part has its averaged gradients before anyone steps: all step, or none."""
+        self.transport.send(COORDINATOR, Reduced(it=st.it).frames())
+
+    def _commit(self, st: "_Step") -> None:
+        self._coordinator_says(Commit, st.it, "commit", before_regroup=True)
+
+    def _optimizer(self, st: "_Step") -> None:
+        """The optimizer step (the gradients, when the coordinator wants them, kept first)."""
+        engine = self.runtime.engine
+        if st.c.want_grads:
+            st.grads = {n: np.array(g) for n, g in engine.grads().items() if g is not None}
         t_opt = time.perf_counter()
         if self._scheduled:  # optimizer step k (completed steps before it, the coordinator's count) runs at lr_at(k)
-            self.opt.set_lr(self.optcfg.lr_at((it + 1 if c.save_step is None else c.save_step) - 1))
+            self.opt.set_lr(self.optcfg.lr_at(st.done - 1))
         with self.tracer.span("optimizer", "optimizer"):
             self.opt.step()
             self.opt.zero_grad()
-        stats["optimizer_s"] = time.perf_counter() - t_opt
-        done = it + 1 if c.save_step is None else c.save_step  # completed steps (the coordinator's count)
+        st.stats["optimizer_s"] = time.perf_counter() - t_opt
+
+    def _outer(self, st: "_Step") -> None:
         if self.sync is not None:  # DiLoCo: the outer step when one is due
-            stats.update(self.sync.after_step(it, done, engine, self._links(self._outer_send(done))))
-        if c.checkpoint:
-            # named by completed steps (the coordinator's count), which redone attempts put behind ``it``
-            save = it + 1 if c.save_step is None else c.save_step
-            with self.tracer.span("checkpoint", "checkpoint"):
-                checkpoint.save_part(self.checkpoint_dir, save, self.me, engine.state(), *self.opt.state(),
-                                     delta=delta_edges.checkpoint_arrays(rt),
-                                     outer=self.sync.state() if self.sync is not None else None)
-                checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
-            stats["checkpoint_step"] = save
+            st.stats.update(self.sync.after_step(st.it, st.done, self.runtime.engine,
+                                                 self._links(self._outer_send(st.done))))
+
+    def _checkpoint(self, st: "_Step") -> None:
+        """This part's files of the step, named by completed steps (the coordinator's count, which redone
+        attempts put behind the iteration)."""
+        rt = self.runtime
+        with self.tracer.span("checkpoint", "checkpoint"):
+            checkpoint.save_part(self.checkpoint_dir, st.done, self.me, rt.engine.state(), *self.opt.state(),
+                                 delta=delta_edges.checkpoint_arrays(rt),
+                                 outer=self.sync.state() if self.sync is not None else None)
+            checkpoint.prune_part(self.checkpoint_dir, self.me, keep=2)
+        st.stats["checkpoint_step"] = st.done
+
+    def _done(self, st: "_Step") -> None:
+        """The iteration is over: its stats (bytes sent per peer since the last step) and losses to the coordinator."""
+        it, stats = st.it, st.stats
         with self._cv:
             self.inbox.finish(it)
             if self.sync is not None:
@@ -195,4 +228,4 @@ class StepLoop:
             self._prev_sent[p] = (s.bytes, s.messages, s.busy_s)
         stats.update(t_start=st.t_start, t_end=time.time(), rejected=self.transport.rejected,
                      escaped=self.transport.escaped, sent=sent)
-        self.transport.send(COORDINATOR, Done(arrays=grads, it=it, losses=st.losses, stats=stats).frames())
+        self.transport.send(COORDINATOR, Done(arrays=st.grads, it=it, losses=st.losses, stats=stats).frames())
