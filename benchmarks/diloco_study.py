@@ -11,9 +11,9 @@ Every global batch is split into 4 contiguous quarters, one per replica.
 * ``sync``: synchronous data parallelism, the gradients of the 4 quarters averaged every step, which is the
   gradient of the global batch's mean loss: one model takes the global batch (inner optimizer, e.g. AdamW).
 * ``diloco``: 4 torch model copies, each with its own inner optimizer on its quarter; after every H-th step
-  each of the 4 replicas runs **fusion's own outer step**, :meth:`fusion.executors.runtime.outer.OuterLoop.step`
+  each of the 4 replicas runs **fusion's own outer step**, :meth:`fusion.executors.runtime.dp.outer.OuterLoop.step`
   (the object and method the CompNode calls: pseudo-gradient ``theta_global - theta_r``, the ring all-reduce of
-  :mod:`~fusion.executors.runtime.allreduce` or, with a codec, :func:`~fusion.executors.runtime.outer.encode_pseudo`
+  :mod:`~fusion.executors.runtime.dp.allreduce` or, with a codec, :func:`~fusion.executors.runtime.dp.outer.encode_pseudo`
   / ``decode_pseudo`` with error feedback, then the outer Nesterov SGD), one thread per replica, their wire
   messages encoded and decoded by :mod:`fusion.ir.wire` and handed to each other's inboxes in this process
   (:class:`LocalWire`) instead of a socket. The replicas continue from the new global weights with their
@@ -249,8 +249,8 @@ class DiLoCoReplicas:
         (model state, optimizer state) every replica starts from (a synchronous warm-up's), else ``seed``'s init."""
         import copy
 
-        from fusion.executors.runtime.allreduce import RingInbox, make_buckets
-        from fusion.executors.runtime.outer import DelayedInbox, OuterLoop, PseudoInbox
+        from fusion.executors.runtime.dp.allreduce import RingInbox, make_buckets
+        from fusion.executors.runtime.dp.outer import DelayedInbox, OuterLoop, PseudoInbox
         from fusion.kernels.codecs import CODECS, Role
 
         if sync.codec is not None:

@@ -21,9 +21,9 @@ from fusion.ir.boundary import partition, part_links, part_order
 from fusion.ir.errors import FusionError
 from fusion.ir.model import Model
 from fusion.ir.opdata import OpData
-from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads, total_norm
+from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads, total_norm
 from fusion.executors.runtime.compression import check_edges
-from fusion.executors.runtime.tied import TiedCodec, sum_in_order
+from fusion.executors.runtime.dp.tied import TiedCodec, sum_in_order
 from fusion.executors.engines.select import (check_engines, check_optimizer, engine_options_for, make_engine_part,
                                              make_optimizer)
 from fusion.plan import OptimizerConfig
@@ -259,7 +259,7 @@ class ReferenceExecutor:
         loss = self.forward_backward(batch)
         self.sync_shared_grads()
         cfg = self.optimizer
-        if cfg.clip_grad_norm is not None:  # the global norm over every part, tied parameters once (runtime/clip.py)
+        if cfg.clip_grad_norm is not None:  # the global norm over every part, tied parameters once (runtime/dp/clip.py)
             dtypes = {n: s.dtype for n, s in self.graph.params.items()}
             norm = total_norm(part_sq_norm(self.engines[p].grads(), dtypes=dtypes,
                                            skip={n for n, ps in self.shared.items() if ps[0] != p}) for p in self.order)

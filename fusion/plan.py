@@ -393,15 +393,15 @@ class Plan:
     replica fields is one pipeline (R = 1).
     dp_codec:      None (gradients averaged exactly) or the cfg of a codec that serves data-parallel gradients
                    (the registry says which: ``Role.DP_GRADIENT``; ``{"algo": "quant", "bits": 8}``) for the
-                   all-reduce chunks between replicas (lossy; ``executors/runtime/allreduce.py``).
+                   all-reduce chunks between replicas (lossy; ``executors/runtime/dp/allreduce.py``).
     tied_codec:    None (gradients of parameters held by several parts, e.g. a tied embedding, are summed
                    exactly) or the cfg of a codec that serves tied-parameter gradients (``{"algo": "quant",
                    "bits": 8}``; quant, hadamard-quant, topk or a user codec) for the gradients their owners
                    exchange each step: every owner sums the
                    decoded gradients of all owners in part order, so all apply the same bits
-                   (``executors/runtime/tied.py``, ``TiedCodec``). Plans without the field load with None.
+                   (``executors/runtime/dp/tied.py``, ``TiedCodec``). Plans without the field load with None.
     dp_algo:       stage -> ``"ring"`` or ``"tree"``: the all-reduce algorithm of that stage's data-parallel
-                   group (``executors/runtime/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
+                   group (``executors/runtime/dp/allreduce.py``; ``fusion compile --dp-allreduce``); a stage
                    without an entry (every stage of an older plan) runs the ring.
     dp_sync:       how the replicas synchronise (:class:`DPSync`): every step (synchronous DP, the default and
                    what a plan without the field means) or DiLoCo's outer steps.

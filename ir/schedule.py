@@ -56,6 +56,42 @@ class ActionKind(str, Enum):
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 
 
+class TailKind(str, Enum):
+    """What the end of a step does after a part's F, B and W actions (:func:`step_tail` puts them in order). Both
+    sides run the same list: the CompNode does each kind's part work, the coordinator the kinds it takes part in
+    (marked *coordinator*); the parts of one process (interleaved 1F1B) run each kind over all of them before the
+    next, so every send of a kind precedes every wait of a later one."""
+
+    SEND_TIED = "send-tied"  #: the part's tied-parameter gradients to their co-owners (nothing waits)
+    SUM_TIED = "sum-tied"  #: the tied gradients of every owner summed in plan part order
+    REDUCE = "reduce"  #: the data-parallel sync after the backward (every-step: the all-reduce)
+    #: the part's share of the squared global norm to the coordinator (*coordinator*: sums them)
+    GRAD_NORM = "grad-norm"
+    CLIP = "clip"  #: *coordinator*: sends each part its pipeline's global norm; the part scales its gradients
+    REDUCED = "reduced"  #: failover runs: the part has its averaged gradients (*coordinator*: waits for every part's)
+    COMMIT = "commit"  #: failover runs: *coordinator*: the go-ahead; the part waits for it (all step, or none)
+    OPTIMIZER = "optimizer"  #: the part's optimizer step
+    OUTER = "outer"  #: the data-parallel sync after the step (DiLoCo: the outer step when one is due)
+    CHECKPOINT = "checkpoint"  #: the part's checkpoint files of the step
+    #: losses and stats to the coordinator (*coordinator*: waits for every part's, then commits a checkpoint)
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def step_tail(clip: bool, failover: bool, checkpoint: bool) -> list[TailKind]:
+    """The end of one step, in order: ``clip`` (a global-norm clip), ``failover`` (a commit before anyone steps)
+    and ``checkpoint`` (this step is saved) add their kinds."""
+    k = TailKind
+    tail = [k.SEND_TIED, k.SUM_TIED, k.REDUCE]
+    tail += [k.GRAD_NORM, k.CLIP] if clip else []
+    tail += [k.REDUCED, k.COMMIT] if failover else []
+    tail += [k.OPTIMIZER, k.OUTER]
+    tail += [k.CHECKPOINT] if checkpoint else []
+    return tail + [k.DONE]
+
+
 @dataclass(frozen=True)
 class Action:
     """``kind`` (:class:`ActionKind`; a letter is parsed) of ``micro_batch``. Its text is kind and micro-batch,
@@ -262,7 +298,8 @@ class Simulation:
 def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[str, float]],
              sends: Mapping[tuple[str, ActionKind], list[tuple[str, object]]],
              deliver: Callable[[str, str, object, float], float],
-             lanes: Mapping[str, list[tuple[str, Action]]] | None = None) -> Simulation:
+             lanes: Mapping[str, list[tuple[str, Action]]] | None = None,
+             tail: list[TailKind] | None = None) -> Simulation:
     """Run every part's action list the way the executors do: an action starts when its lane (its
     executor process) is free and every message it waits for has arrived.
 
@@ -275,6 +312,9 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
              (a link model; it may keep queues).
     lanes:   lane -> [(part, action)] (:func:`make_lanes`) when parts share a device: a lane runs its
              actions in order on one clock. Default: each part is its own lane.
+    tail:    the end of the step (:func:`step_tail`) each part runs on its lane after its last action; a kind
+             costs ``compute[part][str(kind)]`` seconds (``"reduce"``, ``"optimizer"``, ...), and a kind without
+             seconds there is left out of the timeline. Default: none.
     Raises RuntimeError on a deadlock (an action waits for a message nothing sends).
     """
     order = list(actions)
@@ -312,4 +352,11 @@ def simulate(actions: Mapping[str, list[Action]], compute: Mapping[str, Mapping[
             progressed = True
         if not progressed:
             raise RuntimeError(f"schedule deadlock at {[(q, cursor[q]) for q in lanes]}")
+    for q, acts in lanes.items():  # the step's end, part by part in lane order, on the lane's clock
+        for p in dict.fromkeys(p for p, _ in acts):
+            for kind in tail or ():
+                if str(kind) in compute[p]:
+                    start = max(free[q], end[p])
+                    end[p] = free[q] = start + float(compute[p][str(kind)])
+                    timeline[p].append((str(kind), start, end[p]))
     return Simulation(end, timeline)

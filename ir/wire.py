@@ -52,7 +52,7 @@ WIRE_DTYPES = frozenset({
 MAX_NDIM = 32
 
 #: message kinds: OP-Data between parts, tied-parameter gradients between owners, control, and ring
-#: all-reduce chunks between a stage's data-parallel replicas (``fusion.executors.runtime.allreduce``)
+#: all-reduce chunks between a stage's data-parallel replicas (``fusion.executors.runtime.dp.allreduce``)
 KINDS = frozenset({"opdata", "pgrad", "ctrl", "allreduce"})
 
 

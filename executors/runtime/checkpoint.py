@@ -6,7 +6,7 @@ Layout under a checkpoint directory::
     step-00000010/<part>.optim.safetensors    optimizer tensors (``param::key``)
     step-00000010/<part>.delta.safetensors    AQ-SGD buffers of the part's delta edges (only when it has some)
     step-00000010/<part>.outer.safetensors    DiLoCo's outer state (global weights, outer momentum, error-feedback
-                                              residual; ``executors.runtime.outer``), only in diloco runs
+                                              residual; ``executors.runtime.dp.outer``), only in diloco runs
     step-00000010/<part>.json                 optimizer meta, step, part name
     step-00000010/COMPLETE.json               written by the coordinator once every part has saved
     latest.json                               {"step": 10}: the newest complete checkpoint

@@ -439,7 +439,7 @@ def check_plan_codecs(plan: Any) -> None:
         return
     for name, part in plan.parts.items():
         table_for(name, plan.replica_compression(part.replica), plan.graph, part.engine)
-    from fusion.executors.runtime.tied import TiedCodec
+    from fusion.executors.runtime.dp.tied import TiedCodec
 
     tied = TiedCodec.from_cfg(plan.tied_codec)
     if tied is not None:
@@ -451,7 +451,7 @@ def check_plan_codecs(plan: Any) -> None:
 
 def __getattr__(name: str):  # the tied-gradient codec's old home (its module is .tied)
     if name in ("TiedCodec", "sum_in_order"):
-        from fusion.executors.runtime import tied
+        from fusion.executors.runtime.dp import tied
 
         return getattr(tied, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

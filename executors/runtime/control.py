@@ -20,7 +20,7 @@ below (:data:`MESSAGES`: op -> class); ``msg.frames()`` gives its wire frames an
     coordinator -> executor   Eval {it}  tensors as Step's           executor -> coordinator   Evaluated {it, losses}
     coordinator -> executor   Regroup {it, drop: [parts], micro_batches}   (a replica is dropped; iteration ``it``
                               is abandoned unless it was committed)   executor -> coordinator   Regrouped {it}
-    a replica joining a DiLoCo run at an outer boundary (``executors/runtime/join.py``), between two steps:
+    a replica joining a DiLoCo run at an outer boundary (``executors/runtime/dp/join.py``), between two steps:
     coordinator -> live part  Fetch {outer: true}                 live part -> coordinator  State {}  tensors: outer state
     coordinator -> live part  Admit {it, add: [parts], peers, micro_batches}   live part -> coordinator  Admitted {it}
     coordinator -> joiner     Setup {..., members, micro_batches, start_it, join_from}  tensors: the outer state

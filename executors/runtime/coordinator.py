@@ -12,7 +12,7 @@ Every ``checkpoint_every`` steps the executors save their own parameters and
 optimizer state; once all have, the coordinator marks the checkpoint
 complete (:mod:`fusion.executors.runtime.checkpoint`). A DiLoCo plan may start with replicas held back
 (``CoordinatorConfig.joins``), each admitted at its outer boundary (:meth:`Coordinator._admit`,
-:mod:`fusion.executors.runtime.join`). After a replica was
+:mod:`fusion.executors.runtime.dp.join`). After a replica was
 dropped the survivors alone save (their copy of each stage stands for the
 dropped one), and a resume of the full plan loads every part of a dropped
 replica from the saved copy of its stage. A part that reports an error,
@@ -38,13 +38,14 @@ from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
 from fusion.executors.runtime.logtail import last_error
-from fusion.executors.runtime.outer import replica_micro_batches
-from fusion.executors.runtime.clip import total_norm
-from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval, Fetch,
-                                              Hb, Hello, Regroup, Setup, Step, Stop, decode_ctrl)
+from fusion.executors.runtime.dp.outer import replica_micro_batches
+from fusion.executors.runtime.dp.clip import total_norm
+from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval,
+                                              Fetch, GradNorm, Hb, Hello, Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
+from fusion.executors.runtime.schedule import TailKind, step_tail
 from fusion.executors.runtime.transport import Transport
 from fusion.plan import OptimizerConfig, Plan
 
@@ -96,7 +97,7 @@ class CoordinatorConfig:
     security: Security | None = None  # CURVE keys (executors.runtime.keys); None: plain TCP (--insecure)
     plan_digest: str = ""  # the plan's digest (plandigest.plan_digest); executors with another one are refused
     #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
-    #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/join.py)
+    #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/dp/join.py)
     joins: dict[int, int] = field(default_factory=dict)
 
 
@@ -428,7 +429,7 @@ class Coordinator:
         first = resume_step or 0
         return {r: s for r, s in self.cfg.joins.items() if s >= first}
 
-    # -- a replica joins (DiLoCo, at an outer boundary; executors/runtime/join.py) --------------------
+    # -- a replica joins (DiLoCo, at an outer boundary; executors/runtime/dp/join.py) --------------------
     def _admit_due(self) -> list[dict]:
         """Admit the late replicas due before the current step; their records (a refused one is logged)."""
         out = []
@@ -695,22 +696,36 @@ class Coordinator:
         rows = self._send_step(batch, want_grads, ckpt)
         committed[1] = ckpt
         self._norms = {}
-        if self.clip:  # the global norm: every live part's sum of squares, summed per replica (pipeline)
-            with self._cv:  # an abandoned attempt's (a dropped replica) norms arrived before its regroup: not this one's
-                for p in self.live:
-                    self._inbox[p] = [c for c in self._inbox[p] if not (c.op == "gradnorm" and c.it != exec_it)]
-            got = self._collect("gradnorm", self.live, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
-            for r in self.live_replicas():
-                self._norms[r] = total_norm(got[p].sq for p in self.live if self.replica_of[p] == r)
-            for p in self.live:
-                self.transport.send(p, Clip(it=exec_it, norm=self._norms[self.replica_of[p]]).frames())
-        if self._failover:  # commit only when every live part has its averaged gradients: all step or none
-            self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
-            for p in self.live:
-                self.transport.send(p, Commit(it=exec_it).frames())
-            committed[0] = True
+        # the end of the step as every part runs it (fusion.ir.schedule.step_tail); the coordinator's kinds
+        handlers = {TailKind.GRAD_NORM: self._tail_grad_norm, TailKind.CLIP: self._tail_clip,
+                    TailKind.REDUCED: self._tail_reduced, TailKind.COMMIT: self._tail_commit}
+        for kind in step_tail(self.clip, self._failover, ckpt):
+            if kind in handlers:
+                handlers[kind](it, exec_it, committed)
         self._collect("done", self.live, self.cfg.step_timeout_s, f"step {it}", got=done, abort=not self._failover)
         return self._report(it, exec_it, rows, done, t0, ckpt)
+
+    def _tail_grad_norm(self, it: int, exec_it: int, committed: list[bool]) -> None:
+        """The global norm: every live part's sum of squares, summed per replica (pipeline)."""
+        with self._cv:  # an abandoned attempt's (a dropped replica) norms arrived before its regroup: not this one's
+            for p in self.live:
+                self._inbox[p] = [c for c in self._inbox[p] if not (isinstance(c, GradNorm) and c.it != exec_it)]
+        got = self._collect("gradnorm", self.live, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
+        for r in self.live_replicas():
+            self._norms[r] = total_norm(got[p].sq for p in self.live if self.replica_of[p] == r)
+
+    def _tail_clip(self, it: int, exec_it: int, committed: list[bool]) -> None:
+        for p in self.live:
+            self.transport.send(p, Clip(it=exec_it, norm=self._norms[self.replica_of[p]]).frames())
+
+    def _tail_reduced(self, it: int, exec_it: int, committed: list[bool]) -> None:
+        """Commit only when every live part has its averaged gradients: all step or none."""
+        self._collect("reduced", self.live, self.cfg.step_timeout_s, f"step {it}", abort=False)
+
+    def _tail_commit(self, it: int, exec_it: int, committed: list[bool]) -> None:
+        for p in self.live:
+            self.transport.send(p, Commit(it=exec_it).frames())
+        committed[0] = True
 
     def _finish_committed(self, batch, done: dict[str, Done], drops: list[dict], ckpt: bool) -> StepReport:
         """A replica was lost after the go-ahead: the survivors applied (and, if asked, saved) the step."""

@@ -143,7 +143,7 @@ def _set_dp_sync(plan, sync) -> None:
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync
 
-    from fusion.executors.runtime.outer import replica_micro_batches
+    from fusion.executors.runtime.dp.outer import replica_micro_batches
 
     plan.dp_sync = sync if plan.replicas > 1 else DPSync()
     plan.check()

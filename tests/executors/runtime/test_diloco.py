@@ -58,7 +58,7 @@ def with_sync(plan_dir, model, sync: DPSync, algo: str | None = None):
 def _through_codec(deltas: dict, names: list, codec, residual):
     """What the runtime averages of one replica's pseudo-gradient under ``codec``: its buckets (one here: every
     float32 parameter, names sorted, end to end) encoded and decoded once, plus and minus the residual."""
-    from fusion.executors.runtime.outer import decode_pseudo, encode_pseudo
+    from fusion.executors.runtime.dp.outer import decode_pseudo, encode_pseudo
 
     flat = np.concatenate([deltas[k].numpy().reshape(-1) for k in names])
     if residual is not None:
@@ -104,7 +104,7 @@ def diloco_reference(model, plain_loss, batches, replicas: int, micro: int, make
     local = [{k: v.clone().requires_grad_(True) for k, v in glob.items()} for _ in range(replicas)]
     opts = [make_opt(list(p.values())) for p in local]
     live = [r for r in range(replicas) if join is None or r != join[1]]
-    from fusion.executors.runtime.outer import fragment_buckets
+    from fusion.executors.runtime.dp.outer import fragment_buckets
 
     buckets, index = fragment_buckets({k: (tuple(v.shape), "float32") for k, v in glob.items()}, sync.fragments)
     frags = [sorted(n for b in i for n in buckets[b].names) for i in index]  # streaming fragments' parameters
@@ -308,7 +308,7 @@ def _params_of(plan_dir, part):
 
 def test_outer_update_is_torch_sgd_nesterov():
     """The NumPy outer step is torch.optim.SGD's (momentum buffer starts as the first gradient)."""
-    from fusion.executors.runtime.outer import outer_update
+    from fusion.executors.runtime.dp.outer import outer_update
 
     rng = np.random.default_rng(0)
     theta = rng.standard_normal(50).astype(np.float32)
@@ -391,8 +391,8 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
     """An encoded pseudo-gradient is taken only from a member of the group, addressed to this part, for the
     current iteration, of the bucket's dtype and length, and once; anything else is a WireError (logged and
     dropped by the transport, never applied)."""
-    from fusion.executors.runtime.allreduce import KIND, NotYourTurn, RingInbox, make_buckets
-    from fusion.executors.runtime.outer import PseudoInbox, encode_pseudo
+    from fusion.executors.runtime.dp.allreduce import KIND, NotYourTurn, RingInbox, make_buckets
+    from fusion.executors.runtime.dp.outer import PseudoInbox, encode_pseudo
     from fusion.ir.errors import WireError
     from fusion.ir.wire import decode, encode
 
@@ -443,7 +443,7 @@ def test_unequal_shares_split_the_batch_and_weight_the_pseudo_gradients_by_sampl
     for k, v in states[0].items():
         np.testing.assert_allclose(states[1][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
     plan = load_plan(plan_dir)
-    from fusion.executors.runtime.outer import replica_micro_batches, share_micro_batches
+    from fusion.executors.runtime.dp.outer import replica_micro_batches, share_micro_batches
 
     assert replica_micro_batches(plan) == [3, 1]
     assert share_micro_batches(7, 3, {1: 2.0}) == [2, 3, 2]
@@ -455,7 +455,7 @@ def test_unequal_shares_split_the_batch_and_weight_the_pseudo_gradients_by_sampl
 def test_streaming_fragments_sync_staggered_and_match_the_reference(tmp_path, codec):
     """dp_sync.fragments 2 with H = 4: the parameters in two fragments of about equal size, fragment 0 synced
     after steps 4 and 8 and fragment 1 after steps 2 and 6, each exchange a fragment's bytes only."""
-    from fusion.executors.runtime.outer import fragment_buckets
+    from fusion.executors.runtime.dp.outer import fragment_buckets
 
     build, _, plain_loss, batch_fn = ALL["mlp"]
     model = build(mb=MB)
@@ -536,8 +536,8 @@ def test_delayed_inbox_rejects_what_the_group_did_not_send():
     """A delayed round's pseudo-gradient is taken only from a member of the plan's group, addressed to this
     part, for a known bucket and a round not yet collected, at most two rounds per sender and bucket, of the
     bucket's dtype and length (dense without a codec), and once; it is kept until its round is closed."""
-    from fusion.executors.runtime.allreduce import KIND, make_buckets
-    from fusion.executors.runtime.outer import DelayedInbox
+    from fusion.executors.runtime.dp.allreduce import KIND, make_buckets
+    from fusion.executors.runtime.dp.outer import DelayedInbox
     from fusion.ir.errors import WireError
     from fusion.ir.wire import decode, encode, encode_payload
 

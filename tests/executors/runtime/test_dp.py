@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion.executors.runtime.allreduce import KIND, NotYourTurn, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
+from fusion.executors.runtime.dp.allreduce import KIND, NotYourTurn, RingInbox, chunk_bounds, encode_chunk, make_buckets, ring_steps
 from fusion.ir.errors import WireError
 from fusion.ir.wire import decode, encode, encode_payload
 from fusion.plan import OptimizerConfig, PlanError, load_plan, save_plan
@@ -305,12 +305,12 @@ def test_compnode_keeps_a_message_sent_in_the_group_it_regroups_into(tmp_path, c
         n = node.ring.buckets[0].total  # two replicas: the whole buffer in one exchange
         frames = encode_chunk(0, 0, 0, 0, "p0", "r1.p0", np.ones(n, np.float32), ["p0", "r1.p0"])
         node.transport._handle([_Frame(b"p0"), *frames])
-        assert node.transport.rejected == 1 and not node.ring._got and len(node._early_ring) == 1
+        assert node.transport.rejected == 1 and not node.ring._got and len(node.sync._early) == 1
         assert "sent in the group ['p0', 'r1.p0']" in caplog.text
         with node._cv:
             node._set_members(["p0", "r1.p0"], MICRO)
         np.testing.assert_array_equal(node.ring.take(0, 0, 0), np.ones(n, np.float32))
-        assert not node._early_ring
+        assert not node.sync._early
     finally:
         node.transport.close(timeout_s=1.0, linger_s=0.0)
 

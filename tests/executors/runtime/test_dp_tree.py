@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from fusion.executors.runtime.allreduce import (RingInbox, encode_chunk, make_buckets, tree_average, tree_depth,
+from fusion.executors.runtime.dp.allreduce import (RingInbox, encode_chunk, make_buckets, tree_average, tree_depth,
                                                 tree_steps)
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import decode

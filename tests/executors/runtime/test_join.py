@@ -1,4 +1,4 @@
-"""A replica joining a running DiLoCo job (executors/runtime/join.py): what a joiner takes from a live
+"""A replica joining a running DiLoCo job (executors/runtime/dp/join.py): what a joiner takes from a live
 replica, what is refused (a pseudo-gradient of a replica that has not joined, a joiner of another plan)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from fusion.plan import DPSync
 
 
 def _outer(error_feedback: bool, seed: int):
-    from fusion.executors.runtime.allreduce import make_buckets
-    from fusion.executors.runtime.outer import OuterLoop
+    from fusion.executors.runtime.dp.allreduce import make_buckets
+    from fusion.executors.runtime.dp.outer import OuterLoop
 
     g = np.random.default_rng(seed)
     params = {"a": g.standard_normal((2, 3)).astype(np.float32), "b": g.standard_normal(4).astype(np.float32)}
@@ -21,7 +21,7 @@ def _outer(error_feedback: bool, seed: int):
 
 
 def test_a_joiner_takes_the_global_weights_and_momentum_and_starts_its_residual_at_zero():
-    from fusion.executors.runtime.join import adopt, join_arrays
+    from fusion.executors.runtime.dp.join import adopt, join_arrays
 
     live, _ = _outer(True, 0)
     live.v[0][:] = 0.5
@@ -42,8 +42,8 @@ def test_a_joiner_takes_the_global_weights_and_momentum_and_starts_its_residual_
 def test_a_pseudo_gradient_from_a_replica_that_has_not_joined_is_rejected():
     """Before replica 2 joins, the live parts' groups are [p0, r1.p0]: its pseudo-gradients (exact ring chunks
     or encoded all-gather payloads) are rejected by name, though the plan lists it and its key is trusted."""
-    from fusion.executors.runtime.allreduce import KIND, RingInbox, make_buckets
-    from fusion.executors.runtime.outer import PseudoInbox, encode_pseudo
+    from fusion.executors.runtime.dp.allreduce import KIND, RingInbox, make_buckets
+    from fusion.executors.runtime.dp.outer import PseudoInbox, encode_pseudo
     from fusion.ir.wire import decode, encode
 
     buckets = make_buckets({"w": ((10,), "float32")})

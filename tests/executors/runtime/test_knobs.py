@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusion.ir.lr_schedule import SCHEDULES, check_schedule, lr_factor
-from fusion.executors.runtime.clip import clip_coef, part_sq_norm, scale_grads, total_norm
+from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads, total_norm
 from fusion.plan import OptimizerConfig
 from tests.executors.dist_models import MODELS, run_distributed, save_hand_plan
 

@@ -45,7 +45,7 @@ def adopt(outer, arrays: Mapping[str, np.ndarray], source: str) -> dict[str, np.
         if outer.residual is not None:
             full[f"residual::{i}:{b.dtype}"] = np.zeros(b.total, dtype=outer.residual[i].dtype)
     outer.load_arrays(full, source)
-    from fusion.executors.runtime.allreduce import unflatten
+    from fusion.executors.runtime.dp.allreduce import unflatten
 
     out: dict[str, np.ndarray] = {}
     for b, t in zip(outer.buckets, outer.theta):

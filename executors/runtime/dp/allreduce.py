@@ -62,13 +62,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.wire import Message, decode_payload, encode, encode_payload
+from fusion.ir.wire import Message, decode_payload, encode_payload
+from fusion.executors.runtime.dp.header import KIND, ChunkHeader
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
 
 log = logging.getLogger(__name__)
 
-KIND = "allreduce"
 #: the all-reduce algorithms (``Plan.dp_algo``); a group without an entry runs the ring
 ALGOS = ("ring", "tree")
 #: gradient dtypes the ring adds (bfloat16 travels as raw bits and cannot be added as such)
@@ -156,8 +156,7 @@ def encode_chunk(it: int, bucket: int, step: int, chunk: int, src: str, dst: str
     """Frames of one ring message; ``data`` a 1-D array or any payload the wire carries (a codec's, as
     :class:`~fusion.kernels.codecs.registry.FlatCodec` made it); ``group`` the sender's group in rank order."""
     meta, arrays = encode_payload(data)
-    return encode(KIND, {"it": it, "bucket": bucket, "step": step, "chunk": chunk, "src": src, "dst": dst,
-                         "group": list(group), "payload": meta}, arrays)
+    return ChunkHeader(it, bucket, step, chunk, src, dst, tuple(group)).frames(meta, arrays)
 
 
 def _payload(msg: Message) -> Any:

@@ -91,8 +91,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fusion.ir.errors import FusionError, WireError
-from fusion.ir.wire import Message, decode_payload, encode, encode_payload
-from fusion.executors.runtime.allreduce import (KIND, Bucket, RingInbox, average, check_group, flatten, make_buckets,
+from fusion.ir.wire import Message, decode_payload, encode_payload
+from fusion.executors.runtime.dp.header import DelayedHeader, PseudoHeader
+from fusion.executors.runtime.dp.allreduce import (Bucket, RingInbox, average, check_group, flatten, make_buckets,
                                                 unflatten)
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
@@ -414,8 +415,7 @@ class OuterLoop:
                 payload_bytes += payload_nbytes(frames)
                 for p in group:
                     if p != me:
-                        counted(p, encode(KIND, {"it": it, "bucket": b, "step": 0, "chunk": 0, "src": me, "dst": p,
-                                                 "group": list(group), "gather": True, "payload": meta}, frames),
+                        counted(p, PseudoHeader(it, b, 0, 0, me, p, tuple(group)).frames(meta, frames),
                                 f"pseudo-gradient b{b}")
             for j, b in enumerate(only):
                 parts = [own[j] if p == me else
@@ -454,8 +454,7 @@ class OuterLoop:
             for p in group:
                 if p != me:
                     sent += payload_nbytes(frames)
-                    send(p, encode(KIND, {"round": number, "bucket": b, "src": me, "dst": p, "delayed": True,
-                                          "payload": meta}, frames), f"delayed pseudo-gradient b{b}")
+                    send(p, DelayedHeader(number, b, me, p).frames(meta, frames), f"delayed pseudo-gradient b{b}")
         return sent
 
     def announce(self, me: str, group: Sequence[str], send: Callable[[str, list, str], None]) -> int:
