@@ -27,6 +27,7 @@ from fusion.plan import SCHEDULE_NAMES, OptimizerConfig, Plan
 if TYPE_CHECKING:
     from fusion.compress.bottleneck import BottleneckRequest
     from fusion.compress.policy import CompressRequest
+    from fusion.compress.subspace import SubspaceRequest
     from fusion.cost.node_times import NodeTimes
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   optimizer: OptimizerConfig = OptimizerConfig(), seed: int = 0,
                   compress: CompressRequest | None = None, recompute: str = "auto",
                   tied_codec: dict | str | None = None, virtual_stages: int | None = None,
-                  node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None) -> Plan:
+                  node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None,
+                  subspace: "SubspaceRequest | None" = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -76,12 +78,16 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                     ``plan.bottlenecks`` says what was inserted. The returned plan's graph has new parameters:
                     their initial values are :func:`fusion.compress.bottleneck.initial_values` of
                     ``plan.bottlenecks``. Not with an interleaved schedule or ``node_times``.
+    subspace:       a subspace-confined residual stream (:mod:`fusion.compress.subspace`): every writer of the
+                    stream confined to span(U) before partitioning, every cut edge on the stream sent as k
+                    coordinates + ids after; ``plan.subspace`` says what changed, the initial weights are
+                    :func:`fusion.compress.subspace.initial_params` of it and the user's weights.
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     request = check_request(strategy=strategy, micro_batches=micro_batches, compress_ratio=compress_ratio,
                             schedule=schedule, optimizer=optimizer, seed=seed, compress=compress, recompute=recompute,
                             tied_codec=tied_codec, virtual_stages=virtual_stages, node_times=node_times,
-                            bottleneck=bottleneck)
+                            bottleneck=bottleneck, subspace=subspace)
     state = CompileState(model, cluster, request, started=time.perf_counter())
     for run_pass in PASSES:
         state = run_pass(state)
