@@ -110,6 +110,11 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="the cut edges to bottleneck, by producer node (NODE[INDEX] for one output of a "
                             "multi-output node), or all (every float cut edge, e.g. an MLP's hidden layer where the "
                             "cut falls inside a block); default: every cut edge of the residual width"),
+        g.add_argument("--subspace", default=None, metavar="K|FRACTION",
+                       help="confine the residual stream to a seeded rank-K subspace (changes the model; needs "
+                            "--allow-architecture-change): every writer writes through a fixed d x K basis, the "
+                            "token embedding's rest is a fixed table rebuilt from the ids, so a cut on the stream "
+                            "sends K coordinates + ids and loses nothing (docs/compression.md, \"Subspace\")"),
         g.add_argument("--allow-architecture-change", action="store_true",
                        help="let --compress auto add bottlenecks at the cut (new parameters) where the estimator "
                             "says the iteration gets shorter; without it auto only picks codecs"),
@@ -240,8 +245,8 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
                           "leave out --replicas or use --schedule 1f1b/zb1")
     node_times = _node_times(args)
     if args.strategy in DP_STRATEGIES:
-        if getattr(args, "bottleneck", None) is not None:
-            raise FusionError(f"--bottleneck with --strategy {args.strategy}: the data-parallel planners do not "
+        if getattr(args, "bottleneck", None) is not None or getattr(args, "subspace", None) is not None:
+            raise FusionError(f"--bottleneck/--subspace with --strategy {args.strategy}: the data-parallel planners do not "
                               "insert bottlenecks yet; use opfence, equal-flops or equal-count (with --replicas)")
         if args.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {args.strategy}: the data-parallel planners do not price "
@@ -266,7 +271,12 @@ def compile_from_args(args: argparse.Namespace, model, cluster):
     plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
-                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck)
+                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
+                         subspace=subspace_from_args(args))
+    if plan.subspace is not None:  # the model is now the confined one: its graph and initial weights
+        from fusion.compress.subspace import SubspaceSpec, initial_params
+
+        model.graph, model.params = plan.graph, initial_params(SubspaceSpec.from_dict(plan.subspace), model.params)
     if plan.bottlenecks:  # the model is now the one with bottlenecks: its graph and initial weights
         from fusion.compress.bottleneck import initial_values
 
@@ -308,6 +318,24 @@ def bottleneck_from_args(args: argparse.Namespace):
         raise FusionError("--bottleneck-edges names the edges of --bottleneck RANK|auto (or of --compress auto "
                           "--allow-architecture-change); give one of them")
     return None
+
+
+def subspace_from_args(args: argparse.Namespace):
+    """The :class:`~fusion.compress.subspace.SubspaceRequest` of ``--subspace`` (None without it); FusionError,
+    one line, for a bad K, a missing ``--allow-architecture-change`` or an engine/precision it is not built for."""
+    from fusion.compress.subspace import parse_subspace
+    from fusion.ir.errors import FusionError
+
+    value = getattr(args, "subspace", None)
+    if value is None:
+        return None
+    req = parse_subspace(value)
+    if not getattr(args, "allow_architecture_change", False):
+        raise FusionError(f"--subspace {value} changes the model (its stream's writers); add "
+                          "--allow-architecture-change to consent")
+    if getattr(args, "precision", "fp32") != "fp32":
+        raise FusionError("--subspace with --precision bf16 is not built (the rebuilt stream is exact in fp32 only)")
+    return req
 
 
 def set_precision(plan, precision: str) -> None:
@@ -779,6 +807,7 @@ def run(args: argparse.Namespace) -> int:
         dp_sync_from_args(args)  # a bad --dp-sync option is one line at once
         optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
         bottleneck_from_args(args)  # and a bad --bottleneck rank
+        subspace_from_args(args)  # and a bad --subspace
 
     compiled = compile_cached(args, args.model, compile_from_args, describe_plan, check)  # the cache's plan, or traced and compiled here
     out = compiled.save(args.output)
