@@ -481,3 +481,26 @@ def partition_prices(cm, spec: SubspaceSpec):
     zeros = np.zeros(n)
     cfg = [{"algo": "subspace"}]
     return CodecPrices(wire, zeros, wire.copy(), zeros.copy(), None, cfg, list(cfg))
+
+
+# -- what fusion inspect and fusion export show ----------------------------------------------------------------------
+def inspect_lines(spec: SubspaceSpec) -> list[str]:
+    """``fusion inspect``'s section: every writer changed (kind, k, parameters removed and added) and every cut
+    edge rebuilt from its coordinates."""
+    lines = ["", f"subspace-confined residual stream (the model is changed: width {spec.width}, k = {spec.rank}, seed "
+                 f"{spec.seed}; {spec.params_removed} trainable parameters removed, {spec.params_added} added; fixed "
+                 f"{BASIS} {spec.width}x{spec.rank}" + (f" and token table {TABLE} from the ids '{spec.ids}'"
+                                                         if spec.ids else "") + "):"]
+    lines.append(f"{'writer':<36} {'kind':<16} {'k':>5} {'removed':>9} {'added':>9}  parameters")
+    for w in spec.writers:
+        lines.append(f"{w.node[:36]:<36} {w.kind:<16} {spec.rank:>5} {w.removed_params:>9} {w.added_params:>9}  "
+                     f"{', '.join(w.replaced)} -> {', '.join(w.added)}")
+    for c in spec.cuts:
+        lines.append(f"  cut {c.producer} {c.src}->{','.join(c.dsts)}: sends {c.coords} ({spec.rank} of {spec.width} "
+                     f"per token){' + the ids' if spec.ids else ''}; rebuilt exactly in {', '.join(c.outputs)}")
+    return lines
+
+
+def export_tensors(spec: SubspaceSpec, trained: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """What rebuilds the subspace beside the folded-back model (``fusion export``'s side file): U and T."""
+    return {n: _np(trained[n]) for n in (BASIS, TABLE) if n in trained}
