@@ -31,5 +31,7 @@ def test_quick_study_writes_the_issue_fields(capsys):
         assert seed[run]["wire_reduction"] == round(2 * d * 4 / (2 * k * 4 + 8), 2)
     assert seed["sub/16+q8"]["wire_reduction"] > 2 * seed["sub/16"]["wire_reduction"]  # 8-bit coordinates
     assert seed["bottleneck"]["wire_reduction"] == ss.BOTTLENECK_DIVISOR
-    for r in seed.values():
-        assert [s for s, _ in r["val_curve"]] == [1, 2, 3]
+    assert [s for s, _ in seed["dense"]["val_curve"]] == [1, 2, 3]
+    for run in ("sub/6", "sub/16", "sub/16+q8", "bottleneck"):  # the others train steps_factor x dense's steps
+        assert [s for s, _ in seed[run]["val_curve"]] == [1, 2, 3, 4, 5, 6]
+        assert seed[run]["val_gap"] == round(seed[run]["val_at_dense_steps"] - seed["dense"]["final_val"], 4)
