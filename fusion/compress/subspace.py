@@ -241,7 +241,7 @@ def confine_writers(graph: OpGraph, req: SubspaceRequest, seed: int,
     token_weight = g[token[0]].params["weight"] if token else ""
     if token:
         g.add_param(ParamSpec(TABLE, (g.params[token_weight].shape[0], d), dtype, trainable=False))
-    changes = [_confine(g, g[w], d, k, dtype, w in token) for w in writers]
+    changes = [_confine(g, g[w], d, k, w in token) for w in writers]
     if token:
         changes += _tied_readers(g, token_weight, k)
     used = {p for n in g.nodes.values() for p in n.param_names()}
@@ -256,7 +256,7 @@ def _node(g: OpGraph, name: str, target: str, args: tuple, meta: TensorMeta, lab
     return Ref(name)
 
 
-def _confine(g: OpGraph, n: OpNode, d: int, k: int, dtype: str, token: bool) -> WriterChange:
+def _confine(g: OpGraph, n: OpNode, d: int, k: int, token: bool) -> WriterChange:
     out = n.meta.outputs[0]
     lead = out.shape[:-1]
     coord_meta = TensorMeta((*lead, k), out.dtype, out.requires_grad)
@@ -442,9 +442,9 @@ def initial_params(spec: SubspaceSpec, params: Mapping[str, Any]) -> dict[str, A
             out.pop(old, None)
     out[BASIS] = U.astype(spec.dtype)
     if spec.ids:
-        rows = next(np.asarray(_np(params[w.replaced[0]])).shape[0] for w in spec.writers if w.kind == "token-embedding")
-        out[TABLE] = table(spec, rows, U).astype(spec.dtype)
-    return {n: v.astype(spec.dtype) if isinstance(v, np.ndarray) else v for n, v in out.items()}
+        tok = next(w for w in spec.writers if w.kind == "token-embedding")
+        out[TABLE] = table(spec, np.asarray(_np(params[tok.replaced[0]])).shape[0], U).astype(spec.dtype)
+    return out
 
 
 def fold_back(spec: SubspaceSpec, trained: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -468,8 +468,9 @@ def fold_back(spec: SubspaceSpec, trained: Mapping[str, Any]) -> dict[str, np.nd
 
 def partition_prices(cm, spec: SubspaceSpec):
     """What the stream would cost on the wire after :func:`rebuild_cut`, as the estimator's candidate codec prices
-    (:class:`fusion.cost.estimate.CodecPrices`): each stream tensor (``spec.stream``) k / d of its bytes both ways (the ids, a few
-    bytes per token, left out), so OP-Fence prices every candidate cut as the pass leaves it; others dense."""
+    (:class:`fusion.cost.estimate.CodecPrices`): each stream tensor (``spec.stream``) k / d of its bytes both ways
+    (the ids, a few bytes per token, left out), so OP-Fence prices every candidate cut as the pass leaves it; others
+    dense."""
     from fusion.cost.estimate import CodecPrices
 
     n = len(cm.t_key)
