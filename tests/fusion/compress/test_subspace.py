@@ -254,3 +254,13 @@ def test_cli_compile_inspect_export_and_bad_input(tmp_path, capsys):
         assert set(f.keys()) == {BASIS, TABLE}
     np.testing.assert_allclose(module.state_dict()["transformer.wte.weight"].numpy(),
                                fold_back(spec, trained)["transformer.wte.weight"], rtol=1e-6)
+
+
+def test_compress_quantises_the_coordinates(tmp_path):
+    """``--compress quant:bits=8`` on top: the codec lands on the coordinates edge (the ids cross as they are)."""
+    from fusion.compress.policy import request
+
+    _, _, plan = subspace_plan(tmp_path, 2, compress=request("quant:bits=8"))
+    (c,) = SubspaceSpec.from_dict(plan.subspace).cuts
+    assert [(e.producer, e.codec("fwd")["bits"], e.codec("bwd")["bits"]) for e in plan.compression] == [
+        (c.coords, 8, 8)]
