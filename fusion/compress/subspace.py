@@ -52,6 +52,8 @@ from fusion.ir.serialize import copy_graph
 
 #: node targets that pass the stream through unchanged (with p = 0)
 IDENTITY_TARGETS = ("torch.nn.Dropout", "torch.nn.functional.dropout")
+#: casts, the identity where they cast to the stream's own dtype (a traced ``transformers`` model's ``.to(float32)``)
+CAST_TARGETS = ("aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "torch.Tensor.to")
 #: the fixed parameters' names
 BASIS, TABLE = "subspace.U", "subspace.T"
 #: the safetensors metadata key of ``fusion export``'s subspace file
@@ -178,44 +180,67 @@ class SubspaceSpec:
 
 
 # -- finding the stream ----------------------------------------------------------------------------------------------
-def _is_identity(node: OpNode) -> bool:
+def _is_identity(node: OpNode, dtype: str | None = None) -> bool:
+    if node.target in CAST_TARGETS:
+        m = node.meta.outputs[0] if node.meta.outputs else None
+        return dtype is not None and isinstance(m, TensorMeta) and m.dtype == dtype
     if node.target not in IDENTITY_TARGETS:
         return False
     p = node.attrs.get("p", node.kwargs.get("p", 0.5 if node.target.endswith("dropout") else 0.0))
     return float(p) == 0.0
 
 
+def token_embedding(graph: OpGraph) -> str | None:
+    """The ``torch.nn.Embedding`` module indexed by a graph input (the token embedding), None without exactly one."""
+    inputs = {n.name for n in graph.placeholders(NodeKind.INPUT)}
+    found = [n.name for n in graph.nodes.values() if n.kind == NodeKind.MODULE and n.target == "torch.nn.Embedding"
+             and n.producers() and n.producers()[0] in inputs]
+    return found[0] if len(found) == 1 else None
+
+
+def _is_sum(graph: OpGraph, n: OpNode, d: int | None) -> bool:
+    m = n.meta.outputs[0] if n.meta.outputs else None
+    return (n.kind == NodeKind.FUNCTION and n.target in ADD_TARGETS and isinstance(m, TensorMeta)
+            and m.dtype in FLOAT_DTYPES and len(m.shape) >= 2 and m.shape[-1] == d)
+
+
 def find_stream(graph: OpGraph) -> tuple[int, list[str], dict[str, list[str]]]:
-    """``(d, stream nodes, writers)``: the residual width, the nodes whose output is the stream (residual sums of
-    width d and identity dropouts of them, in graph order), and per writer node the residual sums it writes into.
-    SubspaceError when there is none."""
-    d = residual_width(graph)
-    stream: list[str] = []
+    """``(d, stream nodes, writers)``: the residual width, the nodes whose output is the stream (in graph order),
+    and per writer node the residual sums it writes into. SubspaceError when there is none.
+
+    With a token embedding (:func:`token_embedding`) the stream starts there and follows every sum of its width
+    that has a stream node as a term (and identity dropouts of them): the token embedding is a writer, and so is
+    the other term of each sum. Without one: every sum of the graph's most common width
+    (:func:`fusion.compress.bottleneck.residual_width`)."""
+    tok = token_embedding(graph)
+    stream: list[str] = [tok] if tok is not None else []
+    d = graph.output_meta(tok, None).shape[-1] if tok is not None else residual_width(graph)
+    dtype = graph.output_meta(tok, None).dtype if tok is not None else None
     for n in graph.nodes.values():
-        if n.kind == NodeKind.FUNCTION and n.target in ADD_TARGETS:
-            m = n.meta.outputs[0] if n.meta.outputs else None
-            if isinstance(m, TensorMeta) and m.dtype in FLOAT_DTYPES and len(m.shape) >= 2 and m.shape[-1] == d:
-                stream.append(n.name)
-        elif _is_identity(n) and any(r.node in stream for r in n.refs()):
+        if n.name in stream:
+            continue
+        if _is_sum(graph, n, d) and (tok is None or any(r.node in stream for r in n.refs())):
+            stream.append(n.name)
+        elif _is_identity(n, dtype) and any(r.node in stream for r in n.refs()):
             stream.append(n.name)
     sums = [s for s in stream if graph[s].target in ADD_TARGETS]
     if len(sums) < 2:
         raise SubspaceError("--subspace: no residual stream found (it needs residual sums of the model's width; "
                             f"found {len(sums)})")
-    writers: dict[str, list[str]] = {}
+    writers: dict[str, list[str]] = {tok: []} if tok is not None else {}
     for s in sums:
         for r in graph[s].refs():
             w = r.node
             if w in stream:
                 continue
-            while _is_identity(graph[w]):
+            while _is_identity(graph[w], dtype):
                 w = next(graph[w].refs()).node
             writers.setdefault(w, []).append(s)
     for w in writers:
         n = graph[w]
         if n.kind != NodeKind.MODULE or n.target not in ("torch.nn.Linear", "torch.nn.Embedding"):
             raise SubspaceError(f"--subspace: node {w} ({n.target or n.kind.value}) writes into the residual stream "
-                                f"(sum {writers[w][0]}) and is not a Linear or Embedding module; not built")
+                                f"(sum {(writers[w] or ['-'])[0]}) and is not a Linear or Embedding module; not built")
         if n.target == "torch.nn.Linear" and len(n.producers()) != 1:
             raise SubspaceError(f"--subspace: writer {w} has {len(n.producers())} inputs; a Linear has one")
     return d, stream, writers
@@ -330,7 +355,8 @@ def rebuild_cut(graph: OpGraph, spec: SubspaceSpec, assignment: Mapping[str, str
     """A copy of ``graph`` (already through :func:`confine_writers`) where every cut edge of ``assignment``
     (node -> part) on the stream sends its k coordinates and each receiver rebuilds the full activation (the
     module docstring); ``spec`` with the rebuilt cuts. SubspaceError naming the edge for a float cut edge off the
-    stream. Integer edges (the ids, the labels) cross as they are."""
+    stream. Integer edges (the ids, the labels) and tensors that do not depend on the batch (a rotary embedding's
+    cos/sin tables, computed from positions and a buffer) cross as they are."""
     g = copy_graph(graph)
     stream = set(spec.stream)
     found: dict[tuple[str, int | None], dict[str, list[str]]] = {}
@@ -341,12 +367,17 @@ def rebuild_cut(graph: OpGraph, spec: SubspaceSpec, assignment: Mapping[str, str
                 found.setdefault((ref.node, ref.index), {}).setdefault(dst, [])
                 if node.name not in found[(ref.node, ref.index)][dst]:
                     found[(ref.node, ref.index)][dst].append(node.name)
+    per_batch: set[str] = set()  # nodes whose value depends on the batch (a placeholder upstream)
+    for n in g.nodes.values():
+        if n.kind in (NodeKind.INPUT, NodeKind.LABEL) or any(r.node in per_batch for r in n.refs()):
+            per_batch.add(n.name)
     cuts = []
     for (p, index), by_dst in found.items():
         m = g.output_meta(p, index)
         if p in stream and index is None:
             cuts.append(_rebuild(g, spec, p, assignment[p], by_dst))
-        elif isinstance(m, TensorMeta) and m.dtype in (*FLOAT_DTYPES, "bfloat16") and g[p].kind != NodeKind.INPUT:
+        elif (isinstance(m, TensorMeta) and m.dtype in (*FLOAT_DTYPES, "bfloat16") and g[p].kind != NodeKind.INPUT
+              and p in per_batch):
             name = p if index is None else f"{p}[{index}]"
             raise SubspaceError(f"--subspace: cut edge {name} ({assignment[p]} -> {', '.join(by_dst)}) is not on the "
                                 "residual stream, so it would cross dense; cut between blocks (e.g. --strategy "
