@@ -266,16 +266,34 @@ def test_compress_quantises_the_coordinates(tmp_path):
         (c.coords, 8, 8)]
 
 
-def test_llama_stream_found_and_folds_back_to_the_transformers_model():
-    """The ``transformers`` Llama (traced to aten ops, RMSNorm, no position embedding, tied head): the stream runs
-    from the token embedding through its ``.to(float32)`` casts and residual sums; its writers are the o_proj and
-    down_proj Linears and the embedding. Trained two steps rewritten, folded back into the model's own keys, the
-    plain ``LlamaForCausalLM`` (``strict=True``) gives the rewritten graph's loss (rtol 1e-5)."""
+QWEN2_SRC = """
+import torch, transformers
+
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    ids = torch.randint(0, 256, (2, 32))
+    return transformers.Qwen2ForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llama_stream_found_and_folds_back_to_the_transformers_model(tmp_path, arch):
+    """The ``transformers`` Llama and Qwen2 (traced to aten ops, RMSNorm, no position embedding, tied head; Qwen2
+    with q/k/v biases): the stream runs from the token embedding through its ``.to(float32)`` casts and residual
+    sums; its writers are the o_proj and down_proj Linears and the embedding. Trained two steps rewritten, folded
+    back into the model's own keys, the plain ``...ForCausalLM`` (``strict=True``) gives the rewritten graph's loss
+    (rtol 1e-5)."""
     pytest.importorskip("transformers")
     from fusion.executors.reference import ReferenceExecutor
     from fusion.loader import load_function, load_model
 
     spec_name = f"{REPO / 'examples/models/hf_llama.py'}:tiny"
+    if arch == "qwen2":
+        (tmp_path / "qwen2.py").write_text(QWEN2_SRC)
+        spec_name = f"{tmp_path / 'qwen2.py'}:tiny"
     model = load_model(spec_name)
     g, spec = confine_writers(model.graph, SubspaceRequest(16), seed=5)
     assert sorted(w.kind for w in spec.writers) == ["linear"] * 4 + ["tied-reader", "token-embedding"]
