@@ -27,6 +27,7 @@ from fusion.plan import SCHEDULE_NAMES, OptimizerConfig, Plan
 if TYPE_CHECKING:
     from fusion.compress.bottleneck import BottleneckRequest
     from fusion.compress.policy import CompressRequest
+    from fusion.compress.subspace import SubspaceRequest
     from fusion.cost.node_times import NodeTimes
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   compress: CompressRequest | None = None, recompute: str = "auto",
                   tied_codec: dict | str | None = None, virtual_stages: int | None = None,
                   node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None,
-                  precision: str = "fp32") -> Plan:
+                  precision: str = "fp32", subspace: "SubspaceRequest | None" = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -79,6 +80,10 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                     ``plan.bottlenecks``. Not with an interleaved schedule or ``node_times``.
     precision:      ``fp32`` or ``bf16`` (the plan then runs under autocast; ``set_precision`` sets it): bf16
                     prices the tensors autocast makes bfloat16 at 2 bytes an element (:mod:`fusion.cost.autocast`).
+    subspace:       a subspace-confined residual stream (:mod:`fusion.compress.subspace`): every writer of the
+                    stream confined to span(U) before partitioning, every cut edge on the stream sent as k
+                    coordinates + ids after; ``plan.subspace`` says what changed, the initial weights are
+                    :func:`fusion.compress.subspace.initial_params` of it and the user's weights.
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     if precision not in ("fp32", "bf16"):
@@ -86,7 +91,7 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     request = check_request(strategy=strategy, micro_batches=micro_batches, compress_ratio=compress_ratio,
                             schedule=schedule, optimizer=optimizer, seed=seed, compress=compress, recompute=recompute,
                             tied_codec=tied_codec, virtual_stages=virtual_stages, node_times=node_times,
-                            bottleneck=bottleneck, precision=precision)
+                            bottleneck=bottleneck, precision=precision, subspace=subspace)
     state = CompileState(model, cluster, request, started=time.perf_counter())
     for run_pass in PASSES:
         state = run_pass(state)

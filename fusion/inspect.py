@@ -187,6 +187,10 @@ def plan_report(plan: Plan) -> str:
         for name, owners in tied.items():
             lines.append(f"  {name}: {', '.join(owners)}")
     lines += bottleneck_lines(plan)
+    if plan.subspace is not None:
+        from fusion.compress.subspace import SubspaceSpec, inspect_lines
+
+        lines += inspect_lines(SubspaceSpec.from_dict(plan.subspace))
     edges = cut_edges(plan)
     lines.append("")
     lines.append(f"cut edges ({len(edges)}; per micro-batch, forward; gradients return on the reverse link):")

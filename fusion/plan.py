@@ -416,6 +416,9 @@ class Plan:
                    one per bottlenecked edge; ``docs/compression.md``, "Bottlenecks at the cut"); their nodes and
                    parameters are ordinary graph nodes and parameters, this list says where they sit. Left out of
                    plan.json when empty, so older plans read and hash as before.
+    subspace:      what ``fusion compile --subspace`` changed (``fusion.compress.subspace.SubspaceSpec.to_dict``:
+                   the writers confined to span(U), the cut edges rebuilt from coordinates and ids); plain data
+                   here, the nodes and parameters are ordinary ones. Left out of plan.json when None.
     """
 
     graph: OpGraph
@@ -438,6 +441,7 @@ class Plan:
     dp_sync: DPSync = field(default_factory=DPSync)
     precision: str = "fp32"
     bottlenecks: list[BottleneckSpec] = field(default_factory=list)
+    subspace: dict[str, Any] | None = None
 
     PRECISIONS = ("fp32", "bf16")
 
@@ -525,6 +529,7 @@ class Plan:
             "dp_algo": self.dp_algo, "dp_sync": self.dp_sync.to_dict(),
             **({"precision": self.precision} if self.precision != "fp32" else {}),
             **({"bottlenecks": [b.to_dict() for b in self.bottlenecks]} if self.bottlenecks else {}),
+            **({"subspace": self.subspace} if self.subspace is not None else {}),
         }
 
     @classmethod
@@ -552,7 +557,7 @@ class Plan:
                    dict(d.get("predicted", {})), dict(d.get("example", {})), str(d.get("strategy", "")),
                    dict(d.get("boundaries", {})), _int_field(d, "global_batch", 0, source), d.get("dp_codec"),
                    d.get("tied_codec"), d.get("dp_algo", {}), DPSync.from_dict(d.get("dp_sync"), f"{source}: dp_sync"),
-                   d.get("precision", "fp32"), bnecks)
+                   d.get("precision", "fp32"), bnecks, d.get("subspace"))
         plan.check(source)
         return plan
 

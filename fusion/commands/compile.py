@@ -82,7 +82,11 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
                          virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
-                         precision=getattr(args, "precision", "fp32"))
+                         precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args))
+    if plan.subspace is not None:  # the model is now the confined one: its graph and initial weights
+        from fusion.compress.subspace import SubspaceSpec, initial_params
+
+        model.graph, model.params = plan.graph, initial_params(SubspaceSpec.from_dict(plan.subspace), model.params)
     if plan.bottlenecks:  # the model is now the one with bottlenecks: its graph and initial weights
         from fusion.compress.bottleneck import initial_values
 
@@ -124,6 +128,24 @@ def bottleneck_from_args(args: CompileOptions):
         raise FusionError("--bottleneck-edges names the edges of --bottleneck RANK|auto (or of --compress auto "
                           "--allow-architecture-change); give one of them")
     return None
+
+
+def subspace_from_args(args: CompileOptions):
+    """The :class:`~fusion.compress.subspace.SubspaceRequest` of ``--subspace`` (None without it); FusionError,
+    one line, for a bad K, a missing ``--allow-architecture-change`` or a precision it is not built for."""
+    from fusion.compress.subspace import parse_subspace
+    from fusion.ir.errors import FusionError
+
+    value = getattr(args, "subspace", None)
+    if value is None:
+        return None
+    req = parse_subspace(value)
+    if not getattr(args, "allow_architecture_change", False):
+        raise FusionError(f"--subspace {value} changes the model (its stream's writers); add "
+                          "--allow-architecture-change to consent")
+    if getattr(args, "precision", "fp32") != "fp32":
+        raise FusionError("--subspace with --precision bf16 is not built (the rebuilt stream is exact in fp32 only)")
+    return req
 
 
 def set_precision(plan, precision: str) -> None:
@@ -609,6 +631,7 @@ def run(opts: "Compile") -> int:
         dp_sync_from_args(args)  # a bad --dp-sync option is one line at once
         optimizer_from_args(args)  # and a bad --lr, --lr-schedule, --warmup-steps, --clip-grad-norm
         bottleneck_from_args(args)  # and a bad --bottleneck rank
+        subspace_from_args(args)  # and a bad --subspace
 
     compiled = compile_cached(opts.job(), compile_from_args, describe_plan, check)  # the cache's plan, or traced and compiled here
     out = compiled.save(opts.output)

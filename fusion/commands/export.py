@@ -13,6 +13,11 @@ its ``state_dict`` keys, so ``module.load_state_dict(load_file(OUT), strict=True
 
 A model built node by node (a fusion ``Model`` or ``OpGraph``) has no module: its weights are written as they are.
 
+A run compiled with ``--subspace`` (:mod:`fusion.compress.subspace`) trained its stream's writers as k-wide weights
+behind a fixed basis U: they are folded back (``W = U W'``, ``E = E' U^T + T``) into the module's own keys, a
+plain model whose function is the trained one, and U and T (what rebuilds the subspace, to train on in it) go
+beside it in ``OUT`` with ``.subspace.safetensors``, the plan's subspace description in its metadata.
+
 A run whose plan has bottlenecks at the cut (``fusion compile --bottleneck``) trained parameters the module does not
 have: they go to a second file, ``OUT`` with ``.bottlenecks.safetensors`` in place of its suffix, with a description
 of where each one sits in its metadata (:func:`fusion.compress.bottleneck.export_description`);
@@ -89,6 +94,33 @@ def bottleneck_file(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".safetensors") + ".bottlenecks.safetensors")
 
 
+def subspace_file(out: Path) -> Path:
+    """Where ``fusion export -o OUT`` writes what rebuilds a run's subspace: ``OUT`` with ``.subspace.safetensors``."""
+    return out.with_name(out.name.removesuffix(".safetensors") + ".subspace.safetensors")
+
+
+def _subspace(run_dir: Path, trained: dict):
+    """(spec, trained weights with the constrained ones folded back into the user's keys, side tensors U and T) of a
+    run compiled with ``--subspace`` (:func:`fusion.compress.subspace.fold_back`), None for another run."""
+    import torch
+
+    from fusion.compress.subspace import BASIS, SubspaceSpec, export_tensors, fold_back
+    from fusion.plan import load_plan
+
+    if not (run_dir / "plan" / "plan.json").is_file():
+        return None
+    plan = load_plan(run_dir / "plan")
+    if plan.subspace is None:
+        return None
+    spec = SubspaceSpec.from_dict(plan.subspace)
+    missing = [n for w in spec.writers for n in (*w.added, BASIS) if n not in trained]
+    if missing:
+        raise FusionError(f"{run_dir}: the plan's subspace has parameter {missing[0]!r}, the weights do not")
+    folded = {k: torch.as_tensor(v) for k, v in fold_back(spec, trained).items()}
+    side = {k: torch.as_tensor(v).contiguous() for k, v in export_tensors(spec, trained).items()}
+    return spec, folded, side
+
+
 def _bottlenecks(run_dir: Path, trained: dict):
     """(description, tensors) of the bottlenecks of the run's plan (``RUN/plan``), None without any."""
     from fusion.compress.bottleneck import export_description
@@ -107,6 +139,28 @@ def _bottlenecks(run_dir: Path, trained: dict):
     return desc, {n: trained[n].contiguous() for n in names}
 
 
+def _write_side_files(out: Path, sub, bneck) -> None:
+    """Beside ``OUT``: what rebuilds a run's subspace (``--subspace``) and its bottlenecks at the cut, if any."""
+    from safetensors.torch import save_file
+
+    from fusion.compress.bottleneck import EXPORT_KEY
+    from fusion.ir.files import atomic_write
+
+    if sub is not None:
+        from fusion.compress.subspace import EXPORT_KEY as SUB_KEY
+
+        side = subspace_file(out)
+        atomic_write(side, lambda t: save_file(sub[2], str(t), metadata={SUB_KEY: json.dumps(sub[0].to_dict())}))
+        print(f"wrote {side}: the subspace (width {sub[0].width}, k = {sub[0].rank}, {len(sub[0].writers)} writers "
+              f"folded back into {out.name}) and what rebuilds it ({', '.join(sub[2])})")
+    if bneck is not None:
+        side = bottleneck_file(out)
+        atomic_write(side, lambda t: save_file(bneck[1], str(t), metadata={EXPORT_KEY: json.dumps(bneck[0])}))
+        print(f"wrote {side}: {len(bneck[0])} bottleneck(s) at the cut ("
+              + ", ".join(f"{d['producer']} {d['width']}->{d['rank']}" for d in bneck[0])
+              + "), with where they sit")
+
+
 def run(args: "Export") -> int:
     """``fusion export`` with its options (:class:`fusion.options.commands.Export`)."""
     import torch
@@ -116,7 +170,6 @@ def run(args: "Export") -> int:
     from fusion.ir.model import Model
     from fusion.loader import load_function, user_error
     from fusion.ir.files import atomic_write
-    from fusion.compress.bottleneck import EXPORT_KEY
 
     run_dir = Path(args.run_dir)
     out = Path(args.output)
@@ -136,6 +189,9 @@ def run(args: "Export") -> int:
     except Exception as e:
         raise FusionError(f"model {spec!r}: {spec.rpartition(':')[2]}() raised {user_error(e, spec.rpartition(':')[0])}") from e
     module = obj[0] if isinstance(obj, tuple) and obj else obj
+    sub = _subspace(run_dir, trained)
+    if sub is not None:  # the constrained weights folded back into the user's keys before they are matched
+        trained = sub[1]
     if isinstance(module, (Model, OpGraph)):  # built node by node: the graph's names are the model's names
         tensors, counts = dict(trained), {"tied": 0, "module": 0, "left_out": 0}
     elif isinstance(module, torch.nn.Module):
@@ -147,14 +203,11 @@ def run(args: "Export") -> int:
         names = set(bneck[1])
         tensors = {k: v for k, v in tensors.items() if k not in names}
         counts["left_out"] -= len(names) if isinstance(module, torch.nn.Module) else 0
+    if sub is not None:
+        tensors = {k: v for k, v in tensors.items() if k not in sub[2]}
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     atomic_write(out, lambda t: save_file(tensors, str(t)))
-    if bneck is not None:
-        side = bottleneck_file(out)
-        atomic_write(side, lambda t: save_file(bneck[1], str(t), metadata={EXPORT_KEY: json.dumps(bneck[0])}))
-        print(f"wrote {side}: {len(bneck[0])} bottleneck(s) at the cut ("
-              + ", ".join(f"{d['producer']} {d['width']}->{d['rank']}" for d in bneck[0])
-              + "), with where they sit")
+    _write_side_files(out, sub, bneck)
     print(f"wrote {out}: {len(tensors)} tensors of {type(module).__name__} ({counts['tied']} tied, "
           f"{counts['module']} buffers as the module has them, {counts['left_out']} run tensors that are no "
           f"state_dict key left out)")

@@ -62,6 +62,7 @@ class CompileOptions(Section):
     compress_bwd: str | None = option("--compress-bwd", metavar="none|auto|CODEC[:K=V,...]", group=COMPRESSION, help="codec for the gradients sent back (default: as --compress)")
     bottleneck: str | None = option("--bottleneck", metavar="RANK|auto", group=COMPRESSION, help='learned bottlenecks at the cut (changes the model): each cut edge of the residual stream (or --bottleneck-edges) gets an encoder D->RANK on the producing part and a decoder RANK->D on the consuming part (ResBM: a fixed orthonormal low-rank identity path plus trained W_enc, W_dec, zero at start), so the edge sends RANK of D numbers per row; auto: the estimator picks D/64 .. D/8 (docs/compression.md, "Bottlenecks at the cut")')
     bottleneck_edges: str | None = option("--bottleneck-edges", metavar="NODE[,NODE...]", group=COMPRESSION, help="the cut edges to bottleneck, by producer node (NODE[INDEX] for one output of a multi-output node), or all (every float cut edge, e.g. an MLP's hidden layer where the cut falls inside a block); default: every cut edge of the residual width")
+    subspace: str | None = option("--subspace", metavar="K|FRACTION", group=COMPRESSION, help='confine the residual stream to a seeded rank-K subspace (changes the model; needs --allow-architecture-change): every writer writes through a fixed d x K basis, the token embedding\'s rest is a fixed table rebuilt from the ids, so a cut on the stream sends K coordinates + ids and loses nothing (docs/compression.md, "Subspace")')
     allow_architecture_change: bool = option("--allow-architecture-change", kind="flag", group=COMPRESSION, help="let --compress auto add bottlenecks at the cut (new parameters) where the estimator says the iteration gets shorter; without it auto only picks codecs")
     samples: int | None = option("--samples", type=positive_int, metavar="N", group=COMPRESSION, help="training samples in the data set (distinct sample ids the data gives, visited again every epoch): sizes delta (AQ-SGD) buffers in the memory model and lets --compress auto choose delta (needed for delta unless fusion run trains on the built-in text corpus)")
     tied_codec: str | None = option("--tied-codec", metavar="none|auto|CODEC[:K=V,...]", group=COMPRESSION, help="codec for the gradients that the owners of a tied parameter (e.g. a tied embedding and LM head on two parts) exchange each step, e.g. quant:bits=8; auto: 8-bit quant where the cost model says the iteration gets shorter (default: auto with --compress auto, else none: exact)")
@@ -113,9 +114,10 @@ class CompileOptions(Section):
         if interleaves and self.replicas > 1:
             raise FusionError(f"--replicas {self.replicas}: interleaved 1F1B runs one pipeline (no data-parallel "
                               "replicas); leave out --replicas or use --schedule 1f1b/zb1")
-        if self.strategy in DP_STRATEGIES and self.bottleneck is not None:
-            raise FusionError(f"--bottleneck with --strategy {self.strategy}: the data-parallel planners do not "
-                              "insert bottlenecks yet; use opfence, equal-flops or equal-count (with --replicas)")
+        if self.strategy in DP_STRATEGIES and (self.bottleneck is not None or self.subspace is not None):
+            what = "--bottleneck" if self.bottleneck is not None else "--subspace"
+            raise FusionError(f"{what} with --strategy {self.strategy}: the data-parallel planners do not "
+                              "rewrite the model yet; use opfence, equal-flops or equal-count (with --replicas)")
         if self.strategy in DP_STRATEGIES and self.tied_codec is not None:
             raise FusionError(f"--tied-codec with --strategy {self.strategy}: the data-parallel planners do not "
                               "price a tied codec yet; leave it out")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from fusion.cluster.model import Cluster
     from fusion.compress.bottleneck import BottleneckRequest
     from fusion.compress.policy import CompressRequest
+    from fusion.compress.subspace import SubspaceRequest, SubspaceSpec
     from fusion.cost.estimate import CodecPrices, CostModel, Estimate
     from fusion.cost.flops import NodeCost
     from fusion.cost.node_times import NodeTimes
@@ -62,6 +63,8 @@ class CompileRequest:
     bottleneck: "BottleneckRequest | None"
     #: ``fp32`` or ``bf16`` (autocast): bf16 prices the tensors autocast makes bfloat16 at 2 bytes an element
     precision: str = "fp32"
+    #: subspace-confined residual stream (``--subspace``, :mod:`fusion.compress.subspace`; None: none)
+    subspace: "SubspaceRequest | None" = None
 
     @property
     def auto_schedule(self) -> bool:
@@ -115,6 +118,8 @@ class CompileState:
     bottlenecks: "list[BottleneckSpec]" = field(default_factory=list)
     #: ``plan.predicted["bottleneck"]`` (None: no bottleneck asked for)
     bottleneck_info: dict[str, Any] | None = None
+    #: what the subspace passes changed (None: no ``--subspace``)
+    subspace: "SubspaceSpec | None" = None
     #: per part: whether it recomputes its activations
     recompute: np.ndarray | None = None
     #: part names, ``part0`` ...

@@ -1,12 +1,14 @@
 """The compiler's passes, in the order :data:`PASSES` runs them; each takes the compile state and returns a new one.
 
     shapes        infer missing shape metadata from the model's example
+    subspace_writers  --subspace: the residual stream's writers confined to span(U), the model rewritten
     costs         per-node costs and the plain cost model (schedule partitioned with, recompute all or not)
     node_times    measured per-node seconds into the cost model
     codec_prices  the estimator's prices for partitioning: --compress codecs, the bottleneck's code, the tied codec
     partition     the cut (and the interleaved cut), every schedule priced on it
     schedule      ``auto``: the schedule that prices shortest, and its cut
     bottleneck    learned bottlenecks inserted at the cut, the model rewritten
+    subspace_cut  --subspace: the cut edges on the stream sent as k coordinates + the ids
     recompute     which parts recompute their activations
     tied_codec    ``auto``: the tied codec kept only where it shortens the iteration
     compression   the dense baseline (and the memory check), the cut edges' codecs, the plan's estimate
@@ -34,6 +36,7 @@ from fusion.passes.assemble import assemble_plan
 from fusion.passes.cut import cut, interleaved_partition
 from fusion.passes.pricing import CUT_SCHEDULES, price_schedules, recompute_choice
 from fusion.passes.state import CompileError, CompileState
+from fusion.passes.subspace import subspace_cut, subspace_writers
 
 log = logging.getLogger("fusion.compile")
 
@@ -82,6 +85,10 @@ def codec_prices(s: CompileState) -> CompileState:
         from fusion.compress.bottleneck import partition_prices
 
         cut_prices = partition_prices(s.cm, r.bottleneck)
+    if s.subspace is not None and r.compress is None:  # the stream priced as the subspace cut pass leaves it
+        from fusion.compress.subspace import partition_prices as subspace_prices
+
+        cut_prices = subspace_prices(s.cm, s.subspace)
     tied = dict(TIED_AUTO) if r.tied_codec == "auto" else r.tied_codec
     # a codec without a measured rate is priced as quant
     tp = tied_prices(s.cm, tied, CODECS.rate(tied["algo"])) if tied is not None else None
@@ -200,6 +207,8 @@ def assemble(s: CompileState) -> CompileState:
                          s.clusters, r.strategy, s.schedule, r.micro_batches, r.optimizer, r.seed)
     plan.tied_codec = s.tied
     plan.bottlenecks = s.bottlenecks
+    if s.subspace is not None:
+        plan.subspace = s.subspace.to_dict()
     if s.bottleneck_info is not None:
         plan.predicted["bottleneck"] = s.bottleneck_info
     plan.predicted["schedules"] = {n: p.to_dict() for n, p in s.schedule_prices.items()}
@@ -223,8 +232,8 @@ def assemble(s: CompileState) -> CompileState:
 
 #: the compiler, pass by pass: the one place a pass is added
 PASSES: tuple[Callable[[CompileState], CompileState], ...] = (
-    shapes, costs, node_times, codec_prices, partition, schedule, bottleneck, recompute, tied_codec, compression,
-    assemble)
+    shapes, subspace_writers, costs, node_times, codec_prices, partition, schedule, bottleneck, subspace_cut, recompute,
+    tied_codec, compression, assemble)
 
 
 def stateful_edges(compression) -> list:

@@ -40,6 +40,6 @@ def test_compile_model_runs_every_pass_in_order_and_none_changes_its_input(monke
     monkeypatch.setattr(steps, "PASSES", tuple(watched(p) for p in steps.PASSES))
     monkeypatch.setattr("fusion.compile.PASSES", steps.PASSES)
     plan = compile_model(load_model("examples/models/gpt.py:tiny"), load_cluster(CLUSTER), micro_batches=4, **kw)
-    assert ran == ["shapes", "costs", "node_times", "codec_prices", "partition", "schedule", "bottleneck",
-                   "recompute", "tied_codec", "compression", "assemble"]
+    assert ran == ["shapes", "subspace_writers", "costs", "node_times", "codec_prices", "partition", "schedule",
+                   "bottleneck", "subspace_cut", "recompute", "tied_codec", "compression", "assemble"]
     assert plan.predicted["iteration_s"] > 0 and plan.compression
