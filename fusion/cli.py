@@ -25,6 +25,7 @@ COMMANDS = [
     "fusion.commands.executor",
     "fusion.commands.coordinator",
     "fusion.commands.keys",
+    "fusion.commands.relay",
 ]
 
 

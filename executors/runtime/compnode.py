@@ -56,6 +56,7 @@ from fusion.executors.runtime.schedule import ActionKind, make_lanes, make_sched
 from fusion.executors.runtime.trace_events import Tracer, now_us
 from fusion.executors.runtime.keys import Security, insecure_warning
 from fusion.executors.runtime.plandigest import digest_mismatch
+from fusion.executors.runtime.relay import relay_target
 from fusion.executors.runtime.transport import Transport, pump_any
 
 log = logging.getLogger(__name__)
@@ -962,6 +963,9 @@ class CompNode:
                  self.engine_name, self.cfg.advertise or address)
         if self.cfg.security is None:
             log.warning("%s", insecure_warning(self.me, address))
+        relay = relay_target(self.cfg.advertise or "")
+        if relay:  # --dial-out: registered with the relay before anyone is told to reach this part there
+            self.transport.join_relay(relay, self.cfg.startup_timeout_s)
         self.transport.connect(COORDINATOR, self.cfg.coordinator,
                                max_bytes=self.cfg.max_message_bytes or coordinator_message_limit(self.plan))
         self.transport.send(COORDINATOR, Hello(part=self.me, address=self.cfg.advertise or address,

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
                         "tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
     p.add_argument("--advertise", default=None, type=zmq_address, metavar="ADDR",
                    help="address peers connect to (default: the plan's address, else the bound one)")
+    p.add_argument("--dial-out", default=None, type=zmq_address, metavar="RELAY_ADDR",
+                   help="behind NAT: make only outbound connections; peers and the coordinator reach this CompNode "
+                        "through `fusion relay` at RELAY_ADDR, sealed end to end (needs --key; docs/security.md)")
     p.add_argument("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads of the engine (default: the host's cores shared among the plan's CompNode "
@@ -135,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         if bind is None:
             raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
         advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
+        if args.dial_out:  # nothing reachable listens: a loopback port only, and peers are told to use the relay
+            from fusion.executors.runtime.relay import dial_out_addresses
+
+            bind, advertise = dial_out_addresses(args.dial_out, args.bind, args.insecure)
         security = security_from_args(argparse.Namespace(**{**vars(args), "key": key}), args.plan,
                                       [COORDINATOR, *plan.parts], name, bind)
         trace = traces[names.index(name)]

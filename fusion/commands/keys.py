@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("plan", help="plan directory")
     p.add_argument("--out", default="keys", metavar="DIR", help="folder for the secret key files")
     p.add_argument("--force", action="store_true", help="replace existing keys (running executors must restart)")
+    p.add_argument("--relay", action="store_true",
+                   help="also a key pair for `fusion relay` (relay.secret), for CompNodes started with --dial-out")
     p.set_defaults(run=run)
 
 
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     plan_dir = Path(args.plan)
     plan_dir = plan_dir.parent if plan_dir.name == "plan.json" else plan_dir
-    names = [COORDINATOR, *plan.parts]
+    names = [COORDINATOR, *plan.parts] + (["relay"] if args.relay else [])
     out = Path(args.out)
     targets = [out / f"{n}.secret" for n in names]
     existing = [str(t) for t in targets if t.exists()] + ([str(plan_dir / PUBLIC_KEYS_FILE)]

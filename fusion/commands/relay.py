@@ -1,0 +1,76 @@
+"""``fusion relay PLAN --bind ADDR --key relay.secret``: forward sealed OP-Data for CompNodes behind NAT.
+
+Run it on a host every process of the run can reach (the coordinator's, say); CompNodes started with
+``fusion executor ... --dial-out tcp://THIS_HOST:PORT`` make only outbound connections and are reached through it.
+It authenticates every connection with the run's CURVE keys, cannot read or forge what it forwards
+(:mod:`fusion.executors.runtime.relay`), and stops on SIGTERM or Ctrl-C, printing what it forwarded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    from fusion.commands.coordinator import zmq_address
+
+    p = sub.add_parser("relay", help="forward the traffic of CompNodes behind NAT (`fusion executor --dial-out`)",
+                       description="Listen at --bind ADDR (a reachable address) and forward sealed messages between "
+                                   "the processes of PLAN's run; CompNodes started with --dial-out ADDR make only "
+                                   "outbound connections. Needs the relay's key: `fusion keys PLAN --relay`. Runs "
+                                   "until SIGTERM or Ctrl-C.")
+    p.add_argument("plan", help="plan directory")
+    p.add_argument("--bind", required=True, type=zmq_address, metavar="ADDR",
+                   help="address to listen on, tcp://HOST:PORT, e.g. tcp://*:5700")
+    p.add_argument("--key", required=True, metavar="FILE", help="the relay's secret key file (relay.secret)")
+    p.add_argument("--public-keys", default=None, metavar="FILE",
+                   help="the run's public keys (default: PLAN/public_keys.json)")
+    p.add_argument("--stats", default=None, metavar="FILE",
+                   help="write what was forwarded (messages, bytes, per sender -> receiver) here as JSON, every second")
+    p.set_defaults(run=run, default_verbosity=1)
+
+
+def relay_limit(plan) -> int:
+    """The largest sealed message the relay forwards: the largest any process of the plan receives, sealed."""
+    from fusion.executors.runtime.framing import packed_nbytes
+    from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
+    from fusion.executors.runtime.relay import SEAL_OVERHEAD
+
+    biggest = max([coordinator_message_limit(plan), *(part_message_limit(plan, plan.stage_of(p)) for p in plan.parts)])
+    return biggest + packed_nbytes([b""] * 66) + SEAL_OVERHEAD + 1024  # frame lengths, names
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusion.executors.runtime.keys import PUBLIC_KEYS_FILE, security_for
+    from fusion.executors.runtime.relay import RELAY, RelayServer
+    from fusion.plan import load_plan
+
+    plan = load_plan(args.plan)
+    plan_dir = Path(args.plan).parent if Path(args.plan).name == "plan.json" else Path(args.plan)
+    public = Path(args.public_keys) if args.public_keys else plan_dir / PUBLIC_KEYS_FILE
+    security = security_for(args.key, public, ["coordinator", *plan.parts, RELAY], RELAY)
+    server = RelayServer(args.bind, security, relay_limit(plan))
+    address = server.start()
+
+    def write_stats() -> None:
+        if args.stats:
+            tmp = Path(args.stats).with_suffix(".tmp")
+            tmp.write_text(json.dumps(server.stats.to_dict()) + "\n")
+            tmp.replace(args.stats)
+
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    print(f"relay listening on {address} for {len(plan.parts)} CompNodes and the coordinator", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve(on_tick=write_stats)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        write_stats()
+        server.close()
+    st = server.stats
+    print(f"relay: forwarded {st.messages} messages, {st.bytes} bytes; dropped {st.dropped}", file=sys.stderr)
+    return 0
