@@ -47,7 +47,6 @@ from zmq.utils import z85
 from fusion.ir.errors import FusionError, WireError
 from fusion.executors.runtime import framing
 from fusion.executors.runtime.keys import HANDSHAKE_S, Security, ZapHandler, curve_client, curve_server
-from fusion.executors.runtime.transport import LinkStats, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +66,8 @@ def relay_target(address: str) -> str | None:
     return address[len(RELAY_SCHEME):] if address.startswith(RELAY_SCHEME) else None
 
 
-class RelayError(TransportError):
-    """The relay could not be reached, or refused this process."""
+class RelayError(FusionError):
+    """The relay could not be reached, or refused this process (the transport raises it as a TransportError)."""
 
 
 def _raw(z: str) -> bytes:
@@ -362,11 +361,11 @@ class RelayedLink:
     """A transport's link to a peer that only dials out: each message sealed for the peer and sent through the
     transport's :class:`RelayClient` (the same interface as the transport's direct links)."""
 
-    def __init__(self, transport, peer: str, address: str, max_bytes: int | None = None):
+    def __init__(self, transport, peer: str, address: str, max_bytes: int | None, stats):
         self.t, self.peer, self.address, self.max_bytes = transport, peer, address, max_bytes
         self.link = None
         self.failed: str | None = None
-        self.stats = LinkStats()
+        self.stats = stats  # the transport's LinkStats of this link
 
     def start(self) -> None:
         pass

@@ -340,7 +340,7 @@ class Transport:
 
         if relay_target(address) is not None:  # a peer that only dials out: through the relay, sealed (relay.py)
             self.join_relay(relay_target(address))
-            s: _Sender = RelayedLink(self, peer, address, max_bytes)
+            s: _Sender = RelayedLink(self, peer, address, max_bytes, LinkStats())
         else:
             s = (_Direct(self, peer, address, max_bytes) if direct and link is None
                  else _Sender(self, peer, address, link, max_bytes))
@@ -359,12 +359,17 @@ class Transport:
         if self.security is None:
             raise TransportError(f"{self.name}: a link through the relay at {address} needs CURVE keys (--key), not "
                                  "--insecure: the relay must not be able to read or forge the traffic")
-        client = RelayClient(self.ctx, self.security, address, MAX_FRAMES - 1,
-                             on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s)
+        try:
+            client = RelayClient(self.ctx, self.security, address, MAX_FRAMES - 1,
+                                 on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s)
+        except FusionError as e:
+            raise TransportError(str(e)) from None
         try:
             client.start(timeout_s)
-        except BaseException:
+        except BaseException as e:
             client.close()
+            if isinstance(e, FusionError):
+                raise TransportError(str(e)) from None
             raise
         self.relay = client
 
