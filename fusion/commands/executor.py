@@ -135,13 +135,13 @@ def run(args: argparse.Namespace) -> int:
     for name, key in zip(names, keys):
         plan_addr = plan.parts[name].address
         bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
-        if bind is None:
-            raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
         advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
         if args.dial_out:  # nothing reachable listens: a loopback port only, and peers are told to use the relay
             from fusion.executors.runtime.relay import dial_out_addresses
 
             bind, advertise = dial_out_addresses(args.dial_out, args.bind, args.insecure)
+        if bind is None:
+            raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
         security = security_from_args(argparse.Namespace(**{**vars(args), "key": key}), args.plan,
                                       [COORDINATOR, *plan.parts], name, bind)
         trace = traces[names.index(name)]
