@@ -43,6 +43,7 @@ import zmq
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
 from fusion.executors.runtime.keys import HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.connwatch import ConnectionWatch, SocketWatch
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -60,6 +61,8 @@ MAX_FRAMES = 2 + MAX_TENSORS
 #: connections a CURVE socket keeps open at once beyond two per allowed sender (each takes a file descriptor; a
 #: client that finishes no handshake is dropped after ZeroMQ's handshake interval, 30 s, but could open more meanwhile)
 SPARE_CONNECTIONS = 64
+#: bytes a frame may have over the message limit on the wire: ZMTP's and CURVE's own framing of it (ZMQ_MAXMSGSIZE)
+FRAME_SLACK = 256
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,7 @@ class Transport:
         self.ctx = zmq.Context()
         self.zap: ZapHandler | None = None
         self.monitor: HandshakeMonitor | None = None
+        self.watch: SocketWatch | None = None  # keyless sockets: who closed a connection (connwatch.py)
         if security is not None:  # the ZAP handler is bound in this context before any socket binds
             self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
             self.zap.start()
@@ -398,6 +402,9 @@ class Transport:
         still unsent (default: the transport's ``linger_s``); short when the
         peers may be gone already.
         """
+        for t in (self.watch, self.monitor):  # first: the closing socket's own disconnections are no refusals
+            if t is not None:
+                t.stop()
         for s in self.senders.values():
             s.stop(self.linger_s if linger_s is None else linger_s)
         deadline = time.monotonic() + timeout_s
@@ -414,11 +421,11 @@ class Transport:
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
-        for t in (self.zap, self.monitor):
+        for t in (self.zap, self.monitor, self.watch):
             if t is not None:
                 t.stop()
                 t.join(1.0)
-        helpers = [t for t in (self._recv, self.zap, self.monitor) if t is not None]
+        helpers = [t for t in (self._recv, self.zap, self.monitor, self.watch) if t is not None]
         if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
@@ -435,8 +442,9 @@ class Transport:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        # ZeroMQ drops (without a reason) frames over twice the limit; smaller oversize ones get a logged reason
-        sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.max_message_bytes + (1 << 20), (1 << 62)))
+        # libzmq refuses a frame over the limit when it reads its length, before buffering a byte of it, and closes
+        # the connection; the watch below tells that apart from a peer leaving and logs it (connwatch.py)
+        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes + FRAME_SLACK, (1 << 62)))
         if self.security is not None:
             # a connection that has not finished its CURVE handshake by then is dropped (libzmq's default: 30 s)
             sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
@@ -448,11 +456,16 @@ class Transport:
             self._bind_error = str(e)
             sock.close()
             return None
+        watch = ConnectionWatch(self.name, self.max_message_bytes + FRAME_SLACK,
+                                on_refused=lambda why: self.reject("?refused connection", why, quiet=True))
         if self.security is not None:
             self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
                                                                                           quiet=True),
-                                            max_connections=self.max_connections)
+                                            max_connections=self.max_connections, watch=watch)
             self.monitor.start()
+        else:
+            self.watch = SocketWatch(sock, self.name, watch)
+            self.watch.start()
         return sock
 
     def pump(self, timeout_s: float) -> int:
