@@ -61,6 +61,11 @@ MAX_SESSIONS = 64
 _NAME = struct.Struct("<H")
 
 
+def relay_overhead(max_frames: int) -> int:
+    """Bytes a relayed message may have beyond its frames: framing of ``max_frames`` frames, names, nonce, MAC."""
+    return framing.packed_nbytes([b""] * max_frames) + 2 * (2 + 256) + SEAL_OVERHEAD
+
+
 def relay_target(address: str) -> str | None:
     """The relay's address of a relayed address (``relay:tcp://h:p`` -> ``tcp://h:p``), else None."""
     return address[len(RELAY_SCHEME):] if address.startswith(RELAY_SCHEME) else None
@@ -274,13 +279,16 @@ class RelayClient:
     """
 
     def __init__(self, ctx: zmq.Context, security: Security, address: str, max_frames: int,
-                 on_reject: Callable[[str, str], None], send_timeout_s: float = 30.0):
+                 on_reject: Callable[[str, str], None], send_timeout_s: float = 30.0, max_bytes: int | None = None):
         if RELAY not in security.peers:
             raise RelayError(f"the run's key list has no key for {RELAY!r}: make the keys with `fusion keys PLAN "
                              "--relay` and start `fusion relay` with relay.secret")
         self.ctx, self.security, self.address = ctx, security, address
         self.me = security.me.name
         self.max_frames, self.on_reject = max_frames, on_reject
+        #: the largest sealed message taken from the relay (ZMQ_MAXMSGSIZE of the receive connection): this
+        #: process's own limit, framed and sealed; None: unbounded
+        self.max_bytes = max_bytes
         self.sealer = Sealer(security)
         self.inproc = f"inproc://relay-{self.me}-{id(self):x}"
         self.sent_bytes = 0
@@ -291,8 +299,10 @@ class RelayClient:
         self._failed: str | None = None
         self._thread = threading.Thread(target=self._recv_loop, name=f"relay-recv-{self.me}", daemon=True)
 
-    def _dealer(self, send_timeout_s: float = 30.0):
+    def _dealer(self, send_timeout_s: float = 30.0, max_bytes: int | None = None):
         s = self.ctx.socket(zmq.DEALER)
+        if max_bytes is not None:
+            s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         curve_client(s, self.security, RELAY)
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.SNDHWM, 10_000)
@@ -316,7 +326,7 @@ class RelayClient:
         return len(sealed)
 
     def _recv_loop(self) -> None:
-        sock = self._dealer()
+        sock = self._dealer(max_bytes=self.max_bytes)
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.SNDHWM, 100_000)

@@ -354,7 +354,7 @@ class Transport:
     def join_relay(self, address: str, timeout_s: float = 30.0) -> None:
         """Register with the relay at ``address`` (idempotent): messages sealed for this process reach it through
         there (:mod:`fusion.executors.runtime.relay`). Needs CURVE keys; one relay per transport."""
-        from fusion.executors.runtime.relay import RelayClient
+        from fusion.executors.runtime.relay import RelayClient, relay_overhead
 
         if self.relay is not None:
             if self.relay.address != address:
@@ -365,7 +365,8 @@ class Transport:
                                  "--insecure: the relay must not be able to read or forge the traffic")
         try:
             client = RelayClient(self.ctx, self.security, address, MAX_FRAMES - 1,
-                                 on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s)
+                                 on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s,
+                                 max_bytes=self.max_message_bytes + FRAME_SLACK + relay_overhead(MAX_FRAMES))
         except FusionError as e:
             raise TransportError(str(e)) from None
         try:

@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--key", required=True, metavar="FILE", help="the relay's secret key file (relay.secret)")
     p.add_argument("--public-keys", default=None, metavar="FILE",
                    help="the run's public keys (default: PLAN/public_keys.json)")
+    p.add_argument("--max-message-bytes", type=int, default=None,
+                   help="forward sealed messages up to this size (default: the largest any process of the plan "
+                        "receives, sealed; raise it for data-parallel or DiLoCo plans given --max-message-bytes)")
     p.add_argument("--stats", default=None, metavar="FILE",
                    help="write what was forwarded (messages, bytes, per sender -> receiver) here as JSON, every second")
     p.set_defaults(run=run, default_verbosity=1)
@@ -35,12 +38,12 @@ def add_parser(sub) -> None:
 
 def relay_limit(plan) -> int:
     """The largest sealed message the relay forwards: the largest any process of the plan receives, sealed."""
-    from fusion.executors.runtime.framing import packed_nbytes
     from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
-    from fusion.executors.runtime.relay import SEAL_OVERHEAD
+    from fusion.executors.runtime.relay import relay_overhead
+    from fusion.executors.runtime.transport import FRAME_SLACK, MAX_FRAMES
 
     biggest = max([coordinator_message_limit(plan), *(part_message_limit(plan, plan.stage_of(p)) for p in plan.parts)])
-    return biggest + packed_nbytes([b""] * 66) + SEAL_OVERHEAD + 1024  # frame lengths, names
+    return biggest + FRAME_SLACK + relay_overhead(MAX_FRAMES)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     plan_dir = Path(args.plan).parent if Path(args.plan).name == "plan.json" else Path(args.plan)
     public = Path(args.public_keys) if args.public_keys else plan_dir / PUBLIC_KEYS_FILE
     security = security_for(args.key, public, ["coordinator", *plan.parts, RELAY], RELAY)
-    server = RelayServer(args.bind, security, relay_limit(plan))
+    server = RelayServer(args.bind, security, args.max_message_bytes or relay_limit(plan))
     address = server.start()
 
     def write_stats() -> None:
