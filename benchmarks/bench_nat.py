@@ -12,7 +12,8 @@ The relay of the nat run is the library's :class:`RelayServer` in a process of i
 addition: it inspects every payload it forwards for plaintext markers of the wire format (the msgpack header
 bytes every message begins with, and the ``opdata`` kind) and counts any it sees; it also tries to open a sample
 with its own key. The final line is JSON: ``nat_run_ok``, ``losses_equal_direct``, ``relayed_bytes``,
-``curve_end_to_end``, the median step time of each run and ``relay_added_step_s``.
+``curve_end_to_end``, the median step time of each run and ``relay_added_step_s`` (nat minus direct, the
+median over ``--rounds`` pairs run back to back).
 
 Run as root: ``python benchmarks/bench_nat.py [--steps 8]`` (about a minute on 2 shared cores).
 """
@@ -99,20 +100,20 @@ def inspecting_relay(plan_dir: str, bind: str, key: str, stats_path: str) -> int
     return 0
 
 
-def run_once(net: NatHomes, plan_dir: Path, keys: Path, out: Path, mode: str, steps: int) -> dict:
+def run_once(net: NatHomes, plan_dir: Path, keys: Path, out: Path, mode: str, steps: int, round_: int = 0) -> dict:
     pub = net.ip["pub"]
     coord = f"tcp://{pub}:{COORD_PORT}"
     relay = f"tcp://{pub}:{RELAY_PORT}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FUSION_CACHE": "off", "PYTHONPATH": str(ROOT)}
-    log = open(out / f"{mode}.log", "wb")
+    log = open(out / f"{mode}{round_}.log", "wb")
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name, host, argv):
         procs[name] = subprocess.Popen(net.cmd(host, [sys.executable, *argv]), stdout=log, stderr=subprocess.STDOUT,
                                        env=env, cwd=str(ROOT))
 
-    run_dir = out / f"run-{mode}"
-    stats = out / "relay.json"
+    run_dir = out / f"run-{mode}{round_}"  # a fresh folder per run (a coordinator refuses to reuse one)
+    stats = out / f"relay{round_}.json"
     t0 = time.monotonic()
     try:
         if mode == "nat":
@@ -153,6 +154,7 @@ def run_once(net: NatHomes, plan_dir: Path, keys: Path, out: Path, mode: str, st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="direct + nat pairs, order alternating")
     ap.add_argument("--wan-mbit", type=float, default=None, help="shape each home's WAN link (tbf), Mbit/s each way")
     ap.add_argument("--out", default=None, help="folder for plans, logs, runs (default: a temporary one)")
     ap.add_argument("--inspecting-relay", nargs=4, help=argparse.SUPPRESS)
@@ -169,17 +171,27 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan_dir, keys = make_plan(out)
     with NatHomes(2, args.wan_mbit) as net:
-        direct = run_once(net, plan_dir, keys, out, "direct", args.steps)
-        nat = run_once(net, plan_dir, keys, out, "nat", args.steps)
+        rounds = []  # direct and nat back to back, the order alternating (the shared cores' load drifts)
+        for r in range(args.rounds):
+            pair = {}
+            for mode in (("direct", "nat") if r % 2 == 0 else ("nat", "direct")):
+                pair[mode] = run_once(net, plan_dir, keys, out, mode, args.steps, r)
+            rounds.append(pair)
+        direct, nat = rounds[0]["direct"], rounds[0]["nat"]
         masq = [net.masqueraded_packets(i) for i in (1, 2)]
         # nothing opens a connection into a home: pub -> h1 at the port p1's executor would have used
         inbound_blocked = (net.can_connect("h1", "h1") and not net.can_connect("pub", "h1")
                            and not net.can_connect("h2", "h1") and net.can_connect("h1", "pub"))
     relay = nat["relay"] or {}
+    added = [p["nat"]["step_s"] - p["direct"]["step_s"] for p in rounds
+             if p["nat"]["step_s"] is not None and p["direct"]["step_s"] is not None]
     result = {
-        "nat_run_ok": all(rc == 0 for rc in nat["rc"].values()) and len(nat["losses"]) == args.steps,
-        "direct_run_ok": all(rc == 0 for rc in direct["rc"].values()) and len(direct["losses"]) == args.steps,
-        "losses_equal_direct": bool(nat["losses"]) and nat["losses"] == direct["losses"],
+        "nat_run_ok": all(all(rc == 0 for rc in p["nat"]["rc"].values()) and len(p["nat"]["losses"]) == args.steps
+                          for p in rounds),
+        "direct_run_ok": all(all(rc == 0 for rc in p["direct"]["rc"].values())
+                             and len(p["direct"]["losses"]) == args.steps for p in rounds),
+        "losses_equal_direct": all(bool(p["nat"]["losses"]) and p["nat"]["losses"] == p["direct"]["losses"]
+                                   for p in rounds),
         "relayed_bytes": relay.get("bytes", 0),
         "relayed_messages": relay.get("messages", 0),
         "relayed_pairs": relay.get("pairs", {}),
@@ -188,9 +200,9 @@ def main() -> int:
         "relay_inspected_payloads": relay.get("inspected", 0),
         "masqueraded_connections": masq,
         "inbound_to_home_blocked": inbound_blocked,
-        "direct_step_s": direct["step_s"], "nat_step_s": nat["step_s"],
-        "relay_added_step_s": (round(nat["step_s"] - direct["step_s"], 6)
-                               if nat["step_s"] is not None and direct["step_s"] is not None else None),
+        "direct_step_s": [p["direct"]["step_s"] for p in rounds], "nat_step_s": [p["nat"]["step_s"] for p in rounds],
+        "relay_added_step_s": round(statistics.median(added), 6) if added else None,  # median over the rounds
+        "relay_added_step_s_rounds": [round(a, 6) for a in added],
         "steps": args.steps, "losses": nat["losses"], "rc": {"direct": direct["rc"], "nat": nat["rc"]},
         "wan_mbit": args.wan_mbit, "out": str(out),
     }
