@@ -334,9 +334,11 @@ class HandshakeMonitor(threading.Thread):
     after bind."""
 
     def __init__(self, sock: zmq.Socket, owner: str, on_fail=None, log_interval_s: float = 10.0,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None, watch=None):
         super().__init__(name=f"monitor-{owner}", daemon=True)
         self.owner, self.on_fail = owner, on_fail
+        #: a connwatch.ConnectionWatch told of every connection (libzmq allows one monitor per socket: this one)
+        self.watch = watch
         self.failed = 0
         self.log = RefusalLog(owner, "connection(s) failed the handshake (a client must use this server's key and "
                                      "its own)", log_interval_s)
@@ -348,7 +350,7 @@ class HandshakeMonitor(threading.Thread):
                                   log_interval_s)
         self._open: dict[int, float] = {}  # descriptor -> when it was accepted, oldest first
         self._local = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if max_connections is not None else 0)
+        events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if max_connections is not None or watch is not None else 0)
         self._done = threading.Event()
         self._mon = sock.get_monitor_socket(events)
 
@@ -362,9 +364,13 @@ class HandshakeMonitor(threading.Thread):
                 if not self._mon.poll(100):
                     self.log.flush(time.monotonic())
                     self.cap_log.flush(time.monotonic())
+                    if self.watch is not None:
+                        self.watch.log.flush(time.monotonic())
                     continue
                 ev = recv_monitor_message(self._mon)
                 kind = ev.get("event")
+                if self.watch is not None and not self._done.is_set():
+                    self.watch.event(kind, ev.get("value", -1))
                 if kind == zmq.EVENT_ACCEPTED:
                     self._accepted(int(ev.get("value", -1)), time.monotonic())
                     continue
@@ -383,6 +389,8 @@ class HandshakeMonitor(threading.Thread):
             pass
         finally:
             self._mon.close(linger=0)
+            if self.watch is not None:
+                self.watch.close()
 
     def _accepted(self, fd: int, now: float) -> None:
         """A connection was accepted on ``fd``: count it, and when the socket is over its cap shut one down: the

@@ -10,6 +10,7 @@ import time
 from fusion.executors.runtime.control import Error, Hb, Hello, Ready, Setup, lasting_failure
 from fusion.executors.runtime.keys import insecure_warning
 from fusion.executors.runtime.limits import coordinator_message_limit
+from fusion.executors.runtime.relay import relay_target
 from fusion.executors.runtime.node_common import COORDINATOR, ExecutorAbort
 from fusion.ir.errors import FusionError
 
@@ -41,6 +42,9 @@ class Process:
                  self.spec.engine, self.cfg.advertise or address)
         if self.cfg.security is None:
             log.warning("%s", insecure_warning(self.me, address))
+        relay = relay_target(self.cfg.advertise or "")
+        if relay:  # --dial-out: registered with the relay before anyone is told to reach this part there
+            self.transport.join_relay(relay, self.cfg.startup_timeout_s)
         self.transport.connect(COORDINATOR, self.cfg.coordinator,
                                max_bytes=self.cfg.max_message_bytes or coordinator_message_limit(self.plan))
         self.transport.send(COORDINATOR, Hello(part=self.me, address=self.cfg.advertise or address,

@@ -43,6 +43,7 @@ import zmq
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
 from fusion.executors.runtime.keys import HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.connwatch import ConnectionWatch, SocketWatch
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -60,6 +61,8 @@ MAX_FRAMES = 2 + MAX_TENSORS
 #: connections a CURVE socket keeps open at once beyond two per allowed sender (each takes a file descriptor; a
 #: client that finishes no handshake is dropped after ZeroMQ's handshake interval, 30 s, but could open more meanwhile)
 SPARE_CONNECTIONS = 64
+#: bytes a frame may have over the message limit on the wire: ZMTP's and CURVE's own framing of it (ZMQ_MAXMSGSIZE)
+FRAME_SLACK = 256
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,7 @@ class Transport:
         self.ctx = zmq.Context()
         self.zap: ZapHandler | None = None
         self.monitor: HandshakeMonitor | None = None
+        self.watch: SocketWatch | None = None  # keyless sockets: who closed a connection (connwatch.py)
         if security is not None:  # the ZAP handler is bound in this context before any socket binds
             self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
             self.zap.start()
@@ -305,6 +309,8 @@ class Transport:
         self._bind_error: str | None = None
         self._recv = threading.Thread(target=self._recv_loop, name=f"recv-{name}", daemon=True) if recv_thread else None
         self._sock = None  # the ROUTER socket when pumped by the caller
+        self.relay = None  # the RelayClient once a relayed link or --dial-out needs one (relay.py)
+        self._pull = None  # relayed messages, opened, from the relay client's thread (made by the receiving thread)
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> str:
@@ -334,10 +340,43 @@ class Transport:
         """
         if peer in self.senders:
             return
-        s = (_Direct(self, peer, address, max_bytes) if direct and link is None
-             else _Sender(self, peer, address, link, max_bytes))
+        from fusion.executors.runtime.relay import RelayedLink, relay_target
+
+        if relay_target(address) is not None:  # a peer that only dials out: through the relay, sealed (relay.py)
+            self.join_relay(relay_target(address))
+            s: _Sender = RelayedLink(self, peer, address, max_bytes, LinkStats())
+        else:
+            s = (_Direct(self, peer, address, max_bytes) if direct and link is None
+                 else _Sender(self, peer, address, link, max_bytes))
         self.senders[peer] = s
         s.start()
+
+    def join_relay(self, address: str, timeout_s: float = 30.0) -> None:
+        """Register with the relay at ``address`` (idempotent): messages sealed for this process reach it through
+        there (:mod:`fusion.executors.runtime.relay`). Needs CURVE keys; one relay per transport."""
+        from fusion.executors.runtime.relay import RelayClient, relay_overhead
+
+        if self.relay is not None:
+            if self.relay.address != address:
+                raise TransportError(f"{self.name}: already using the relay at {self.relay.address}, not {address}")
+            return
+        if self.security is None:
+            raise TransportError(f"{self.name}: a link through the relay at {address} needs CURVE keys (--key), not "
+                                 "--insecure: the relay must not be able to read or forge the traffic")
+        try:
+            client = RelayClient(self.ctx, self.security, address, MAX_FRAMES - 1,
+                                 on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s,
+                                 max_bytes=self.max_message_bytes + FRAME_SLACK + relay_overhead(MAX_FRAMES))
+        except FusionError as e:
+            raise TransportError(str(e)) from None
+        try:
+            client.start(timeout_s)
+        except BaseException as e:
+            client.close()
+            if isinstance(e, FusionError):
+                raise TransportError(str(e)) from None
+            raise
+        self.relay = client
 
     def send(self, peer: str, frames: list, label: str = "") -> None:
         """Send a message to ``peer`` without waiting for it to leave. ``label`` names its trace span."""
@@ -364,6 +403,9 @@ class Transport:
         still unsent (default: the transport's ``linger_s``); short when the
         peers may be gone already.
         """
+        for t in (self.watch, self.monitor):  # first: the closing socket's own disconnections are no refusals
+            if t is not None:
+                t.stop()
         for s in self.senders.values():
             s.stop(self.linger_s if linger_s is None else linger_s)
         deadline = time.monotonic() + timeout_s
@@ -375,11 +417,16 @@ class Transport:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for t in (self.zap, self.monitor):
+        if self.relay is not None:
+            self.relay.close()
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+        for t in (self.zap, self.monitor, self.watch):
             if t is not None:
                 t.stop()
                 t.join(1.0)
-        helpers = [t for t in (self._recv, self.zap, self.monitor) if t is not None]
+        helpers = [t for t in (self._recv, self.zap, self.monitor, self.watch) if t is not None]
         if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
@@ -396,8 +443,9 @@ class Transport:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        # ZeroMQ drops (without a reason) frames over twice the limit; smaller oversize ones get a logged reason
-        sock.setsockopt(zmq.MAXMSGSIZE, min(2 * self.max_message_bytes + (1 << 20), (1 << 62)))
+        # libzmq refuses a frame over the limit when it reads its length, before buffering a byte of it, and closes
+        # the connection; the watch below tells that apart from a peer leaving and logs it (connwatch.py)
+        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes + FRAME_SLACK, (1 << 62)))
         if self.security is not None:
             # a connection that has not finished its CURVE handshake by then is dropped (libzmq's default: 30 s)
             sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
@@ -409,11 +457,16 @@ class Transport:
             self._bind_error = str(e)
             sock.close()
             return None
+        watch = ConnectionWatch(self.name, self.max_message_bytes + FRAME_SLACK,
+                                on_refused=lambda why: self.reject("?refused connection", why, quiet=True))
         if self.security is not None:
             self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
                                                                                           quiet=True),
-                                            max_connections=self.max_connections)
+                                            max_connections=self.max_connections, watch=watch)
             self.monitor.start()
+        else:
+            self.watch = SocketWatch(sock, self.name, watch)
+            self.watch.start()
         return sock
 
     def pump(self, timeout_s: float) -> int:
@@ -421,16 +474,48 @@ class Transport:
         if self._sock is None:
             time.sleep(timeout_s)
             return 0
-        n = 0
+        pull = self._relay_pull()
+        if pull is not None:
+            zmq.select([self._sock, pull], [], [], max(0.0, timeout_s))
+            return self._drain(self._sock) + self._drain(pull)
         if self._sock.poll(max(0, int(timeout_s * 1000))):
-            while True:
-                try:
-                    frames = recv_bounded(self._sock, self.max_message_bytes, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames)
-                n += 1
+            return self._drain(self._sock)
+        return 0
+
+    def _drain(self, sock) -> int:
+        """Handle every message waiting on ``sock`` (the ROUTER, or the relay's PULL) without blocking."""
+        n = 0
+        while True:
+            try:
+                if sock is self._pull:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    self._handle_relayed(frames)
+                else:
+                    self._handle(recv_bounded(sock, self.max_message_bytes, flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            n += 1
         return n
+
+    def _relay_pull(self):
+        """The PULL socket of relayed messages (None without a relay), made by the receiving thread that asks
+        first: the relay client's thread opens each sealed message and hands its frames on through it."""
+        if self.relay is None:
+            return None
+        if self._pull is None:
+            pull = self.ctx.socket(zmq.PULL)
+            pull.setsockopt(zmq.LINGER, 0)
+            pull.setsockopt(zmq.RCVHWM, 100_000)
+            pull.connect(self.relay.inproc)
+            self._pull = pull
+        return self._pull
+
+    def recv_sockets(self) -> list:
+        """The sockets the receiving thread polls: the ROUTER, and the relay's PULL when there is a relay."""
+        if self._sock is None:
+            return []
+        pull = self._relay_pull()
+        return [self._sock] if pull is None else [self._sock, pull]
 
     def _recv_loop(self) -> None:
         sock = self._bind()
@@ -440,6 +525,12 @@ class Transport:
         sock.setsockopt(zmq.RCVTIMEO, 100)  # wake up now and then to notice close()
         try:
             while not self._stop.is_set():
+                pull = self._relay_pull()
+                if pull is not None:  # a relay joined: wait on both sockets
+                    zmq.select([sock, pull], [], [], 0.1)
+                    self._drain(sock)
+                    self._drain(pull)
+                    continue
                 try:
                     frames = recv_bounded(sock, self.max_message_bytes)
                 except zmq.Again:
@@ -447,6 +538,9 @@ class Transport:
                 self._handle(frames)
         finally:
             sock.close()
+            if self._pull is not None:
+                self._pull.close(linger=0)
+                self._pull = None
 
     def _sender(self, frames: list) -> str:
         """Who sent ``frames``: the name of its authenticated key (CURVE), else the identity it declared."""
@@ -496,7 +590,13 @@ class Transport:
             else:
                 self.reject(sender, frames.reason)
             return
-        sender = self._sender(frames)
+        self._deliver(self._sender(frames), frames[1:])
+
+    def _handle_relayed(self, frames: list) -> None:
+        """A relayed message: the sender's name (its box opened with that sender's key: relay.py), then its frames."""
+        self._deliver(bytes(frames[0].buffer[:256]).decode("utf-8", "replace"), frames[1:])
+
+    def _deliver(self, sender: str, frames: list) -> None:
         if sender in self.cut_off:  # named once already; its messages are not even decoded any more
             self.rejected += 1
             return
@@ -504,7 +604,7 @@ class Transport:
         try:
             if sender not in self.allowed:  # before a byte is decoded
                 raise WireError(f"unknown sender {sender!r} (expected one of {sorted(self.allowed)})")
-            msg = decode(frames[1:], self.max_message_bytes)
+            msg = decode(frames, self.max_message_bytes)
         except WireError as e:
             self.reject(sender, str(e))
             return
@@ -542,7 +642,7 @@ class Transport:
 def pump_any(transports: "list[Transport]", timeout_s: float) -> int:
     """Caller-receives mode over the transports of one process (the parts of one device under interleaved
     1F1B): wait up to ``timeout_s`` until any has a message, then handle what arrived on each."""
-    socks = [t._sock for t in transports if t._sock is not None]
+    socks = [s for t in transports for s in t.recv_sockets()]
     if socks:
         poller = zmq.Poller()
         for sock in socks:

@@ -90,9 +90,13 @@ def executor_config(args: "Executor", plan, name: str, key, trace, device: str, 
 
     plan_addr = plan.parts[name].address
     bind = args.bind or (bind_address(plan_addr) if plan_addr else None)
+    advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
+    if args.dial_out:  # nothing reachable listens: a loopback port only, and peers are told to use the relay
+        from fusion.executors.runtime.relay import dial_out_addresses
+
+        bind, advertise = dial_out_addresses(args.dial_out, args.bind, args.security.insecure)
     if bind is None:
         raise FusionError(f"{args.plan}: part {name!r} has no address in the plan; pass --bind")
-    advertise = args.advertise or (plan_addr if plan_addr and not args.bind else None)
     security = security_from_args(dataclasses.replace(args.security, key=key), args.plan,
                                   [COORDINATOR, *plan.parts], name, bind)
     return ExecutorConfig(name, args.coordinator, bind, advertise, device, args.max_message_bytes,

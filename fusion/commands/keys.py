@@ -91,7 +91,7 @@ def run(args: "Keys") -> int:
     plan = load_plan(args.plan)
     plan_dir = Path(args.plan)
     plan_dir = plan_dir.parent if plan_dir.name == "plan.json" else plan_dir
-    names = [COORDINATOR, *plan.parts]
+    names = [COORDINATOR, *plan.parts] + (["relay"] if args.relay else [])
     out = Path(args.out)
     targets = [out / f"{n}.secret" for n in names]
     existing = [str(t) for t in targets if t.exists()] + ([str(plan_dir / PUBLIC_KEYS_FILE)]

@@ -147,6 +147,7 @@ class Executor:
     coordinator: str = option("--coordinator", required=True, type=zmq_address, metavar="ADDR", help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
     bind: str | None = option("--bind", type=zmq_address, metavar="ADDR", help="address to listen on (default: the plan's address for this part, on that address only; tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
     advertise: str | None = option("--advertise", type=zmq_address, metavar="ADDR", help="address peers connect to (default: the plan's address, else the bound one)")
+    dial_out: str | None = option("--dial-out", type=zmq_address, metavar="RELAY_ADDR", help="behind NAT: make only outbound connections; peers and the coordinator reach this CompNode through `fusion relay` at RELAY_ADDR, sealed end to end (needs --key; docs/security.md)")
     device: str = option("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
     threads: int | None = option("--threads", type=int, help="intra-op threads of the engine (default: the host's cores shared among the plan's CompNode processes whose address names this part's host; torch's own default when the plan has no addresses)")
     startup_timeout: float = option("--startup-timeout", default=120.0, type=positive_float, help="give up when the coordinator has not answered after this long (s)")
@@ -187,6 +188,20 @@ class Keys:
     plan: str = option(help="plan directory")
     out: str = option("--out", default="keys", metavar="DIR", help="folder for the secret key files")
     force: bool = option("--force", kind="flag", help="replace existing keys (running executors must restart)")
+    relay: bool = option("--relay", kind="flag", help="also a key pair for `fusion relay` (relay.secret), for CompNodes started with --dial-out")
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class Relay:
+    plan: str = option(help="plan directory")
+    bind: str = option("--bind", required=True, type=zmq_address, metavar="ADDR", help="address to listen on, tcp://HOST:PORT, e.g. tcp://*:5700")
+    key: str = option("--key", required=True, metavar="FILE", help="the relay's secret key file (relay.secret)")
+    public_keys: str | None = option("--public-keys", metavar="FILE", help="the run's public keys (default: PLAN/public_keys.json)")
+    max_message_bytes: int | None = option("--max-message-bytes", type=int, help="forward sealed messages up to this size (default: the largest any process of the plan receives, sealed; raise it for data-parallel or DiLoCo plans given --max-message-bytes)")
+    stats: str | None = option("--stats", metavar="FILE", help="write what was forwarded (messages, bytes, per sender -> receiver) here as JSON, every second")
 
     def check(self) -> None:
         pass
@@ -246,4 +261,8 @@ COMMANDS = {c.name: c for c in (
             "Make one CURVE key pair per CompNode of PLAN and one for the coordinator: public keys go to "
             "PLAN/public_keys.json, each secret key to OUT/<name>.secret (mode 0600). Give each host only its own "
             "secret file."),
+    Command("relay", Relay, "fusion.commands.relay", "forward the traffic of CompNodes behind NAT (`fusion executor --dial-out`)",
+            "Listen at --bind ADDR (a reachable address) and forward sealed messages between the processes of PLAN's "
+            "run; CompNodes started with --dial-out ADDR make only outbound connections. Needs the relay's key: "
+            "`fusion keys PLAN --relay`. Runs until SIGTERM or Ctrl-C.", default_verbosity=1),
 )}

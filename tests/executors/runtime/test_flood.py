@@ -64,7 +64,7 @@ def test_a_1gib_message_and_a_flood_from_a_stranger_leave_memory_bounded_and_the
             return s
 
         # 1 GiB declared and sent (untouched zero pages: the sender's memory does not grow): over the link's limit,
-        # ZeroMQ drops the connection when it reads the frame's size, before buffering it
+        # ZeroMQ drops the connection when it reads the frame's size, before buffering it (logged, counted: connwatch)
         big = dealer(b"mallory-big")
         gib = np.zeros(1 << 30, np.uint8)
         big.send_multipart([msgpack.packb({"v": 1, "k": "opdata", "h": {}, "t": [{"d": "uint8", "s": [1 << 30]}]}),
@@ -90,7 +90,9 @@ def test_a_1gib_message_and_a_flood_from_a_stranger_leave_memory_bounded_and_the
     assert mem["after"] - mem["before"] < 32, mem  # not 1 GiB, not the flood: bounded
     assert mem["warnings"] == REJECT_LIMIT + 1  # then one line naming the sender, and the log stays quiet
     assert [r.loss for r in hit] == [r.loss for r in clean]
-    assert hit[1].parts["p1"]["rejected"] == FLOOD  # every message counted, read or not
+    # every message counted, read or not, and the 1 GiB one too: the connection ZeroMQ closed on it (issue 39)
+    # (the watch notes the closed connection on its own thread: counted by the last step at the latest)
+    assert hit[1].parts["p1"]["rejected"] in (FLOOD, FLOOD + 1) and hit[-1].parts["p1"]["rejected"] == FLOOD + 1
 
 
 def _activation(it: int = 10_000, src: str = "p0"):

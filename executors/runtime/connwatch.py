@@ -1,0 +1,129 @@
+"""Who closed a connection: the peer, or ZeroMQ refusing what it sent (a frame over ``ZMQ_MAXMSGSIZE``).
+
+A bound socket's ``ZMQ_MAXMSGSIZE`` is the receiver's message limit (``limits.py``), so libzmq refuses an
+over-limit frame when it reads the frame's length, before a byte of it is buffered: a 960 MiB message of
+60 x 16 MiB frames costs the receiver nothing. But libzmq refuses by closing the connection, and its monitor
+reports that as ``DISCONNECTED``, the same event as a peer that left.
+
+:class:`ConnectionWatch` tells them apart truthfully: it keeps a duplicate of each accepted connection's
+descriptor (the kernel socket then outlives libzmq's close), and when the connection is reported closed it peeks
+at the duplicate: end of stream (or a reset) means the peer closed it; anything else (unread bytes, or nothing
+yet with the stream still open) means this side closed it on a peer still sending: refused by ZeroMQ (an
+over-limit frame or a ZMTP protocol error). A refusal is counted, handed to ``on_refused`` and logged as counts
+(at most one line per interval, :class:`~fusion.executors.runtime.keys.RefusalLog`); then the duplicate is closed.
+
+Used by the transport's keyless sockets (``--insecure``, thread :class:`SocketWatch`) and by the CURVE sockets'
+:class:`~fusion.executors.runtime.keys.HandshakeMonitor` (one monitor per socket).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from fusion.executors.runtime.keys import RefusalLog
+
+#: the monitor events a watch needs
+WATCH_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+#: descriptors a watch duplicates at most (beyond, connections are not told apart; libzmq still bounds them)
+MAX_WATCHED = 4096
+
+
+class ConnectionWatch:
+    """Duplicated descriptors of the open connections of one bound socket, and the verdict when one closes."""
+
+    def __init__(self, owner: str, limit_bytes: int, on_refused: Callable[[str], None] | None = None,
+                 log_interval_s: float = 10.0):
+        self.owner, self.limit_bytes, self.on_refused = owner, limit_bytes, on_refused
+        self.refused = 0
+        self.log = RefusalLog(owner, f"connection(s) closed by ZeroMQ while the peer was still sending (a frame over "
+                                     f"this socket's limit of {limit_bytes} bytes, ZMQ_MAXMSGSIZE, or a protocol "
+                                     "error): refused", log_interval_s)
+        self._dups: dict[int, tuple[socket.socket, str]] = {}
+
+    def accepted(self, fd: int) -> None:
+        if fd < 0 or len(self._dups) >= MAX_WATCHED:
+            return
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            host, port = s.getpeername()[:2]
+            who = f"{host}:{port}"
+        except OSError:
+            who = "?"
+        old = self._dups.pop(fd, None)
+        if old is not None:
+            old[0].close()
+        self._dups[fd] = (s, who)
+
+    def closed(self, fd: int, now: float | None = None) -> None:
+        entry = self._dups.pop(fd, None)
+        if entry is None:
+            return
+        s, who = entry
+        try:
+            try:
+                peer_closed = s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                peer_closed = False  # the stream is open: this side closed it
+            except OSError:
+                peer_closed = True  # reset by the peer
+        finally:
+            s.close()
+        if peer_closed:
+            return
+        self.refused += 1
+        reason = (f"connection from {who} closed by ZeroMQ while it was still sending: a frame over the limit of "
+                  f"{self.limit_bytes} bytes (ZMQ_MAXMSGSIZE) or a protocol error; refused unread")
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        self.log.note(f"from {who}", time.monotonic() if now is None else now)
+
+    def event(self, kind: int, value: int) -> None:
+        """Hand on one monitor event."""
+        if kind == zmq.EVENT_ACCEPTED:
+            self.accepted(int(value))
+        elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            self.closed(int(value))
+
+    def close(self) -> None:
+        for s, _ in self._dups.values():
+            s.close()
+        self._dups.clear()
+
+
+class SocketWatch(threading.Thread):
+    """A monitor thread running a :class:`ConnectionWatch` on a keyless bound socket. Create it in the thread that
+    owns ``sock``, right after bind."""
+
+    def __init__(self, sock: zmq.Socket, owner: str, watch: ConnectionWatch):
+        super().__init__(name=f"watch-{owner}", daemon=True)
+        self.watch = watch
+        self._mon = sock.get_monitor_socket(WATCH_EVENTS)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while not self._done.is_set():
+                if not self._mon.poll(100):
+                    self.watch.log.flush(time.monotonic())
+                    continue
+                ev = recv_monitor_message(self._mon)
+                if not self._done.is_set():
+                    self.watch.event(ev.get("event", 0), ev.get("value", -1))
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._mon.close(linger=0)
+            self.watch.close()
+
+    def stop(self) -> None:
+        self._done.set()
