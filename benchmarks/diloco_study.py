@@ -114,6 +114,8 @@ class Curve:
     val: list[float] = field(default_factory=list)
     train: list[float] = field(default_factory=list)  #: mean training loss of every step (all replicas)
     sent_bytes: int = 0  #: pseudo-gradient tensor bytes replica 0 sent in all (DiLoCo)
+    payload_bytes: int = 0  #: bytes of replica 0's pseudo-gradient payloads, once per round (DiLoCo)
+    dense_bytes: int = 0  #: what those rounds' pseudo-gradients are dense (float32 buffers)
     wall_s: float = 0.0
 
 
@@ -276,7 +278,7 @@ class DiLoCoReplicas:
         self.outer_steps = 0
         self.steps_done = 0  #: completed inner steps (the round number of an overlapped outer step)
         self._eval = make_model(cfg, seed) if sync.delay else None
-        self.sent_bytes = 0
+        self.sent_bytes = self.payload_bytes = self.dense_bytes = 0
 
     def inner_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """Every replica's inner step on its share; the mean of their losses."""
@@ -326,6 +328,8 @@ class DiLoCoReplicas:
                 for name, p in m.named_parameters():
                     p.copy_(torch.from_numpy(np.ascontiguousarray(new[name])))
         self.sent_bytes += results[0][1]["sent_bytes"]
+        self.payload_bytes += results[0][1]["payload_bytes"]
+        self.dense_bytes += sum(t.nbytes for t in self.loops[0].theta)
         self.outer_steps += 1
 
     def global_model(self) -> torch.nn.Module:
@@ -382,7 +386,7 @@ def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps
             reps.outer_step()
             c.steps.append(s)
             c.val.append(val_loss(reps.global_model(), vset))
-    c.sent_bytes = reps.sent_bytes
+    c.sent_bytes, c.payload_bytes, c.dense_bytes = reps.sent_bytes, reps.payload_bytes, reps.dense_bytes
     c.wall_s = time.perf_counter() - t0
     return c
 
@@ -442,6 +446,8 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
                      "gap_at_end": None if reached is not None else round(best - target, 4),
                      "val_at_sync_steps": round(c.val[max(i for i, s in enumerate(c.steps) if s <= cfg.steps)], 4),
                      "final_val": round(c.val[-1], 4), "pseudo_gradient_bytes_sent": c.sent_bytes,
+                     # a round's payload over its dense float32 pseudo-gradient (1: exact averaging)
+                     "pseudo_gradient_bytes_ratio": round(c.payload_bytes / c.dense_bytes, 5) if c.dense_bytes else None,
                      "val_curve": [[s, round(v, 4)] for s, v in zip(c.steps, c.val)],
                      "wall_s": round(c.wall_s, 1)}
         log.info("seed %d %s: steps to %.4f: %s (ratio %s), validation loss at %d steps %.4f, best %.4f (%.0f s)",

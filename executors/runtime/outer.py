@@ -109,6 +109,16 @@ def check_pseudo_codec(cfg: Mapping[str, Any] | None, source: str = "dp_sync.cod
     CODECS.check_role(cfg, Role.PSEUDO_GRADIENT, source)
 
 
+def pseudo_feedback_decay(cfg: Mapping[str, Any] | None) -> float:
+    """The weight of a replica's unsent residual in its next pseudo-gradient under ``cfg``'s codec (its
+    ``feedback_decay``: SparseLoCo's beta; 1 for the others and for dense averaging)."""
+    if cfg is None:
+        return 1.0
+    from fusion.kernels.codecs import CODECS
+
+    return float(CODECS.unit(cfg["algo"]).feedback_decay(cfg))
+
+
 def fragment_buckets(params: Mapping[str, tuple[Sequence[int], str]], fragments: int
                      ) -> tuple[list[Bucket], list[list[int]]]:
     """Streaming DiLoCo's fragments of a part's trainable parameters ``name -> (shape, dtype)``: the names in
@@ -320,6 +330,8 @@ class OuterLoop:
         self.theta = [flatten(b, params) for b in self.buckets]
         self.v = [np.zeros_like(t) for t in self.theta]
         self.residual = [np.zeros_like(t) for t in self.theta] if sync.error_feedback else None
+        #: the residual's weight in the next message (SparseLoCo's beta, Algorithm 1 line 1; 1 for other codecs)
+        self.decay = pseudo_feedback_decay(sync.codec)
         #: dp_sync.delay 1: each bucket's weights at the start of this replica's current window (the pseudo-
         #: gradient is ``anchor - theta_r``, the window's own progress) and each fragment's round in flight
         self.delay = int(getattr(sync, "delay", 0))
@@ -330,6 +342,11 @@ class OuterLoop:
         #: dp_sync.overlap (delay 1): the eager step (its own pseudo-gradient at once) or the naive delayed one
         self.eager = bool(self.delay) and getattr(sync, "overlap", "delayed") == "eager"
         self.pending: dict[int, Round] = {}
+
+    def _fed_back(self, b: int) -> np.ndarray:
+        """Bucket ``b``'s residual as it enters the next message: ``decay * e`` (``e`` itself at decay 1)."""
+        e = self.residual[b]
+        return e if self.decay == 1.0 else e * np.asarray(self.decay, dtype=e.dtype)
 
     def due(self, steps_done: int) -> int | None:
         """The fragment whose outer step ends the step that makes ``steps_done`` completed steps, or None:
@@ -416,7 +433,7 @@ class OuterLoop:
             residual = []
             for b, d in zip(only, deltas):
                 if self.residual is not None:
-                    d = d + self.residual[b]
+                    d = d + self._fed_back(b)
                 meta, frames = encode_pseudo(d, codec)
                 got = decode_pseudo(meta, frames, codec)
                 residual.append(d - got)  # what the codec did not deliver goes with the next pseudo-gradient
@@ -517,7 +534,7 @@ class OuterLoop:
         Returns (the packs sent, the tensor bytes sent)."""
         only, s = self.fragments[fragment], self.sync
         ef = self.residual is not None and s.codec is not None
-        ins = [d + self.residual[b] if ef else d for b, d in zip(only, deltas)]
+        ins = [d + self._fed_back(b) if ef else d for b, d in zip(only, deltas)]
         packs = [self._pack(x) for x in ins]
         if ef:
             for b, x, (_, _, got) in zip(only, ins, packs):

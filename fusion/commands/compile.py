@@ -65,7 +65,7 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
                        help="diloco: inner steps per outer step (default 20), or with --strategy dp a comma list "
                             "the planner chooses from (default 10,20,50,100,200,500)"),
         g.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="diloco: outer learning rate (0.7)"),
-        g.add_argument("--outer-momentum", type=float, default=0.6, metavar="M",
+        g.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, metavar="M",
                        help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)"),
         g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
         g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
@@ -349,6 +349,7 @@ def _keep_outer_options(plan, asked) -> None:
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
                                        # the variant of a delay the planner chose: the user's
                                        overlap=asked.overlap if plan.dp_sync.delay else "delayed")
+    plan.dp_sync = codec_outer(plan.dp_sync, asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -495,6 +496,27 @@ def inner_steps_of(args: argparse.Namespace) -> tuple[int, ...] | None:
     return hs
 
 
+#: ``--outer-momentum`` when left out
+DEFAULT_OUTER_MOMENTUM = 0.6
+
+
+def codec_outer(sync, momentum_given: bool):
+    """``sync`` with the outer step its pseudo-gradient codec's algorithm prescribes (the codec registry's answer):
+    error feedback on where the codec always feeds back (SparseLoCo, arXiv 2508.15706 Algorithm 1), and the
+    codec's outer momentum (SparseLoCo: 0, its error feedback replaces it) unless ``--outer-momentum`` was given."""
+    import dataclasses
+
+    from fusion.kernels.codecs import CODECS
+
+    if sync.codec is None:
+        return sync
+    unit = CODECS.unit(sync.codec["algo"])
+    changes: dict = {"error_feedback": True} if unit.pseudo_feedback else {}
+    if unit.outer_momentum is not None and not momentum_given:
+        changes["outer_momentum"] = unit.outer_momentum
+    return dataclasses.replace(sync, **changes)
+
+
 def dp_sync_from_args(args: argparse.Namespace):
     """The :class:`~fusion.plan.DPSync` of ``--dp-sync`` and its options, checked before the model is traced:
     FusionError (one line naming the flag) for H < 1, a codec that is unknown or not allowed for
@@ -566,6 +588,7 @@ def dp_sync_from_args(args: argparse.Namespace):
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
                   overlap=overlap or "delayed")
+    sync = codec_outer(sync, args.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
