@@ -221,7 +221,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
            else study(cfg, seeds, hs, args.quant8_h or None, args.jobs, overlaps))
     runs = {name: {"h": v.sync.inner_steps, "outer_lr": v.sync.outer_lr, "outer_momentum": v.sync.outer_momentum,
                    "nesterov": v.sync.nesterov, "delay": v.sync.delay, "overlap": v.sync.overlap,
-                   "codec": v.sync.codec, "error_feedback": v.sync.error_feedback,
+                   "codec": v.sync.codec, "error_feedback": v.sync.error_feedback, "inner": v.inner or cfg.inner,
                    "inner_lr": cfg.diloco_lr or cfg.lr if v.lr is None else v.lr,
                    "sync_warmup": cfg.sync_warmup if v.warmup is None else v.warmup}
             for name, v in variants.items()}
@@ -240,7 +240,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
 
 #: a --variant's keys: its DiLoCo settings, then its pseudo-gradient codec's (codec=NAME and that codec's cfg keys;
 #: ef=1: error feedback for a codec that does not turn it on itself)
-KEYS = ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap")
+KEYS = ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap", "inner")
 CODEC_KEYS = ("codec", "chunk", "k", "beta", "bits", "ratio", "ef")
 
 
@@ -283,7 +283,9 @@ def parse_variant(spec: str, cfg):
                   **({"delay": 1, "overlap": overlap} if overlap else {}))
     # the codec's own outer step (SparseLoCo: error feedback, no outer momentum unless outer_momentum= is given)
     sync = codec_outer(sync, "outer_momentum" in kv)
-    return name, Variant(sync, lr=float(kv["lr"]) if "lr" in kv else None,
+    if kv.get("inner") not in (None, "adamw", "muon", "sgd"):
+        raise ValueError(f"{spec!r}: inner={kv['inner']} (adamw, muon or sgd)")
+    return name, Variant(sync, lr=float(kv["lr"]) if "lr" in kv else None, inner=kv.get("inner"),
                          warmup=int(kv["warmup"]) if "warmup" in kv else None)
 
 
