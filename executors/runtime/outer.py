@@ -23,7 +23,8 @@ theta_global and v (the averaged Delta is the same bits everywhere, and the upda
 Exact averaging runs the stage's ring or tree all-reduce (:mod:`.allreduce`) on the flat pseudo-gradient
 buckets, on the same wire. With a lossy pseudo-gradient codec (``dp_sync.codec``: ``quant`` of 8 or 4 bits,
 or ``topk``), each replica encodes its own pseudo-gradient (plus, with ``error_feedback``, the residual it
-did not send last time) once and sends the same payload to every other member of its group; every replica
+did not send last time, weighted by the codec's ``feedback_decay``: SparseLoCo's beta, 1 for the others) once
+and sends the same payload to every other member of its group; every replica
 decodes all payloads and sums them in replica order, so all apply the same bits (as ``TiedCodec`` does for
 tied gradients). These messages are wire messages of kind ``"allreduce"`` whose header carries
 ``"gather": true`` and the sender's ``group`` (:class:`PseudoInbox` accepts them: from a member of the group,

@@ -68,9 +68,11 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, metavar="M",
                        help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)"),
         g.add_argument("--no-nesterov", action="store_true", help="diloco: heavy-ball outer momentum, not Nesterov"),
-        g.add_argument("--pseudo-codec", default=None, metavar="quant:bits=8|4 | topk:ratio=R",
+        g.add_argument("--pseudo-codec", default=None,
+                       metavar="quant:bits=8|4 | topk:ratio=R | sparseloco[:chunk=C,k=K,beta=B]",
                        help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; "
-                            "default: exact averaging)"),
+                            "default: exact averaging); sparseloco (SparseLoCo: chunk Top-k + 2-bit) turns error "
+                            "feedback on and the outer momentum off unless --outer-momentum is given"),
         g.add_argument("--pseudo-error-feedback", action="store_true",
                        help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it "
                             "to the next one (needs --pseudo-codec)"),
