@@ -710,7 +710,8 @@ class CompNode:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_wait(it, st.own)
         stats["sync_s"] = time.perf_counter() - st.t_sync
-        if self.ring is not None and self.outer is None:
+        done = it + 1 if st.c.save_step is None else st.c.save_step  # completed steps after this one
+        if self.ring is not None and (self.outer is None or self.outer.warming(done)):  # (DiLoCo's warm-up too)
             t_ar = time.perf_counter()
             with self.tracer.span("allreduce", "sync"):
                 self._allreduce(it)
@@ -752,6 +753,9 @@ class CompNode:
             self.opt.zero_grad()
         stats["optimizer_s"] = time.perf_counter() - t_opt
         done = it + 1 if c.save_step is None else c.save_step  # completed steps (the coordinator's count)
+        if self.outer is not None and self.outer.warmup and done == self.outer.warmup:  # DiLoCo starts here
+            names = {n for b in self.outer.buckets for n in b.names}
+            self.outer.restart({n: a for n, a in engine.state().items() if n in names})
         frag = self.outer.due(done) if self.outer is not None else None
         if frag is not None:
             stats["outer"] = self._outer_step(it, done, frag)

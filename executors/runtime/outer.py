@@ -343,6 +343,24 @@ class OuterLoop:
         #: dp_sync.overlap (delay 1): the eager step (its own pseudo-gradient at once) or the naive delayed one
         self.eager = bool(self.delay) and getattr(sync, "overlap", "delayed") == "eager"
         self.pending: dict[int, Round] = {}
+        #: dp_sync.sync_warmup N: steps 1..N are synchronous DP (the CompNode all-reduces their gradients);
+        #: :meth:`restart` at N, and the outer boundaries count from there
+        self.warmup = int(getattr(sync, "sync_warmup", 0))
+
+    def warming(self, steps_done: int) -> bool:
+        """Whether the step that makes ``steps_done`` completed steps is one of the synchronous warm-up's."""
+        return steps_done <= self.warmup
+
+    def restart(self, params: Mapping[str, np.ndarray]) -> None:
+        """DiLoCo's start at the end of the synchronous warm-up: the global weights are ``params`` (every replica
+        holds the same after an all-reduced step), outer momentum, residual and anchors start afresh."""
+        self.theta = [flatten(b, params) for b in self.buckets]
+        self.v = [np.zeros_like(t) for t in self.theta]
+        if self.residual is not None:
+            self.residual = [np.zeros_like(t) for t in self.theta]
+        if self.anchor is not None:
+            self.anchor = [t.copy() for t in self.theta]
+        self.pending = {}
 
     def _fed_back(self, b: int) -> np.ndarray:
         """Bucket ``b``'s residual as it enters the next message: ``decay * e`` (``e`` itself at decay 1)."""
@@ -353,6 +371,9 @@ class OuterLoop:
         """The fragment whose outer step ends the step that makes ``steps_done`` completed steps, or None:
         fragment f at ``steps_done % H == (f H) // F`` (staggered; one fragment: every H-th step)."""
         h, f = self.sync.inner_steps, len(self.fragments)
+        if steps_done <= self.warmup:
+            return None
+        steps_done -= self.warmup
         return next((i for i in range(f) if steps_done % h == (i * h) // f), None)
 
     # -- checkpoints ---------------------------------------------------------------------

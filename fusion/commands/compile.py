@@ -85,6 +85,9 @@ def add_compile_options(p, note: str = "") -> dict[str, object]:
         g.add_argument("--outer-delay", type=int, default=None, metavar="D",
                        help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it "
                             "overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp"),
+        g.add_argument("--sync-warmup", type=int, default=0, metavar="N",
+                       help="diloco: the first N steps are synchronous DP (gradients averaged every step), then "
+                            "DiLoCo starts from those weights, each replica keeping its optimizer state (0: none)"),
         g.add_argument("--outer-overlap", default=None, metavar="eager|delayed",
                        help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or "
                             "eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the "
@@ -351,7 +354,8 @@ def _keep_outer_options(plan, asked) -> None:
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
                                        # the variant of a delay the planner chose: the user's
                                        overlap=asked.overlap if plan.dp_sync.delay else "delayed")
-    plan.dp_sync = codec_outer(plan.dp_sync, asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
+    plan.dp_sync = codec_outer(dataclasses.replace(plan.dp_sync, sync_warmup=asked.sync_warmup),
+                               asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -537,7 +541,8 @@ def dp_sync_from_args(args: argparse.Namespace):
                                    ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                    ("--replica-shares", args.replica_shares, None),
                                    ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
-                                   ("--outer-overlap", getattr(args, "outer_overlap", None), None))
+                                   ("--outer-overlap", getattr(args, "outer_overlap", None), None),
+                                   ("--sync-warmup", getattr(args, "sync_warmup", 0), 0))
                  if v != d]
         if given:
             raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
@@ -589,13 +594,14 @@ def dp_sync_from_args(args: argparse.Namespace):
         raise FusionError(f"--replica-shares names replica {max(shares)}; there are {args.replicas} (0..{args.replicas - 1})")
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
-                  overlap=overlap or "delayed")
+                  overlap=overlap or "delayed", sync_warmup=getattr(args, "sync_warmup", 0))
     sync = codec_outer(sync, args.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
         msg = str(e)
-        msg = msg.replace("--dp-sync diloco.shares", "--replica-shares")
+        msg = msg.replace("--dp-sync diloco.shares", "--replica-shares").replace("--dp-sync diloco.sync_warmup",
+                                                                                  "--sync-warmup")
         for name in ("outer_lr", "outer_momentum"):
             msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
         raise FusionError(msg) from None

@@ -34,6 +34,15 @@ from fusion.commands.steploop import train
 non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
 
 
+def check_warmup_steps(sync, steps: int) -> None:
+    """FusionError (one line) when the synchronous warm-up (``dp_sync.sync_warmup``) leaves DiLoCo no step."""
+    from fusion.ir.errors import FusionError
+
+    if sync.mode == "diloco" and sync.sync_warmup and sync.sync_warmup >= steps:
+        raise FusionError(f"--sync-warmup {sync.sync_warmup}: the synchronous warm-up must be shorter than the run "
+                          f"(--steps {steps}), or DiLoCo never starts")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="train a model or plan locally, one process per CompNode",
                        description="Compile MODEL (file.py:function) for --cluster, or load PLAN (a plan directory), "
@@ -193,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
         loaded = load_plan(plan_dir)
         _refuse_untrusted(loaded, plan_dir, trust)
+        check_warmup_steps(loaded.dp_sync, args.steps)
         if not loaded.graph.loss_nodes():
             raise FusionError(f"{plan_dir}: the plan's model has no loss, so training would minimise nothing; "
                               "recompile it with --loss NAME (a scalar output of the model)")
@@ -206,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         from fusion.commands.compile import compile_from_args, describe_plan, dp_sync_from_args, optimizer_from_args
         from fusion.commands.compile_cache import compile_cached
 
-        dp_sync_from_args(args)  # before the model is traced: a bad --dp-sync option is one line at once
+        check_warmup_steps(dp_sync_from_args(args), args.steps)  # before the model is traced: one line at once
         if args.join_at:  # what the options say already (the rest is checked on the compiled plan)
             from fusion.executors.runtime.join import check_join_options
 
