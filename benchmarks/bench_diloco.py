@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
+    ap.add_argument("--inner", default="adamw", choices=("adamw", "muon"),
+                    help="convergence: the optimizer of synchronous DP (the target) and of the replicas")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.5,
                     help="convergence: DiLoCo's outer momentum (tuned on seeds 100-101: 0.5)")
@@ -201,7 +203,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     load_start = os.getloadavg()
     cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, diloco_lr=args.diloco_lr, sync_warmup=args.sync_warmup,
-                      min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov))
+                      min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov), inner=args.inner)
     seeds = [int(s) for s in args.seeds.split(",")]
     try:
         variants = dict(parse_variant(v, cfg) for v in args.variant)

@@ -219,7 +219,7 @@ def run_sync(cfg: StudyConfig, seed: int, train: np.ndarray, vset, steps: int | 
     """Synchronous DP: the replicas' averaged gradient every step, i.e. one model on the global batch."""
     steps = cfg.steps if steps is None else steps
     model = make_model(cfg, seed)
-    opt = make_optimizer(cfg, model.parameters())
+    opt = make_optimizer(cfg, model.parameters(), model=model)
     c, t0 = Curve(), time.perf_counter()
     for s, batch in enumerate(train_batches(train, cfg, steps, seed), 1):
         opt.zero_grad(set_to_none=True)
