@@ -147,7 +147,8 @@ class SparseLoCoCodec(Codec):
     #: SparseLoCo: the error feedback replaces the outer momentum (Algorithm 1, line 4: plain outer SGD)
     outer_momentum: ClassVar[float | None] = 0.0
     pseudo_feedback: ClassVar[bool] = True
-    #: bench_codecs was not run on it; a stable sort per chunk, about topk's host path (rounded down)
+    #: measured: NumPy encode + decode of 1M float32 (chunk 4096, k 64) in 73 ms on one CPU thread, load 3.6 on the
+    #: shared 2-core host (57e6 B/s; rounded down); bench_codecs does not cover it
     rate: ClassVar[float] = 50e6
     payload_types: ClassVar[tuple] = (CodecPayload,)
     payload_word: ClassVar[str] = "sparseloco"
