@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
+    ap.add_argument("--inner", default="adamw", choices=("adamw", "muon"),
+                    help="convergence: the optimizer of synchronous DP (the target) and of the replicas")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.5,
                     help="convergence: DiLoCo's outer momentum (tuned on seeds 100-101: 0.5)")
@@ -201,7 +203,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     load_start = os.getloadavg()
     cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, diloco_lr=args.diloco_lr, sync_warmup=args.sync_warmup,
-                      min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov))
+                      min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov), inner=args.inner)
     seeds = [int(s) for s in args.seeds.split(",")]
     try:
         variants = dict(parse_variant(v, cfg) for v in args.variant)
@@ -221,6 +223,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
            else study(cfg, seeds, hs, args.quant8_h or None, args.jobs, overlaps))
     runs = {name: {"h": v.sync.inner_steps, "outer_lr": v.sync.outer_lr, "outer_momentum": v.sync.outer_momentum,
                    "nesterov": v.sync.nesterov, "delay": v.sync.delay, "overlap": v.sync.overlap,
+                   "codec": v.sync.codec, "error_feedback": v.sync.error_feedback, "inner": v.inner or cfg.inner,
                    "inner_lr": cfg.diloco_lr or cfg.lr if v.lr is None else v.lr,
                    "sync_warmup": cfg.sync_warmup if v.warmup is None else v.warmup}
             for name, v in variants.items()}
@@ -237,9 +240,18 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     return 0
 
 
+#: a --variant's keys: its DiLoCo settings, then its pseudo-gradient codec's (codec=NAME and that codec's cfg keys;
+#: ef=1: error feedback for a codec that does not turn it on itself)
+KEYS = ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap", "inner")
+CODEC_KEYS = ("codec", "chunk", "k", "beta", "bits", "ratio", "ef")
+
+
 def parse_variant(spec: str, cfg):
     """``NAME:KEY=V,...`` -> (NAME, diloco_study.Variant); unset keys take the study's settings."""
     from diloco_study import Variant
+    from fusion.commands.compile import codec_outer
+    from fusion.executors.runtime.dp.outer import check_pseudo_codec
+    from fusion.ir.errors import FusionError
     from fusion.plan import DPSync
 
     name, _, rest = spec.partition(":")
@@ -248,19 +260,34 @@ def parse_variant(spec: str, cfg):
     kv = {}
     for item in rest.split(","):
         k, eq, v = item.partition("=")
-        if not eq or k not in ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap"):
-            raise ValueError(f"{spec!r}: {item!r} (keys: h, outer_lr, outer_momentum, nesterov, lr, warmup, overlap)")
+        if not eq or k not in KEYS + CODEC_KEYS:
+            raise ValueError(f"{spec!r}: {item!r} (keys: {', '.join(KEYS + CODEC_KEYS)})")
         kv[k] = v
     if "h" not in kv:
         raise ValueError(f"{spec!r}: h=H is required")
     overlap = kv.get("overlap")
     if overlap not in (None, "eager", "delayed"):
         raise ValueError(f"{spec!r}: overlap={overlap} (eager or delayed)")
+    codec = None
+    if "codec" in kv:  # the pseudo-gradient codec, its cfg from the numeric keys given
+        codec = {"algo": kv["codec"], **{k: (float(v) if k in ("beta", "ratio") else int(v)) for k, v in kv.items()
+                                         if k in CODEC_KEYS[1:-1]}}
+        try:
+            check_pseudo_codec(codec, f"codec={kv['codec']}")
+        except FusionError as e:
+            raise ValueError(str(e)) from None
+    elif any(k in kv for k in CODEC_KEYS):
+        raise ValueError(f"{spec!r}: {', '.join(CODEC_KEYS[1:])} need codec=NAME")
     sync = DPSync("diloco", inner_steps=int(kv["h"]), outer_lr=float(kv.get("outer_lr", cfg.outer_lr)),
                   outer_momentum=float(kv.get("outer_momentum", cfg.outer_momentum)),
-                  nesterov=bool(int(kv.get("nesterov", int(cfg.outer_nesterov)))),
+                  nesterov=bool(int(kv.get("nesterov", int(cfg.outer_nesterov)))), codec=codec,
+                  error_feedback=codec is not None and bool(int(kv.get("ef", 0))),
                   **({"delay": 1, "overlap": overlap} if overlap else {}))
-    return name, Variant(sync, lr=float(kv["lr"]) if "lr" in kv else None,
+    # the codec's own outer step (SparseLoCo: error feedback, no outer momentum unless outer_momentum= is given)
+    sync = codec_outer(sync, "outer_momentum" in kv)
+    if kv.get("inner") not in (None, "adamw", "muon", "sgd"):
+        raise ValueError(f"{spec!r}: inner={kv['inner']} (adamw, muon or sgd)")
+    return name, Variant(sync, lr=float(kv["lr"]) if "lr" in kv else None, inner=kv.get("inner"),
                          warmup=int(kv["warmup"]) if "warmup" in kv else None)
 
 

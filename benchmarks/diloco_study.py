@@ -104,6 +104,7 @@ class Variant:
     sync: Any  #: its fusion.plan.DPSync
     lr: float | None = None
     warmup: int | None = None
+    inner: str | None = None  #: the replicas' inner optimizer (None: the config's; ``muon``: MuLoCo's)
 
 
 @dataclass
@@ -114,6 +115,8 @@ class Curve:
     val: list[float] = field(default_factory=list)
     train: list[float] = field(default_factory=list)  #: mean training loss of every step (all replicas)
     sent_bytes: int = 0  #: pseudo-gradient tensor bytes replica 0 sent in all (DiLoCo)
+    payload_bytes: int = 0  #: bytes of replica 0's pseudo-gradient payloads, once per round (DiLoCo)
+    dense_bytes: int = 0  #: what those rounds' pseudo-gradients are dense (float32 buffers)
     wall_s: float = 0.0
 
 
@@ -151,13 +154,49 @@ def make_model(cfg: StudyConfig, seed: int) -> torch.nn.Module:
     return gpt_model(gpt_config(cfg.seq), batch=1, seed=seed)[0]
 
 
-def make_optimizer(cfg: StudyConfig, params, lr: float | None = None) -> torch.optim.Optimizer:
+class MuonAdamW:
+    """Muon (torch.optim.Muon, Nesterov momentum 0.95, its step scaled to AdamW's RMS: ``match_rms_adamw``) on the
+    2-D weights that are not embeddings, AdamW on the rest, one learning rate: the torch engine's ``muon``
+    optimizer (``executors/engines/torch/optimizer.py``) on the study's GPT, as MuLoCo (arXiv 2505.23725) runs it
+    inside the replicas. The optimizer protocol the study uses: zero_grad, step, param_groups, state_dict."""
+
+    def __init__(self, model: torch.nn.Module, lr: float):
+        named = dict(model.named_parameters())
+        mats = [n for n, p in named.items() if p.ndim == 2 and not n.endswith(("wte.weight", "wpe.weight"))]
+        self.opts = [torch.optim.Muon([named[n] for n in mats], lr=lr, weight_decay=0.01, momentum=0.95,
+                                      nesterov=True, adjust_lr_fn="match_rms_adamw"),
+                     torch.optim.AdamW([p for n, p in named.items() if n not in set(mats)], lr=lr)]
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.opts for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def state_dict(self) -> list:
+        return [o.state_dict() for o in self.opts]
+
+    def load_state_dict(self, state: list) -> None:
+        for o, s in zip(self.opts, state):
+            o.load_state_dict(s)
+
+
+def make_optimizer(cfg: StudyConfig, params, lr: float | None = None, inner: str | None = None, model=None):
+    """The inner optimizer (``inner``, default ``cfg.inner``) over ``params``; ``muon`` needs ``model`` (names)."""
     lr = cfg.lr if lr is None else lr
-    if cfg.inner == "adamw":
+    if (inner or cfg.inner) == "muon":
+        return MuonAdamW(model, lr)
+    if (inner or cfg.inner) == "adamw":
         return torch.optim.AdamW(params, lr=lr)
-    if cfg.inner == "sgd":
+    if (inner or cfg.inner) == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    raise SystemExit(f"diloco_study: inner optimizer {cfg.inner!r}: expected adamw or sgd")
+    raise SystemExit(f"diloco_study: inner optimizer {inner or cfg.inner!r}: expected adamw, muon or sgd")
 
 
 @torch.no_grad()
@@ -180,7 +219,7 @@ def run_sync(cfg: StudyConfig, seed: int, train: np.ndarray, vset, steps: int | 
     """Synchronous DP: the replicas' averaged gradient every step, i.e. one model on the global batch."""
     steps = cfg.steps if steps is None else steps
     model = make_model(cfg, seed)
-    opt = make_optimizer(cfg, model.parameters())
+    opt = make_optimizer(cfg, model.parameters(), model=model)
     c, t0 = Curve(), time.perf_counter()
     for s, batch in enumerate(train_batches(train, cfg, steps, seed), 1):
         opt.zero_grad(set_to_none=True)
@@ -244,7 +283,7 @@ class DiLoCoReplicas:
     """R model copies, each with its inner optimizer, and each replica's :class:`OuterLoop` (fusion's)."""
 
     def __init__(self, cfg: StudyConfig, seed: int, sync, lr: float | None = None,
-                 start: tuple[dict, dict] | None = None):
+                 start: tuple[dict, dict] | None = None, inner: str | None = None):
         """``lr``: the replicas' inner learning rate (None: ``cfg.diloco_lr`` or else ``cfg.lr``); ``start``:
         (model state, optimizer state) every replica starts from (a synchronous warm-up's), else ``seed``'s init."""
         import copy
@@ -259,7 +298,7 @@ class DiLoCoReplicas:
         first = make_model(cfg, seed)
         self.models = [first] + [make_model(cfg, seed) for _ in range(cfg.replicas - 1)]
         lr = (cfg.lr if cfg.diloco_lr is None else cfg.diloco_lr) if lr is None else lr
-        self.opts = [make_optimizer(cfg, m.parameters(), lr) for m in self.models]
+        self.opts = [make_optimizer(cfg, m.parameters(), lr, inner, m) for m in self.models]
         if start is not None:
             for m, opt in zip(self.models, self.opts):
                 m.load_state_dict(start[0])
@@ -278,7 +317,7 @@ class DiLoCoReplicas:
         self.outer_steps = 0
         self.steps_done = 0  #: completed inner steps (the round number of an overlapped outer step)
         self._eval = make_model(cfg, seed) if sync.delay else None
-        self.sent_bytes = 0
+        self.sent_bytes = self.payload_bytes = self.dense_bytes = 0
 
     def inner_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """Every replica's inner step on its share; the mean of their losses."""
@@ -328,6 +367,8 @@ class DiLoCoReplicas:
                 for name, p in m.named_parameters():
                     p.copy_(torch.from_numpy(np.ascontiguousarray(new[name])))
         self.sent_bytes += results[0][1]["sent_bytes"]
+        self.payload_bytes += results[0][1]["payload_bytes"]
+        self.dense_bytes += sum(t.nbytes for t in self.loops[0].theta)
         self.outer_steps += 1
 
     def global_model(self) -> torch.nn.Module:
@@ -352,11 +393,12 @@ def diloco_steps(cfg: StudyConfig, h: int, warmup: int = 0) -> int:
 
 
 def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps: int | None = None,
-               lr: float | None = None, warmup: int | None = None) -> Curve:
+               lr: float | None = None, warmup: int | None = None, inner: str | None = None) -> Curve:
     """DiLoCo over ``cfg.replicas`` copies, ``steps`` steps in all (default :func:`diloco_steps`), evaluated at
     every outer step. ``warmup`` (None: ``cfg.sync_warmup``): the first steps are synchronous DP (as
     :func:`run_sync`'s, evaluated at the last), the replicas start from its weights and optimizer state; ``lr``:
-    the replicas' inner learning rate (None: ``cfg.diloco_lr``, else ``cfg.lr``)."""
+    the replicas' inner learning rate (None: ``cfg.diloco_lr``, else ``cfg.lr``); ``inner``: the replicas' inner
+    optimizer (None: ``cfg.inner``; the warm-up uses it too, at ``cfg.lr``; synchronous DP's target is ``cfg.inner``'s)."""
     h = sync.inner_steps
     warmup = cfg.sync_warmup if warmup is None else warmup
     if steps is None:
@@ -366,7 +408,7 @@ def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps
     start = None
     if warmup:
         model = make_model(cfg, seed)
-        opt = make_optimizer(cfg, model.parameters())
+        opt = make_optimizer(cfg, model.parameters(), inner=inner, model=model)  # the replicas' optimizer kind
         for _, batch in zip(range(warmup), batches):
             opt.zero_grad(set_to_none=True)
             loss = model(batch["idx"], batch["targets"])
@@ -376,7 +418,7 @@ def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps
         c.steps.append(warmup)
         c.val.append(val_loss(model, vset))
         start = (model.state_dict(), opt.state_dict())
-    reps = DiLoCoReplicas(cfg, seed, sync, lr=lr, start=start)
+    reps = DiLoCoReplicas(cfg, seed, sync, lr=lr, start=start, inner=inner)
     for s, batch in enumerate(batches, warmup + 1):
         c.train.append(reps.inner_step(batch))
         reps.steps_done = s - warmup
@@ -384,7 +426,7 @@ def run_diloco(cfg: StudyConfig, seed: int, sync, train: np.ndarray, vset, steps
             reps.outer_step()
             c.steps.append(s)
             c.val.append(val_loss(reps.global_model(), vset))
-    c.sent_bytes = reps.sent_bytes
+    c.sent_bytes, c.payload_bytes, c.dense_bytes = reps.sent_bytes, reps.payload_bytes, reps.dense_bytes
     c.wall_s = time.perf_counter() - t0
     return c
 
@@ -433,7 +475,7 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
     for name, run in runs.items():
         v = run if isinstance(run, Variant) else Variant(run)
         sync = v.sync
-        c = run_diloco(cfg, seed, sync, train, vset, lr=v.lr, warmup=v.warmup)
+        c = run_diloco(cfg, seed, sync, train, vset, lr=v.lr, warmup=v.warmup, inner=v.inner)
         reached = steps_to(c, target)
         best = min(c.val)
         warm = cfg.sync_warmup if v.warmup is None else v.warmup
@@ -444,6 +486,8 @@ def seed_row(cfg: StudyConfig, seed: int, runs: Mapping[str, Any]) -> dict:
                      "gap_at_end": None if reached is not None else round(best - target, 4),
                      "val_at_sync_steps": round(c.val[max(i for i, s in enumerate(c.steps) if s <= cfg.steps)], 4),
                      "final_val": round(c.val[-1], 4), "pseudo_gradient_bytes_sent": c.sent_bytes,
+                     # a round's payload over its dense float32 pseudo-gradient (1: exact averaging)
+                     "pseudo_gradient_bytes_ratio": round(c.payload_bytes / c.dense_bytes, 5) if c.dense_bytes else None,
                      "val_curve": [[s, round(v, 4)] for s, v in zip(c.steps, c.val)],
                      "wall_s": round(c.wall_s, 1)}
         log.info("seed %d %s: steps to %.4f: %s (ratio %s), validation loss at %d steps %.4f, best %.4f (%.0f s)",

@@ -147,6 +147,12 @@ class DPSync:
                     ``"delayed"``, what they ran).
     shares:         replica -> relative share of the global batch rows per inner step (unequal islands); empty:
                     equal shares. The outer average weights each replica's pseudo-gradient by the samples it saw.
+    sync_warmup:    N: the first N steps are synchronous DP (gradients all-reduced every step, each replica's
+                    inner optimizer stepping on the average), then DiLoCo starts from the weights after step N
+                    (its global weights, zero outer momentum and residual) with each replica's optimizer state
+                    kept; outer boundaries count from N (docs/data-parallel.md: the warm start that gave the
+                    convergence study its best worst seed). 0: none. Equal shares only. Written to plan.json only
+                    when > 0 (other plans keep their bytes).
     """
 
     mode: str = "every"
@@ -160,6 +166,7 @@ class DPSync:
     delay: int = 0
     shares: dict[int, float] = field(default_factory=dict)
     overlap: str = "delayed"
+    sync_warmup: int = 0
 
     MODES = ("every", "diloco")
     OVERLAPS = ("eager", "delayed")
@@ -170,6 +177,8 @@ class DPSync:
         d["shares"] = {str(r): float(v) for r, v in self.shares.items()}
         if self.delay and self.overlap != "delayed":  # only when not the default: other plans keep their bytes
             d["overlap"] = self.overlap
+        if self.sync_warmup:
+            d["sync_warmup"] = self.sync_warmup
         return d
 
     @classmethod
@@ -180,7 +189,7 @@ class DPSync:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: expected a map, got {type(d).__name__}")
         unknown = set(d) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
-                            "error_feedback", "fragments", "delay", "shares", "overlap"}
+                            "error_feedback", "fragments", "delay", "shares", "overlap", "sync_warmup"}
         if unknown:
             raise PlanError(f"{source}: unknown field(s) {sorted(unknown)}")
         try:
@@ -191,7 +200,7 @@ class DPSync:
                   d.get("outer_momentum", 0.9),  # absent: 0.9, the default it was written under
                   d.get("nesterov", True), d.get("codec"),
                   d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
-                  d.get("overlap", "delayed"))
+                  d.get("overlap", "delayed"), d.get("sync_warmup", 0))
         out.check(source)
         return out
 
@@ -207,6 +216,10 @@ class DPSync:
         nat("inner_steps", 1)
         nat("fragments", 1)
         nat("delay", 0)
+        nat("sync_warmup", 0)
+        if self.sync_warmup and self.shares:
+            raise PlanError(f"{source}.sync_warmup: the synchronous warm-up averages equal shares; drop the shares "
+                            "or the warm-up")
         if self.delay > 1:
             raise PlanError(f"{source}.delay must be 0 or 1 (an outer step applied at once or one outer step late), "
                             f"got {self.delay}")
@@ -229,8 +242,8 @@ class DPSync:
         if any(r < 0 or not v > 0 or v == float("inf") for r, v in self.shares.items()):
             raise PlanError(f"{source}.shares: every share must be a positive number of a replica >= 0")
         if self.mode == "every" and (self.inner_steps != 1 or self.fragments != 1 or self.delay or self.codec
-                                     or self.error_feedback):
-            raise PlanError(f"{source}: inner_steps, fragments, delay, codec and error_feedback are DiLoCo's "
+                                     or self.error_feedback or self.sync_warmup):
+            raise PlanError(f"{source}: inner_steps, fragments, delay, codec, error_feedback and sync_warmup are DiLoCo's "
                             "(mode 'diloco'); synchronous DP takes its codec from dp_codec")
 
 

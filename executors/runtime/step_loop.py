@@ -158,7 +158,7 @@ class StepLoop:
 
     def _reduce(self, st: "_Step") -> None:
         if self.sync is not None:  # every-step DP: the gradients averaged over the group
-            st.stats.update(self.sync.after_backward(st.it, self.runtime.engine, self._links()))
+            st.stats.update(self.sync.after_backward(st.it, st.done, self.runtime.engine, self._links()))
 
     def _grad_norm(self, st: "_Step") -> None:
         """This part's share of the global norm, to the coordinator (a tied parameter: its first owner counts it)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusion.options.compile import DP_STRATEGIES, MICRO_BATCHES, CompileJob, CompileOptions
+from fusion.options.compile import DEFAULT_OUTER_MOMENTUM, DP_STRATEGIES, MICRO_BATCHES, CompileJob, CompileOptions
 
 if TYPE_CHECKING:
     from fusion.options.commands import Compile
@@ -187,6 +187,8 @@ def _keep_outer_options(plan, asked) -> None:
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
                                        # the variant of a delay the planner chose: the user's
                                        overlap=asked.overlap if plan.dp_sync.delay else "delayed")
+    plan.dp_sync = codec_outer(dataclasses.replace(plan.dp_sync, sync_warmup=asked.sync_warmup),
+                               asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -339,12 +341,12 @@ def _refuse_diloco_options(args: CompileOptions) -> None:
     from fusion.ir.errors import FusionError
 
     given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
-                               ("--outer-momentum", args.outer_momentum, 0.6), ("--no-nesterov", args.no_nesterov, False),
+                               ("--outer-momentum", args.outer_momentum, DEFAULT_OUTER_MOMENTUM), ("--no-nesterov", args.no_nesterov, False),
                                ("--pseudo-codec", args.pseudo_codec, None),
                                ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                ("--replica-shares", args.replica_shares, None),
                                ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
-                               ("--outer-overlap", args.outer_overlap, None))
+                               ("--outer-overlap", args.outer_overlap, None), ("--sync-warmup", args.sync_warmup, 0))
              if v != d]
     if given:
         raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
@@ -393,7 +395,7 @@ def dp_sync_from_args(args: CompileOptions):
     (``--dp-sync auto``, the planner's choice, is to come from ``fusion.partition.dp``; it would be resolved
     here, after :func:`_compile_dp`'s planner ran.)"""
     from fusion.ir.errors import FusionError
-    from fusion.plan import DPSync, PlanError
+    from fusion.plan import DPSync
 
     if args.dp_sync == "every":
         _refuse_diloco_options(args)
@@ -427,16 +429,40 @@ def dp_sync_from_args(args: CompileOptions):
     shares = _replica_shares(args)
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
-                  overlap=overlap or "delayed")
+                  overlap=overlap or "delayed", sync_warmup=args.sync_warmup)
+    return _checked_sync(codec_outer(sync, args.outer_momentum != DEFAULT_OUTER_MOMENTUM))
+
+
+def _checked_sync(sync):
+    """``sync`` once ``DPSync.check`` passes; its refusal as one line naming the flag (FusionError)."""
+    from fusion.ir.errors import FusionError
+    from fusion.plan import PlanError
+
     try:
         sync.check("--dp-sync diloco")
     except PlanError as e:
-        msg = str(e)
-        msg = msg.replace("--dp-sync diloco.shares", "--replica-shares")
-        for name in ("outer_lr", "outer_momentum"):
+        msg = str(e).replace("--dp-sync diloco.shares", "--replica-shares")
+        for name in ("outer_lr", "outer_momentum", "sync_warmup"):
             msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
         raise FusionError(msg) from None
     return sync
+
+
+def codec_outer(sync, momentum_given: bool):
+    """``sync`` with the outer step its pseudo-gradient codec's algorithm prescribes (the codec registry's answer):
+    error feedback on where the codec always feeds back (SparseLoCo, arXiv 2508.15706 Algorithm 1), and the
+    codec's outer momentum (SparseLoCo: 0, its error feedback replaces it) unless ``--outer-momentum`` was given."""
+    import dataclasses
+
+    from fusion.kernels.codecs import CODECS
+
+    if sync.codec is None:
+        return sync
+    unit = CODECS.unit(sync.codec["algo"])
+    changes: dict = {"error_feedback": True} if unit.pseudo_feedback else {}
+    if unit.outer_momentum is not None and not momentum_given:
+        changes["outer_momentum"] = unit.outer_momentum
+    return dataclasses.replace(sync, **changes)
 
 
 def _compile_dp(args: CompileOptions, model, cluster, opt, compress, dp_codec):

@@ -64,12 +64,15 @@ def resolve_target(opts: "Run") -> Target:
     return Target(name, plan_dir, Path(opts.out) if opts.out else default_run_dir(name))
 
 
-def check_plan_folder(plan_dir: Path, trust: bool) -> None:
-    """A bad plan, plugins the user has not trusted, or a plan without a loss: one line, before the run folder."""
+def check_plan_folder(plan_dir: Path, trust: bool, steps: int) -> None:
+    """A bad plan, plugins the user has not trusted, a plan without a loss, or a DiLoCo warm-up as long as the run:
+    one line, before the run folder."""
     from fusion.ir.errors import FusionError
+    from fusion.options.commands import check_warmup_steps
     from fusion.plan import load_plan
 
     plan = load_plan(plan_dir)
+    check_warmup_steps(plan.dp_sync.mode, plan.dp_sync.sync_warmup, steps)
     if plan.graph.plugins and not trust:
         from fusion.ir.registry import TRUST_HINT
 
@@ -231,7 +234,7 @@ def run(opts: "Run") -> int:
     trust = opts.launch.trust_plugins or not opts.is_plan  # a MODEL file is the user's own code, already run
     compiled = None
     if opts.is_plan:
-        check_plan_folder(target.plan_dir, trust)
+        check_plan_folder(target.plan_dir, trust, opts.train.steps)
     elif not (opts.train.resume and (out / "plan" / "plan.json").exists()):
         compiled = compile_target(opts, t_start)
     joins = {}

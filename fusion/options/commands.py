@@ -114,6 +114,7 @@ class Run:
         self.data.check()  # a missing data file is said now, not after the compile
         if not self.is_plan:
             self.compile.check()  # its option values, before torch is imported or the model traced
+            check_warmup_steps(self.compile.dp_sync, self.compile.sync_warmup, self.train.steps)
         _check_restarts(self.launch.max_restarts, self.train.checkpoint_every)
         if self.launch.ray and self.train.join_at:
             raise FusionError("--join-at with --ray is not built: a late replica's executors start on this host only")
@@ -181,6 +182,15 @@ class Coordinator:
         self.data.check()
         self.train.check()
         _check_resume(self.train, self.out)
+
+
+def check_warmup_steps(mode: str, warmup: int, steps: int) -> None:
+    """FusionError (one line) when DiLoCo's synchronous warm-up (``--sync-warmup``) leaves it no step."""
+    from fusion.ir.errors import FusionError
+
+    if mode != "every" and warmup and warmup >= steps:
+        raise FusionError(f"--sync-warmup {warmup}: the synchronous warm-up must be shorter than the run "
+                          f"(--steps {steps}), or DiLoCo never starts")
 
 
 @dataclass

@@ -13,6 +13,9 @@ from fusion.plan import OPTIMIZER_NAMES
 
 #: one default for both `fusion compile` and `fusion run MODEL`
 MICRO_BATCHES = 4
+
+#: ``--outer-momentum`` when left out (a codec may prescribe its own then: SparseLoCo 0)
+DEFAULT_OUTER_MOMENTUM = 0.6
 #: partitioners that plan data-parallel replicas (fusion.partition.dp, fusion.partition.dtfm)
 DP_STRATEGIES = ("dp", "dtfm")
 
@@ -48,12 +51,13 @@ class CompileOptions(Section):
     dp_sync: str = option("--dp-sync", default="every", choices=("every", "diloco", "auto"), group=DP, help="how the replicas synchronise: every (gradients averaged every step, exact synchronous DP; the default), diloco (DiLoCo: --inner-steps H local steps with the plan's optimizer, then the replicas average their pseudo-gradients and an outer Nesterov SGD step updates the global weights; H times fewer exchanges; with --strategy dp the planner chooses what is not given) or auto (--strategy dp: the planner prices both and keeps DiLoCo where it is predicted >= 1.1x faster, choosing replicas, H, codec and shares)")
     inner_steps: str | None = option("--inner-steps", metavar="H[,H...]", group=DP, help="diloco: inner steps per outer step (default 20), or with --strategy dp a comma list the planner chooses from (default 10,20,50,100,200,500)")
     outer_lr: float = option("--outer-lr", default=0.7, type=float, metavar="X", group=DP, help="diloco: outer learning rate (0.7)")
-    outer_momentum: float = option("--outer-momentum", default=0.6, type=float, metavar="M", group=DP, help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)")
+    outer_momentum: float = option("--outer-momentum", default=DEFAULT_OUTER_MOMENTUM, type=float, metavar="M", group=DP, help="diloco: outer (Nesterov) momentum (0.6; 0: plain SGD)")
     no_nesterov: bool = option("--no-nesterov", kind="flag", group=DP, help="diloco: heavy-ball outer momentum, not Nesterov")
-    pseudo_codec: str | None = option("--pseudo-codec", metavar="quant:bits=8|4 | topk:ratio=R", group=DP, help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; default: exact averaging)")
+    pseudo_codec: str | None = option("--pseudo-codec", metavar="quant:bits=8|4 | topk:ratio=R | sparseloco[:chunk=C,k=K,beta=B]", group=DP, help="diloco: codec of the pseudo-gradients (each replica encodes its own once; lossy; default: exact averaging); sparseloco (SparseLoCo: chunk Top-k + 2-bit) turns error feedback on and the outer momentum off unless --outer-momentum is given")
     pseudo_error_feedback: bool = option("--pseudo-error-feedback", kind="flag", group=DP, help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it to the next one (needs --pseudo-codec)")
     replica_shares: str | None = option("--replica-shares", metavar="R=S[,R=S...]", group=DP, help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches (1 where not given), and its pseudo-gradient weighs the samples it saw")
     sync_fragments: int = option("--sync-fragments", default=1, type=int, metavar="F", group=DP, help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)")
+    sync_warmup: int = option("--sync-warmup", default=0, type=int, metavar="N", group=DP, help="diloco: the first N steps are synchronous DP (gradients averaged every step), then DiLoCo starts from those weights, each replica keeping its optimizer state (0: none)")
     outer_delay: int | None = option("--outer-delay", type=int, metavar="D", group=DP, help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp")
     outer_overlap: str | None = option("--outer-overlap", metavar="eager|delayed", group=DP, help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the others' one round late; it converged worse than delayed with the default outer momentum here: docs/data-parallel.md)")
 

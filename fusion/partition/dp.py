@@ -558,7 +558,9 @@ def diloco_sync(est) -> dict:
     from fusion.plan import DPSync
 
     rows = [n * (est.global_batch // sum(est.micro_batches)) for n in est.micro_batches]
-    sync = DPSync("diloco", est.inner_steps, codec=None if est.codec is None else dict(est.codec),
+    unit = None if est.codec is None else CODECS.unit(est.codec["algo"])
+    outer = {} if unit is None or unit.outer_momentum is None else {"outer_momentum": unit.outer_momentum}
+    sync = DPSync("diloco", est.inner_steps, codec=None if est.codec is None else dict(est.codec), **outer,
                   error_feedback=CODECS.error_feedback(est.codec), fragments=est.fragments,
                   delay=est.delay, shares={} if len(set(rows)) == 1 else {r: float(v) for r, v in enumerate(rows)})
     sync.check()

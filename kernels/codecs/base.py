@@ -173,6 +173,12 @@ class Codec:
     title: ClassVar[str] = ""  # how log lines name the codec ("delta (AQ-SGD)"); default: its name
     order: ClassVar[int] = 100
     has_device: ClassVar[bool] = False
+    #: pseudo-gradients: the outer momentum the codec's algorithm runs with (SparseLoCo: 0, its error feedback
+    #: replaces it); None: DiLoCo's (the plan's)
+    outer_momentum: ClassVar[float | None] = None
+    #: pseudo-gradients: its algorithm always feeds the unsent residual back (SparseLoCo), so choosing the codec
+    #: turns ``dp_sync.error_feedback`` on
+    pseudo_feedback: ClassVar[bool] = False
 
     # -- capabilities and checks ------------------------------------------------------------
     def check_cfg(self, cfg: Mapping[str, Any]) -> None:
@@ -185,6 +191,11 @@ class Codec:
         if error_feedback and not self.error_feedback:
             raise FusionError("error feedback is for Top-K only")
         self.check_cfg(cfg)
+
+    def feedback_decay(self, cfg: Mapping[str, Any]) -> float:
+        """The weight of the unsent residual in the next message under error feedback (1: the whole residual;
+        SparseLoCo's beta)."""
+        return 1.0
 
     def owns(self, payload: Any) -> bool:
         """Whether ``payload`` is one this codec made."""

@@ -34,6 +34,23 @@ def test_compile_writes_the_diloco_sync_into_the_plan(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_sparseloco_codec_brings_its_outer_step(tmp_path, capsys):
+    """``--pseudo-codec sparseloco:...`` (SparseLoCo, arXiv 2508.15706): error feedback on without being asked and
+    no outer momentum (its error feedback replaces it), unless ``--outer-momentum`` is given."""
+    out = tmp_path / "s.plan"
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "--dp-sync", "diloco", "--pseudo-codec", "sparseloco:chunk=64,k=8,beta=0.9", "-o", str(out)]) == 0
+    s = load_plan(out).dp_sync
+    assert (s.codec, s.error_feedback, s.outer_momentum) == (
+        {"algo": "sparseloco", "chunk": 64, "k": 8, "beta": 0.9}, True, 0.0)
+    assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                 "--dp-sync", "diloco", "--pseudo-codec", "sparseloco", "--outer-momentum", "0.3",
+                 "-o", str(tmp_path / "t.plan")]) == 0
+    s = load_plan(tmp_path / "t.plan").dp_sync
+    assert (s.codec, s.error_feedback, s.outer_momentum) == ({"algo": "sparseloco"}, True, 0.3)
+    capsys.readouterr()
+
+
 def test_outer_delay_1_is_delayed_unless_outer_overlap_eager(tmp_path, capsys):
     """``--outer-delay 1`` writes the delayed outer step (dp_sync.overlap "delayed", not written into plan.json)
     unless ``--outer-overlap eager`` asks for the eager one (written); the compile line names the variant; a plan
@@ -70,6 +87,8 @@ BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--dp-sync", "auto"], "--dp-sync auto is the --strategy dp planner's choice"),
     (["--replicas", "2", "--dp-sync", "diloco", "--inner-steps", "10,20"], "a list of H is for the --strategy dp"),
     (["--replicas", "2", "--dp-sync", "diloco", "--pseudo-codec", "nope"], "unknown codec 'nope'"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--pseudo-codec", "sparseloco:k=0"],
+     "--pseudo-codec 'sparseloco:k=0': sparseloco cfg: k 0 must be an integer 1..chunk (4096)"),
     (["--replicas", "2", "--dp-sync", "diloco", "--pseudo-error-feedback"], "--pseudo-error-feedback needs a lossy"),
     (["--replicas", "2", "--dp-sync", "diloco", "--dp-codec", "quant:bits=8"], "use --pseudo-codec"),
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum must be < 1"),

@@ -16,6 +16,7 @@ from fusion.executors.runtime.dp.join import adopt, join_arrays
 from fusion.executors.runtime.dp.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets,
                                                replica_micro_batches, write_params)
 from fusion.executors.runtime.dp.sync import GradSync, Regroup, SyncLinks
+from fusion.executors.runtime.dp.every_step import average_grads
 from fusion.executors.runtime.limits import allreduce_message_limit
 
 
@@ -112,11 +113,20 @@ class DiLoCo(GradSync):
         names = {n for b in self.outer.buckets for n in b.names}
         return {n: a for n, a in state.items() if n in names}
 
+    def after_backward(self, it: int, steps_done: int, engine: Any, links: SyncLinks) -> dict:
+        """During the synchronous warm-up (``dp_sync.sync_warmup``: steps 1..N), the gradients averaged every step
+        as synchronous DP does; after it, nothing (the replicas train apart until the outer step)."""
+        if self.ring is None or not self.outer.warming(steps_done):
+            return {}
+        return average_grads(self.ring, it, engine, links)
+
     def after_step(self, it: int, steps_done: int, engine: Any, links: SyncLinks) -> dict:
         """The outer step due after ``steps_done`` completed steps (none due: no stats): average the
         pseudo-gradients over the group, update the global weights, continue from them; its stats as ``outer``.
         The step was committed (failover runs): a replica lost meanwhile makes the survivors regroup and average
         among themselves."""
+        if self.outer.warmup and steps_done == self.outer.warmup:  # DiLoCo starts here, from the warm-up's weights
+            self.outer.restart(self._trainable(engine.state()))
         fragment = self.outer.due(steps_done)
         if fragment is None:
             return {}

@@ -23,7 +23,8 @@ theta_global and v (the averaged Delta is the same bits everywhere, and the upda
 Exact averaging runs the stage's ring or tree all-reduce (:mod:`.allreduce`) on the flat pseudo-gradient
 buckets, on the same wire. With a lossy pseudo-gradient codec (``dp_sync.codec``: ``quant`` of 8 or 4 bits,
 or ``topk``), each replica encodes its own pseudo-gradient (plus, with ``error_feedback``, the residual it
-did not send last time) once and sends the same payload to every other member of its group; every replica
+did not send last time, weighted by the codec's ``feedback_decay``: SparseLoCo's beta, 1 for the others) once
+and sends the same payload to every other member of its group; every replica
 decodes all payloads and sums them in replica order, so all apply the same bits (as ``TiedCodec`` does for
 tied gradients). These messages are wire messages of kind ``"allreduce"`` whose header carries
 ``"gather": true`` and the sender's ``group`` (:class:`PseudoInbox` accepts them: from a member of the group,
@@ -99,6 +100,16 @@ from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
 
 log = logging.getLogger(__name__)
+
+def pseudo_feedback_decay(cfg: Mapping[str, Any] | None) -> float:
+    """The weight of a replica's unsent residual in its next pseudo-gradient under ``cfg``'s codec (its
+    ``feedback_decay``: SparseLoCo's beta; 1 for the others and for dense averaging)."""
+    if cfg is None:
+        return 1.0
+    from fusion.kernels.codecs import CODECS
+
+    return float(CODECS.unit(cfg["algo"]).feedback_decay(cfg))
+
 
 def fragment_buckets(params: Mapping[str, tuple[Sequence[int], str]], fragments: int
                      ) -> tuple[list[Bucket], list[list[int]]]:
@@ -311,6 +322,8 @@ class OuterLoop:
         self.theta = [flatten(b, params) for b in self.buckets]
         self.v = [np.zeros_like(t) for t in self.theta]
         self.residual = [np.zeros_like(t) for t in self.theta] if sync.error_feedback else None
+        #: the residual's weight in the next message (SparseLoCo's beta, Algorithm 1 line 1; 1 for other codecs)
+        self.decay = pseudo_feedback_decay(sync.codec)
         #: dp_sync.delay 1: each bucket's weights at the start of this replica's current window (the pseudo-
         #: gradient is ``anchor - theta_r``, the window's own progress) and each fragment's round in flight
         self.delay = int(getattr(sync, "delay", 0))
@@ -321,11 +334,37 @@ class OuterLoop:
         #: dp_sync.overlap (delay 1): the eager step (its own pseudo-gradient at once) or the naive delayed one
         self.eager = bool(self.delay) and getattr(sync, "overlap", "delayed") == "eager"
         self.pending: dict[int, Round] = {}
+        #: dp_sync.sync_warmup N: steps 1..N are synchronous DP (the CompNode all-reduces their gradients);
+        #: :meth:`restart` at N, and the outer boundaries count from there
+        self.warmup = int(getattr(sync, "sync_warmup", 0))
+
+    def warming(self, steps_done: int) -> bool:
+        """Whether the step that makes ``steps_done`` completed steps is one of the synchronous warm-up's."""
+        return steps_done <= self.warmup
+
+    def restart(self, params: Mapping[str, np.ndarray]) -> None:
+        """DiLoCo's start at the end of the synchronous warm-up: the global weights are ``params`` (every replica
+        holds the same after an all-reduced step), outer momentum, residual and anchors start afresh."""
+        self.theta = [flatten(b, params) for b in self.buckets]
+        self.v = [np.zeros_like(t) for t in self.theta]
+        if self.residual is not None:
+            self.residual = [np.zeros_like(t) for t in self.theta]
+        if self.anchor is not None:
+            self.anchor = [t.copy() for t in self.theta]
+        self.pending = {}
+
+    def _fed_back(self, b: int) -> np.ndarray:
+        """Bucket ``b``'s residual as it enters the next message: ``decay * e`` (``e`` itself at decay 1)."""
+        e = self.residual[b]
+        return e if self.decay == 1.0 else e * np.asarray(self.decay, dtype=e.dtype)
 
     def due(self, steps_done: int) -> int | None:
         """The fragment whose outer step ends the step that makes ``steps_done`` completed steps, or None:
         fragment f at ``steps_done % H == (f H) // F`` (staggered; one fragment: every H-th step)."""
         h, f = self.sync.inner_steps, len(self.fragments)
+        if steps_done <= self.warmup:
+            return None
+        steps_done -= self.warmup
         return next((i for i in range(f) if steps_done % h == (i * h) // f), None)
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -407,7 +446,7 @@ class OuterLoop:
             residual = []
             for b, d in zip(only, deltas):
                 if self.residual is not None:
-                    d = d + self.residual[b]
+                    d = d + self._fed_back(b)
                 meta, frames = encode_pseudo(d, codec)
                 got = decode_pseudo(meta, frames, codec)
                 residual.append(d - got)  # what the codec did not deliver goes with the next pseudo-gradient
@@ -506,7 +545,7 @@ class OuterLoop:
         Returns (the packs sent, the tensor bytes sent)."""
         only, s = self.fragments[fragment], self.sync
         ef = self.residual is not None and s.codec is not None
-        ins = [d + self.residual[b] if ef else d for b, d in zip(only, deltas)]
+        ins = [d + self._fed_back(b) if ef else d for b, d in zip(only, deltas)]
         packs = [self._pack(x) for x in ins]
         if ef:
             for b, x, (_, _, got) in zip(only, ins, packs):

@@ -148,8 +148,9 @@ class GradSync:
         take(sender, msg)
 
     # -- the step -----------------------------------------------------------------------------
-    def after_backward(self, it: int, engine: Any, links: SyncLinks) -> dict:
-        """After this part's backward of iteration ``it``, before the optimizer; the step's stats it adds."""
+    def after_backward(self, it: int, steps_done: int, engine: Any, links: SyncLinks) -> dict:
+        """After this part's backward of iteration ``it`` (whose optimizer step makes ``steps_done`` completed
+        steps), before the optimizer; the step's stats it adds."""
         return {}
 
     def after_step(self, it: int, steps_done: int, engine: Any, links: SyncLinks) -> dict:
