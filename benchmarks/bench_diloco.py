@@ -250,7 +250,7 @@ def parse_variant(spec: str, cfg):
     """``NAME:KEY=V,...`` -> (NAME, diloco_study.Variant); unset keys take the study's settings."""
     from diloco_study import Variant
     from fusion.commands.compile import codec_outer
-    from fusion.executors.runtime.dp.outer import check_pseudo_codec
+    from fusion.kernels.codecs import CODECS, Role
     from fusion.ir.errors import FusionError
     from fusion.plan import DPSync
 
@@ -273,7 +273,7 @@ def parse_variant(spec: str, cfg):
         codec = {"algo": kv["codec"], **{k: (float(v) if k in ("beta", "ratio") else int(v)) for k, v in kv.items()
                                          if k in CODEC_KEYS[1:-1]}}
         try:
-            check_pseudo_codec(codec, f"codec={kv['codec']}")
+            CODECS.check_role(codec, Role.PSEUDO_GRADIENT, f"codec={kv['codec']}")
         except FusionError as e:
             raise ValueError(str(e)) from None
     elif any(k in kv for k in CODEC_KEYS):
