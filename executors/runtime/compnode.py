@@ -235,7 +235,8 @@ class CompNode(Receiving, Startup, Membership, TiedExchange, StepLoop, Process):
                 raise ExecutorAbort(f"timed out after {timeout_s:g} s waiting for {what}")
             if now >= remind:
                 remind = now + self.remind_s
-                log.info("%s: still waiting for %s (%.0f s of %g s)", self.me, what, now - (deadline - timeout_s), timeout_s)
+                log.info("%s: still waiting for %s (%.0f s%s)", self.me, what, (now_us() - t0) / 1e6,
+                         f" of {timeout_s:g} s" if timeout_s != float("inf") else "")  # (no limit between steps)
             self._pump(min(0.1, deadline - now))
         t1 = now_us()
         if t1 - t0 > 50:

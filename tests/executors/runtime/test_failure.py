@@ -186,8 +186,11 @@ def test_bad_messages_to_a_live_executor_are_logged_and_dropped(tmp_path):
         "dtype 'object' is not allowed": [pack({**head, "t": [{"d": "object", "s": [2, 4, 6, 6]}]}), raw],
         "needs 1152 bytes, frame has 1000": [good[0], raw[:1000]],
         "declares 1 tensor frames, message has 0": [good[0]],
-        f"exceeds the maximum of {limit} bytes": [pack({**head, "t": [{"d": "uint8", "s": [3 << 19]}]}), bytes(3 << 19)],
         "malformed header": [b"\x92\xc1"],
+        # last: libzmq refuses a frame over the socket's limit (ZMQ_MAXMSGSIZE, the part's limit + 256) before
+        # storing it and closes the connection; the executor logs and counts it (issue 39)
+        f"a frame over this socket's limit of {limit + 256} bytes": [pack({**head, "t": [{"d": "uint8", "s": [3 << 19]}]}),
+                                                                      bytes(3 << 19)],
     }
     ctx = zmq.Context()
     # sent under p0's own key: the sender is checked before decoding, so only a peer of the run reaches the decoder
@@ -206,7 +209,8 @@ def test_bad_messages_to_a_live_executor_are_logged_and_dropped(tmp_path):
     text = log.read_text()
     for reason in bad:
         assert reason in text, f"no logged reason {reason!r} in\n{text[-3000:]}"
-    assert r1.parts["p1"]["rejected"] == len(bad)
+    # the socket's refusal is counted by the connection watcher's thread: in this step's count or the next one's
+    assert r1.parts["p1"]["rejected"] in (len(bad) - 1, len(bad))
     for r, (loss, grads, _) in zip([r0, r1], expected):
         np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
         for k, g in grads.items():
