@@ -201,7 +201,7 @@ def test_cfg_errors_name_the_key_and_value(cfg, msg):
 
 def test_registry_defaults_and_unknown_dtype():
     reg = CodecRegistry.with_defaults()
-    assert reg.names() == ["delta", "hadamard-quant", "quant", "topk"]
+    assert reg.names() == ["delta", "hadamard-quant", "quant", "sparseloco", "topk"]
     assert reg.for_cfg({"algo": "quant"}) == QuantCodec()
     with pytest.raises(FusionError, match="int64"):
         reg.get("quant").wire_nbytes(10, "int64", {})

@@ -275,7 +275,7 @@ def test_ratio_to_k():
 
 
 def test_codec_registry():
-    builtin = ["delta", "hadamard-quant", "quant", "topk"]
+    builtin = ["delta", "hadamard-quant", "quant", "sparseloco", "topk"]
     assert "topk" in CODECS and CODECS.names() == builtin
     codec = CODECS.for_cfg({"algo": "topk", "ratio": 10})
     x = make("normal", 2000, torch.float32, seed=9).reshape(20, 100)
