@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import time
 import tracemalloc
 
 import numpy as np
@@ -27,24 +25,14 @@ from fusion.kernels import quant as Q, quant_host as QH
 from fusion.kernels.codecs import CODECS, CodecContext, Counter, Role
 from fusion.kernels.error_feedback import ErrorFeedback
 
+from bench_codecs import best_us  # noqa: E402  (this folder: the same interleaved best-of timing)
+
 CASES = (("quant-4", {"algo": "quant", "bits": 4, "block": 64}, False),
          ("quant-8", {"algo": "quant", "bits": 8, "block": 64}, False),
          ("quant-4-stochastic", {"algo": "quant", "bits": 4, "block": 64, "rounding": "stochastic"}, False),
          ("hadamard-quant-4", {"algo": "hadamard-quant", "bits": 4, "block": 64}, False),
          ("topk-r100", {"algo": "topk", "ratio": 100}, False),
          ("topk-r100-error-feedback", {"algo": "topk", "ratio": 100}, True))
-
-
-def best_us(fns: dict, reps: int) -> dict:
-    for fn in fns.values():
-        fn()
-    best = {k: math.inf for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return {k: round(1e6 * v, 1) for k, v in best.items()}
 
 
 def peak_bytes(fn) -> int:
@@ -75,7 +63,7 @@ def profile(name: str, cfg: dict, ef: bool, x: np.ndarray, reps: int) -> dict:
                     "before_enc": lambda: Q.quantize(x, qc), "before_dec": lambda: Q.dequantize(p),
                     "parse_cfg": lambda: unit._seeded(cfg, ctx())})
         row["alloc_enc_before_b"] = peak_bytes(lambda: Q.quantize(x, qc))
-    row.update(best_us(fns, reps))
+    row.update({k: round(v, 1) for k, v in best_us(fns, reps).items()})
     row["alloc_enc_b"] = peak_bytes(lambda: unit.encode_host(x, "float32", cfg, ctx()))
     row["wire_bytes"] = sum(len(memoryview(f).cast("B")) for f in frames)
     return row
