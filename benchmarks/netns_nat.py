@@ -17,12 +17,12 @@ and ``tests/executors/runtime/test_nat.py``.
 """
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import shutil
-import signal
 import subprocess
+
+from netns_sites import NamespaceSet  # this folder: entering and leaving a set of namespaces
 
 _COUNTER = itertools.count()
 PUB_IP = "10.79.0.1"
@@ -59,11 +59,7 @@ def nat_available() -> str | None:
     return None
 
 
-def _terminated(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-class NatHomes:
+class NatHomes(NamespaceSet):
     """The reachable host ``pub`` and ``homes`` home hosts behind NAT (module docstring); a context manager."""
 
     def __init__(self, homes: int = 2, wan_mbit: float | None = None):
@@ -74,20 +70,6 @@ class NatHomes:
         self.ip = {"pub": PUB_IP, **{f"h{i}": f"192.168.{i}.2" for i in range(1, homes + 1)}}
         self.public_ip = {f"h{i}": f"10.79.0.1{i}" for i in range(1, homes + 1)}  # what pub sees
         self._made: list[str] = []
-
-    def __enter__(self) -> "NatHomes":
-        atexit.register(self.close)
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`/`kill`: unwind, so that close() runs
-            signal.signal(signal.SIGTERM, _terminated)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         """Flush the routers' iptables rules, delete every namespace made (idempotent)."""

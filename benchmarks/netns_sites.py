@@ -82,7 +82,26 @@ def _terminated(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-class Sites:
+class NamespaceSet:
+    """The life cycle of a set of network namespaces a subclass builds (``_build``) and removes (``close``,
+    idempotent): built on entering, removed on leaving, at exit, on SIGTERM, and when the build itself fails."""
+
+    def __enter__(self):
+        atexit.register(self.close)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`/`kill`: unwind, so that close() runs
+            signal.signal(signal.SIGTERM, _terminated)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Sites(NamespaceSet):
     """Hosts in sites over a shaped network (see the module docstring); a context manager.
 
     ``hosts``: host name -> site name, in order (addresses ``10.77.0.1``, ``.2``, ... in that order).
@@ -102,21 +121,7 @@ class Sites:
         self.latency_method = "none"
         self._made: list[str] = []
 
-    # -- life cycle --------------------------------------------------------------------------
-    def __enter__(self) -> "Sites":
-        atexit.register(self.close)
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`/`kill`: unwind, so that close() runs
-            signal.signal(signal.SIGTERM, _terminated)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+    # -- life cycle (entering and leaving: NamespaceSet) ---------------------------------------
     def close(self) -> None:
         """Delete every namespace made (idempotent)."""
         while self._made:
