@@ -253,13 +253,9 @@ def _child_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
-def study(cfg: StudyConfig, seeds: Sequence[int], runs: Sequence[str], jobs: int = 1) -> dict[str, Any]:
-    """Every seed's runs (``jobs`` seeds at a time, each in its own process) and the medians."""
-    train_tokens, val_tokens = split_corpus(text_corpus())
-    uni = unigram_loss(train_tokens, val_tokens)
-    log.info("corpus: %d training / %d validation characters; unigram validation loss %.3f", train_tokens.size,
-             val_tokens.size, uni)
-    job = functools.partial(seed_row, cfg, runs, cluster_yaml(cfg))
+def seed_rows(job, seeds: Sequence[int], jobs: int = 1) -> list:
+    """``job(seed)`` for every seed, in order: ``jobs`` seeds at a time, each in a process of its own (spawned,
+    logging as the parent does), or here one after another when ``jobs`` is 1."""
     if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -269,6 +265,16 @@ def study(cfg: StudyConfig, seeds: Sequence[int], runs: Sequence[str], jobs: int
             rows = list(ex.map(job, seeds))
     else:
         rows = [job(s) for s in seeds]
+    return rows
+
+
+def study(cfg: StudyConfig, seeds: Sequence[int], runs: Sequence[str], jobs: int = 1) -> dict[str, Any]:
+    """Every seed's runs (``jobs`` seeds at a time, each in its own process) and the medians."""
+    train_tokens, val_tokens = split_corpus(text_corpus())
+    uni = unigram_loss(train_tokens, val_tokens)
+    log.info("corpus: %d training / %d validation characters; unigram validation loss %.3f", train_tokens.size,
+             val_tokens.size, uni)
+    rows = seed_rows(functools.partial(seed_row, cfg, runs, cluster_yaml(cfg)), seeds, jobs)
     per_seed = {str(s): row for s, row in zip(seeds, rows)}
     rows = [per_seed[str(s)] for s in seeds]
     med = {run: {k: _median([r[run][k] for r in rows])

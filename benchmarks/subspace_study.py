@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bottleneck_study import _child_logging, _median, cluster_yaml, time_to, traced_gpt, val_loss  # noqa: E402
+from bottleneck_study import _median, cluster_yaml, seed_rows, time_to, traced_gpt, val_loss  # noqa: E402
 from convergence import CODEC_RUNS, codec_edges, train  # noqa: E402
 from diloco_study import split_corpus, text_corpus, train_batches, unigram_loss, validation_set  # noqa: E402
 
@@ -228,16 +228,7 @@ def study(cfg: StudyConfig, seeds: Sequence[int], runs: Sequence[str], jobs: int
     """Every seed's runs (``jobs`` seeds at a time, each in its own process), the medians and the headline."""
     train_tokens, val_tokens = split_corpus(text_corpus())
     uni = unigram_loss(train_tokens, val_tokens)
-    job = functools.partial(seed_row, cfg, runs, cluster_yaml(cfg))
-    if jobs > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_child_logging) as ex:
-            rows = list(ex.map(job, seeds))
-    else:
-        rows = [job(s) for s in seeds]
+    rows = seed_rows(functools.partial(seed_row, cfg, runs, cluster_yaml(cfg)), seeds, jobs)
     per_seed = {str(s): row for s, row in zip(seeds, rows)}
     keys = ("final_val", "val_gap", "wire_reduction", "time_to_dense_val_loss_ratio_5mbit",
             "steps_to_dense_val_ratio", "cut_reconstruction_max_rel_err")
