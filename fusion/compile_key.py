@@ -220,7 +220,8 @@ def compile_options(job) -> dict:
     :class:`fusion.options.compile.CompileJob`."""
     c = job.options
     opts = {d: _jsonable(v) for d, v in sorted(c.values().items())}
-    if c.lr_schedule != "constant" and c.lr_decay_steps is None:
+    planned_warmup = c.strategy == "dp" and c.dp_sync != "every" and c.sync_warmup is None  # capped by the steps
+    if (c.lr_schedule != "constant" and c.lr_decay_steps is None) or planned_warmup:
         opts["steps"] = job.steps
     if (c.compress is not None or c.compress_bwd is not None) and job.data is not None:
         opts["data"] = _jsonable(job.data)

@@ -93,6 +93,7 @@ def dp_sync_lines(plan: Plan) -> list[str]:
            f"momentum {ds.outer_momentum:g}{'' if ds.nesterov else ' (heavy-ball)'}, pseudo-gradient codec "
            f"{codec_label(ds.codec)}{' + error feedback' if ds.error_feedback else ''}, {ds.fragments} fragment"
            f"{'s' if ds.fragments > 1 else ''}, delay {ds.delay}{shares}"]
+    out += warmup_lines(plan)
     pr = plan.predicted.get("dp_sync")
     if isinstance(pr, dict) and "sync_s_per_outer_step" in pr:
         sync, comp = pr["sync_s_per_outer_step"], pr["compute_s_per_outer_step"]
@@ -105,6 +106,19 @@ def dp_sync_lines(plan: Plan) -> list[str]:
             out.append(f"  predicted {pr['samples_per_s']:.4g} samples/s, {pr['diloco_over_sync_dp']:.3g}x "
                        f"synchronous DP's best layout ({pr['sync_dp_samples_per_s']:.4g} samples/s)")
     return out
+
+
+def warmup_lines(plan: Plan) -> list[str]:
+    """A DiLoCo plan's synchronous warm-up and the replicas' inner lr, with the DP planner's reasons where it chose
+    them (``predicted["diloco_choice"]``, :mod:`fusion.partition.diloco_defaults`)."""
+    ds = plan.dp_sync
+    lr = (plan.optimizer or {}).get("lr")
+    why = plan.predicted.get("diloco_choice") or {}
+    warm = f"{ds.sync_warmup} synchronous steps, then DiLoCo" if ds.sync_warmup else "none"
+    inner = f"{ds.inner_lr:g}" if ds.inner_lr is not None else (f"the plan's lr {lr:g}" if lr is not None else "the plan's lr")
+    # the planner's reasons begin with the value it chose
+    return [f"  warm-up{' (DP planner)' if why.get('warmup_reason') else ''}: {why.get('warmup_reason') or warm}",
+            f"  inner lr{' (DP planner)' if why.get('inner_lr_reason') else ''}: {why.get('inner_lr_reason') or inner}"]
 
 
 def plan_report(plan: Plan) -> str:

@@ -90,11 +90,13 @@ class OptimizerConfig:
         if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf):
             raise ValueError(f"optimizer.clip_grad_norm must be a positive number (or null: no clipping), got {c!r}")
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based): ``lr * lr_factor(step)``, as ``LambdaLR``."""
+    def lr_at(self, step: int, base: float | None = None) -> float:
+        """The learning rate of optimizer step ``step`` (0-based): ``lr * lr_factor(step)``, as ``LambdaLR``;
+        ``base`` in place of ``lr`` where given (a DiLoCo replica's inner lr, :meth:`DPSync.base_lr`)."""
         from fusion.ir.lr_schedule import lr_factor
 
-        return self.lr * lr_factor(self.lr_schedule, step, self.warmup_steps, self.total_steps)
+        return (self.lr if base is None else base) * lr_factor(self.lr_schedule, step, self.warmup_steps,
+                                                               self.total_steps)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -153,6 +155,13 @@ class DPSync:
                     kept; outer boundaries count from N (docs/data-parallel.md: the warm start that gave the
                     convergence study its best worst seed). 0: none. Equal shares only. Written to plan.json only
                     when > 0 (other plans keep their bytes).
+    inner_lr:       the replicas' own (inner) learning rate once DiLoCo runs (optimizer steps after the warm-up's N;
+                    the warm-up's synchronous steps take the plan's ``optimizer.lr``); the plan's lr schedule
+                    scales it as it scales that lr. None: the plan's lr throughout. A replica trains on 1/R of the
+                    global batch, for which a smaller lr can be right (docs/data-parallel.md: halving AdamW's lr
+                    for a quarter batch, the square-root rule, helped every setting without a warm-up); the
+                    DP planner chooses it (:mod:`fusion.partition.diloco_defaults`). Written to plan.json only when
+                    set (other plans keep their bytes).
     """
 
     mode: str = "every"
@@ -167,6 +176,7 @@ class DPSync:
     shares: dict[int, float] = field(default_factory=dict)
     overlap: str = "delayed"
     sync_warmup: int = 0
+    inner_lr: float | None = None
 
     MODES = ("every", "diloco")
     OVERLAPS = ("eager", "delayed")
@@ -179,7 +189,16 @@ class DPSync:
             d["overlap"] = self.overlap
         if self.sync_warmup:
             d["sync_warmup"] = self.sync_warmup
+        if self.inner_lr is not None:
+            d["inner_lr"] = self.inner_lr
         return d
+
+    def base_lr(self, step: int, lr: float) -> float:
+        """The base learning rate of a replica's optimizer step ``step`` (0-based; the lr schedule's factor then
+        applies): ``inner_lr`` once DiLoCo runs (``step >= sync_warmup``), else ``lr``, the plan's."""
+        if self.mode == "diloco" and self.inner_lr is not None and step >= self.sync_warmup:
+            return self.inner_lr
+        return lr
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "plan.dp_sync") -> "DPSync":
@@ -189,7 +208,7 @@ class DPSync:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: expected a map, got {type(d).__name__}")
         unknown = set(d) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
-                            "error_feedback", "fragments", "delay", "shares", "overlap", "sync_warmup"}
+                            "error_feedback", "fragments", "delay", "shares", "overlap", "sync_warmup", "inner_lr"}
         if unknown:
             raise PlanError(f"{source}: unknown field(s) {sorted(unknown)}")
         try:
@@ -200,7 +219,7 @@ class DPSync:
                   d.get("outer_momentum", 0.9),  # absent: 0.9, the default it was written under
                   d.get("nesterov", True), d.get("codec"),
                   d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
-                  d.get("overlap", "delayed"), d.get("sync_warmup", 0))
+                  d.get("overlap", "delayed"), d.get("sync_warmup", 0), d.get("inner_lr"))
         out.check(source)
         return out
 
@@ -231,6 +250,9 @@ class DPSync:
                 raise PlanError(f"{source}.{name} must be a finite number >= 0, got {v!r}")
         if self.outer_momentum >= 1:
             raise PlanError(f"{source}.outer_momentum must be < 1, got {self.outer_momentum!r}")
+        v = self.inner_lr
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf")):
+            raise PlanError(f"{source}.inner_lr must be a finite number > 0 (or null: the plan's lr), got {v!r}")
         if not isinstance(self.nesterov, bool) or not isinstance(self.error_feedback, bool):
             raise PlanError(f"{source}: nesterov and error_feedback must be true or false")
         if self.codec is not None and not (isinstance(self.codec, dict) and isinstance(self.codec.get("algo"), str)):
@@ -242,9 +264,9 @@ class DPSync:
         if any(r < 0 or not v > 0 or v == float("inf") for r, v in self.shares.items()):
             raise PlanError(f"{source}.shares: every share must be a positive number of a replica >= 0")
         if self.mode == "every" and (self.inner_steps != 1 or self.fragments != 1 or self.delay or self.codec
-                                     or self.error_feedback or self.sync_warmup):
-            raise PlanError(f"{source}: inner_steps, fragments, delay, codec, error_feedback and sync_warmup are DiLoCo's "
-                            "(mode 'diloco'); synchronous DP takes its codec from dp_codec")
+                                     or self.error_feedback or self.sync_warmup or self.inner_lr is not None):
+            raise PlanError(f"{source}: inner_steps, fragments, delay, codec, error_feedback, sync_warmup and inner_lr "
+                            "are DiLoCo's (mode 'diloco'); synchronous DP takes its codec from dp_codec")
 
 
 class PlanError(FusionError):

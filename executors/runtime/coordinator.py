@@ -538,8 +538,11 @@ class Coordinator:
                               "resume it with the plan that wrote it, or start a new run")
 
     def _lr_at(self, step: int) -> float | None:
-        """The learning rate of optimizer step ``step`` as the plan's schedule gives it (None: no optimizer)."""
-        return None if self.optimizer is None else self.optimizer.lr_at(step)
+        """The learning rate of optimizer step ``step`` as the plan's schedule gives it, a DiLoCo replica's inner lr
+        (``dp_sync.inner_lr``) once the warm-up is over (None: no optimizer)."""
+        if self.optimizer is None:
+            return None
+        return self.optimizer.lr_at(step, self.plan.dp_sync.base_lr(step, self.optimizer.lr))
 
     def live_replicas(self) -> list[int]:
         return sorted({self.replica_of[p] for p in self.live})

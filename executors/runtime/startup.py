@@ -89,10 +89,12 @@ class Startup:
         self.optcfg = OptimizerConfig.from_dict(self.plan.optimizer or {})
         check_optimizer(self.optcfg.name, {self.me: self.spec.engine})
         self.opt = make_optimizer(self.spec.engine, engine, self.optcfg)
-        self._scheduled = self.optcfg.lr_schedule != "constant" or self.optcfg.warmup_steps > 0
+        # the lr changes over the run: a schedule, or a DiLoCo replica's inner lr (dp_sync.inner_lr) after the warm-up
+        self._scheduled = (self.optcfg.lr_schedule != "constant" or self.optcfg.warmup_steps > 0
+                           or self.plan.dp_sync.inner_lr is not None)
         if self._scheduled and not hasattr(self.opt, "set_lr"):
             raise FusionError(f"the {self.spec.engine} engine's optimizer has no set_lr: it cannot follow the plan's "
-                              f"optimizer.lr_schedule {self.optcfg.lr_schedule!r}")
+                              f"optimizer.lr_schedule {self.optcfg.lr_schedule!r} or dp_sync.inner_lr")
         if opt_arrays is not None:
             self.opt.load_state(opt_arrays, opt_meta)
         return engine

@@ -196,7 +196,8 @@ class StepLoop:
             st.grads = {n: np.array(g) for n, g in engine.grads().items() if g is not None}
         t_opt = time.perf_counter()
         if self._scheduled:  # optimizer step k (completed steps before it, the coordinator's count) runs at lr_at(k)
-            self.opt.set_lr(self.optcfg.lr_at(st.done - 1))
+            k = st.done - 1  # (a DiLoCo replica's base lr: dp_sync.inner_lr once the synchronous warm-up is over)
+            self.opt.set_lr(self.optcfg.lr_at(k, self.plan.dp_sync.base_lr(k, self.optcfg.lr)))
         with self.tracer.span("optimizer", "optimizer"):
             self.opt.step()
             self.opt.zero_grad()

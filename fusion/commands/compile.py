@@ -58,6 +58,7 @@ def compile_from_args(job: CompileJob, model, cluster):
             _set_dp_sync(plan, dp_sync)
         else:  # the planner chose H, codec, shares (apply_dp_sync); the outer optimizer is the user's
             _keep_outer_options(plan, dp_sync)
+            choose_warmup_and_inner_lr(plan, args, job.steps)
         set_precision(plan, args.precision)
         return plan
     return _compile_pipeline(args, model, cluster, opt, compress, dp_codec, dp_sync, tied, node_times)
@@ -187,9 +188,29 @@ def _keep_outer_options(plan, asked) -> None:
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
                                        # the variant of a delay the planner chose: the user's
                                        overlap=asked.overlap if plan.dp_sync.delay else "delayed")
-    plan.dp_sync = codec_outer(dataclasses.replace(plan.dp_sync, sync_warmup=asked.sync_warmup),
-                               asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
+    plan.dp_sync = codec_outer(plan.dp_sync, asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
     _set_dp_sync(plan, plan.dp_sync)
+
+
+def choose_warmup_and_inner_lr(plan, args: CompileOptions, steps: int | None) -> None:
+    """After the DiLoCo planner: its synchronous warm-up and inner lr (:mod:`fusion.partition.diloco_defaults`;
+    ``--sync-warmup`` and ``--inner-lr`` where given win) into ``plan.dp_sync``, the reasons into
+    ``predicted["diloco_choice"]`` (``fusion inspect`` prints them). ``steps``: ``fusion run``'s ``--steps`` (None
+    under ``fusion compile``, where ``--lr-decay-steps`` is the run's length if given)."""
+    import dataclasses
+
+    from fusion.partition.diloco_defaults import DiLoCoSetting, choose
+
+    ds = plan.dp_sync
+    if ds.mode != "diloco":
+        return
+    opt = plan.optimizer or {}
+    length, source = (steps, "--steps") if steps is not None else (args.lr_decay_steps, "--lr-decay-steps")
+    chosen = choose(DiLoCoSetting(plan.replicas, ds.inner_steps, str(opt.get("name", "sgd")),
+                                  float(opt.get("lr", args.lr)), equal_shares=not ds.shares, steps=length,
+                                  steps_from=source, given_warmup=args.sync_warmup, given_inner_lr=args.inner_lr))
+    plan.predicted["diloco_choice"] = chosen.to_dict()
+    _set_dp_sync(plan, dataclasses.replace(ds, sync_warmup=chosen.sync_warmup, inner_lr=chosen.inner_lr))
 
 
 def _node_times(args: CompileOptions):
@@ -346,7 +367,8 @@ def _refuse_diloco_options(args: CompileOptions) -> None:
                                ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                ("--replica-shares", args.replica_shares, None),
                                ("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay, None),
-                               ("--outer-overlap", args.outer_overlap, None), ("--sync-warmup", args.sync_warmup, 0))
+                               ("--outer-overlap", args.outer_overlap, None), ("--sync-warmup", args.sync_warmup, None),
+                               ("--inner-lr", args.inner_lr, None))
              if v != d]
     if given:
         raise FusionError(f"{given[0]} is an option of --dp-sync diloco (the replicas now average gradients every "
@@ -429,7 +451,7 @@ def dp_sync_from_args(args: CompileOptions):
     shares = _replica_shares(args)
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
-                  overlap=overlap or "delayed", sync_warmup=args.sync_warmup)
+                  overlap=overlap or "delayed", sync_warmup=args.sync_warmup or 0, inner_lr=args.inner_lr)
     return _checked_sync(codec_outer(sync, args.outer_momentum != DEFAULT_OUTER_MOMENTUM))
 
 
@@ -442,7 +464,7 @@ def _checked_sync(sync):
         sync.check("--dp-sync diloco")
     except PlanError as e:
         msg = str(e).replace("--dp-sync diloco.shares", "--replica-shares")
-        for name in ("outer_lr", "outer_momentum", "sync_warmup"):
+        for name in ("outer_lr", "outer_momentum", "sync_warmup", "inner_lr"):
             msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
         raise FusionError(msg) from None
     return sync
@@ -633,7 +655,9 @@ def describe_plan(plan, cluster) -> str:
         codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
         reps += (f", DiLoCo H={ds.inner_steps} outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
                  + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else "")
-                 + (f", outer step one round late ({ds.overlap})" if ds.delay else ""))
+                 + (f", outer step one round late ({ds.overlap})" if ds.delay else "")
+                 + (f", {ds.sync_warmup} synchronous warm-up steps" if ds.sync_warmup else "")
+                 + (f", inner lr {ds.inner_lr:g}" if ds.inner_lr is not None else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")
     return (f"{len(plan.parts)} parts{reps} on {len({p.device for p in plan.parts.values()})} of {len(cluster)} devices "

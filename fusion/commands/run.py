@@ -72,7 +72,7 @@ def check_plan_folder(plan_dir: Path, trust: bool, steps: int) -> None:
     from fusion.plan import load_plan
 
     plan = load_plan(plan_dir)
-    check_warmup_steps(plan.dp_sync.mode, plan.dp_sync.sync_warmup, steps)
+    check_warmup_steps(plan.dp_sync.mode, plan.dp_sync.sync_warmup, steps, f"{plan_dir}: dp_sync.sync_warmup")
     if plan.graph.plugins and not trust:
         from fusion.ir.registry import TRUST_HINT
 

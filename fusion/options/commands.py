@@ -184,12 +184,13 @@ class Coordinator:
         _check_resume(self.train, self.out)
 
 
-def check_warmup_steps(mode: str, warmup: int, steps: int) -> None:
-    """FusionError (one line) when DiLoCo's synchronous warm-up (``--sync-warmup``) leaves it no step."""
+def check_warmup_steps(mode: str, warmup: int | None, steps: int, what: str = "--sync-warmup") -> None:
+    """FusionError (one line) when DiLoCo's synchronous warm-up (``what``: ``--sync-warmup``, or a plan's
+    ``dp_sync.sync_warmup``) leaves it no step. None: the DP planner chooses it (capped below ``steps``)."""
     from fusion.ir.errors import FusionError
 
     if mode != "every" and warmup and warmup >= steps:
-        raise FusionError(f"--sync-warmup {warmup}: the synchronous warm-up must be shorter than the run "
+        raise FusionError(f"{what} {warmup}: the synchronous warm-up must be shorter than the run "
                           f"(--steps {steps}), or DiLoCo never starts")
 
 

@@ -57,7 +57,8 @@ class CompileOptions(Section):
     pseudo_error_feedback: bool = option("--pseudo-error-feedback", kind="flag", group=DP, help="diloco: keep what the codec did not send of each replica's pseudo-gradient and add it to the next one (needs --pseudo-codec)")
     replica_shares: str | None = option("--replica-shares", metavar="R=S[,R=S...]", group=DP, help="diloco: unequal islands: replica R takes share S of each global batch's micro-batches (1 where not given), and its pseudo-gradient weighs the samples it saw")
     sync_fragments: int = option("--sync-fragments", default=1, type=int, metavar="F", group=DP, help="diloco: Streaming DiLoCo: each stage's parameters in F fragments, fragment f synced after steps t with t %% H == f H / F (staggered: the exchange spread over H steps; 1)")
-    sync_warmup: int = option("--sync-warmup", default=0, type=int, metavar="N", group=DP, help="diloco: the first N steps are synchronous DP (gradients averaged every step), then DiLoCo starts from those weights, each replica keeping its optimizer state (0: none)")
+    sync_warmup: int | None = option("--sync-warmup", type=int, metavar="N", group=DP, help="diloco: the first N steps are synchronous DP (gradients averaged every step), then DiLoCo starts from those weights, each replica keeping its optimizer state (0: none; default: 0, or with --strategy dp the planner's choice: 100, at most a tenth of the run's --steps)")
+    inner_lr: float | None = option("--inner-lr", type=float, metavar="X", group=DP, help="diloco: the replicas' own learning rate once DiLoCo runs (after the warm-up, which runs at --lr); the lr schedule scales it as it scales --lr (default: --lr, or with --strategy dp the planner's choice: --lr x sqrt(1/R) for adamw without a warm-up)")
     outer_delay: int | None = option("--outer-delay", type=int, metavar="D", group=DP, help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp")
     outer_overlap: str | None = option("--outer-overlap", metavar="eager|delayed", group=DP, help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the others' one round late; it converged worse than delayed with the default outer momentum here: docs/data-parallel.md)")
 
@@ -91,6 +92,7 @@ class CompileOptions(Section):
             ("lr", lambda v: _finite(v) and v > 0, "must be a positive number"),
             ("momentum", lambda v: _finite(v) and 0 <= v < 1, "must be in [0, 1)"),
             ("weight_decay", lambda v: _finite(v) and v >= 0, "must be 0 or more"),
+            ("inner_lr", lambda v: v is None or (_finite(v) and v > 0), "must be a positive number"),
             ("compress_ratio", lambda v: v is None or (_finite(v) and v >= 1),
              "must be at least 1 (AdaTopK keeps 1/R of the values, Eq. 7)"),
         ]
