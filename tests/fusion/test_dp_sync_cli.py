@@ -79,3 +79,86 @@ def test_bad_dp_sync_input_exits_2_with_one_line(tmp_path, capsys):
                  "-o", str(tmp_path / "c")]) == 2
     assert "--dp-sync auto is the --strategy dp planner's choice (not dtfm)" in _one_line(capsys)
     assert not any((tmp_path / x).exists() for x in "abc")
+
+
+def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, capsys):
+    """Issue 34: the DiLoCo planner chooses the synchronous warm-up (100 steps; a tenth of a known run) and the
+    replicas' inner lr (the plan's after a warm-up; AdamW's square-root rule without one), stores its reasons in
+    ``predicted["diloco_choice"]`` and ``fusion inspect`` prints them; ``--sync-warmup`` / ``--inner-lr`` win."""
+    import json
+    import math
+
+    m = _model(tmp_path)
+    base = ["compile", m, "--cluster", LOCAL, "--strategy", "dp", "--dp-sync", "auto", "--global-batch", "16",
+            "--optimizer", "adamw", "--lr", "0.003"]
+    plans = {}
+    for name, extra in [("auto", []), ("nowarm", ["--sync-warmup", "0"]), ("decay", ["--lr-schedule", "cosine",
+                        "--lr-decay-steps", "50"]), ("given", ["--sync-warmup", "7", "--inner-lr", "0.002"])]:
+        assert main([*base, *extra, "-o", str(tmp_path / name)]) == 0
+        capsys.readouterr()
+        plans[name] = load_plan(tmp_path / name)
+    a = plans["auto"]
+    assert a.dp_sync.mode == "diloco" and (a.dp_sync.sync_warmup, a.dp_sync.inner_lr) == (100, None)
+    why = a.predicted["diloco_choice"]
+    assert why["warmup_reason"].startswith("100 steps: docs/data-parallel.md tuning")
+    assert why["inner_lr_reason"].startswith("the plan's lr 0.003: after a synchronous warm-up")
+    assert "inner_lr" not in json.loads((tmp_path / "auto" / "plan.json").read_text())["dp_sync"]
+    assert main(["inspect", str(tmp_path / "auto")]) == 0
+    text = capsys.readouterr().out
+    assert f"  warm-up (DP planner): {why['warmup_reason']}\n" in text
+    assert f"  inner lr (DP planner): {why['inner_lr_reason']}\n" in text
+
+    R = plans["nowarm"].replicas
+    nowarm = plans["nowarm"].dp_sync
+    assert nowarm.sync_warmup == 0 and nowarm.inner_lr == 0.003 * math.sqrt(1 / R)
+    assert json.loads((tmp_path / "nowarm" / "plan.json").read_text())["dp_sync"]["inner_lr"] == nowarm.inner_lr
+    assert main(["inspect", str(tmp_path / "nowarm")]) == 0
+    text = capsys.readouterr().out
+    assert "  warm-up (DP planner): none: given by the user (--sync-warmup 0)\n" in text
+    assert f"  inner lr (DP planner): {nowarm.inner_lr:.4g} = lr 0.003 x sqrt(1/{R})" in text
+
+    assert plans["decay"].dp_sync.sync_warmup == 5  # a tenth of the 50 steps the schedule spans
+    assert "capped at a tenth of the 50 steps (--lr-decay-steps)" in plans["decay"].predicted["diloco_choice"][
+        "warmup_reason"]
+    assert (plans["given"].dp_sync.sync_warmup, plans["given"].dp_sync.inner_lr) == (7, 0.002)
+
+    # fusion run's --steps caps it (and is then part of the compile's cache key)
+    from fusion.cluster import load_cluster
+    from fusion.commands.compile import compile_from_args
+    from fusion.compile_key import compile_options
+    from fusion.loader import load_model
+    from fusion.options.compile import CompileJob, CompileOptions
+
+    opts = CompileOptions(strategy="dp", dp_sync="auto", global_batch=16, optimizer="adamw", lr=0.003)
+    job = CompileJob(m, LOCAL, opts, steps=30)
+    plan = compile_from_args(job, load_model(m), load_cluster(LOCAL))
+    assert plan.dp_sync.sync_warmup == 3 and compile_options(job)["steps"] == 30
+    assert "steps" not in compile_options(CompileJob(m, LOCAL, CompileOptions(), steps=30))
+
+
+def test_bad_inner_lr_or_warmup_exits_2_with_one_line(tmp_path, capsys):
+    m = _model(tmp_path)
+    for opts, says in [
+        (["--replicas", "2", "--dp-sync", "diloco", "--inner-lr", "-1"], "--inner-lr -1.0: must be a positive number"),
+        (["--replicas", "2", "--dp-sync", "diloco", "--inner-lr", "nan"], "--inner-lr nan: must be a positive number"),
+        (["--replicas", "2", "--inner-lr", "0.01"], "--inner-lr is an option of --dp-sync diloco"),
+    ]:
+        assert main(["compile", m, "--cluster", LOCAL, *opts, "-o", str(tmp_path / "x")]) == 2
+        assert says in _one_line(capsys)
+    assert not (tmp_path / "x").exists()
+    # a planned warm-up of 100 steps and a run of 50: refused before anything starts, naming the plan's field
+    plan = tmp_path / "p.plan"
+    assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dp", "--dp-sync", "auto", "--global-batch", "16",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(plan), "--steps", "50", "--out", str(tmp_path / "run")]) == 2
+    assert (f"{plan}: dp_sync.sync_warmup 100: the synchronous warm-up must be shorter than the run (--steps 50)"
+            in _one_line(capsys))
+    assert not (tmp_path / "run").exists()
+    from fusion.plan import DPSync, PlanError
+    import pytest
+
+    with pytest.raises(PlanError, match=r"plan.dp_sync.inner_lr must be a finite number > 0"):
+        DPSync.from_dict({"mode": "diloco", "inner_lr": 0})
+    with pytest.raises(PlanError, match=r"sync_warmup and inner_lr are DiLoCo's"):
+        DPSync.from_dict({"mode": "every", "inner_lr": 0.1})

@@ -2,6 +2,7 @@
 reference: R model copies whose first N steps average their gradients (synchronous DP: every copy's own optimizer
 steps on the average, so all stay equal), then DiLoCo (Douillard et al. 2023, Algorithm 1) from the weights after
 step N, the outer Nesterov SGD fresh, each copy keeping its optimizer state, outer boundaries at N + H, N + 2H, ...
+With ``dp_sync.inner_lr`` the copies' optimizers step at that lr after step N (the warm-up at the plan's lr).
 Every loss at rtol 1e-5, the final weights at rtol 1e-4; ``N >= --steps`` is one line, exit 2."""
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def warmup_reference(model, plain_loss, batches, replicas: int, micro: int, make
                 g = torch.stack([local[r][n].grad for r in range(replicas)]).sum(0) / replicas
                 for r in range(replicas):
                     local[r][n].grad = g.clone()
+        elif sync.inner_lr is not None:  # DiLoCo runs: the replicas' own (inner) lr from here on
+            for r in range(replicas):
+                for group in opts[r].param_groups:
+                    group["lr"] = sync.inner_lr
         for r in range(replicas):
             opts[r].step()
         done = step + 1
@@ -91,6 +96,32 @@ def test_sync_warmup_matches_a_plain_pytorch_reference(tmp_path, name, opt, engi
     # without the warm-up the run is another (the reference would not match): the test can tell them apart
     plain = warmup_reference(model, plain_loss, batches, R, micro, opt[1], DPSync("diloco", inner_steps=H,
                                                                                   outer_lr=0.7, outer_momentum=0.6))
+    assert not np.allclose([r.loss for r in reports], [p[0] for p in plain], rtol=1e-5)
+
+
+INNER_LR_CASES = [  # (model, inner optimizer, engines, H, replicas, warm-up, inner lr)
+    ("mlp", ADAMW, {"r1.p0": "numpy"}, 2, 2, 2, 0.004),  # AdamW at 0.01 in the warm-up, 0.004 after it
+    ("cnn", SGD_M, None, 2, 2, 0, 0.03),  # no warm-up: the inner lr from the first step
+]
+
+
+@pytest.mark.parametrize("name,opt,engines,H,R,N,lr", INNER_LR_CASES,
+                         ids=[f"{c[0]}-N{c[5]}-lr{c[6]}" for c in INNER_LR_CASES])
+def test_inner_lr_matches_a_plain_pytorch_reference(tmp_path, name, opt, engines, H, R, N, lr):
+    """``dp_sync.inner_lr``: the replicas' optimizers (torch and NumPy engines) step at it once DiLoCo runs, the
+    warm-up at the plan's lr; equal to the reference, and not to the same run at the plan's lr."""
+    build, _, plain_loss, batch_fn = ALL[name]
+    model = build(mb=MB)
+    plan_dir = save_dp_plan(tmp_path, model, one_stage(model), R, micro_batches=1, optimizer=opt[0], engines=engines)
+    sync = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.6, sync_warmup=N, inner_lr=lr)
+    with_sync(plan_dir, model, sync)
+    assert load_plan(plan_dir).dp_sync.inner_lr == lr
+    batches = [batch_fn(s, R * MB) for s in range(N + 2 * H + 1)]
+    reports, state, _ = run_dp(plan_dir, tmp_path / "run", batches)
+    assert_matches(reports, state, warmup_reference(model, plain_loss, batches, R, 1, opt[1], sync))
+    assert [r.lr for r in reports] == [opt[0].lr] * N + [lr] * (2 * H + 1)  # the coordinator's record of it
+    plain = warmup_reference(model, plain_loss, batches, R, 1, opt[1], DPSync("diloco", inner_steps=H, outer_lr=0.7,
+                                                                             outer_momentum=0.6, sync_warmup=N))
     assert not np.allclose([r.loss for r in reports], [p[0] for p in plain], rtol=1e-5)
 
 
