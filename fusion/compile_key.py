@@ -215,7 +215,8 @@ FILE_OPTIONS = ("node_times",)
 def compile_options(job) -> dict:
     """The option values the compile reads: every compile option of ``job.options`` (its ``values()``: all but
     ``--no-cache``), and of ``fusion run``'s own options those :func:`fusion.commands.compile.compile_from_args`
-    reads: ``job.steps`` (the lr schedule's length when ``--lr-decay-steps`` is not given) and ``job.data`` (the
+    reads: ``job.steps`` (the lr schedule's length when ``--lr-decay-steps`` is not given, and the cap on the DP
+    planner's DiLoCo warm-up when ``--sync-warmup`` is not given) and ``job.data`` (the
     corpus size of ``--compress``'s delta buffers; None under ``fusion compile``). ``job``: a
     :class:`fusion.options.compile.CompileJob`."""
     c = job.options

@@ -158,7 +158,8 @@ class CompileOptions(Section):
 @dataclass
 class CompileJob:
     """One compile: the model, the cluster file, the compile options, and the two ``fusion run`` options the compile
-    reads (None under ``fusion compile``): ``steps`` (the lr schedule's length without ``--lr-decay-steps``) and
+    reads (None under ``fusion compile``): ``steps`` (the lr schedule's length without ``--lr-decay-steps``; the
+    cap on the DP planner's DiLoCo warm-up without ``--sync-warmup``) and
     ``data`` (the corpus size for ``--compress``'s delta buffers)."""
 
     #: file.py:function or model.onnx[:loss]
