@@ -190,8 +190,9 @@ def check_warmup_steps(mode: str, warmup: int | None, steps: int, what: str = "-
     from fusion.ir.errors import FusionError
 
     if mode != "every" and warmup and warmup >= steps:
+        fix = "" if what == "--sync-warmup" else f"; give --steps > {warmup} or recompile with --sync-warmup N"
         raise FusionError(f"{what} {warmup}: the synchronous warm-up must be shorter than the run "
-                          f"(--steps {steps}), or DiLoCo never starts")
+                          f"(--steps {steps}), or DiLoCo never starts{fix}")
 
 
 @dataclass

@@ -152,8 +152,8 @@ def test_bad_inner_lr_or_warmup_exits_2_with_one_line(tmp_path, capsys):
                  "-o", str(plan)]) == 0
     capsys.readouterr()
     assert main(["run", str(plan), "--steps", "50", "--out", str(tmp_path / "run")]) == 2
-    assert (f"{plan}: dp_sync.sync_warmup 100: the synchronous warm-up must be shorter than the run (--steps 50)"
-            in _one_line(capsys))
+    assert (f"{plan}: dp_sync.sync_warmup 100: the synchronous warm-up must be shorter than the run (--steps 50), "
+            "or DiLoCo never starts; give --steps > 100 or recompile with --sync-warmup N" in _one_line(capsys))
     assert not (tmp_path / "run").exists()
     from fusion.plan import DPSync, PlanError
     import pytest
