@@ -121,6 +121,15 @@ def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, caps
     assert "capped at a tenth of the 50 steps (--lr-decay-steps)" in plans["decay"].predicted["diloco_choice"][
         "warmup_reason"]
     assert (plans["given"].dp_sync.sync_warmup, plans["given"].dp_sync.inner_lr) == (7, 0.002)
+    # without the planner (--replicas, --dp-sync diloco) the values are the options', and inspect shows them bare
+    assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco", "--sync-warmup", "3",
+                 "--inner-lr", "0.002", "-o", str(tmp_path / "hand")]) == 0
+    hand = load_plan(tmp_path / "hand")
+    assert (hand.dp_sync.sync_warmup, hand.dp_sync.inner_lr) == (3, 0.002) and "diloco_choice" not in hand.predicted
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "hand")]) == 0
+    text = capsys.readouterr().out
+    assert "  warm-up: 3 synchronous steps, then DiLoCo\n" in text and "  inner lr: 0.002\n" in text
 
     # fusion run's --steps caps it (and is then part of the compile's cache key)
     from fusion.cluster import load_cluster
