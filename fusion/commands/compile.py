@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusion.options.compile import DEFAULT_OUTER_MOMENTUM, DP_STRATEGIES, MICRO_BATCHES, CompileJob, CompileOptions
+from fusion.options.compile import DEFAULT_OUTER_MOMENTUM, DP_STRATEGIES, EAGER_OUTER_MOMENTUM, MICRO_BATCHES, CompileJob, CompileOptions
 
 if TYPE_CHECKING:
     from fusion.options.commands import Compile
@@ -57,7 +57,7 @@ def compile_from_args(job: CompileJob, model, cluster):
         if args.dp_sync == "every":
             _set_dp_sync(plan, dp_sync)
         else:  # the planner chose H, codec, shares (apply_dp_sync); the outer optimizer is the user's
-            _keep_outer_options(plan, dp_sync)
+            _keep_outer_options(plan, dp_sync, args)
             choose_warmup_and_inner_lr(plan, args, job.steps)
         set_precision(plan, args.precision)
         return plan
@@ -176,19 +176,19 @@ def _set_dp_sync(plan, sync) -> None:
         raise FusionError(str(e).replace("plan.dp_sync.shares", "--replica-shares")) from None
 
 
-def _keep_outer_options(plan, asked) -> None:
+def _keep_outer_options(plan, asked, args: CompileOptions) -> None:
     """After the DiLoCo planner wrote ``plan.dp_sync``: the outer optimizer (lr, momentum, Nesterov) and error
-    feedback are the user's options (``asked``), which the planner does not price."""
+    feedback are the user's options (``asked``), which the planner does not price; the variant of a delay the
+    planner chose is the user's ``--outer-overlap`` (eager where not given, :func:`overlap_outer`)."""
     import dataclasses
 
     if plan.dp_sync.mode != "diloco":
         return
     plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr, outer_momentum=asked.outer_momentum,
                                        nesterov=asked.nesterov,
-                                       error_feedback=asked.error_feedback and plan.dp_sync.codec is not None,
-                                       # the variant of a delay the planner chose: the user's
-                                       overlap=asked.overlap if plan.dp_sync.delay else "delayed")
-    plan.dp_sync = codec_outer(plan.dp_sync, asked.outer_momentum != DEFAULT_OUTER_MOMENTUM)
+                                       error_feedback=asked.error_feedback and plan.dp_sync.codec is not None)
+    momentum_given = asked.outer_momentum != DEFAULT_OUTER_MOMENTUM
+    plan.dp_sync = codec_outer(overlap_outer(plan.dp_sync, args.outer_overlap, momentum_given), momentum_given)
     _set_dp_sync(plan, plan.dp_sync)
 
 
@@ -451,8 +451,9 @@ def dp_sync_from_args(args: CompileOptions):
     shares = _replica_shares(args)
     sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
-                  overlap=overlap or "delayed", sync_warmup=args.sync_warmup or 0, inner_lr=args.inner_lr)
-    return _checked_sync(codec_outer(sync, args.outer_momentum != DEFAULT_OUTER_MOMENTUM))
+                  sync_warmup=args.sync_warmup or 0, inner_lr=args.inner_lr)
+    momentum_given = args.outer_momentum != DEFAULT_OUTER_MOMENTUM
+    return _checked_sync(codec_outer(overlap_outer(sync, overlap, momentum_given), momentum_given))
 
 
 def _checked_sync(sync):
@@ -468,6 +469,23 @@ def _checked_sync(sync):
             msg = msg.replace(f"--dp-sync diloco.{name}", "--" + name.replace("_", "-"))
         raise FusionError(msg) from None
     return sync
+
+
+def overlap_outer(sync, overlap: str | None, momentum_given: bool):
+    """``sync`` with the variant of its overlapped outer step (``dp_sync.delay`` 1): ``overlap`` as given, else
+    **eager** (Kale, Douillard and Donchev 2025, arXiv 2502.12996: each replica's own pseudo-gradient at once, the
+    others' one round late), whose outer momentum is :data:`EAGER_OUTER_MOMENTUM` unless ``--outer-momentum`` was
+    given: with Nesterov momentum and a one-round lag the eager step lost to the naive delayed one, without it it
+    beat it on every tuning seed (docs/data-parallel.md, "Eager by default"). Delay 0 keeps ``"delayed"`` (unused)."""
+    import dataclasses
+
+    if not sync.delay:
+        return dataclasses.replace(sync, overlap="delayed")
+    chosen = overlap or "eager"
+    changes: dict = {"overlap": chosen}
+    if chosen == "eager" and not momentum_given:
+        changes["outer_momentum"] = EAGER_OUTER_MOMENTUM
+    return dataclasses.replace(sync, **changes)
 
 
 def codec_outer(sync, momentum_given: bool):

@@ -16,6 +16,9 @@ MICRO_BATCHES = 4
 
 #: ``--outer-momentum`` when left out (a codec may prescribe its own then: SparseLoCo 0)
 DEFAULT_OUTER_MOMENTUM = 0.6
+#: ``--outer-momentum`` when left out under the eager overlapped outer step (``--outer-delay 1``, its default
+#: variant): none; the convergence study's tuning seeds (docs/data-parallel.md, "Eager by default")
+EAGER_OUTER_MOMENTUM = 0.0
 #: partitioners that plan data-parallel replicas (fusion.partition.dp, fusion.partition.dtfm)
 DP_STRATEGIES = ("dp", "dtfm")
 
@@ -60,7 +63,7 @@ class CompileOptions(Section):
     sync_warmup: int | None = option("--sync-warmup", type=int, metavar="N", group=DP, help="diloco: the first N steps are synchronous DP (gradients averaged every step), then DiLoCo starts from those weights, each replica keeping its optimizer state (0: none; default: 0, or with --strategy dp the planner's choice: 100, at most a tenth of the run's --steps)")
     inner_lr: float | None = option("--inner-lr", type=float, metavar="X", group=DP, help="diloco: the replicas' own learning rate once DiLoCo runs (after the warm-up, which runs at --lr); the lr schedule scales it as it scales --lr (default: --lr, or with --strategy dp the planner's choice: --lr x sqrt(1/R) for adamw without a warm-up)")
     outer_delay: int | None = option("--outer-delay", type=int, metavar="D", group=DP, help="diloco: outer steps an update is applied late: 0 (the outer exchange blocks) or 1 (it overlaps the next H inner steps); default 0, or the planner's choice with --strategy dp")
-    outer_overlap: str | None = option("--outer-overlap", metavar="eager|delayed", group=DP, help="diloco with --outer-delay 1: delayed (the default: the whole average one round late) or eager (Kale et al. 2025: each replica applies its own pseudo-gradient at once, the others' one round late; it converged worse than delayed with the default outer momentum here: docs/data-parallel.md)")
+    outer_overlap: str | None = option("--outer-overlap", metavar="eager|delayed", group=DP, help="diloco with --outer-delay 1: eager (the default; Kale et al. 2025: each replica applies its own pseudo-gradient at once, the others' one round late; outer momentum 0 unless --outer-momentum is given) or delayed (the naive step: the whole average one round late; converged worse here: docs/data-parallel.md)")
 
     compress_ratio: float | None = option("--compress-ratio", type=float, metavar="R", group=COMPRESSION, help="AdaTopK ratio r (Eq. 7) for the cut edges (default: no compression)")
     compress: str | None = option("--compress", metavar="none|auto|CODEC[:K=V,...]", group=COMPRESSION, help="codec for activations (and gradients) on the cut edges where the cost model says it pays, e.g. quant:bits=8, hadamard-quant:bits=4,block=64, topk:ratio=100; auto: per edge and direction the fastest the cost model prices among the codecs the convergence study shows to converge (default: none)")

@@ -51,26 +51,32 @@ def test_sparseloco_codec_brings_its_outer_step(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_outer_delay_1_is_delayed_unless_outer_overlap_eager(tmp_path, capsys):
-    """``--outer-delay 1`` writes the delayed outer step (dp_sync.overlap "delayed", not written into plan.json)
-    unless ``--outer-overlap eager`` asks for the eager one (written); the compile line names the variant; a plan
-    with delay 1 and no ``overlap`` in plan.json (every plan before the field) loads as the delayed step."""
+def test_outer_delay_1_is_eager_unless_outer_overlap_delayed(tmp_path, capsys):
+    """``--outer-delay 1`` writes the eager outer step (dp_sync.overlap "eager", written into plan.json) with its own
+    outer momentum 0 unless ``--outer-momentum`` is given; ``--outer-overlap delayed`` asks for the naive one (not
+    written, the shipped outer momentum); the compile line names the variant; a plan with delay 1 and no
+    ``overlap`` in plan.json (every plan before the field) loads as the delayed step, what it ran."""
     import json
 
-    for extra, want in (([], "delayed"), (["--outer-overlap", "delayed"], "delayed"), (["--outer-overlap", "eager"], "eager")):
-        out = tmp_path / f"{want}{len(extra)}.plan"
+    from fusion.options.compile import DEFAULT_OUTER_MOMENTUM, EAGER_OUTER_MOMENTUM
+
+    cases = (([], "eager", EAGER_OUTER_MOMENTUM), (["--outer-overlap", "delayed"], "delayed", DEFAULT_OUTER_MOMENTUM),
+             (["--outer-overlap", "eager"], "eager", EAGER_OUTER_MOMENTUM),
+             (["--outer-momentum", "0.3"], "eager", 0.3))
+    for extra, want, momentum in cases:
+        out = tmp_path / f"{want}{len(extra)}{momentum}.plan"
         assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco",
                      "--inner-steps", "4", "--outer-delay", "1", *extra, "-o", str(out)]) == 0
         assert f"outer step one round late ({want})" in capsys.readouterr().out
         s = load_plan(out).dp_sync
-        assert (s.delay, s.overlap) == (1, want)
+        assert (s.delay, s.overlap, s.outer_momentum) == (1, want, momentum)
     assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco",
                  "-o", str(tmp_path / "d0.plan")]) == 0
     assert "one round late" not in capsys.readouterr().out
     d0 = json.loads((tmp_path / "d0.plan" / "plan.json").read_text())["dp_sync"]
-    assert "overlap" not in d0  # delay 0: plan.json as before the field
-    assert "overlap" not in json.loads((tmp_path / "delayed0.plan" / "plan.json").read_text())["dp_sync"]
-    old = tmp_path / "eager2.plan" / "plan.json"
+    assert "overlap" not in d0 and d0["outer_momentum"] == DEFAULT_OUTER_MOMENTUM  # delay 0: as before the field
+    assert "overlap" not in json.loads((tmp_path / f"delayed2{DEFAULT_OUTER_MOMENTUM}.plan" / "plan.json").read_text())["dp_sync"]
+    old = tmp_path / f"eager0{EAGER_OUTER_MOMENTUM}.plan" / "plan.json"
     assert json.loads(old.read_text())["dp_sync"]["overlap"] == "eager"
     d = json.loads(old.read_text())
     del d["dp_sync"]["overlap"]
