@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fusion.compress.bottleneck import BottleneckRequest
     from fusion.compress.policy import CompressRequest
     from fusion.compress.subspace import SubspaceRequest, SubspaceSpec
+    from fusion.passes.architecture import ArchitectureRequest
     from fusion.cost.estimate import CodecPrices, CostModel, Estimate
     from fusion.cost.flops import NodeCost
     from fusion.cost.node_times import NodeTimes
@@ -65,6 +66,9 @@ class CompileRequest:
     precision: str = "fp32"
     #: subspace-confined residual stream (``--subspace``, :mod:`fusion.compress.subspace`; None: none)
     subspace: "SubspaceRequest | None" = None
+    #: the user's consent to a changed model chosen by predicted step time (``--compress auto
+    #: --allow-architecture-change``, :mod:`fusion.passes.architecture`; None: the model is compiled as asked)
+    architecture: "ArchitectureRequest | None" = None
 
     @property
     def auto_schedule(self) -> bool:
