@@ -29,7 +29,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from fusion.ir.errors import FusionError
-from fusion.passes.state import CompileError, CompileRequest
+from fusion.passes.state import SUBSPACE_DIVISORS, ArchitectureRequest, CompileError, CompileRequest
+
+__all__ = ["ArchitectureRequest", "SUBSPACE_DIVISORS", "candidates", "choose", "inspect_lines"]
 
 if TYPE_CHECKING:
     from fusion.cluster.model import Cluster
@@ -38,23 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fusion.compile")
 
-#: the subspace ranks priced: K = max(1, d // n) for each n (d / 16 and d / 6, the subspace study's two ranks)
-SUBSPACE_DIVISORS = (16, 6)
 #: the plan's ``predicted`` key of the choice
 PREDICTED_KEY = "architecture"
-
-
-@dataclass(frozen=True)
-class ArchitectureRequest:
-    """What ``--compress auto --allow-architecture-change`` consents to: the compiler may change the model.
-
-    bottleneck_edges: ``--bottleneck-edges``, the edges the bottleneck candidate narrows (None: every cut edge
-                      of the residual width, :func:`fusion.compress.bottleneck.cut_edges`).
-    subspace_divisors: n of each subspace candidate's K = d // n.
-    """
-
-    bottleneck_edges: tuple[str, ...] | None = None
-    subspace_divisors: tuple[int, ...] = SUBSPACE_DIVISORS
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from fusion.compress.bottleneck import BottleneckRequest
     from fusion.compress.policy import CompressRequest
     from fusion.compress.subspace import SubspaceRequest, SubspaceSpec
-    from fusion.passes.architecture import ArchitectureRequest
     from fusion.cost.estimate import CodecPrices, CostModel, Estimate
     from fusion.cost.flops import NodeCost
     from fusion.cost.node_times import NodeTimes
@@ -32,6 +31,25 @@ if TYPE_CHECKING:
 
 class CompileError(FusionError):
     """The model cannot be compiled for this cluster; the message says why."""
+
+
+#: the subspace ranks ``--compress auto --allow-architecture-change`` prices: K = max(1, d // n) for each n (d / 16
+#: and d / 6, the subspace study's two ranks; :mod:`fusion.passes.architecture`)
+SUBSPACE_DIVISORS = (16, 6)
+
+
+@dataclass(frozen=True)
+class ArchitectureRequest:
+    """What ``--compress auto --allow-architecture-change`` consents to: the compiler may change the model, by
+    predicted step time (:mod:`fusion.passes.architecture`).
+
+    bottleneck_edges: ``--bottleneck-edges``, the edges the bottleneck candidate narrows (None: every cut edge
+                      of the residual width, :func:`fusion.compress.bottleneck.cut_edges`).
+    subspace_divisors: n of each subspace candidate's K = d // n.
+    """
+
+    bottleneck_edges: tuple[str, ...] | None = None
+    subspace_divisors: tuple[int, ...] = SUBSPACE_DIVISORS
 
 
 @dataclass(frozen=True)
