@@ -1,11 +1,13 @@
 """One message per destination part per action (issue 35): everything one forward or backward action of a part
-sends to one other part travels as one message, so the link's latency is paid once per (action, destination), not
-once per tensor.
+sends to one other part travels as one message, so a message's fixed costs (its header, the transport's per-message
+work, and on a link that serialises messages its latency) are paid once per (action, destination), not once per
+tensor.
 
 A subspace cut (``fusion compile --subspace``) sends the stream's k coordinates *and* the token ids the receiver
-rebuilds the fixed table's share from: two OP-Data of one micro-batch from the same part to the same part. As two
-messages the ids cost a second latency per micro-batch (0.16 s of the subspace study's 0.524 s step on an 80 ms
-link). A group of one is the plain ``opdata`` message, byte for byte as before; a group of several is one
+rebuilds the fixed table's share from: two OP-Data of one micro-batch from the same part to the same part. On the
+studies' serial clock the ids' own message cost a second latency per micro-batch (0.16 s of the subspace study's
+0.524 s step on an 80 ms link); on the runtime's links the latency of back-to-back messages overlaps, so there it
+was one message's overhead (docs/compression.md, "Subspace: measured"). A group of one is the plain ``opdata`` message, byte for byte as before; a group of several is one
 ``opbatch`` message (:func:`fusion.ir.wire.encode_opbatch`) whose items keep their payloads' bytes.
 """
 from __future__ import annotations
