@@ -60,6 +60,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "examples" / "models")]
 from fusion.cluster import load_cluster# noqa: E402
 from fusion.compile import compile_model  # noqa: E402
 from fusion.executors.runtime.linkemu import link_model  # noqa: E402
+from fusion.executors.runtime.packing import by_destination  # noqa: E402
 from fusion.plan import OptimizerConfig  # noqa: E402
 from fusion.executors.reference import ReferenceExecutor  # noqa: E402
 from fusion.ir.boundary import partition  # noqa: E402
@@ -229,10 +230,10 @@ def train(model, plan, compression, batches, lr: float, optimizer: OptimizerConf
 
         def account(out, dt):
             clock["compute"] += dt
-            for m in out:
-                n = int(m.payload.nbytes) if hasattr(m.payload, "nbytes") else 8  # dense, sparse, quant, delta
+            for group in by_destination(out):  # one message per destination part, as the runtime sends them
+                n = sum(int(m.payload.nbytes) if hasattr(m.payload, "nbytes") else 8 for m in group)  # dense, sparse, quant, delta
                 clock["bytes"] += n
-                clock["comm"] += links[(m.src, m.dst)].time(n)
+                clock["comm"] += links[(group[0].src, group[0].dst)].time(n)
 
         def f(*a, **kw):
             t = timer()

@@ -16,8 +16,9 @@ for every cross-part message (payload bytes), serially. AdamW at ``lr`` for ever
 Runs (same seed, same batches; the subspace runs start from the projection of the same initial weights):
 ``dense``; ``sub/6`` (k = d / 6), ``sub/16`` (k = d / 16), ``sub/16+q8`` (k = d / 16, coordinates through the
 8-bit block codec both ways, :data:`convergence.CODEC_RUNS` ``quant8``); ``bottleneck`` (ResBM at R = d / 64,
-the existing ``--bottleneck``). The token ids are not messages: the data feeds them to every part that reads
-them, as it feeds the labels to the last part (the runtime does the same).
+the existing ``--bottleneck``). The token ids cross the cut with the coordinates, in the same message per
+micro-batch (``executors/runtime/packing.py``: what one action sends to one part is one message, in the runtime and
+in this clock).
 
 Reconstruction: after every step of every subspace run, one validation micro-batch is run forward through the
 partitioned model and, at every cut, the activation the receiver rebuilt (``c U^T + T[ids]``) is compared with

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fusion.compress.policy import CompressRequest
     from fusion.compress.subspace import SubspaceRequest
     from fusion.cost.node_times import NodeTimes
+    from fusion.passes.architecture import ArchitectureRequest
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                   compress: CompressRequest | None = None, recompute: str = "auto",
                   tied_codec: dict | str | None = None, virtual_stages: int | None = None,
                   node_times: "NodeTimes | None" = None, bottleneck: "BottleneckRequest | None" = None,
-                  precision: str = "fp32", subspace: "SubspaceRequest | None" = None) -> Plan:
+                  precision: str = "fp32", subspace: "SubspaceRequest | None" = None,
+                  architecture: "ArchitectureRequest | None" = None) -> Plan:
     """Partition ``model`` over ``cluster`` and return the plan executors run.
 
     strategy:       ``opfence`` (default), ``equal-count`` or ``equal-flops``.
@@ -84,6 +86,11 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
                     stream confined to span(U) before partitioning, every cut edge on the stream sent as k
                     coordinates + ids after; ``plan.subspace`` says what changed, the initial weights are
                     :func:`fusion.compress.subspace.initial_params` of it and the user's weights.
+    architecture:   consent to a changed model (``--compress auto --allow-architecture-change``,
+                    :mod:`fusion.passes.architecture`): dense, a subspace at K = d/16 and d/6 and the bottleneck at
+                    its auto rank are each compiled and priced; the shortest predicted iteration is returned (the
+                    model as it is unless a change is strictly shorter), ``plan.predicted["architecture"]`` lists
+                    them. Not with ``subspace`` or ``bottleneck`` (those are the user's own choice).
     Raises CompileError (naming the cluster file and field) when nothing fits.
     """
     if precision not in ("fp32", "bf16"):
@@ -91,7 +98,16 @@ def compile_model(model: Model, cluster: Cluster, *, strategy: str = "opfence", 
     request = check_request(strategy=strategy, micro_batches=micro_batches, compress_ratio=compress_ratio,
                             schedule=schedule, optimizer=optimizer, seed=seed, compress=compress, recompute=recompute,
                             tied_codec=tied_codec, virtual_stages=virtual_stages, node_times=node_times,
-                            bottleneck=bottleneck, precision=precision, subspace=subspace)
+                            bottleneck=bottleneck, precision=precision, subspace=subspace, architecture=architecture)
+    if request.architecture is not None:
+        from fusion.passes.architecture import choose
+
+        return choose(model, cluster, request, run_passes)
+    return run_passes(model, cluster, request)
+
+
+def run_passes(model: Model, cluster: Cluster, request: CompileRequest) -> Plan:
+    """The plan of one checked request: every pass of :data:`fusion.passes.steps.PASSES` in order."""
     state = CompileState(model, cluster, request, started=time.perf_counter())
     for run_pass in PASSES:
         state = run_pass(state)
@@ -115,6 +131,9 @@ def check_request(*, strategy: str, micro_batches: int, compress_ratio: float | 
         raise CompileError(f"compress_ratio must be >= 1, got {compress_ratio!r}")
     if recompute not in RECOMPUTE:
         raise CompileError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if rest.get("architecture") is not None and (rest.get("subspace") is not None or rest.get("bottleneck") is not None):
+        raise CompileError("architecture (--compress auto --allow-architecture-change) chooses the subspace or "
+                           "bottleneck itself; give it or --subspace / --bottleneck, not both")
     return CompileRequest(strategy=strategy, micro_batches=micro_batches, compress_ratio=compress_ratio,
                           schedule=schedule, compress=compress, recompute=recompute, virtual_stages=v_stages, **rest)
 

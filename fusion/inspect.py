@@ -201,6 +201,9 @@ def plan_report(plan: Plan) -> str:
         for name, owners in tied.items():
             lines.append(f"  {name}: {', '.join(owners)}")
     lines += bottleneck_lines(plan)
+    from fusion.passes.architecture import inspect_lines as architecture_lines
+
+    lines += architecture_lines(plan)
     if plan.subspace is not None:
         from fusion.compress.subspace import SubspaceSpec, inspect_lines
 

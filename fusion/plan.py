@@ -453,7 +453,8 @@ class Plan:
                    plan.json when empty, so older plans read and hash as before.
     subspace:      what ``fusion compile --subspace`` changed (``fusion.compress.subspace.SubspaceSpec.to_dict``:
                    the writers confined to span(U), the cut edges rebuilt from coordinates and ids); plain data
-                   here, the nodes and parameters are ordinary ones. Left out of plan.json when None.
+                   here, the nodes and parameters are ordinary ones, checked on load against the graph and
+                   assignment (:func:`check_subspace`). Left out of plan.json when None.
     """
 
     graph: OpGraph
@@ -643,6 +644,8 @@ class Plan:
                     raise PlanError(f"{source}: parts.{p.name}.device names unknown device {p.device!r} (not in cluster.devices)")
         self._check_replicas(source)
         self._check_bottlenecks(source)
+        if self.subspace is not None:
+            check_subspace(self.subspace, self.graph, self.assignment, set(self.parts), f"{source}: subspace")
         from fusion.ir.boundary import part_order
         from fusion.ir.errors import GraphError
 
@@ -786,6 +789,105 @@ def _int_field(d: dict, name: str, default: int, source: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise PlanError(f"{source}: field {name!r} must be an integer, got {v!r}")
     return v
+
+
+#: the fields of ``plan.json``'s ``subspace`` (``fusion.compress.subspace.SubspaceSpec.to_dict``), what each must be
+SUBSPACE_FIELDS = {"width": "the residual stream's width d", "rank": "k, the coordinates per token",
+                   "dtype": "the stream's dtype", "seed": "the seed U and T are drawn from",
+                   "ids": "the token ids input ('' without a token embedding)", "table_std": "T's standard deviation",
+                   "stream": "the stream's nodes", "writers": "the writers confined", "cuts": "the cut edges rebuilt"}
+#: the fixed parameters of a subspace plan: the basis U (d x k) and the token table's rest T (V x d)
+SUBSPACE_BASIS, SUBSPACE_TABLE = "subspace.U", "subspace.T"
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_subspace(d: Any, graph: OpGraph, assignment: dict[str, str], parts: set[str], where: str) -> None:
+    """``plan.json``'s ``subspace`` (docs/compression.md, "Subspace-confined residual stream") agrees with itself and
+    with the graph and assignment: 1 <= k < d, an integer seed, U (d x k) and T (V x d) fixed graph parameters, the
+    ids a graph input, the stream and writers graph nodes, and each cut edge on the stream, from its part, sending
+    a k-wide coordinates node and rebuilt on each destination part. PlanError naming the field otherwise."""
+    if not isinstance(d, dict):
+        raise PlanError(f"{where}: must be a map (the subspace passes' record), got {type(d).__name__}")
+    for key, what in SUBSPACE_FIELDS.items():
+        if key not in d and key != "cuts":
+            raise PlanError(f"{where}.{key} is missing ({what})")
+    width, rank, seed = d["width"], d["rank"], d["seed"]
+    if not _int(width) or width < 2:
+        raise PlanError(f"{where}.width must be an integer >= 2 (the stream's width), got {width!r}")
+    if not _int(rank) or not 1 <= rank < width:
+        raise PlanError(f"{where}.rank must be an integer k with 1 <= k < the width {width}, got {rank!r}")
+    if not _int(seed) or seed < 0:
+        raise PlanError(f"{where}.seed must be an integer >= 0 (the seed U and T are drawn from), got {seed!r}")
+    if d["dtype"] not in ("float32", "float64"):
+        raise PlanError(f"{where}.dtype must be float32 or float64 (the rebuild is exact in those), got {d['dtype']!r}")
+    std = d["table_std"]
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
+        raise PlanError(f"{where}.table_std must be a finite number > 0, got {std!r}")
+    ids = d["ids"]
+    if not isinstance(ids, str) or (ids and (ids not in graph.nodes or graph[ids].kind.value != "input")):
+        raise PlanError(f"{where}.ids must be '' or an input node of the graph, got {ids!r}")
+    fixed = {SUBSPACE_BASIS: (width, rank)}
+    if ids:
+        table = graph.params.get(SUBSPACE_TABLE)
+        fixed[SUBSPACE_TABLE] = (table.shape[0] if table is not None and table.shape else -1, width)
+    for name, shape in fixed.items():
+        p = graph.params.get(name)
+        if p is None or tuple(p.shape) != shape or p.trainable:
+            raise PlanError(f"{where}: graph parameter {name!r} must exist with shape {list(shape)}, not trainable "
+                            f"(width {width}, rank {rank})")
+    stream = d["stream"]
+    if not isinstance(stream, list) or not stream or not all(isinstance(n, str) and n in graph.nodes for n in stream):
+        bad = next((n for n in stream if not (isinstance(n, str) and n in graph.nodes)), None) \
+            if isinstance(stream, list) else stream
+        raise PlanError(f"{where}.stream must list the stream's nodes of the graph; {bad!r} is not one")
+    if not isinstance(d["writers"], list):
+        raise PlanError(f"{where}.writers must be a list of the writers confined")
+    for i, w in enumerate(d["writers"]):
+        if not isinstance(w, dict) or w.get("node") not in graph.nodes:
+            raise PlanError(f"{where}.writers[{i}].node must name a node of the graph, got "
+                            f"{w.get('node') if isinstance(w, dict) else w!r}")
+        for name in w.get("added", []):
+            if name not in graph.params or not graph.params[name].trainable:
+                raise PlanError(f"{where}.writers[{i}] ({w['node']}): added parameter {name!r} must be a trainable "
+                                "graph parameter")
+    cuts = d.get("cuts", [])
+    if not isinstance(cuts, list):
+        raise PlanError(f"{where}.cuts must be a list of the cut edges rebuilt")
+    for i, c in enumerate(cuts):
+        _check_subspace_cut(c, graph, assignment, parts, set(stream), rank, f"{where}.cuts[{i}]")
+
+
+def _check_subspace_cut(c: Any, graph: OpGraph, assignment: dict[str, str], parts: set[str], stream: set[str],
+                        rank: int, where: str) -> None:
+    """One ``subspace.cuts[i]``: an edge on the stream from ``src`` whose coordinates node (k wide, on ``src``) each
+    part of ``dsts`` rebuilds in its ``outputs`` entry (on that part)."""
+    if not isinstance(c, dict):
+        raise PlanError(f"{where} must be a map, got {type(c).__name__}")
+    for key in ("producer", "src", "dsts", "coords", "outputs"):
+        if key not in c:
+            raise PlanError(f"{where}.{key} is missing")
+    producer, src, dsts, coords, outputs = c["producer"], c["src"], c["dsts"], c["coords"], c["outputs"]
+    if producer not in stream:
+        raise PlanError(f"{where}.producer {producer!r} is not on the residual stream (subspace.stream): only a "
+                        "stream edge is rebuilt exactly from its coordinates")
+    if src not in parts or assignment.get(producer) != src:
+        raise PlanError(f"{where}.src {src!r} must be the part of the producer {producer!r} "
+                        f"(assignment: {assignment.get(producer)!r})")
+    if not isinstance(dsts, list) or not dsts or any(p not in parts or p == src for p in dsts):
+        raise PlanError(f"{where}.dsts must list the parts other than {src!r} that rebuild it, got {dsts!r}")
+    meta = graph.output_meta(coords, None) if isinstance(coords, str) and coords in graph.nodes else None
+    if meta is None or assignment.get(coords) != src or not getattr(meta, "shape", ()) or meta.shape[-1] != rank:
+        raise PlanError(f"{where}.coords {coords!r} must be a node on part {src!r} whose output is {rank} wide "
+                        "(the coordinates sent)")
+    if not isinstance(outputs, list) or len(outputs) != len(dsts):
+        raise PlanError(f"{where}.outputs must name one rebuilt node per part of dsts {dsts!r}")
+    for out, dst in zip(outputs, dsts):
+        if out not in graph.nodes or assignment.get(out) != dst:
+            raise PlanError(f"{where}.outputs: {out!r} must be a node on part {dst!r} (assignment: "
+                            f"{assignment.get(out) if isinstance(out, str) else None!r})")
 
 
 def boundary_tables(graph: OpGraph, assignment: dict[str, str]) -> dict[str, dict[str, list]]:

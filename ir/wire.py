@@ -51,9 +51,12 @@ WIRE_DTYPES = frozenset({
 })
 MAX_NDIM = 32
 
-#: message kinds: OP-Data between parts, tied-parameter gradients between owners, control, and ring
-#: all-reduce chunks between a stage's data-parallel replicas (``fusion.executors.runtime.dp.allreduce``)
-KINDS = frozenset({"opdata", "pgrad", "ctrl", "allreduce"})
+#: message kinds: OP-Data between parts, several OP-Data of one action to one part in one message (``opbatch``,
+#: :func:`encode_opbatch`), tied-parameter gradients between owners, control, and ring all-reduce chunks between a
+#: stage's data-parallel replicas (``fusion.executors.runtime.dp.allreduce``)
+KINDS = frozenset({"opdata", "opbatch", "pgrad", "ctrl", "allreduce"})
+#: upper bound on the OP-Data in one ``opbatch`` message
+MAX_BATCH_ITEMS = 1 << 10
 
 
 @dataclass
@@ -276,16 +279,38 @@ def _decode_payload(meta: Any, arrays: list[np.ndarray]) -> Any:
 
 # -- OP-Data ------------------------------------------------------------------------------------
 
-def encode_opdata(od: OpData, kind: str = "opdata") -> list[Any]:
-    """Frames of one OP-Data message (``kind`` ``"pgrad"`` for tied-parameter gradients)."""
-    meta, arrays = _encode_payload(od.payload)
-    header = {
+def _opdata_header(od: OpData, meta: Any) -> dict:
+    return {
         "name": od.name, "index": od.index, "op_users": list(od.op_users), "actual_user": list(od.actual_user),
         "is_grad": bool(od.is_grad), "is_loss": bool(od.is_loss), "requires_grad": bool(od.requires_grad),
         "local_iter": int(od.local_iter), "micro_batch": int(od.micro_batch), "src": od.src, "dst": od.dst,
         "compress": od.compress_cfg, "payload": meta,
     }
-    return encode(kind, header, arrays)
+
+
+def encode_opdata(od: OpData, kind: str = "opdata") -> list[Any]:
+    """Frames of one OP-Data message (``kind`` ``"pgrad"`` for tied-parameter gradients)."""
+    meta, arrays = _encode_payload(od.payload)
+    return encode(kind, _opdata_header(od, meta), arrays)
+
+
+def encode_opbatch(ods: Sequence[OpData]) -> list[Any]:
+    """Frames of one ``opbatch`` message: several OP-Data from one part to one part (what one action sends there,
+    e.g. a subspace cut's coordinates and the token ids, issue 35), so the link's latency is paid once. The header
+    is ``{"items": [each OP-Data's header as encode_opdata writes it], "arrays": [how many tensor frames each
+    has]}``, the tensor frames those of the items in order: each item's payload travels in exactly the bytes of its
+    own ``opdata`` message."""
+    if not ods:
+        raise WireError("an OP-Data batch needs at least one OP-Data")
+    if len({(od.src, od.dst) for od in ods}) != 1:
+        raise WireError("an OP-Data batch goes from one part to one part")
+    heads, counts, arrays = [], [], []
+    for od in ods:
+        meta, arrs = _encode_payload(od.payload)
+        heads.append(_opdata_header(od, meta))
+        counts.append(len(arrs))
+        arrays += arrs
+    return encode("opbatch", {"items": heads, "arrays": counts}, arrays)
 
 
 def _field(h: dict, name: str, types: tuple, nullable: bool = False) -> Any:
@@ -320,6 +345,31 @@ def opdata_from_message(msg: Message) -> OpData:
         micro_batch=_field(h, "micro_batch", (int,)), src=_field(h, "src", (str,)), dst=_field(h, "dst", (str,)),
         payload=_decode_payload(h.get("payload"), msg.arrays), compress_cfg=comp,
     )
+
+
+def opbatch_from_message(msg: Message) -> list[OpData]:
+    """The OP-Data of an ``opbatch`` message (:func:`encode_opbatch`) in order, each checked as
+    :func:`opdata_from_message` checks one; WireError when the batch is malformed, empty, or mixes senders or
+    destinations."""
+    if msg.kind != "opbatch":
+        raise WireError(f"message kind {msg.kind!r} is not an OP-Data batch")
+    items, counts = msg.header.get("items"), msg.header.get("arrays")
+    if not isinstance(items, list) or not isinstance(counts, list) or len(items) != len(counts) or not items:
+        raise WireError("OP-Data batch: 'items' and 'arrays' must be lists of one entry per OP-Data, not empty")
+    if len(items) > MAX_BATCH_ITEMS:
+        raise WireError(f"OP-Data batch of {len(items)} items exceeds the maximum of {MAX_BATCH_ITEMS}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) \
+            or sum(counts) != len(msg.arrays):
+        raise WireError(f"OP-Data batch: 'arrays' {_short(counts)} must count its {len(msg.arrays)} tensor frames")
+    out, at = [], 0
+    for h, n in zip(items, counts):
+        if not isinstance(h, dict):
+            raise WireError(f"OP-Data batch: an item is a {type(h).__name__}, not a map")
+        out.append(opdata_from_message(Message("opdata", h, msg.arrays[at:at + n])))
+        at += n
+    if len({(od.src, od.dst) for od in out}) != 1:
+        raise WireError("OP-Data batch: its items name more than one sender or destination")
+    return out
 
 
 def decode_opdata(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> OpData:

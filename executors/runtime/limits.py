@@ -4,7 +4,9 @@ A CompNode receives activations and gradients of its boundary tensors, the
 gradients of tied parameters, and the coordinator's ``step`` (its
 placeholders for every micro-batch); the coordinator receives each part's
 ``done`` (its parameter gradients when asked) and ``state`` (its parameters).
-The largest of these, times :data:`HEADROOM` (data batches larger than the
+What one forward or backward action of a peer sends this part is one message (``packing.py``), so an
+activation's or gradient's share is the sum of the tensors one peer sends per action. The largest of these, times
+:data:`HEADROOM` (data batches larger than the
 plan's example, header overhead), floored at :data:`FLOOR_BYTES`, is the
 receiver's limit, for a whole message: a 2 GiB frame to a part whose
 largest tensor is 64 KiB is dropped by ZeroMQ when it reads the frame's
@@ -44,9 +46,14 @@ def part_message_limit(plan: Plan, part: str) -> int:
     g = plan.graph
     sub = partition(g, plan.assignment)[part]
     b = sub.boundary
-    biggest = 0
-    for e in list(b.required_acts) + list(b.sent_acts):  # activations in, gradients of what it sends back in
-        biggest = max(biggest, _bytes(g.output_meta(e.producer, e.index)))
+    # activations in, gradients of what it sends back in: what one action of one peer sends here is one message
+    # (packing.py), so per peer the sum of the distinct tensors it sends
+    per_peer: dict[tuple[str, bool], dict] = {}
+    for e in b.required_acts:
+        per_peer.setdefault((plan.assignment[e.producer], False), {})[e.key] = _bytes(g.output_meta(e.producer, e.index))
+    for e in b.sent_acts:
+        per_peer.setdefault((plan.assignment[e.actual_user], True), {})[e.key] = _bytes(g.output_meta(e.producer, e.index))
+    biggest = max((sum(t.values()) for t in per_peer.values()), default=0)
     for n in sub.nodes:
         for p in g[n].param_names():  # a tied parameter's gradient from a co-owner
             biggest = max(biggest, _bytes(TensorMeta(tuple(g.params[p].shape), g.params[p].dtype)))

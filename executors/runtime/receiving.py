@@ -13,7 +13,7 @@ from fusion.executors.runtime.feeds import feed_problem
 from fusion.executors.runtime.node_common import COORDINATOR, MAX_QUEUED_CTRL
 from fusion.ir.errors import WireError
 from fusion.ir.opdata import OpData, SAMPLE_IDS
-from fusion.ir.wire import Message, opdata_from_message
+from fusion.ir.wire import Message, opbatch_from_message, opdata_from_message
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,20 @@ class Receiving:
                 self.sync.accept(sender, msg)  # routed by its header's type (dp/header.py)
                 self._cv.notify_all()
             return
+        heads = msg.header.get("items") if msg.kind == "opbatch" else [msg.header]  # one action's OP-Data to us
         try:
-            od = opdata_from_message(msg)
+            ods = opbatch_from_message(msg) if msg.kind == "opbatch" else [opdata_from_message(msg)]
         except WireError as e:  # (its payload, say): what the header says it is may still be an input this part awaits
-            self._refused_input(sender, msg.kind == "pgrad", msg.header if isinstance(msg.header, dict) else {}, str(e))
+            for h in heads if isinstance(heads, list) else []:
+                self._refused_input(sender, msg.kind == "pgrad", h if isinstance(h, dict) else {}, str(e))
             raise
         with self._cv:
-            try:
-                self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
-            except WireError as e:
-                self._refused_input(sender, msg.kind == "pgrad", od, str(e))
-                raise
+            for od in ods:
+                try:
+                    self.inbox.accept(sender, od, param_grad=msg.kind == "pgrad")
+                except WireError as e:
+                    self._refused_input(sender, msg.kind == "pgrad", od, str(e))
+                    raise
             self._cv.notify_all()
 
     def _refused_input(self, sender: str, pgrad: bool, od: "OpData | dict", reason: str) -> None:

@@ -21,8 +21,9 @@ import numpy as np
 from fusion.ir.boundary import part_links, part_order, partition
 from fusion.ir.node import TensorMeta
 from fusion.ir.opdata import OpData
-from fusion.ir.wire import encode_opdata, frames_nbytes
+from fusion.ir.wire import frames_nbytes
 from fusion.executors.runtime.linkemu import EmulatedLink, LinkModel, link_model
+from fusion.executors.runtime.packing import by_destination, message_frames
 from fusion.executors.runtime.part import make_routes
 from fusion.ir.schedule import W_FRACTION, ActionKind, make_lanes, make_schedule, simulate  # noqa: F401 (W_FRACTION: the runtime's name)
 from fusion.plan import Plan
@@ -40,7 +41,8 @@ class ReplayResult:
 
 
 def message_bytes(plan: Plan) -> dict[tuple[str, ActionKind], list[tuple[str, int]]]:
-    """(part, F or B) -> [(destination part, wire bytes)] that one action of that part sends."""
+    """(part, F or B) -> [(destination part, wire bytes)] of the messages one action of that part sends (one per
+    destination part: what the action sends there, packed as :mod:`.packing` packs it)."""
     g = plan.graph
     subs = partition(g, plan.assignment)
     out: dict[tuple[str, ActionKind], list[tuple[str, int]]] = {}
@@ -48,14 +50,16 @@ def message_bytes(plan: Plan) -> dict[tuple[str, ActionKind], list[tuple[str, in
         r = make_routes(sub, plan.assignment)
         for kind, pairs in ((ActionKind.F, [(k, d) for k, ds in r.send_to.items() for d in ds]),
                             (ActionKind.B, list(r.grads_to.items()))):
-            msgs = out.setdefault((p, kind), [])
+            ods = []
             for key, dst in pairs:
                 outs = g[key[0]].meta.outputs
                 m = outs[key[1] or 0] if outs else None
                 payload = np.empty(m.shape, dtype="uint16" if m.dtype == "bfloat16" else m.dtype) \
                     if isinstance(m, TensorMeta) else 0
-                od = OpData(key[0], key[1], tuple(g.users().get(key[0], ())), ("x" * 8,), kind == ActionKind.B, 0, 0, p, dst, payload)
-                msgs.append((dst, frames_nbytes(encode_opdata(od))))
+                ods.append(OpData(key[0], key[1], tuple(g.users().get(key[0], ())), ("x" * 8,), kind == ActionKind.B,
+                                  0, 0, p, dst, payload))
+            # one message per destination, as the runtime sends them (packing.py)
+            out[(p, kind)] = [(grp[0].dst, frames_nbytes(message_frames(grp))) for grp in by_destination(ods)]
     return out
 
 

@@ -13,9 +13,9 @@ from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.control import Abort, Clip, Commit, Done, Eval, Evaluated, GradNorm, Reduced, Step
 from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads
 from fusion.executors.runtime.node_common import COORDINATOR, ExecutorAbort
+from fusion.executors.runtime.packing import by_destination, message_frames, message_label
 from fusion.executors.runtime.schedule import ActionKind, TailKind, splits_backward, step_tail
 from fusion.executors.runtime.trace_events import now_us
-from fusion.ir.wire import encode_opdata
 
 
 @dataclass
@@ -79,8 +79,8 @@ class StepLoop:
             with self._cv:
                 self.inbox.consume(it, ActionKind.F, mb)
             self.tracer.add(f"eval F{mb}", "eval", t0, now_us())
-            for msg in out:
-                self.transport.send(msg.dst, encode_opdata(msg), label=f"eval F{mb} {msg.name}")
+            for group in by_destination(out):
+                self.transport.send(group[0].dst, message_frames(group), label=message_label(f"eval F{mb}", group))
         with self._cv:
             self.inbox.discard(it)
         self.transport.send(COORDINATOR, Evaluated(it=it, losses=losses).frames())
@@ -127,8 +127,8 @@ class StepLoop:
         stats["idle_s"] += idle
         if table is not None:  # the codecs' CPU time inside this action (part of its forward or backward time)
             stats["codec_s"] += table.codec_s - c0
-        for msg in out:
-            self.transport.send(msg.dst, encode_opdata(msg), label=f"{a.kind}{a.micro_batch} {msg.name}")
+        for group in by_destination(out):  # one message per destination part (packing.py)
+            self.transport.send(group[0].dst, message_frames(group), label=message_label(f"{a.kind}{mb}", group))
 
     def _tail(self, st: "_Step") -> list[TailKind]:
         """The end of this step (:func:`~fusion.ir.schedule.step_tail`), as the coordinator runs it too."""

@@ -83,7 +83,8 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
                          compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                          compress=compress, recompute=args.recompute, tied_codec=tied,
                          virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
-                         precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args))
+                         precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
+                         architecture=architecture_from_args(args))
     if plan.subspace is not None:  # the model is now the confined one: its graph and initial weights
         from fusion.compress.subspace import SubspaceSpec, initial_params
 
@@ -110,25 +111,43 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
 
 
 def bottleneck_from_args(args: CompileOptions):
-    """The :class:`~fusion.compress.bottleneck.BottleneckRequest` of ``--bottleneck``, ``--bottleneck-edges`` and
-    ``--compress auto --allow-architecture-change`` (None: the model stays as it is); FusionError, one line, for
-    a bad rank or an edge list without a bottleneck."""
+    """The :class:`~fusion.compress.bottleneck.BottleneckRequest` of ``--bottleneck`` and ``--bottleneck-edges``
+    (None: no bottleneck asked for; under ``--compress auto --allow-architecture-change`` the edges go to
+    :func:`architecture_from_args`); FusionError, one line, for a bad rank or an edge list without a bottleneck."""
     from fusion.compress.bottleneck import BottleneckRequest, parse_rank
     from fusion.ir.errors import FusionError
 
     rank, names = getattr(args, "bottleneck", None), getattr(args, "bottleneck_edges", None)
     edges = tuple(n.strip() for n in names.split(",") if n.strip()) if names is not None else None
-    consent = getattr(args, "allow_architecture_change", False)
     if rank is not None:
         if getattr(args, "precision", "fp32") != "fp32":
             raise FusionError("--bottleneck with --precision bf16 is not built (the bottleneck is fp32 matmuls)")
         return BottleneckRequest(parse_rank(rank), edges)
-    if (getattr(args, "compress", None) or "").strip() == "auto" and consent:
-        return BottleneckRequest("auto", edges, optional=True)
+    if _architecture_auto(args) and getattr(args, "subspace", None) is None:
+        return None  # the bottleneck is one of the candidates architecture_from_args lets the compiler price
     if edges is not None:
         raise FusionError("--bottleneck-edges names the edges of --bottleneck RANK|auto (or of --compress auto "
                           "--allow-architecture-change); give one of them")
     return None
+
+
+def _architecture_auto(args: CompileOptions) -> bool:
+    """``--compress auto --allow-architecture-change``: the user consents to a changed model chosen by price."""
+    return (getattr(args, "compress", None) or "").strip() == "auto" and getattr(args, "allow_architecture_change", False)
+
+
+def architecture_from_args(args: CompileOptions):
+    """The :class:`~fusion.passes.architecture.ArchitectureRequest` of ``--compress auto
+    --allow-architecture-change`` without ``--subspace`` and ``--bottleneck`` (the compiler prices dense, subspace
+    and bottleneck and keeps the fastest); None otherwise (the model as it is, or as the user's own flag changes it)."""
+    from fusion.passes.architecture import ArchitectureRequest
+
+    if not _architecture_auto(args) or getattr(args, "subspace", None) is not None \
+            or getattr(args, "bottleneck", None) is not None:
+        return None
+    names = getattr(args, "bottleneck_edges", None)
+    edges = tuple(n.strip() for n in names.split(",") if n.strip()) if names is not None else None
+    return ArchitectureRequest(bottleneck_edges=edges)
 
 
 def subspace_from_args(args: CompileOptions):
@@ -682,6 +701,9 @@ def describe_plan(plan, cluster) -> str:
             f"({plan.strategy}){chunks}, {len(plan.compression)} compressed edges"
             + (f", {len(plan.bottlenecks)} bottleneck{'s' if len(plan.bottlenecks) > 1 else ''} "
                f"({', '.join(f'{b.edge} {b.width}->{b.rank}' for b in plan.bottlenecks)})" if plan.bottlenecks else "")
+            + (f", subspace-confined stream (width {plan.subspace['width']} -> k = {plan.subspace['rank']})"
+               if plan.subspace is not None else "")
+            + (f", architecture chosen by price: {arch['chosen']}" if (arch := pr.get("architecture")) else "")
             + "; engines "
             f"{', '.join(f'{p}={e}' for p, e in engines.items())}; predicted {pr['iteration_s']:.4g} s/iteration "
             f"({pr['throughput_samples_s']:.4g} samples/s)"

@@ -262,8 +262,9 @@ class BottleneckRequest:
               :data:`AUTO_SLACK` of the best (one k for all edges).
     edges:    ``--bottleneck-edges``: edge names (``producer`` or ``producer[index]``); None: every cut edge of
               the residual width (:func:`cut_edges`).
-    optional: True when ``--compress auto --allow-architecture-change`` lets the compiler choose: the
-              bottleneck is kept only where the predicted iteration is shorter than without it.
+    optional: the bottleneck is kept only where the predicted iteration on the same cut is shorter than without
+              it (library use; ``--compress auto --allow-architecture-change`` prices it against the subspace and
+              the model as it is instead, :mod:`fusion.passes.architecture`).
     """
 
     rank: int | str

@@ -49,13 +49,14 @@ from fusion.ir.errors import FusionError
 from fusion.ir.graph import OpGraph, ParamSpec
 from fusion.ir.node import NodeKind, NodeMeta, OpNode, ParamRef, Ref, TensorMeta, map_refs
 from fusion.ir.serialize import copy_graph
+from fusion.plan import SUBSPACE_BASIS, SUBSPACE_TABLE
 
 #: node targets that pass the stream through unchanged (with p = 0)
 IDENTITY_TARGETS = ("torch.nn.Dropout", "torch.nn.functional.dropout")
 #: casts, the identity where they cast to the stream's own dtype (a traced ``transformers`` model's ``.to(float32)``)
 CAST_TARGETS = ("aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "torch.Tensor.to")
-#: the fixed parameters' names
-BASIS, TABLE = "subspace.U", "subspace.T"
+#: the fixed parameters' names (the plan format's, which checks them on load: :func:`fusion.plan.check_subspace`)
+BASIS, TABLE = SUBSPACE_BASIS, SUBSPACE_TABLE
 #: the safetensors metadata key of ``fusion export``'s subspace file
 EXPORT_KEY = "fusion.subspace"
 

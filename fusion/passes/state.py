@@ -33,6 +33,25 @@ class CompileError(FusionError):
     """The model cannot be compiled for this cluster; the message says why."""
 
 
+#: the subspace ranks ``--compress auto --allow-architecture-change`` prices: K = max(1, d // n) for each n (d / 16
+#: and d / 6, the subspace study's two ranks; :mod:`fusion.passes.architecture`)
+SUBSPACE_DIVISORS = (16, 6)
+
+
+@dataclass(frozen=True)
+class ArchitectureRequest:
+    """What ``--compress auto --allow-architecture-change`` consents to: the compiler may change the model, by
+    predicted step time (:mod:`fusion.passes.architecture`).
+
+    bottleneck_edges: ``--bottleneck-edges``, the edges the bottleneck candidate narrows (None: every cut edge
+                      of the residual width, :func:`fusion.compress.bottleneck.cut_edges`).
+    subspace_divisors: n of each subspace candidate's K = d // n.
+    """
+
+    bottleneck_edges: tuple[str, ...] | None = None
+    subspace_divisors: tuple[int, ...] = SUBSPACE_DIVISORS
+
+
 @dataclass(frozen=True)
 class CompileRequest:
     """``compile_model``'s arguments, checked (``fusion.compile.compile_model`` says what each means)."""
@@ -65,6 +84,9 @@ class CompileRequest:
     precision: str = "fp32"
     #: subspace-confined residual stream (``--subspace``, :mod:`fusion.compress.subspace`; None: none)
     subspace: "SubspaceRequest | None" = None
+    #: the user's consent to a changed model chosen by predicted step time (``--compress auto
+    #: --allow-architecture-change``, :mod:`fusion.passes.architecture`; None: the model is compiled as asked)
+    architecture: "ArchitectureRequest | None" = None
 
     @property
     def auto_schedule(self) -> bool:

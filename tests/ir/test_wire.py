@@ -182,3 +182,47 @@ def test_transport_rejects_unknown_senders_and_emulates_links():
         for t in (tx, mallory, rx):
             t.close(timeout_s=2)
 
+
+
+def test_opdata_batch_round_trip_keeps_each_payload_bytes():
+    """One action's OP-Data to one part travel in one ``opbatch`` message (issue 35: a subspace cut's coordinates and
+    token ids); each item decodes as its own ``opdata`` message would, its tensor frames the same bytes."""
+    from fusion.executors.runtime.packing import by_destination, message_frames
+    from fusion.ir.wire import encode_opbatch, opbatch_from_message
+
+    coords = _od(np.arange(12, dtype=np.float32).reshape(2, 2, 3), name="add_2_coords", requires_grad=True)
+    ids = _od(np.arange(4, dtype=np.int64).reshape(2, 2), name="idx", op_users=("wte",), actual_user=("fixed",))
+    other = _od(np.ones(3, np.float32), name="x", dst="p2")
+    frames = encode_opbatch([coords, ids])
+    msg = decode(frames)
+    assert msg.kind == "opbatch"
+    back = opbatch_from_message(msg)
+    for sent, got in zip([coords, ids], back):
+        alone = decode_opdata(encode_opdata(sent))
+        assert (got.name, got.op_users, got.actual_user, got.requires_grad, got.src, got.dst) == \
+            (alone.name, alone.op_users, alone.actual_user, alone.requires_grad, alone.src, alone.dst)
+        assert got.payload.dtype == sent.payload.dtype
+        np.testing.assert_array_equal(got.payload, sent.payload)
+    # the items' tensor frames are their own messages' frames, in order
+    assert [bytes(np.ascontiguousarray(f)) for f in frames[1:]] == \
+        [bytes(np.ascontiguousarray(f)) for od in (coords, ids) for f in encode_opdata(od)[1:]]
+    # grouping: one group per destination, a group of one is the plain opdata message byte for byte
+    groups = by_destination([coords, other, ids])
+    assert [[od.name for od in g] for g in groups] == [["add_2_coords", "idx"], ["x"]]
+    assert decode(message_frames(groups[0])).kind == "opbatch"
+    assert [bytes(np.ascontiguousarray(f)) if not isinstance(f, bytes) else f for f in message_frames(groups[1])] == \
+        [bytes(np.ascontiguousarray(f)) if not isinstance(f, bytes) else f for f in encode_opdata(other)]
+    # refused: empty, mixed destinations, counts that do not match the frames, an item that is not OP-Data
+    with pytest.raises(WireError, match="at least one"):
+        encode_opbatch([])
+    with pytest.raises(WireError, match="one part to one part"):
+        encode_opbatch([coords, other])
+    head = msgpack.unpackb(frames[0], raw=False)
+    for bad, reason in ((dict(arrays=[1, 0]), "must count its 2 tensor frames"),
+                        (dict(items=[]), "one entry per OP-Data"),
+                        (dict(items=[head["h"]["items"][0], 5]), "not a map"),
+                        (dict(items=[head["h"]["items"][0], {**head["h"]["items"][1], "dst": "p9"}]),
+                         "more than one sender or destination")):
+        h = {**head["h"], **bad}
+        with pytest.raises(WireError, match=reason):
+            opbatch_from_message(decode(encode("opbatch", h, msg.arrays)))

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fusion.ir.errors import WireError
 from fusion.ir.opdata import OpData
-from fusion.ir.wire import decode, encode, encode_opdata, opdata_from_message
+from fusion.ir.wire import decode, encode, encode_opbatch, encode_opdata, opbatch_from_message, opdata_from_message
 from fusion.kernels.sparse import SparsePayload
 
 _spec = importlib.util.spec_from_file_location("fuzz_wire", Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_wire.py")
@@ -27,6 +27,9 @@ def _seeds() -> list[list[bytes]]:
         encode_opdata(OpData("a", 0, ("b",), ("b",), False, 0, 0, "p0", "p1", x, requires_grad=True)),
         encode_opdata(OpData("a", None, ("b",), ("b",), True, 3, 1, "p1", "p0", sp, compress_cfg={"algo": "topk", "ratio": 6})),
         encode_opdata(OpData("w", None, (), (), True, 0, -1, "p0", "p1", (1, 2.5)), kind="pgrad"),
+        encode_opbatch([OpData("c", None, ("r",), ("r",), False, 0, 0, "p0", "p1", x, requires_grad=True),
+                        OpData("idx", None, ("e",), ("e",), False, 0, 0, "p0", "p1", np.arange(4, dtype=np.int64)),
+                        OpData("a", None, ("b",), ("b",), False, 0, 0, "p0", "p1", sp, compress_cfg={"algo": "topk"})]),
         encode("ctrl", {"op": "step", "names": ["0/x"], "it": 0, "want_grads": True, "checkpoint": False}, [x]),
         encode("ctrl", {"op": "done", "names": [], "it": 0, "losses": [[0, 1.5]], "stats": {}}),
     ]
@@ -42,6 +45,8 @@ def _decode_all(frames) -> None:
         msg = decode(frames, max_bytes=1 << 20)
         if msg.kind in ("opdata", "pgrad"):
             opdata_from_message(msg)
+        elif msg.kind == "opbatch":
+            opbatch_from_message(msg)
     except WireError:
         pass
 

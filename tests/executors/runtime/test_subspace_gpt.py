@@ -2,8 +2,9 @@
 ``subspace=SubspaceRequest(8)`` (``fusion compile --subspace 8 --allow-architecture-change``) and trained as 2 and
 4 executor processes equals the same rewritten model written by hand in plain PyTorch in one process: every
 step's loss (rtol 1e-5), every gradient (rtol 1e-4) and the parameters after the last step. Only the k = 8
-coordinates of the stream (and the token ids) cross each cut; the receiver rebuilds the activation from them and
-the fixed token table (its exactness is measured in tests/fusion/compress/test_subspace.py).
+coordinates of the stream (and the token ids) cross each cut, in one message per micro-batch
+(executors/runtime/packing.py: the ids do not pay a latency of their own); the receiver rebuilds the activation from
+them and the fixed token table (its exactness is measured in tests/fusion/compress/test_subspace.py).
 
 The hand-written model (Pluralis' Subspace Networks, arXiv 2506.01260): every writer of the stream writes through
 the fixed basis U, ``y = (h W'^T + b') U^T``; the embedding is ``T[idx] + (E'[idx] + P'[pos]) U^T``; the tied
@@ -104,6 +105,16 @@ def test_subspace_gpt_processes_match_plain_pytorch(tmp_path, n_parts, schedule)
     batch_fn = make_batches(plan, "text", seed=0)
     batches = [batch_fn(s) for s in range(STEPS)]
     reports, state = run_distributed(plan_dir, tmp_path / "run", batches)
+    # the coordinates and the ids of a cut travel in one message per micro-batch (executors/runtime/packing.py):
+    # what crosses from a cut's sender to a receiver per step is MICRO forward messages (nothing returns that way)
+    # and one per tied parameter the two share (its gradient, summed after the pipeline), not 2 x MICRO + tied
+    from fusion.inspect import tied_params
+
+    tied = tied_params(plan)
+    for c in spec.cuts:
+        for dst in c.dsts:
+            shared = sum(1 for owners in tied.values() if c.src in owners and dst in owners)
+            assert [r.parts[c.src]["sent"][dst]["messages"] for r in reports] == [MICRO + shared] * STEPS, (c, dst)
 
     trainable = {n for n, s in plan.graph.params.items() if s.trainable}
     params = {n: torch.tensor(np.asarray(v), requires_grad=True) for n, v in init.items() if n in trainable}

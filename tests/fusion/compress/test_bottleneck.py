@@ -206,7 +206,7 @@ def test_compile_prices_records_and_checks_bottlenecks(tmp_path):
     q = _compile(tmp_path, 4096, bottleneck=BottleneckRequest(R, ("all",)), compress=request("quant:bits=4"))
     assert {c.producer for c in q.compression} == {"bneck_ta_code", "bneck_tb_code"}
     assert all(c.codec("fwd")["bits"] == 4 for c in q.compression)
-    # auto: one of D/64 .. D/8 (here 1 or 2); optional (--compress auto --allow-architecture-change) keeps it
+    # auto: one of D/64 .. D/8 (here 1 or 2); optional (library use) keeps it
     # only where the estimator says the iteration gets shorter
     auto = _compile(tmp_path, bottleneck=BottleneckRequest("auto", ("all",)))
     assert {b.rank for b in auto.bottlenecks} <= {1, 2} and len(auto.predicted["bottleneck"]["candidates"]) == 2
