@@ -141,12 +141,12 @@ class DPSync:
     delay:          outer steps by which an outer update is applied late (0: at once; 1: the all-reduce overlaps
                     the next H inner steps and is applied at the following boundary, as ``overlap`` says).
     overlap:        with ``delay`` 1, how the round in flight is used (Kale, Douillard and Donchev 2025, arXiv
-                    2502.12996): ``"delayed"`` (the default): the whole average one round late (each replica's
-                    own window kept); ``"eager"``: each replica applies its own fresh pseudo-gradient at once as
-                    a proxy and the others' one round late. Eager is not the default: with the shipped outer
-                    Nesterov momentum it converged worse than delayed on seeds 0-2 (docs/data-parallel.md).
-                    Written to plan.json only when eager (plans without it hash as before, and load as
-                    ``"delayed"``, what they ran).
+                    2502.12996): ``"eager"`` (what ``fusion compile --outer-delay 1`` writes unless told
+                    otherwise, with outer momentum 0: it beat the naive step on every tuning seed,
+                    docs/data-parallel.md "Eager by default"): each replica applies its own fresh
+                    pseudo-gradient at once as a proxy and the others' one round late; ``"delayed"``: the whole
+                    average one round late (each replica's own window kept). Written to plan.json only when eager
+                    (plans without it hash as before, and load as ``"delayed"``, what they ran).
     shares:         replica -> relative share of the global batch rows per inner step (unequal islands); empty:
                     equal shares. The outer average weights each replica's pseudo-gradient by the samples it saw.
     sync_warmup:    N: the first N steps are synchronous DP (gradients all-reduced every step, each replica's

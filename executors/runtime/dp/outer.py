@@ -43,8 +43,9 @@ tau = H. ``dp_sync.overlap`` picks how the round in flight is used; with ``x_r``
 ``a_r`` their value at the start of its window and ``w`` the group's sample shares (1/R each when equal), at
 the boundary that ends window t (per fragment):
 
-* ``"eager"`` (:meth:`OuterLoop.eager_step`, the paper's eager updates; not the default: with the shipped outer
-  Nesterov momentum it converged worse than the delayed step on seeds 0-2, docs/data-parallel.md): each
+* ``"eager"`` (:meth:`OuterLoop.eager_step`, the paper's eager updates; ``fusion compile``'s default for delay 1,
+  with outer momentum 0: with Nesterov momentum and the one-round lag it converged worse than the delayed step,
+  without it better, docs/data-parallel.md "Eager by default"): each
   replica keeps its own copy theta_r of the global weights and its own momentum, and applies its own fresh
   pseudo-gradient at once as a proxy for the round still in flight::
 
