@@ -80,6 +80,25 @@ def tied_params(plan: Plan) -> dict[str, list[str]]:
     return {p: sorted(ps, key=order.index) for p, ps in sorted(owners.items()) if len(ps) > 1}
 
 
+def inner_steps_lines(plan: Plan) -> list[str]:
+    """Each replica's inner steps per round under ``--inner-steps auto`` (``dp_sync.inner_steps_per_replica``) and,
+    when the compiler priced them (``predicted["inner_steps_auto"]``, :mod:`fusion.inner_steps`), the predicted
+    step times and a round's time and the fastest replica's wait in it, with equal H and with these H."""
+    per = plan.dp_sync.inner_steps_per_replica
+    if not per:
+        return []
+    pr = plan.predicted.get("inner_steps_auto")
+    times = pr.get("step_s") if isinstance(pr, dict) else None
+    out = ["  inner steps by speed (H per round): " + ", ".join(
+        f"r{r} {h}" + (f" ({times[r]:.4g} s/step predicted)" if times and r < len(times) else "")
+        for r, h in sorted(per.items()))]
+    if isinstance(pr, dict) and "round_s" in pr:
+        out.append(f"  predicted round: {pr['round_s']:.4g} s, fastest replica waits {pr['fastest_wait_s']:.4g} s "
+                   f"(equal H: {pr['round_s_equal_h']:.4g} s, waits {pr['fastest_wait_s_equal_h']:.4g} s); "
+                   f"{pr['micro_batches_per_s']:.4g} micro-batches/s (equal H: {pr['micro_batches_per_s_equal_h']:.4g})")
+    return out
+
+
 def dp_sync_lines(plan: Plan) -> list[str]:
     """How the replicas synchronise (``Plan.dp_sync``) and, when the planner priced it
     (``predicted["dp_sync"]``, :func:`fusion.cost.dp.diloco_estimate`), the sync per outer step against the
@@ -94,6 +113,7 @@ def dp_sync_lines(plan: Plan) -> list[str]:
            f"{codec_label(ds.codec)}{' + error feedback' if ds.error_feedback else ''}, {ds.fragments} fragment"
            f"{'s' if ds.fragments > 1 else ''}, delay {ds.delay}{shares}"]
     out += warmup_lines(plan)
+    out += inner_steps_lines(plan)
     pr = plan.predicted.get("dp_sync")
     if isinstance(pr, dict) and "sync_s_per_outer_step" in pr:
         sync, comp = pr["sync_s_per_outer_step"], pr["compute_s_per_outer_step"]

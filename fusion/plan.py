@@ -162,6 +162,12 @@ class DPSync:
                     for a quarter batch, the square-root rule, helped every setting without a warm-up); the
                     DP planner chooses it (:mod:`fusion.partition.diloco_defaults`). Written to plan.json only when
                     set (other plans keep their bytes).
+    inner_steps_per_replica: replica -> H_r, the inner steps replica r takes per outer round (``--inner-steps
+                    auto``: H in proportion to each replica's speed, after Async Local-SGD, Liu et al. 2024,
+                    arXiv 2401.09135). A round is ``inner_steps`` (= max H_r) global steps; replica r steps in
+                    its last H_r of them and is idle before (``executors/runtime/dp/inner_steps.py``); the outer
+                    average weighs its pseudo-gradient by the samples it saw, H_r x its rows per step. Empty: every
+                    replica takes ``inner_steps``. Written to plan.json only when set (other plans hash as before).
     """
 
     mode: str = "every"
@@ -177,6 +183,7 @@ class DPSync:
     overlap: str = "delayed"
     sync_warmup: int = 0
     inner_lr: float | None = None
+    inner_steps_per_replica: dict[int, int] = field(default_factory=dict)
 
     MODES = ("every", "diloco")
     OVERLAPS = ("eager", "delayed")
@@ -191,6 +198,8 @@ class DPSync:
             d["sync_warmup"] = self.sync_warmup
         if self.inner_lr is not None:
             d["inner_lr"] = self.inner_lr
+        if self.inner_steps_per_replica:  # only when set: other plans keep their bytes
+            d["inner_steps_per_replica"] = {str(r): int(h) for r, h in sorted(self.inner_steps_per_replica.items())}
         return d
 
     def base_lr(self, step: int, lr: float) -> float:
@@ -208,18 +217,24 @@ class DPSync:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: expected a map, got {type(d).__name__}")
         unknown = set(d) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
-                            "error_feedback", "fragments", "delay", "shares", "overlap", "sync_warmup", "inner_lr"}
+                            "error_feedback", "fragments", "delay", "shares", "overlap", "sync_warmup", "inner_lr",
+                            "inner_steps_per_replica"}
         if unknown:
             raise PlanError(f"{source}: unknown field(s) {sorted(unknown)}")
         try:
             shares = {int(r): float(v) for r, v in dict(d.get("shares") or {}).items()}
         except (TypeError, ValueError):
             raise PlanError(f"{source}.shares: expected replica -> share, got {d.get('shares')!r}"[:200]) from None
+        try:
+            per = {int(r): h for r, h in dict(d.get("inner_steps_per_replica") or {}).items()}
+        except (TypeError, ValueError):
+            raise PlanError(f"{source}.inner_steps_per_replica: expected replica -> H, got "
+                            f"{d.get('inner_steps_per_replica')!r}"[:200]) from None
         out = cls(str(d.get("mode", "every")), d.get("inner_steps", 1), d.get("outer_lr", 0.7),
                   d.get("outer_momentum", 0.9),  # absent: 0.9, the default it was written under
                   d.get("nesterov", True), d.get("codec"),
                   d.get("error_feedback", False), d.get("fragments", 1), d.get("delay", 0), shares,
-                  d.get("overlap", "delayed"), d.get("sync_warmup", 0), d.get("inner_lr"))
+                  d.get("overlap", "delayed"), d.get("sync_warmup", 0), d.get("inner_lr"), per)
         out.check(source)
         return out
 
@@ -263,10 +278,34 @@ class DPSync:
             raise PlanError(f"{source}.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps})")
         if any(r < 0 or not v > 0 or v == float("inf") for r, v in self.shares.items()):
             raise PlanError(f"{source}.shares: every share must be a positive number of a replica >= 0")
+        self._check_per_replica(source)
         if self.mode == "every" and (self.inner_steps != 1 or self.fragments != 1 or self.delay or self.codec
                                      or self.error_feedback or self.sync_warmup or self.inner_lr is not None):
             raise PlanError(f"{source}: inner_steps, fragments, delay, codec, error_feedback, sync_warmup and inner_lr "
                             "are DiLoCo's (mode 'diloco'); synchronous DP takes its codec from dp_codec")
+
+
+    def _check_per_replica(self, source: str) -> None:
+        """``inner_steps_per_replica``: each H_r an integer in 1 .. inner_steps, the fastest's = inner_steps (the
+        round's length), and none of what it is not built with (one line naming the field)."""
+        per = self.inner_steps_per_replica
+        if not per:
+            return
+        name = f"{source}.inner_steps_per_replica"
+        if self.mode != "diloco":
+            raise PlanError(f"{name}: per-replica inner steps are DiLoCo's (mode 'diloco')")
+        for r, h in sorted(per.items()):
+            if r < 0 or not isinstance(h, int) or isinstance(h, bool) or not 1 <= h <= self.inner_steps:
+                raise PlanError(f"{name}: replica {r}'s H must be an integer in 1 .. inner_steps "
+                                f"({self.inner_steps}), got {h!r}"[:200])
+        if max(per.values()) != self.inner_steps:
+            raise PlanError(f"{name}: the fastest replica's H ({max(per.values())}) must be inner_steps "
+                            f"({self.inner_steps}), the round's length")
+        for what, bad in (("streaming fragments (fragments > 1)", self.fragments > 1),
+                          ("the overlapped outer step (delay 1)", self.delay),
+                          ("the synchronous warm-up (sync_warmup > 0)", self.sync_warmup)):
+            if bad:
+                raise PlanError(f"{name}: per-replica inner steps with {what} are not built")
 
 
 class PlanError(FusionError):
@@ -767,6 +806,10 @@ class Plan:
         self.dp_sync.check(f"{source}: dp_sync")
         if any(r >= r_count for r in self.dp_sync.shares):
             raise PlanError(f"{source}: dp_sync.shares names replica {max(self.dp_sync.shares)}, the plan has {r_count}")
+        per = self.dp_sync.inner_steps_per_replica
+        if per and sorted(per) != list(range(r_count)):
+            raise PlanError(f"{source}: dp_sync.inner_steps_per_replica names replicas {sorted(per)}; the plan has "
+                            f"{r_count} (0..{r_count - 1}), each needs its H")
         if self.global_batch < 0:
             raise PlanError(f"{source}: global_batch must be >= 0, got {self.global_batch}")
         if self.global_batch and self.global_batch % (r_count * self.micro_batches):

@@ -38,6 +38,7 @@ from fusion.executors.runtime import checkpoint, faults
 from fusion.executors.runtime.feeds import feed_problem, feed_specs
 from fusion.executors.runtime.limits import coordinator_message_limit, part_message_limit
 from fusion.executors.runtime.logtail import last_error
+from fusion.executors.runtime.dp.inner_steps import steps_at
 from fusion.executors.runtime.dp.outer import replica_micro_batches
 from fusion.executors.runtime.dp.clip import total_norm
 from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval,
@@ -150,6 +151,9 @@ class StepReport:
             line["grad_norm"] = self.grad_norms[0]
             if len(set(self.grad_norms)) > 1:  # DiLoCo replicas clip their own inner steps
                 line["grad_norm_replicas"] = self.grad_norms
+        idle = [p for p, s in self.parts.items() if s.get("idle_step")]
+        if idle:  # per-replica inner steps: the parts of replicas that took no inner step in this step
+            line["idle_parts"] = idle
         outer = {p: s["outer"] for p, s in self.parts.items() if "outer" in s}
         if outer:  # a DiLoCo outer step ended this step: what each part sent and how long it took
             line["outer"] = {"sync_bytes": sum(o["sent_bytes"] for o in outer.values()),
@@ -547,6 +551,11 @@ class Coordinator:
     def live_replicas(self) -> list[int]:
         return sorted({self.replica_of[p] for p in self.live})
 
+    def stepping(self) -> list[str]:
+        """The live parts whose replica takes an inner step in the step in progress (all of them unless the plan
+        gives replicas their own inner steps: :func:`~.dp.inner_steps.steps_at`); the others are idle in it."""
+        return [p for p in self.live if steps_at(self.plan.dp_sync, self.replica_of[p], self.step_index + 1)]
+
     def step(self, batch: Mapping[str, Any], want_grads: bool = False) -> StepReport:
         """Run one iteration on ``batch`` (placeholder -> array with all micro-batches).
 
@@ -591,6 +600,9 @@ class Coordinator:
             return f"{part} is not in a live replica"
         if self.shares:
             return "the replicas have unequal shares (plan.dp_sync.shares), which a drop cannot re-split yet"
+        if self.plan.dp_sync.inner_steps_per_replica:
+            return ("the replicas take their own inner steps (plan.dp_sync.inner_steps_per_replica), which a drop "
+                    "cannot re-weigh yet")
         if len(reps) == 1:
             return (f"replica {self.replica_of[part]} was the last one with a copy of stage "
                     f"{self.plan.stage_of(part)!r}: no replica is left to train on")
@@ -675,7 +687,13 @@ class Coordinator:
                     raise FusionError(f"step {self.step_index}: batch field {ph!r} (micro-batch {m}) {why}")
         mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, sum(counts))
         out: dict[str, dict[str, np.ndarray]] = {}
+        stepping = set(self.stepping())
+        if len(stepping) < len(self.live):  # per-replica inner steps: the idle replicas' shares are not trained on
+            rows = rows * sum(counts[reps.index(r)] for r in {self.replica_of[p] for p in stepping}) // sum(counts)
         for p in self.live:
+            if p not in stepping:
+                out[p] = {}
+                continue
             missing = [ph for ph in self.feeds_of[p] if ph not in mbs[0]]
             if missing:
                 raise FusionError(f"batch has no field {missing[0]!r} (the plan places it on part {p!r})")
@@ -713,12 +731,13 @@ class Coordinator:
         with self._cv:  # an abandoned attempt's (a dropped replica) norms arrived before its regroup: not this one's
             for p in self.live:
                 self._inbox[p] = [c for c in self._inbox[p] if not (isinstance(c, GradNorm) and c.it != exec_it)]
-        got = self._collect("gradnorm", self.live, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
-        for r in self.live_replicas():
-            self._norms[r] = total_norm(got[p].sq for p in self.live if self.replica_of[p] == r)
+        stepping = self.stepping()  # a replica idle in this step has no gradient
+        got = self._collect("gradnorm", stepping, self.cfg.step_timeout_s, f"step {it}", abort=not self._failover)
+        for r in sorted({self.replica_of[p] for p in stepping}):
+            self._norms[r] = total_norm(got[p].sq for p in stepping if self.replica_of[p] == r)
 
     def _tail_clip(self, it: int, exec_it: int, committed: list[bool]) -> None:
-        for p in self.live:
+        for p in self.stepping():
             self.transport.send(p, Clip(it=exec_it, norm=self._norms[self.replica_of[p]]).frames())
 
     def _tail_reduced(self, it: int, exec_it: int, committed: list[bool]) -> None:

@@ -12,10 +12,15 @@ import numpy as np
 from fusion.executors.runtime import checkpoint, delta_edges, faults
 from fusion.executors.runtime.control import Abort, Clip, Commit, Done, Eval, Evaluated, GradNorm, Reduced, Step
 from fusion.executors.runtime.dp.clip import clip_coef, part_sq_norm, scale_grads
+from fusion.executors.runtime.dp.inner_steps import steps_at
 from fusion.executors.runtime.node_common import COORDINATOR, ExecutorAbort
 from fusion.executors.runtime.packing import by_destination, message_frames, message_label
 from fusion.executors.runtime.schedule import ActionKind, TailKind, splits_backward, step_tail
 from fusion.executors.runtime.trace_events import now_us
+
+#: what a part of a replica idle in a step (per-replica inner steps, :mod:`.dp.inner_steps`) runs of its end: the
+#: protocol with the coordinator (the failover's go-ahead, a checkpoint, ``done``), no gradient, optimizer or sync
+IDLE_TAIL = frozenset({TailKind.REDUCED, TailKind.COMMIT, TailKind.CHECKPOINT, TailKind.DONE})
 
 
 @dataclass
@@ -47,12 +52,18 @@ class StepLoop:
     evaluations."""
 
     def _iteration(self, c: Step) -> None:
-        """Run one step: this part's actions, then the end of the step (:meth:`_tail`), kind by kind."""
+        """Run one step: this part's actions, then the end of the step (:meth:`_tail`), kind by kind. A replica
+        idle in this step (per-replica inner steps: :func:`.dp.inner_steps.steps_at`) runs no action and only
+        :data:`IDLE_TAIL` of the end."""
         st = self._begin(c)
-        for a in self.actions:
+        idle = not steps_at(self.plan.dp_sync, self.spec.replica, st.done)
+        if idle:
+            st.stats["idle_step"] = True
+        for a in [] if idle else self.actions:
             self._act(st, a)
         for kind in self._tail(st):
-            self._run_tail(st, kind)
+            if not idle or kind in IDLE_TAIL:
+                self._run_tail(st, kind)
 
     def _evaluate(self, c: Eval) -> None:
         """An evaluation (``--eval-every``): this part's forwards of the micro-batches in ``c``, in schedule order,

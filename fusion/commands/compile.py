@@ -104,6 +104,12 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
                          dp_codec=dp_codec)
     set_dp_allreduce(plan, cluster, args.dp_allreduce)
     _set_dp_sync(plan, dp_sync)
+    auto_h = auto_inner_steps(args)
+    if auto_h is not None:  # --inner-steps auto: each replica's H by its predicted speed (fusion/inner_steps.py)
+        from fusion.executors.runtime.dp.outer import replica_micro_batches
+        from fusion.inner_steps import apply_auto_inner_steps
+
+        apply_auto_inner_steps(plan, auto_h, replica_micro_batches(plan), cluster)
     assign_engines(plan, args.engine)
     set_precision(plan, args.precision)
     record_codec_plugins(plan)
@@ -360,12 +366,39 @@ def _dp_codec(args: CompileOptions):
 DILOCO_INNER_STEPS = 20
 
 
+def auto_inner_steps(args: CompileOptions) -> int | None:
+    """``--inner-steps auto[:H]`` under ``--dp-sync diloco``: the fastest replica's H (None without ``auto``);
+    FusionError, one line, for a combination per-replica inner steps are not built with (docs/data-parallel.md,
+    "Inner steps by speed")."""
+    from fusion.inner_steps import parse_auto
+    from fusion.ir.errors import FusionError
+
+    h = parse_auto(args.inner_steps, DILOCO_INNER_STEPS)
+    if h is None:
+        return None
+    if args.strategy in DP_STRATEGIES:
+        raise FusionError(f"--inner-steps {args.inner_steps} with --strategy {args.strategy} is not built (the planner "
+                          "chooses one H); give --replicas R with another strategy")
+    if args.dp_sync != "diloco":
+        raise FusionError(f"--inner-steps {args.inner_steps} is an option of --dp-sync diloco")
+    for flag, value, default in (("--sync-fragments", args.sync_fragments, 1), ("--outer-delay", args.outer_delay or 0, 0),
+                                 ("--sync-warmup", args.sync_warmup or 0, 0)):
+        if value != default:
+            raise FusionError(f"--inner-steps {args.inner_steps} with {flag} {value} is not built (per-replica inner "
+                              "steps run the blocking outer step of one fragment, from the first step)")
+    return h
+
+
 def inner_steps_of(args: CompileOptions) -> tuple[int, ...] | None:
-    """``--inner-steps H[,H...]`` as integers (None when not given); FusionError for a bad one or an H < 1."""
+    """``--inner-steps H[,H...]`` as integers (None when not given); FusionError for a bad one or an H < 1.
+    ``auto[:H]`` is :func:`auto_inner_steps`'s: its fastest H here."""
     from fusion.ir.errors import FusionError
 
     if args.inner_steps is None:
         return None
+    auto = auto_inner_steps(args)
+    if auto is not None:
+        return (auto,)
     try:
         hs = tuple(int(h) for h in str(args.inner_steps).split(","))
     except ValueError:
@@ -690,7 +723,10 @@ def describe_plan(plan, cluster) -> str:
     ds = plan.dp_sync
     if plan.replicas > 1 and ds.mode == "diloco":
         codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
-        reps += (f", DiLoCo H={ds.inner_steps} outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
+        per = ds.inner_steps_per_replica
+        reps += (f", DiLoCo H={ds.inner_steps}"
+                 + (f" (by speed: {', '.join(f'r{r} {h}' for r, h in sorted(per.items()))})" if per else "")
+                 + f" outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
                  + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else "")
                  + (f", outer step one round late ({ds.overlap})" if ds.delay else "")
                  + (f", {ds.sync_warmup} synchronous warm-up steps" if ds.sync_warmup else "")

@@ -37,6 +37,8 @@ def check_joins(plan, joins: Mapping[int, int], source: str = "--join-at") -> No
                           "built: the fragments' boundaries differ, so no step has every replica at the global weights")
     if sync.shares:
         raise FusionError(f"{source}: joining with unequal replica shares (--replica-shares) is not built")
+    if sync.inner_steps_per_replica:
+        raise FusionError(f"{source}: joining with per-replica inner steps (--inner-steps auto) is not built")
     if sync.delay:
         raise FusionError(f"{source}: joining with the delayed outer step (--outer-delay 1) is not built: a round "
                           "is in flight at every boundary, so no step has every replica at the global weights")

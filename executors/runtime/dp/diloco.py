@@ -12,6 +12,7 @@ from fusion.ir.errors import WireError
 from fusion.ir.wire import Message
 from fusion.executors.runtime.dp.allreduce import Bucket
 from fusion.executors.runtime.dp.header import ChunkHeader, DelayedHeader, PseudoHeader
+from fusion.executors.runtime.dp.inner_steps import round_weights
 from fusion.executors.runtime.dp.join import adopt, join_arrays
 from fusion.executors.runtime.dp.outer import (DelayedInbox, OuterLoop, PseudoInbox, fragment_buckets,
                                                replica_micro_batches, write_params)
@@ -26,7 +27,9 @@ class DiLoCo(GradSync):
     outer: the global weights, outer momentum and residual (built by :meth:`start` from the weights the part
     starts with); delayed: the inbox of delayed rounds (``dp_sync.delay`` 1; built with the sync, so a peer's
     round that arrives before this part's setup is kept; kept across regroups: the plan's group); shares:
-    the micro-batches each replica runs per step under unequal shares (None: equal)."""
+    the micro-batches each replica runs per step under unequal shares (None: equal); per_round: each replica's
+    samples per round in micro-batches under per-replica inner steps (``dp_sync.inner_steps_per_replica``,
+    :mod:`.inner_steps`; None: every replica takes H steps)."""
 
     mode = "diloco"
     UNEQUAL_SHARES = True
@@ -37,6 +40,8 @@ class DiLoCo(GradSync):
         super().__init__(plan, me, buckets)
         self.fragments = fragments
         self.shares = replica_micro_batches(plan) if plan.dp_sync.shares else None
+        self.per_round = (round_weights(plan.dp_sync, replica_micro_batches(plan))
+                          if plan.dp_sync.inner_steps_per_replica else None)
         self.outer: OuterLoop | None = None
         self._pseudo: PseudoInbox | None = None
         self.delayed = (DelayedInbox(me, self.stage, self.buckets, plan.dp_sync.codec)
@@ -100,10 +105,12 @@ class DiLoCo(GradSync):
 
     # -- the step -----------------------------------------------------------------------------
     def _weights(self) -> dict[str, float] | None:
-        """Unequal shares: part -> the samples its replica sees per step (None: equal shares, the plain mean)."""
-        if not self.shares or self.ring is None:
+        """Unequal shares or per-replica inner steps: part -> the samples its replica saw in the round (its
+        micro-batches per step, times its H_r with per-replica inner steps); None: equal, the plain mean."""
+        if self.ring is None or not (self.shares or self.per_round):
             return None
-        return {p: self.shares[self.plan.parts[p].replica] for p in self.ring.group}
+        per = self.per_round or self.shares
+        return {p: per[self.plan.parts[p].replica] for p in self.ring.group}
 
     def _live(self) -> list[str]:
         """The replicas whose pseudo-gradients an outer step averages now (the survivors)."""
