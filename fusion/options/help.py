@@ -90,8 +90,7 @@ def short_help(parser: argparse.ArgumentParser, groups: list[HelpGroup], descrip
         tail = f" ({more} {noun}: --help {g.key})"
         lines.append(f"{g.heading}:{tail if more else ''}")
         lines += [one_line(a, width) for a in essential]
-    lines += ["", f"all {total} options: {parser.prog} --help-all (or --help GROUP: "
-                  f"{', '.join(g.key for g in groups if any(a.option_strings for a in g.actions))})"]
+    lines += ["", f"all {total} options: {parser.prog} --help-all (or --help GROUP)"]
     return "\n".join(lines) + "\n"
 
 
