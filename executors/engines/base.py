@@ -25,7 +25,7 @@ is registered by name in ``fusion.executors.engines.ENGINES`` and provides:
    require grad, and accumulates parameter gradients across micro-batches
    (FusionLLM §3.3 remote autodiff).
 4. **Parameter update** — ``trainable()`` (name -> parameter), ``grads()``,
-   ``set_grad(name, grad)`` (tied parameters get the sum over owners before
+   ``set_grad(name, grad, owned=False)`` (tied parameters get the sum over owners before
    the step), ``state()`` (name -> array copy), and an optimizer:
    ``engines.make_optimizer(engine, part, cfg)`` builds the engine's registered
    :class:`~fusion.executors.engines.LocalOptimizer` (``step()``,
@@ -89,8 +89,10 @@ class EnginePart(ABC):
         """Name -> accumulated gradient of each trainable parameter (None: it got none)."""
 
     @abstractmethod
-    def set_grad(self, name: str, grad: Any) -> None:
-        """Replace a parameter's gradient (tied parameters: the sum over owners; data parallelism: the average)."""
+    def set_grad(self, name: str, grad: Any, owned: bool = False) -> None:
+        """Replace a parameter's gradient (tied parameters: the sum over owners; data parallelism: the average).
+        ``owned``: ``grad`` is a fresh array the caller drops, so the engine may keep its memory instead of a copy
+        (False: it copies, since the caller may reuse ``grad`` or ``grad`` may view a received frame)."""
 
     # -- optional abilities, with the defaults of an engine that lacks them -----------------------
     def backward_input(self, mb_key: Any, grads: Mapping[Key, Any], loss_scale: float = 1.0) -> dict[Key, Any]:

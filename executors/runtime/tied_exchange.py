@@ -56,4 +56,4 @@ class TiedExchange:
             gs = [own[name] if o == self.me else got[o] for o in owners]
             gs = [np.asarray(g) for g in gs if g is not None]
             if gs:
-                self.runtime.engine.set_grad(name, sum_in_order(gs))
+                self.runtime.engine.set_grad(name, sum_in_order(gs), owned=True)  # a fresh sum: kept, not copied

@@ -94,9 +94,9 @@ def _check_resume(train: TrainOptions, out: str | None) -> None:
 @dataclass
 class Run:
     target: str = option(metavar="MODEL|PLAN", help="file.py:function or a plan directory")
-    cluster: str | None = option("--cluster", help="cluster file (needed to compile a MODEL)")
-    out: str | None = option("--out", metavar="RUN", help="run folder (default: runs/<model or plan>-<time>)")
-    config: str | None = option("--config", metavar="FILE.yaml", help="options from a YAML file (option: value, MODEL|PLAN as target:); the command line overrides them (fusion.options.config; see docs/training.md)")
+    cluster: str | None = option("--cluster", essential=True, help="cluster file (needed to compile a MODEL)")
+    out: str | None = option("--out", essential=True, metavar="RUN", help="run folder (default: runs/<model or plan>-<time>)")
+    config: str | None = option("--config", essential=True, metavar="FILE.yaml", help="options from a YAML file (option: value, MODEL|PLAN as target:); the command line overrides them (fusion.options.config; see docs/training.md)")
     launch: LocalLaunch = section(LocalLaunch)
     train: TrainOptions = section(TrainOptions)
     data: DataOptions = section(DataOptions)
@@ -146,10 +146,10 @@ class Executor:
     plan: str = option(help="plan directory (plan.json + weights.safetensors)")
     node: str = option("--node", required=True, metavar="PART[,PART...]", help="the part (CompNode) to run: part0, part1, ...; under an interleaved schedule, all parts of one device, comma-separated (`fusion inspect PLAN` lists them), run in this one process")
     coordinator: str = option("--coordinator", required=True, type=zmq_address, metavar="ADDR", help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://10.0.0.1:5600")
-    bind: str | None = option("--bind", type=zmq_address, metavar="ADDR", help="address to listen on (default: the plan's address for this part, on that address only; tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
+    bind: str | None = option("--bind", essential=True, type=zmq_address, metavar="ADDR", help="address to listen on (default: the plan's address for this part, on that address only; tcp://127.0.0.1:* picks a free loopback port, tcp://*:PORT listens on every interface)")
     advertise: str | None = option("--advertise", type=zmq_address, metavar="ADDR", help="address peers connect to (default: the plan's address, else the bound one)")
     dial_out: str | None = option("--dial-out", type=zmq_address, metavar="RELAY_ADDR", help="behind NAT: make only outbound connections; peers and the coordinator reach this CompNode through `fusion relay` at RELAY_ADDR, sealed end to end (needs --key; docs/security.md)")
-    device: str = option("--device", default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
+    device: str = option("--device", essential=True, default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
     threads: int | None = option("--threads", type=int, help="intra-op threads of the engine (default: the host's cores shared among the plan's CompNode processes whose address names this part's host; torch's own default when the plan has no addresses)")
     startup_timeout: float = option("--startup-timeout", default=120.0, type=positive_float, help="give up when the coordinator has not answered after this long (s)")
     peer_timeout: float = option("--peer-timeout", default=10.0, type=positive_float, help="once in touch, give up when the coordinator is silent this long (s)")
@@ -171,7 +171,7 @@ class Executor:
 @dataclass
 class Coordinator:
     plan: str = option(help="plan directory")
-    out: str | None = option("--out", metavar="RUN", help="run folder for metrics, checkpoints, final weights (default: runs/<plan>-<time>)")
+    out: str | None = option("--out", essential=True, metavar="RUN", help="run folder for metrics, checkpoints, final weights (default: runs/<plan>-<time>)")
     listen: Listen = section(Listen)
     train: TrainOptions = section(TrainOptions)
     data: DataOptions = section(DataOptions)

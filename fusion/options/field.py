@@ -39,6 +39,9 @@ class Flag:
     group: str | None = None
     #: the name of a mutually exclusive set this flag is part of (None: none)
     exclusive: str | None = None
+    #: shown in the short default ``--help`` (the others are counted per group; ``--help-all`` lists them all);
+    #: a required option always is
+    essential: bool = False
 
     @property
     def name(self) -> str:
@@ -48,7 +51,7 @@ class Flag:
 
 def option(*flags: str, help: str, default: Any = None, kind: str | None = None, type: Callable | None = None,
            choices=None, metavar: str | None = None, required: bool = False, hidden: bool = False,
-           group: str | None = None, exclusive: str | None = None) -> Any:
+           group: str | None = None, exclusive: str | None = None, essential: bool = False) -> Any:
     """A dataclass field that is a command-line option (``flags`` empty: a positional argument). ``kind`` defaults
     to ``positional`` without flags, ``append`` for a list default, else ``value``."""
     if kind is None:
@@ -56,7 +59,7 @@ def option(*flags: str, help: str, default: Any = None, kind: str | None = None,
     if kind not in KINDS:
         raise ValueError(f"option kind {kind!r}: expected one of {KINDS}")
     meta = {"flag": Flag(tuple(flags), help, kind, type, tuple(choices) if choices is not None else None, metavar,
-                         required, hidden, group, exclusive)}
+                         required, hidden, group, exclusive, essential)}
     if kind == "flag":
         default = False
     if isinstance(default, list):

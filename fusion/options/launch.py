@@ -36,7 +36,7 @@ class LocalLaunch(Section):
     trace: str = option("--trace", default="on", choices=("on", "off"), help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
     insecure: bool = option("--insecure", kind="flag", help="no CURVE: links between the local processes are neither authenticated nor encrypted, and any process on this host can send them messages (default: fresh keys for this run in OUT/keys)")
     trust_plugins: bool = option("--trust-plugins", kind="flag", help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
-    device: str = option("--device", default="cpu", metavar="DEV", help="torch device of every CompNode's engine (cpu, cuda, cuda:0, ...); CompNodes may share one GPU")
+    device: str = option("--device", essential=True, default="cpu", metavar="DEV", help="torch device of every CompNode's engine (cpu, cuda, cuda:0, ...); CompNodes may share one GPU")
     compile_parts: bool = option("--compile-parts", kind="flag", exclusive="parts", help="torch engine: torch.compile each part's generated module (slow first step)")
     interpreted_parts: bool = option("--interpreted-parts", kind="flag", exclusive="parts", help="torch engine: walk each part node by node instead of one generated function")
     heap: str = option("--heap", default="steady", choices=("steady", "default"), help="every CompNode's C allocator (fusion executor --heap): steady (default) keeps freed tensor memory for the next step instead of unmapping and page-faulting it in again; default: as is")
@@ -87,6 +87,6 @@ class Security(Section):
 
     TITLE = "links and security"
 
-    key: str | None = option("--key", metavar="FILE", help="this process's secret key file from `fusion keys` (owner-only permissions): authenticate and encrypt every link with CURVE")
+    key: str | None = option("--key", essential=True, metavar="FILE", help="this process's secret key file from `fusion keys` (owner-only permissions): authenticate and encrypt every link with CURVE")
     public_keys: str | None = option("--public-keys", metavar="FILE", help="the run's public keys (default: PLAN/public_keys.json, written by `fusion keys`)")
     insecure: bool = option("--insecure", kind="flag", help="no authentication or encryption: any process that reaches the address can send messages (loopback experiments only)")

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from fusion.options.commands import COMMANDS
 from fusion.options.field import Flag, default_of, flag_of
+from fusion.options.help import FullHelp, GroupHelp, HelpGroup, group_key
 
 VERBOSE_HELP = "more logging (-v info, -vv debug); before or after the command"
 TRACEBACK_HELP = ("on an error, also print the traceback of its cause (your model's or data function's own, when "
@@ -98,9 +99,15 @@ def add_option(container, f: dataclasses.Field, flag: Flag, default: Any = datac
 
 def add_command(sub, command, config: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """The subparser of ``command`` (a :class:`~fusion.options.commands.Command`); ``config``: field -> value from
-    a ``--config`` file, the defaults the command line overrides."""
+    a ``--config`` file, the defaults the command line overrides. Its ``--help`` is short
+    (:mod:`fusion.options.help`): the essential options per group; ``--help GROUP`` and ``--help-all`` the rest."""
     p = sub.add_parser(command.name, help=command.help, description=command.description,
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter, add_help=False)
+    own = HelpGroup("options", "options", "options")
+    helps: list[HelpGroup] = [own]
+    p.add_argument("-h", "--help", action=GroupHelp, groups=helps, description=command.help,
+                   help="this short help; --help GROUP: one group of options in full")
+    p.add_argument("--help-all", action=FullHelp, help="every option, grouped")
     groups: dict[str, Any] = {}
     exclusive: dict[str, Any] = {}
     note = " a MODEL (a PLAN has these fixed already)" if command.name == "run" else ""
@@ -109,14 +116,20 @@ def add_command(sub, command, config: dict[str, Any] | None = None) -> argparse.
             (f": {flag.group}" if flag.group else "")
         if name is not None and name not in groups:
             groups[name] = p.add_argument_group(name)
+            helps.append(HelpGroup(group_key(flag.group or title), name, flag.group or title))
         container = p if name is None else groups[name]
         if flag.exclusive:
             if flag.exclusive not in exclusive:
                 exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
             container = exclusive[flag.exclusive]
-        add_option(container, f, flag, (config or {}).get(f.name, dataclasses.MISSING))
-    p.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after", help=VERBOSE_HELP)
-    p.add_argument("--traceback", action="store_true", dest="traceback_after", help=TRACEBACK_HELP)
+        action = add_option(container, f, flag, (config or {}).get(f.name, dataclasses.MISSING))
+        group = own if name is None else next(h for h in helps if h.title == name)
+        group.actions.append(action)
+        if (flag.essential or flag.required) and not flag.hidden:
+            group.essential.append(action)
+    own.actions += [p.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after",
+                                   help=VERBOSE_HELP),
+                    p.add_argument("--traceback", action="store_true", dest="traceback_after", help=TRACEBACK_HELP)]
     p.set_defaults(default_verbosity=command.default_verbosity)
     return p
 

@@ -15,10 +15,10 @@ class TrainOptions(Section):
 
     TITLE = "training"
 
-    steps: int = option("--steps", default=10, type=positive_int, help="train until this many steps are done")
+    steps: int = option("--steps", essential=True, default=10, type=positive_int, help="train until this many steps are done")
     emulate_links: bool = option("--emulate-links", kind="flag", help="delay and rate-limit every link by the plan's alpha/beta (rehearse a plan on one host)")
-    checkpoint_every: int = option("--checkpoint-every", default=0, type=non_negative_int, metavar="N", help="checkpoint every N steps (0: never)")
-    resume: bool = option("--resume", kind="flag", help="continue the run in --out from its last complete checkpoint")
+    checkpoint_every: int = option("--checkpoint-every", essential=True, default=0, type=non_negative_int, metavar="N", help="checkpoint every N steps (0: never)")
+    resume: bool = option("--resume", essential=True, kind="flag", help="continue the run in --out from its last complete checkpoint")
     overwrite: bool = option("--overwrite", kind="flag", help="replace the previous run in --out")
     peer_timeout: float = option("--peer-timeout", default=10.0, type=positive_float, help="a CompNode silent this long has failed (s)")
     drop_failed_replicas: bool = option("--drop-failed-replicas", kind="flag", help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on with the others (the step is redone on them with the global batch re-split; metrics.jsonl records the replica and step)")
@@ -50,7 +50,7 @@ class DataOptions(Section):
 
     TITLE = "data"
 
-    data: str = option("--data", default="auto", metavar="auto|text|synthetic|text:PATH|FILE.py:FUNCTION", help="training data: auto (generated text corpus for language models, synthetic otherwise), text:PATH[?tokenizer=NAME] (your text file or folder of .txt/.md/.py files; byte-level tokens, or an installed tokenizer available offline; see docs/training.md), or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
+    data: str = option("--data", essential=True, default="auto", metavar="auto|text|synthetic|text:PATH|FILE.py:FUNCTION", help="training data: auto (generated text corpus for language models, synthetic otherwise), text:PATH[?tokenizer=NAME] (your text file or folder of .txt/.md/.py files; byte-level tokens, or an installed tokenizer available offline; see docs/training.md), or your FUNCTION(step) returning {placeholder: array of all micro-batches}")
     val_split: float = option("--val-split", default=0.0, type=percentage, metavar="PCT", help="with --data text:PATH: hold out the last PCT %% of the text for validation, never trained on")
     eval_every: int = option("--eval-every", default=0, type=non_negative_int, metavar="N", help="every N steps, the loss of --eval-batches held-out batches, forward only through the pipeline (no gradient, no optimizer step), in metrics.jsonl and loss.png (0: never)")
     stop_at_val_loss: float | None = option("--stop-at-val-loss", default=None, type=float, metavar="LOSS", help="stop training after the first evaluation whose held-out loss is <= LOSS (time to a quality: --steps is then the cap); needs --eval-every")

@@ -289,8 +289,10 @@ class NumpyPart(EnginePart):
     def grads(self) -> dict[str, np.ndarray | None]:
         return dict(self._grads)
 
-    def set_grad(self, name: str, grad: Any) -> None:
-        self._grads[name] = np.array(_asarray(grad), dtype=self.params[name].dtype, copy=True)
+    def set_grad(self, name: str, grad: Any, owned: bool = False) -> None:
+        a = _asarray(grad)
+        dtype = self.params[name].dtype
+        self._grads[name] = np.asarray(a, dtype=dtype) if owned else np.array(a, dtype=dtype, copy=True)
 
     def zero_grad(self) -> None:
         for n in self._grads:

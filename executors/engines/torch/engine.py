@@ -387,9 +387,10 @@ class TorchPart(EnginePart):
             out[n] = None if g is None else to_array(g)
         return out
 
-    def set_grad(self, name: str, grad: Any) -> None:
+    def set_grad(self, name: str, grad: Any, owned: bool = False) -> None:
         p = self.params[name]
-        p.grad = from_wire(grad, dtype_name(p.dtype), self.device).to(p.dtype).clone()
+        t = from_wire(grad, dtype_name(p.dtype), self.device).to(p.dtype)
+        p.grad = t if owned else t.clone()  # owned: the caller's fresh array becomes the gradient, no copy
 
 
 class _TorchWalk(GraphWalk):
