@@ -32,12 +32,12 @@ or the first ``--variant``), ``steps_to_sync_loss_ratio`` (the median over the s
 load average at the start and the end:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study convergence [--sync-steps 300]
-        [--diloco-factor 3] [--min-rounds 50] [--seeds 0,1,2] [--h 20] [--quant8-h H] [--outer-lr 0.7]
-        [--outer-momentum 0.5] [--outer-nesterov 1] [--diloco-lr LR] [--sync-warmup 100] [--jobs 2]
+        [--diloco-factor 3] [--min-rounds 50] [--seeds 0,1,2] [--h 10] [--quant8-h H] [--outer-lr 0.7]
+        [--outer-momentum 0.6] [--outer-nesterov 1] [--diloco-lr LR] [--sync-warmup 150] [--jobs 2]
         [--overlap eager,delayed] [--variant NAME:h=20,outer_lr=1,outer_momentum=0.5,lr=1.5e-3,warmup=50 ...]
 
-(``--diloco-lr``: the replicas' inner learning rate on their quarter of the batch, default ``--lr``, synchronous
-DP's; ``--sync-warmup N``: DiLoCo's first N steps are synchronous DP, counted as steps, then DiLoCo from those
+(``--diloco-lr``: the replicas' inner learning rate on their quarter of the batch, default 2e-3 for AdamW (tuned
+on seeds 100-104; two thirds of ``--lr``, synchronous DP's) and ``--lr`` for Muon; ``--sync-warmup N``: DiLoCo's first N steps are synchronous DP, counted as steps, then DiLoCo from those
 weights; ``--min-rounds``: DiLoCo runs at least that many outer rounds after the warm-up; ``--variant``,
 repeatable: instead of the ``--h`` runs, DiLoCo runs with their own settings against the same synchronous DP.)
 
@@ -111,22 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diloco-factor", type=float, default=3.0,
                     help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
-    ap.add_argument("--h", default="20", help="convergence: the inner steps H of the DiLoCo runs (tuned: 20)")
+    ap.add_argument("--h", default="10", help="convergence: the inner steps H of the DiLoCo runs (tuned on seeds 100-104: 10)")
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
     ap.add_argument("--inner", default="adamw", choices=("adamw", "muon"),
                     help="convergence: the optimizer of synchronous DP (the target) and of the replicas")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
-    ap.add_argument("--outer-momentum", type=float, default=0.5,
-                    help="convergence: DiLoCo's outer momentum (tuned on seeds 100-101: 0.5)")
+    ap.add_argument("--outer-momentum", type=float, default=0.6,
+                    help="convergence: DiLoCo's outer momentum (tuned on seeds 100-104: 0.6)")
     ap.add_argument("--outer-nesterov", type=int, default=1, choices=(0, 1),
                     help="convergence: 1, Nesterov outer momentum; 0, heavy-ball")
     ap.add_argument("--diloco-lr", type=float, default=None,
-                    help="convergence: the DiLoCo replicas' inner learning rate on their quarter batch (default --lr)")
-    ap.add_argument("--sync-warmup", type=int, default=100,
+                    help="convergence: the DiLoCo replicas' inner learning rate on their quarter batch (default: "
+                         "AdamW 2e-3, tuned on seeds 100-104; Muon --lr)")
+    ap.add_argument("--sync-warmup", type=int, default=150,
                     help="convergence: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights "
-                         "(tuned on seeds 100-101: 100)")
+                         "(tuned on seeds 100-104: 150)")
     ap.add_argument("--min-rounds", type=int, default=50,
                     help="convergence: DiLoCo runs at least this many outer rounds after the warm-up")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,...",
@@ -202,7 +203,7 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
 
     load_start = os.getloadavg()
     cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum, diloco_lr=args.diloco_lr, sync_warmup=args.sync_warmup,
+                      outer_momentum=args.outer_momentum, diloco_lr=tuned_inner_lr(args), sync_warmup=args.sync_warmup,
                       min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov), inner=args.inner)
     seeds = [int(s) for s in args.seeds.split(",")]
     try:
@@ -244,6 +245,17 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
 #: ef=1: error feedback for a codec that does not turn it on itself)
 KEYS = ("h", "outer_lr", "outer_momentum", "nesterov", "lr", "warmup", "overlap", "inner")
 CODEC_KEYS = ("codec", "chunk", "k", "beta", "bits", "ratio", "ef")
+
+
+#: the replicas' inner AdamW lr the study's tuning chose (seeds 100-104, docs/data-parallel.md)
+TUNED_ADAMW_INNER_LR = 2e-3
+
+
+def tuned_inner_lr(args) -> float | None:
+    """``--diloco-lr``, else the tuned AdamW inner lr; Muon keeps ``--lr`` (None), the setting it was measured at."""
+    if args.diloco_lr is not None:
+        return args.diloco_lr
+    return TUNED_ADAMW_INNER_LR if args.inner == "adamw" else None
 
 
 def parse_variant(spec: str, cfg):
