@@ -590,6 +590,11 @@ class Transport:
             else:
                 self.reject(sender, frames.reason)
             return
+        if self.monitor is not None and len(frames) > 1:  # this connection holds a key of the run: never shut down
+            try:
+                self.monitor.admit(frames[1].get(zmq.SRCFD))
+            except zmq.ZMQError:  # (a libzmq without ZMQ_SRCFD: the handshake interval alone tells)
+                pass
         self._deliver(self._sender(frames), frames[1:])
 
     def _handle_relayed(self, frames: list) -> None:
