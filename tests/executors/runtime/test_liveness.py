@@ -108,5 +108,6 @@ def test_a_killed_or_stopped_executor_is_detected_by_its_link(plan_dir, tmp_path
     assert e.value.part == "p1" and e.value.parts[0] == "p1", str(e.value)
     assert "its link from coordinator is down" in e.value.reason, str(e.value)
     assert took < GENEROUS_S, (took, str(e.value))
+    print(f"{sig}: named after {took:.2f} s: {e.value}")
     if sig == "SIGKILL":  # reconnecting is refused: the process is gone
         assert "reconnecting fails" in e.value.reason, str(e.value)
