@@ -111,3 +111,35 @@ def test_a_killed_or_stopped_executor_is_detected_by_its_link(plan_dir, tmp_path
     print(f"{sig}: named after {took:.2f} s: {e.value}")
     if sig == "SIGKILL":  # reconnecting is refused: the process is gone
         assert "reconnecting fails" in e.value.reason, str(e.value)
+
+
+class _Proc:
+    def __init__(self, pid: int):
+        self.pid, self.rc = pid, None
+
+    def poll(self):
+        return self.rc
+
+
+def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
+    """Whatever the order the kinds are looked at in, the part whose failure was known first is named first, and
+    the others follow with their own causes (``CompNodeFailure.parts``)."""
+    from fusion.executors.runtime.coordinator import Coordinator
+    from fusion.plan import load_plan
+
+    plan = load_plan(plan_dir)
+    procs = {"p0": _Proc(101), "p1": _Proc(102)}
+    c = Coordinator(plan, CoordinatorConfig(link_timeout_s=0), procs)
+    try:
+        assert c._failure(["p0", "p1"]) is None
+        procs["p0"].rc = -9  # p0's process dies first ...
+        first = c._failure(["p0", "p1"])
+        assert first.parts == ("p0",) and "exited with status -9" in first.reason
+        time.sleep(0.01)
+        c._on_send_error("p1", "sending to p1 failed: boom")  # ... then p1 reports (error reports are looked at first)
+        both = c._failure(["p0", "p1"])
+        assert both.part == "p0" and both.parts == ("p0", "p1"), str(both)
+        assert "exited with status -9" in both.reason.split("; also failed:")[0]
+        assert "also failed: CompNode 'p1': sending to p1 failed: boom" in both.reason, str(both)
+    finally:
+        c.transport.close(timeout_s=1)
