@@ -398,7 +398,10 @@ class HandshakeMonitor(threading.Thread):
                 ev = recv_monitor_message(self._mon)
                 kind = ev.get("event")
                 if self.watch is not None and not self._done.is_set():
-                    self.watch.event(kind, ev.get("value", -1))
+                    if self._timed_out(kind, int(ev.get("value", -1)), time.monotonic()):
+                        self.watch.forget(int(ev.get("value", -1)))  # (its HANDSHAKE_FAILED event logged it)
+                    else:
+                        self.watch.event(kind, ev.get("value", -1))
                 if kind == zmq.EVENT_ACCEPTED:
                     self._accepted(int(ev.get("value", -1)), time.monotonic())
                     continue
@@ -421,6 +424,14 @@ class HandshakeMonitor(threading.Thread):
             self._mon.close(linger=0)
             if self.watch is not None:
                 self.watch.close()
+
+    def _timed_out(self, kind: int, fd: int, now: float) -> bool:
+        """Whether a closing event is libzmq dropping a connection that did not finish its handshake within
+        :data:`HANDSHAKE_S` (an idle client): not a refused frame, which the connection watch would call it (the
+        stream is open and nothing is unread), since a client gets no data frame through before its handshake."""
+        if kind not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) or fd not in self._open or fd in self._admitted:
+            return False
+        return now - self._open[fd][0] >= 0.9 * HANDSHAKE_S
 
     def admit(self, fd: int) -> None:
         """A message arrived from connection ``fd`` (``ZMQ_SRCFD`` of its frame; on a CURVE socket only a key of the

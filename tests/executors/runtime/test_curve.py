@@ -355,6 +355,29 @@ def test_a_fresh_authenticated_connection_is_never_shut_down():
         ctx.term()
 
 
+def test_an_idle_connection_dropped_at_the_handshake_interval_is_not_called_a_refused_frame():
+    """An idle client's connection, dropped by libzmq after the 5 s handshake interval, was logged and counted as
+    'closed by ZeroMQ while the peer was still sending (a frame over ... ZMQ_MAXMSGSIZE, or a protocol error)'
+    (the stream was open, nothing unread). It is a handshake that timed out: counted as that, not as a refusal."""
+    import socket
+
+    from fusion.executors.runtime.keys import HANDSHAKE_S
+
+    pairs, peers, got, rx = _capped_receiver()
+    held = []
+    try:
+        addr = rx.start()
+        host, port = addr.rpartition("/")[2].rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+        assert wait_for(lambda: rx.monitor.failed >= 3, timeout=HANDSHAKE_S + 10), rx.monitor.failed
+        time.sleep(0.5)
+        assert rx.monitor.watch.refused == 0 and rx.monitor.capped == 0, (rx.monitor.watch.refused, rx.monitor.capped)
+    finally:
+        for s in held:
+            s.close()
+        rx.close(timeout_s=2)
+
+
 def test_one_address_holds_at_most_per_source_pending_connections():
     """Below the socket's cap, one address still cannot hold more than ``per_source`` connections that never finish
     their handshake: the oldest of its pending ones is shut down as each new one arrives."""
