@@ -33,9 +33,11 @@ Final line (JSON): ``faults`` (fired), ``recovered`` (fired faults after which a
 finished), ``lost_steps`` / ``duplicated_steps`` (step lines missing from, or repeated in, metrics.jsonl),
 ``final_weights_equal_unfaulted`` and ``losses_equal_unfaulted`` (bit for bit, every run), ``max_recovery_s``
 (from a fault firing to the first step completed after it: detection, the peer timeout for a stopped one,
-the restart's start-up, the replay of the steps since the checkpoint), ``restart_events``, ``not_fired``
+the restart's start-up, the replay of the steps since the checkpoint), ``max_detect_s`` (from an executor fault
+or link cut firing to the first restart's failure being detected after it: the ``detected`` time of its line in
+metrics.jsonl; ``detect_s`` per kind, ``detections`` per run with each reason), ``restart_events``, ``not_fired``
 (drawn faults that never fired: a ``start-N`` with no start-up after step N), ``by_kind`` (injected, fired,
-recovered, max_recovery_s per kind above); one JSON line per run before it.
+recovered, max_recovery_s, detect_s per kind above); one JSON line per run before it.
 """
 from __future__ import annotations
 
@@ -196,7 +198,7 @@ def log(msg: str) -> None:
 
 
 def soak(kind: str, plan: Path, parts: list[str], n_faults: int, rng: random.Random, work: Path,
-         peer_timeout: float, netns: str | None) -> dict:
+         peer_timeout: float, netns: str | None, link_timeout: float = 2.0) -> dict:
     """One run of ``kind`` (its saved ``plan`` of ``parts``) with ``n_faults`` faults in all (one coordinator
     kill, one link cut when ``netns``, the rest executor faults), beside its unfaulted twin."""
     n_exec = n_faults - 1 - (netns is not None)
@@ -210,7 +212,7 @@ def soak(kind: str, plan: Path, parts: list[str], n_faults: int, rng: random.Ran
         near = {int(f[1]) + d for f in faults if f[1].isdigit() for d in (-1, 0, 1, 2)}  # away from step faults
         cut = (rng.choice([s for s in range(3, steps - 3) if s not in near] or [3]), str(markers / "link-cut"))
         faults.append(("every link", str(cut[0]), "lo down", cut[1], "link-cut"))
-    common = ["--peer-timeout", str(peer_timeout)]
+    common = ["--peer-timeout", str(peer_timeout), "--link-timeout", str(link_timeout)]
     ref, run = work / f"{kind}-unfaulted", work / f"{kind}-faulted"
     t0 = time.monotonic()
     rc, err = fusion_run(plan, ref, steps, common)
@@ -249,12 +251,21 @@ def soak(kind: str, plan: Path, parts: list[str], n_faults: int, rng: random.Ran
     ref_loss = {r["step"]: r["loss"] for r in rows(ref) if "event" not in r}
     per_kind: dict[str, dict] = {}
     recovery = []
+    detections = []  # (kind, detect_s, the restart's reason)
     for f in faults:
-        k = per_kind.setdefault(f[4], {"injected": 0, "fired": 0, "recovered": 0, "max_recovery_s": None})
+        k = per_kind.setdefault(f[4], {"injected": 0, "fired": 0, "recovered": 0, "max_recovery_s": None,
+                                       "detect_s": []})
         k["injected"] += 1
         if f[3] not in fired:
             continue
         k["fired"] += 1
+        if f[0] != "coordinator":  # detection: from the fault firing to the first restart detected after it
+            first = min((e for e in events if (e.get("detected") or 0) >= fired[f[3]]), default=None,
+                        key=lambda e: e["detected"])
+            if first is not None:
+                dt = round(first["detected"] - fired[f[3]], 2)
+                k["detect_s"].append(dt)
+                detections.append((f[4], dt, first["reason"][:300]))
         after = [r["time"] for r in step_rows if r["time"] > fired[f[3]]]
         if after and rc == 0:
             k["recovered"] += 1
@@ -276,6 +287,7 @@ def soak(kind: str, plan: Path, parts: list[str], n_faults: int, rng: random.Ran
             "max_recovery_s": max(recovery) if recovery else None,
             "mean_recovery_s": round(sum(recovery) / len(recovery), 2) if recovery else None,
             "restart_recovery_s": [e["recovery_s"] for e in events], "by_kind": per_kind,
+            "detections": detections,
             "link_cut_restart_reason": cut_restart,
             "unfaulted_s": round(t_ref, 1), "faulted_s": round(t_faulted, 1), "run": str(run),
             "ended": errors, "error": "" if ok else err.strip().splitlines()[-1:]}
@@ -301,6 +313,7 @@ def main() -> None:
     ap.add_argument("--faults", type=int, default=10, help="faults in all, over both runs (default 10; 50 = full)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-timeout", type=float, default=5.0, help="fusion run --peer-timeout (s)")
+    ap.add_argument("--link-timeout", type=float, default=2.0, help="fusion run --link-timeout (s; 0: off)")
     ap.add_argument("--no-netns", action="store_true", help="no link cuts (no network namespaces)")
     ap.add_argument("--serial", action="store_true", help="the two runs one after the other (default: at once)")
     ap.add_argument("--out", default=None, help="work folder (default: a temporary one, kept)")
@@ -327,7 +340,8 @@ def main() -> None:
     plans = {k: build_plan(k, work) for k in split}  # here, one at a time: tracing a model is not thread-safe
 
     def one(k: str) -> None:
-        results[k] = soak(k, *plans[k], split[k], random.Random(seeds[k]), work, a.peer_timeout, netns[k])
+        results[k] = soak(k, *plans[k], split[k], random.Random(seeds[k]), work, a.peer_timeout, netns[k],
+                            a.link_timeout)
         print(json.dumps(results[k]), flush=True)
 
     try:
@@ -349,9 +363,11 @@ def main() -> None:
     by_kind: dict[str, dict] = {}
     for r in runs:
         for k, v in r["by_kind"].items():
-            b = by_kind.setdefault(k, {"injected": 0, "fired": 0, "recovered": 0, "max_recovery_s": None})
+            b = by_kind.setdefault(k, {"injected": 0, "fired": 0, "recovered": 0, "max_recovery_s": None,
+                                       "detect_s": []})
             for f in ("injected", "fired", "recovered"):
                 b[f] += v[f]
+            b["detect_s"] = sorted(b["detect_s"] + v["detect_s"])
             if v["max_recovery_s"] is not None:
                 b["max_recovery_s"] = max(v["max_recovery_s"], b["max_recovery_s"] or 0.0)
     rec = [r["max_recovery_s"] for r in runs if r["max_recovery_s"] is not None]
@@ -361,6 +377,8 @@ def main() -> None:
                       "final_weights_equal_unfaulted": all(r["final_weights_equal_unfaulted"] for r in runs),
                       "losses_equal_unfaulted": all(r["losses_equal_unfaulted"] for r in runs),
                       "max_recovery_s": max(rec) if rec else None,
+                      "max_detect_s": max((d for r in runs for v in r["by_kind"].values() for d in v["detect_s"]),
+                                          default=None),
                       "restart_events": sum(r["restart_events"] for r in runs),
                       "not_fired": sum(len(r["not_fired"]) for r in runs), "by_kind": by_kind,
                       "link_cuts": why_not or "made", "seed": a.seed, "work": str(work),

@@ -85,6 +85,12 @@ class ConnectionWatch:
             self.on_refused(reason)
         self.log.note(f"from {who}", time.monotonic() if now is None else now)
 
+    def forget(self, fd: int) -> None:
+        """Connection ``fd`` closed for a reason known elsewhere (a handshake that timed out): no verdict."""
+        entry = self._dups.pop(fd, None)
+        if entry is not None:
+            entry[0].close()
+
     def event(self, kind: int, value: int) -> None:
         """Hand on one monitor event."""
         if kind == zmq.EVENT_ACCEPTED:

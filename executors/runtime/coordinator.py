@@ -44,6 +44,7 @@ from fusion.executors.runtime.dp.clip import total_norm
 from fusion.executors.runtime.control import (TO_COORDINATOR, Abort, Admit, Clip, Commit, Control, Done, Error, Eval,
                                               Fetch, GradNorm, Hb, Hello, Regroup, Setup, Step, Stop, decode_ctrl)
 from fusion.executors.runtime.keys import Security
+from fusion.executors.runtime.liveness import Heartbeat
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
 from fusion.executors.runtime.schedule import TailKind, step_tail
@@ -63,12 +64,14 @@ HELLO_GRACE_S = 5.0
 
 
 class CompNodeFailure(FusionError):
-    """A CompNode failed or stopped answering; ``part`` names it."""
+    """A CompNode failed or stopped answering; ``part`` names it (the first cause when several failed)."""
 
-    def __init__(self, part: str, reason: str, lasting: bool = False):
-        """lasting: the part said its cause would stop a restart the same way (a full disk: ``Error.lasting``)."""
+    def __init__(self, part: str, reason: str, lasting: bool = False, parts: tuple[str, ...] = ()):
+        """lasting: the part said its cause would stop a restart the same way (a full disk: ``Error.lasting``);
+        parts: every part found failed, the first cause first (``reason`` then names the others' causes too)."""
         super().__init__(f"CompNode {part!r} failed: {reason}")
         self.part, self.reason, self.lasting = part, reason, lasting
+        self.parts = tuple(parts) or (part,)
 
 
 class Process(Protocol):
@@ -89,6 +92,10 @@ class CoordinatorConfig:
     checkpoint_every: int = 0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 10.0
+    #: the most seconds from a CompNode's death, stop or cut-off to its failure being detected on a quiet host:
+    #: ZeroMQ heartbeats on the coordinator's link to each part (executors/runtime/liveness.py); 0: off (only the
+    #: process's exit and ``peer_timeout_s`` of silence tell)
+    link_timeout_s: float = 2.0
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 3600.0
     max_message_bytes: int | None = None  # None: derived from the plan (limits.coordinator_message_limit)
@@ -203,6 +210,8 @@ class Coordinator:
         self._inbox: dict[str, list[Control]] = {p: [] for p in self.parts}
         self._last_seen: dict[str, float] = {}
         self._errors: dict[str, str] = {}
+        #: part -> when its failure was first known (an error report's arrival, else the first look that saw it)
+        self._failed_at: dict[str, float] = {}
         self._lasting: set[str] = set()  # parts whose Error said a restart would fail the same way (a full disk)
         #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
         #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
@@ -217,7 +226,8 @@ class Coordinator:
         self.step_index = 0
         self.transport = Transport(COORDINATOR, cfg.bind, self.parts, self._on_message,
                                    max_message_bytes=cfg.max_message_bytes or coordinator_message_limit(plan), on_error=self._on_send_error,
-                                   security=cfg.security)
+                                   security=cfg.security,
+                                   heartbeat=Heartbeat(cfg.link_timeout_s) if cfg.link_timeout_s > 0 else None)
         self.address = ""
         self._hb_stop = threading.Event()
         self.live = list(self.parts)  # parts of the replicas still training
@@ -251,12 +261,14 @@ class Coordinator:
                     self._replaced.add(sender)
                     self._errors.setdefault(sender, f"a new executor said hello (pid {c.pid}): "
                                                     "the one it replaces has stopped")
+                    self._failed_at.setdefault(sender, time.monotonic())
                 self._greeted.add(sender)
             elif sender not in self._greeted:
                 return  # from an executor of a previous coordinator at this address, not of this run's parts
             self._last_seen[sender] = time.monotonic()
             if isinstance(c, Error):
                 self._errors.setdefault(sender, c.reason)
+                self._failed_at.setdefault(sender, time.monotonic())
                 if c.lasting:
                     self._lasting.add(sender)
             elif c.op != "hb":
@@ -268,6 +280,7 @@ class Coordinator:
     def _on_send_error(self, peer: str, reason: str) -> None:
         with self._cv:
             self._errors.setdefault(peer, reason)
+            self._failed_at.setdefault(peer, time.monotonic())
             self._cv.notify_all()
 
     def _part_limit(self, p: str) -> int | None:
@@ -279,24 +292,48 @@ class Coordinator:
         return part_message_limit(self.plan, self.plan.stage_of(p)) if len(self.plan.dp_group(p)) == 1 else None
 
     def _failure(self, parts: list[str]) -> CompNodeFailure | None:
-        """The first failed part among ``parts`` (error report, dead process, silence), if any."""
+        """The failure among ``parts`` and the live ones, if any: every failed part named, the first cause first
+        (the part whose failure was known first; :meth:`_failures` says what counts)."""
+        found = self._failures(parts)
+        if not found:
+            return None
+        now = time.monotonic()
+        for p, _, _ in found:
+            self._failed_at.setdefault(p, now)
+        found.sort(key=lambda f: self._failed_at[f[0]])  # (stable: seen in one look, in the order of the kinds)
+        p, reason, lasting = found[0]
+        if len(found) > 1:
+            reason += "; also failed: " + "; ".join(f"CompNode {q!r}: {r}" for q, r, _ in found[1:])
+        return CompNodeFailure(p, reason, lasting=lasting, parts=tuple(q for q, _, _ in found))
+
+    def _failures(self, parts: list[str]) -> list[tuple[str, str, bool]]:
+        """``(part, reason, lasting)`` of each failed part, one cause each: an error report or a dead process (of
+        any live part and ``parts``), a failed link (``link_timeout_s``, liveness.py) or silence
+        (``peer_timeout_s``) of one of ``parts``, the parts still awaited."""
         now = time.monotonic()
         watched = list(dict.fromkeys([*self.live, *parts]))  # (parts: a joining replica's too)
+        out: dict[str, tuple[str, str, bool]] = {}
         for p in watched:
             if p in self._errors:
-                return CompNodeFailure(p, self._errors[p], lasting=p in self._lasting)
+                out[p] = (p, self._errors[p], p in self._lasting)
         for p in watched:
             proc = self.processes.get(p)
-            rc = proc.poll() if proc is not None and p not in self._refused else None
+            rc = proc.poll() if proc is not None and p not in self._refused and p not in out else None
             if rc is not None:
                 why = last_error(self.logs.get(p))
-                return CompNodeFailure(p, f"its process (pid {proc.pid}) exited with status {rc}"
-                                          + (f" ({why}; log {self.logs[p]})" if why else ""))
+                out[p] = (p, f"its process (pid {proc.pid}) exited with status {rc}"
+                             + (f" ({why}; log {self.logs[p]})" if why else ""), False)
+        links = self.transport.links
         for p in parts:
+            if p in out or p in self._refused:
+                continue
+            down = links.down(p, now) if links is not None else None
             seen = self._last_seen.get(p)
-            if seen is not None and now - seen > self.cfg.peer_timeout_s:
-                return CompNodeFailure(p, f"stopped answering (nothing received for {now - seen:.1f} s)")
-        return None
+            if down is not None:
+                out[p] = (p, down, False)
+            elif seen is not None and now - seen > self.cfg.peer_timeout_s:
+                out[p] = (p, f"stopped answering (nothing received for {now - seen:.1f} s)", False)
+        return list(out.values())
 
     def _collect(self, op: str, parts: list[str], timeout_s: float, what: str,
                  on_each: Callable[[str, Control], None] | None = None, remind_s: float = 0.0,
@@ -338,7 +375,7 @@ class Coordinator:
                 if fail is not None:
                     if abort:
                         self._abort_locked(f"{fail} (during {what})")
-                    raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})", fail.lasting)
+                    raise CompNodeFailure(fail.part, f"{fail.reason} (during {what})", fail.lasting, fail.parts)
                 self._cv.wait(0.05)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -580,7 +617,7 @@ class Coordinator:
                 if why:  # e.g. the last replica of every stage is gone: the run ends here
                     with self._cv:
                         self._abort_locked(str(e))
-                    raise CompNodeFailure(e.part, f"{e.reason}; {why}", e.lasting) from None
+                    raise CompNodeFailure(e.part, f"{e.reason}; {why}", e.lasting, e.parts) from None
                 try:
                     drops.append(self._drop_replica(e, abandoned=not committed[0]))
                 except CompNodeFailure as e2:  # a second failure while regrouping: give up as without failover

@@ -313,6 +313,25 @@ CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOS
 #: (``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s). A handshake is four small messages: well under a second
 #: even over a 300 ms, 1 Mbit/s link. So a connection open longer than this has a key.
 HANDSHAKE_S = 5.0
+#: connections one source address may hold on a capped CURVE socket that have not finished their handshake (the
+#: run's own peers finish theirs in milliseconds; on one host every part has the same address)
+PENDING_PER_SOURCE = 16
+
+
+def _source(fd: int) -> str:
+    """The peer host of connection ``fd`` ('' when it cannot be read: the connection is gone already)."""
+    import socket
+
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return ""
+    try:
+        return str(s.getpeername()[0])
+    except OSError:
+        return ""
+    finally:
+        s.close()
 
 
 def _handshake_reason(event: int | None, code: int | None) -> str:
@@ -330,11 +349,12 @@ def _handshake_reason(event: int | None, code: int | None) -> str:
 class HandshakeMonitor(threading.Thread):
     """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
     a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, counts logged
-    at most once per ``log_interval_s`` (:class:`RefusalLog`). Create it in the thread that owns ``sock``, right
-    after bind."""
+    at most once per ``log_interval_s`` (:class:`RefusalLog`). With ``max_connections`` it also bounds the
+    connections that have not finished their handshake (:meth:`_accepted`). Create it in the thread that owns
+    ``sock``, right after bind."""
 
     def __init__(self, sock: zmq.Socket, owner: str, on_fail=None, log_interval_s: float = 10.0,
-                 max_connections: int | None = None, watch=None):
+                 max_connections: int | None = None, watch=None, per_source: int = PENDING_PER_SOURCE):
         super().__init__(name=f"monitor-{owner}", daemon=True)
         self.owner, self.on_fail = owner, on_fail
         #: a connwatch.ConnectionWatch told of every connection (libzmq allows one monitor per socket: this one)
@@ -342,15 +362,23 @@ class HandshakeMonitor(threading.Thread):
         self.failed = 0
         self.log = RefusalLog(owner, "connection(s) failed the handshake (a client must use this server's key and "
                                      "its own)", log_interval_s)
-        #: the cap on connections open at once on this socket (None: no cap); connections accepted beyond it are
-        #: shut down at once (:meth:`_accepted`), so held connections cannot take every file descriptor
+        #: the cap on connections open at once on this socket (None: no cap); beyond it a connection that has not
+        #: finished its handshake is shut down (:meth:`_accepted`), so held connections cannot take every file
+        #: descriptor; a connection whose key the ZAP handler admitted is never shut down
         self.max_connections = max_connections
-        self.capped = 0
-        self.cap_log = RefusalLog(owner, f"connection(s) shut down over the cap of {max_connections} open at once",
-                                  log_interval_s)
-        self._open: dict[int, float] = {}  # descriptor -> when it was accepted, oldest first
+        #: connections one source address may hold that have not finished their handshake (with a cap)
+        self.per_source = per_source
+        self.capped = 0  # connections shut down (over the cap or over the per-source bound)
+        self.cap_log = RefusalLog(owner, f"connection(s) without a finished handshake shut down (over the cap of "
+                                         f"{max_connections} open at once, or over {per_source} pending from one "
+                                         "address)", log_interval_s)
+        #: descriptor -> (when it was accepted, its source address), oldest first
+        self._open: dict[int, tuple[float, str]] = {}
+        #: descriptors a message arrived from (:meth:`admit`): the ZAP handler admitted their key
+        self._admitted: set[int] = set()
         self._local = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if max_connections is not None or watch is not None else 0)
+        capped = max_connections is not None
+        events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if capped or watch is not None else 0)
         self._done = threading.Event()
         self._mon = sock.get_monitor_socket(events)
 
@@ -370,12 +398,17 @@ class HandshakeMonitor(threading.Thread):
                 ev = recv_monitor_message(self._mon)
                 kind = ev.get("event")
                 if self.watch is not None and not self._done.is_set():
-                    self.watch.event(kind, ev.get("value", -1))
+                    if self._timed_out(kind, int(ev.get("value", -1)), time.monotonic()):
+                        self.watch.forget(int(ev.get("value", -1)))  # (its HANDSHAKE_FAILED event logged it)
+                    else:
+                        self.watch.event(kind, ev.get("value", -1))
                 if kind == zmq.EVENT_ACCEPTED:
                     self._accepted(int(ev.get("value", -1)), time.monotonic())
                     continue
                 if kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    self._open.pop(int(ev.get("value", -1)), None)
+                    fd = int(ev.get("value", -1))
+                    self._open.pop(fd, None)
+                    self._admitted.discard(fd)
                     continue
                 if not kind & HANDSHAKE_FAILED:
                     continue
@@ -392,17 +425,50 @@ class HandshakeMonitor(threading.Thread):
             if self.watch is not None:
                 self.watch.close()
 
+    def _timed_out(self, kind: int, fd: int, now: float) -> bool:
+        """Whether a closing event is libzmq dropping a connection that did not finish its handshake within
+        :data:`HANDSHAKE_S` (an idle client): not a refused frame, which the connection watch would call it (the
+        stream is open and nothing is unread), since a client gets no data frame through before its handshake."""
+        if kind not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) or fd not in self._open or fd in self._admitted:
+            return False
+        return now - self._open[fd][0] >= 0.9 * HANDSHAKE_S
+
+    def admit(self, fd: int) -> None:
+        """A message arrived from connection ``fd`` (``ZMQ_SRCFD`` of its frame; on a CURVE socket only a key of the
+        run's list gets one delivered): it is never shut down. (libzmq's ``EVENT_HANDSHAKE_SUCCEEDED`` carries no
+        descriptor, so the message is the first sign of which connection it was.)"""
+        if fd in self._open:
+            self._admitted.add(fd)
+
+    def _pending(self, now: float) -> list[int]:
+        """Connections that may still be without a key, oldest first: no message arrived from them and they are
+        younger than :data:`HANDSHAKE_S` (libzmq drops a connection whose handshake has not finished by then)."""
+        return [f for f, (t, _) in self._open.items() if f not in self._admitted and now - t < HANDSHAKE_S]
+
     def _accepted(self, fd: int, now: float) -> None:
-        """A connection was accepted on ``fd``: count it, and when the socket is over its cap shut one down: the
-        oldest still within its handshake (younger than :data:`HANDSHAKE_S`: a client holding connections without
-        a key; older ones finished the handshake, since libzmq drops those that do not), else the new one.
-        Shutting the newest down had let 69 idle keyless connections lock a real peer's reconnection out until
-        ZeroMQ's 30 s handshake timeout cleared them (issue 39)."""
-        self._open[fd] = now
-        if self.max_connections is None or len(self._open) <= self.max_connections:
+        """A connection was accepted on ``fd``: count it and bound the connections that may be without a key.
+
+        A connection a message came from (:meth:`admit`) or older than the handshake interval has a key of the
+        run's list and is never shut down: a peer of the run is always admitted. Of the others (pending), when one
+        source address holds more than ``per_source``, the oldest of that address goes (one address cannot crowd
+        the others out); when the socket holds more than ``max_connections`` in all, the oldest pending one of any
+        address goes. The oldest, not the newest: a real peer finishes its handshake in milliseconds (four small
+        messages), a client holding connections without a key never does. Shutting the newest down had let 69
+        idle keyless connections lock a real peer's reconnection out until ZeroMQ's 30 s handshake timeout cleared
+        them (issue 39). A peer's fresh connection that has not delivered a message yet can still be the oldest
+        pending one; shutting it loses nothing (nothing was sent on it) and its DEALER reconnects in 0.1 s."""
+        if self.max_connections is None:
             return
-        victim = next((f for f, t in self._open.items() if f != fd and now - t < HANDSHAKE_S), fd)
-        self._shut(victim, now)
+        self._admitted.discard(fd)  # (a descriptor number libzmq reused)
+        self._open[fd] = (now, _source(fd))
+        source = self._open[fd][1]
+        pending = self._pending(now)
+        same = [f for f in pending if self._open[f][1] == source]
+        if source and len(same) > self.per_source:
+            self._shut(same[0], now)
+            pending.remove(same[0])
+        if len(self._open) > self.max_connections:
+            self._shut(next((f for f in pending if f != fd), fd), now)
 
     def _shut(self, fd: int, now: float) -> None:
         """Shut connection ``fd`` of this socket down (counted and logged)."""

@@ -44,6 +44,7 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
 from fusion.executors.runtime.keys import HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
 from fusion.executors.runtime.connwatch import ConnectionWatch, SocketWatch
+from fusion.executors.runtime.liveness import Heartbeat, LinkWatch
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -141,6 +142,8 @@ def _dealer(t: "Transport", address: str, peer: str):
     sock.setsockopt(zmq.LINGER, int(t.linger_s * 1000))
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.SNDTIMEO, int(t.send_timeout_s * 1000))
+    if t.links is not None:  # ZeroMQ heartbeats and a monitor on the link (liveness.py)
+        t.links.watch(peer, sock)
     sock.connect(address)
     return sock
 
@@ -271,6 +274,9 @@ class Transport:
     max_connections: with CURVE, the cap on connections open at once on the bound socket (default: two per
                  allowed sender plus SPARE_CONNECTIONS); connections accepted beyond it are shut down at once and
                  counted in the log (:class:`~fusion.executors.runtime.keys.HandshakeMonitor`).
+    heartbeat:   ZeroMQ heartbeats on every outbound link, each watched (:attr:`links`,
+                 :class:`~fusion.executors.runtime.liveness.LinkWatch`): a peer that dies, stops or is cut off is
+                 known within ``heartbeat.bound_s``; None: no heartbeats (the coordinator sets it).
     recv_thread: receive on a thread of the transport (``on_message`` runs there); False: the thread that
                  called :meth:`start` receives by calling :meth:`pump` while it waits (a CompNode's engine
                  loop, which saves a thread hand-off per message; ZeroMQ's I/O thread still receives the
@@ -281,8 +287,13 @@ class Transport:
                  *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tracer: Tracer | None = None,
                  on_reject: Callable[[str, str], None] | None = None, on_error: Callable[[str, str], None] | None = None,
                  send_timeout_s: float = 30.0, linger_s: float = 2.0, recv_thread: bool = True,
-                 security: Security | None = None, max_connections: int | None = None):
+                 security: Security | None = None, max_connections: int | None = None,
+                 heartbeat: Heartbeat | None = None):
         self.name, self.bind_addr = name, bind
+        #: the outbound links' heartbeats and monitors (None without ``heartbeat``)
+        self.links = LinkWatch(name, heartbeat) if heartbeat is not None else None
+        if self.links is not None:
+            self.links.start()
         self.security = security
         self.allowed = set(allowed)
         #: with CURVE, connections open at once on the bound socket beyond which new ones are shut down
@@ -403,7 +414,8 @@ class Transport:
         still unsent (default: the transport's ``linger_s``); short when the
         peers may be gone already.
         """
-        for t in (self.watch, self.monitor):  # first: the closing socket's own disconnections are no refusals
+        for t in (self.watch, self.monitor, self.links):  # first: the closing sockets' own disconnections are no
+            # refusals nor failed links
             if t is not None:
                 t.stop()
         for s in self.senders.values():
@@ -422,11 +434,11 @@ class Transport:
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
-        for t in (self.zap, self.monitor, self.watch):
+        for t in (self.zap, self.monitor, self.watch, self.links):
             if t is not None:
                 t.stop()
                 t.join(1.0)
-        helpers = [t for t in (self._recv, self.zap, self.monitor, self.watch) if t is not None]
+        helpers = [t for t in (self._recv, self.zap, self.monitor, self.watch, self.links) if t is not None]
         if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
@@ -590,6 +602,11 @@ class Transport:
             else:
                 self.reject(sender, frames.reason)
             return
+        if self.monitor is not None and len(frames) > 1:  # this connection holds a key of the run: never shut down
+            try:
+                self.monitor.admit(frames[1].get(zmq.SRCFD))
+            except zmq.ZMQError:  # (a libzmq without ZMQ_SRCFD: the handshake interval alone tells)
+                pass
         self._deliver(self._sender(frames), frames[1:])
 
     def _handle_relayed(self, frames: list) -> None:

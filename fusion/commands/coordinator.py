@@ -35,7 +35,7 @@ def listen(opts: "Coordinator", plan, out: Path, joins: dict, security):
 
     t, lis = opts.train, opts.listen
     cfg = CoordinatorConfig(bind=lis.bind, emulate_links=t.emulate_links, checkpoint_dir=str(out / "checkpoints"),
-                            checkpoint_every=t.checkpoint_every, peer_timeout_s=t.peer_timeout,
+                            checkpoint_every=t.checkpoint_every, peer_timeout_s=t.peer_timeout, link_timeout_s=t.link_timeout,
                             startup_timeout_s=lis.startup_timeout, security=security,
                             plan_digest=plan_digest(opts.plan), drop_failed_replicas=t.drop_failed_replicas,
                             joins=joins)

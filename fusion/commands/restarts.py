@@ -31,16 +31,20 @@ RESTART = "restart"
 
 
 def restart_event(number: int, limit: int, failed_step: int, part: str, reason: str, resumed_step: int | None,
-                  recovery_s: float, start_failed: str = "") -> dict:
+                  recovery_s: float, start_failed: str = "", parts: tuple[str, ...] = (),
+                  detected: float | None = None) -> dict:
     """One restart's line in ``metrics.jsonl``.
 
     number/limit: this is restart ``number`` of at most ``limit``; failed_step: the step that was running
     when ``part`` failed for ``reason``; resumed_step: the first step run again (the checkpoint's step), None
     when the restart's own start-up failed; recovery_s: from the failure being detected to every CompNode
     ready again (or to the start-up failing); start_failed (only then): the failure that ended this restart's
-    start-up, which the next restart's line names as its own reason."""
+    start-up, which the next restart's line names as its own reason; parts: every part found failed, ``part``
+    (the first cause) first; detected: when the failure was detected (``time.time()``), so that a fault's
+    detection time can be read from its firing to here (``benchmarks/chaos.py``: ``detect_s``)."""
     line = {"event": RESTART, "restart": number, "max_restarts": limit, "failed_step": failed_step, "part": part,
-            "reason": reason, "resumed_step": resumed_step, "recovery_s": round(recovery_s, 3), "time": time.time()}
+            "parts": list(parts or (part,)), "reason": reason, "resumed_step": resumed_step,
+            "recovery_s": round(recovery_s, 3), "detected": detected, "time": time.time()}
     return {**line, "start_failed": start_failed} if start_failed else line
 
 
@@ -63,7 +67,7 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
     restarts = 0
     failure: CompNodeFailure | None = None
     failed_step = first
-    t_fail = 0.0
+    t_fail, t_detected = 0.0, 0.0
     started = False
     while True:
         try:
@@ -78,7 +82,7 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                 except OSError as e:  # writing the restart's keys, logs or folders (a full disk): one line
                     raise FusionError(f"restart {restarts} of {max_restarts} after {failure}: {e}") from None
                 event = restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, first,
-                                      time.monotonic() - t_fail)
+                                      time.monotonic() - t_fail, parts=failure.parts, detected=t_detected)
                 _append(out, event)
                 report(f"restart {restarts} of {max_restarts}: every CompNode up again after "
                        f"{event['recovery_s']:.1f} s; resuming at step {first}")
@@ -89,7 +93,8 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
         except CompNodeFailure as e:
             if failure is not None:  # this restart's own start-up failed: its line too (each restart has one)
                 _append(out, restart_event(restarts, max_restarts, failed_step, failure.part, failure.reason, None,
-                                           time.monotonic() - t_fail, start_failed=str(e)))
+                                           time.monotonic() - t_fail, start_failed=str(e), parts=failure.parts,
+                                           detected=t_detected))
             if e.lasting:  # a full or read-only disk: a restart would meet it again (and write its keys there)
                 raise FusionError(f"{e}: not restarted, a restart would fail the same way; free space on the disk of "
                                   f"{out}, then --resume") from None
@@ -97,11 +102,11 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                 if not restarts:
                     raise
                 raise CompNodeFailure(e.part, f"{e.reason} (after {restarts} restart{'s' if restarts > 1 else ''}, "
-                                              f"--max-restarts {max_restarts})") from None
+                                              f"--max-restarts {max_restarts})", parts=e.parts) from None
             restarts += 1
             if failure is None:  # (a failure while restarting keeps the step the run had reached)
                 failed_step = cluster.coordinator.step_index
-            failure, t_fail = e, time.monotonic()
+            failure, t_fail, t_detected = e, time.monotonic(), time.time()
             report(f"{e}; restarting every CompNode from the latest checkpoint (restart {restarts} of {max_restarts})")
 
 

@@ -1,5 +1,6 @@
 """A CompNode that stops answering without exiting (SIGSTOP) is named by the coordinator within its peer timeout,
-and ``fusion run`` ends with exit status 2 and a one-line message (issue 15; a dead process is in test_failure.py)."""
+and ``fusion run`` ends with exit status 2 and a one-line message (issue 15; a dead process is in test_failure.py).
+Here without the link's heartbeats (``--link-timeout 0``): the peer timeout alone (test_liveness.py has the link)."""
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ def test_a_stopped_compnode_is_named_within_the_peer_timeout(tmp_path):
     plan_dir = save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2)
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "fusion.cli", "run", str(plan_dir), "--out", str(run), "--steps", "100000",
-                             "--peer-timeout", str(PEER_TIMEOUT), "--no-progress", "--trace", "off", "--threads", "1"],
+                             "--peer-timeout", str(PEER_TIMEOUT), "--link-timeout", "0", "--no-progress", "--trace", "off", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     stopped = None

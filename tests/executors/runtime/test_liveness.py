@@ -1,0 +1,145 @@
+"""Fast failure detection (issue 39): ZeroMQ heartbeats on the coordinator's links (executors/runtime/liveness.py).
+
+A process whose Python holds the GIL for seconds still answers heartbeats (libzmq's I/O thread answers), so it is
+not reported; a SIGSTOPped or SIGKILLed executor of a real run is reported by its link within a bound, with the
+peer timeout far longer (60 s), so nothing else could have told. The bounds are generous (the host is loaded);
+the quiet-host figures are in docs/runtime.md (benchmarks/chaos.py's ``detect_s``).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from tests.executors.dist_models import CNN_SPLITS, branching_cnn, cnn_batch, save_hand_plan, wait_for
+from fusion.executors.runtime.coordinator import CompNodeFailure, CoordinatorConfig
+from fusion.executors.runtime.launcher import LocalCluster
+from fusion.executors.runtime.liveness import GRACE_S, Heartbeat, LinkWatch
+from fusion.plan import OptimizerConfig
+
+#: detection must happen within this (the default bound is 2 s on a quiet host; the test host is loaded)
+GENEROUS_S = 8.0
+
+_BUSY = r"""
+import ctypes, sys, zmq
+ctx = zmq.Context()
+r = ctx.socket(zmq.ROUTER)
+r.bind("tcp://127.0.0.1:*")
+print(r.last_endpoint.decode(), flush=True)
+sys.stdin.readline()
+ctypes.PyDLL(None).sleep(int(sys.argv[1]))  # PyDLL: the GIL stays held for the whole call
+"""
+
+
+def test_a_process_holding_the_gil_still_answers_heartbeats_and_a_stopped_one_does_not():
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY, "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    hb = Heartbeat(1.0)
+    watch = LinkWatch("test", hb)
+    watch.start()
+    sock = None
+    try:
+        addr = busy.stdout.readline().strip()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        watch.watch("busy", sock)
+        sock.connect(addr)
+        sock.send(b"hello")
+        time.sleep(0.5)  # connected and handshaken
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.5:  # the GIL held for 4 s: 14 heartbeat timeouts' worth, none missed
+            assert watch.down("busy") is None, watch.down("busy")
+            time.sleep(0.05)
+        os.kill(busy.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        assert wait_for(lambda: watch.down("busy") is not None, timeout=GENEROUS_S), "a stopped process went unnoticed"
+        took = time.monotonic() - t_stop
+        assert took >= hb.timeout_s, took  # (heartbeats, not anything faster that would misfire)
+        assert "heartbeats went unanswered" in watch.down("busy")
+    finally:
+        os.kill(busy.pid, signal.SIGKILL)
+        busy.wait()
+        if sock is not None:
+            sock.close(linger=0)
+        watch.stop()
+        watch.join(2)
+        ctx.term()
+
+
+def test_heartbeat_bound():
+    hb = Heartbeat(2.0)
+    assert hb.interval_s + hb.timeout_s + GRACE_S == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    model = branching_cnn(mb=2)
+    return save_hand_plan(tmp_path_factory.mktemp("liveness"), model, CNN_SPLITS[2], micro_batches=2,
+                          optimizer=OptimizerConfig("sgd", lr=0.1))
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_stopped_executor_is_detected_by_its_link(plan_dir, tmp_path, sig):
+    """The coordinator knows nothing of the processes here (as under ``fusion coordinator``, executors on other
+    hosts) and the peer timeout is 60 s: only the link can tell, within the bound, naming the part."""
+    cfg = CoordinatorConfig(peer_timeout_s=60, link_timeout_s=2.0)
+    with LocalCluster(plan_dir, tmp_path / "run", cfg, threads=1, trace=False, curve=True) as lc:
+        lc.start()
+        lc.coordinator.step(cnn_batch(0, 4))
+        pid = lc.processes["p1"].pid
+        lc.coordinator.processes = {}  # no exit status to read: the link alone
+        os.kill(pid, getattr(signal, sig))
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(CompNodeFailure) as e:
+                for s in range(1, 200):
+                    lc.coordinator.step(cnn_batch(s, 4))
+            took = time.monotonic() - t0
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert e.value.part == "p1" and e.value.parts[0] == "p1", str(e.value)
+    assert "its link from coordinator is down" in e.value.reason, str(e.value)
+    assert took < GENEROUS_S, (took, str(e.value))
+    print(f"{sig}: named after {took:.2f} s: {e.value}")
+    if sig == "SIGKILL":  # reconnecting is refused: the process is gone
+        assert "reconnecting fails" in e.value.reason, str(e.value)
+
+
+class _Proc:
+    def __init__(self, pid: int):
+        self.pid, self.rc = pid, None
+
+    def poll(self):
+        return self.rc
+
+
+def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
+    """Whatever the order the kinds are looked at in, the part whose failure was known first is named first, and
+    the others follow with their own causes (``CompNodeFailure.parts``)."""
+    from fusion.executors.runtime.coordinator import Coordinator
+    from fusion.plan import load_plan
+
+    plan = load_plan(plan_dir)
+    procs = {"p0": _Proc(101), "p1": _Proc(102)}
+    c = Coordinator(plan, CoordinatorConfig(link_timeout_s=0), procs)
+    try:
+        assert c._failure(["p0", "p1"]) is None
+        procs["p0"].rc = -9  # p0's process dies first ...
+        first = c._failure(["p0", "p1"])
+        assert first.parts == ("p0",) and "exited with status -9" in first.reason
+        time.sleep(0.01)
+        c._on_send_error("p1", "sending to p1 failed: boom")  # ... then p1 reports (error reports are looked at first)
+        both = c._failure(["p0", "p1"])
+        assert both.part == "p0" and both.parts == ("p0", "p1"), str(both)
+        assert "exited with status -9" in both.reason.split("; also failed:")[0]
+        assert "also failed: CompNode 'p1': sending to p1 failed: boom" in both.reason, str(both)
+    finally:
+        c.transport.close(timeout_s=1)
