@@ -188,12 +188,16 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
             "losses": res["losses"], "schedule": res.get("schedule"), "stages": res.get("stages")}
 
 
-def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path) -> dict:
+def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path,
+                 dp: tuple[str, ...] = ()) -> dict:
+    """``fusion compile`` of the setup's model, optimizer and seed. ``dp``: data-parallel options (``--replicas R
+    --global-batch ROWS --dp-sync ...``, benchmarks/diloco_wan.py); the global batch then sets the micro-batches
+    per replica, so ``--micro-batches`` is left out."""
     s = setup
-    cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy,
-                  "--micro-batches", str(s.micro_batches), "--optimizer", "adamw", "--lr", repr(s.lr),
-                  "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed), "--compress", compress,
-                  "-o", str(out), "--force"]
+    micro = [] if dp else ["--micro-batches", str(s.micro_batches)]
+    cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy, *micro,
+           "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed),
+           "--compress", compress, "-o", str(out), "--force", *dp]
     if node_times is not None:
         cmd += ["--node-times", str(node_times)]
     _cli(cmd, f"fusion compile ({strategy}, --compress {compress})", s.env)
