@@ -231,8 +231,7 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int,
     steps = steps_lines = [x for x in lines if "loss" in x]
     t0 = steps[0]["time"] - steps[0]["iteration_s"]
     wall = max(x["time"] for x in lines) - t0
-    # evaluation time: from the step line before each evaluation line to it (the torch side counts it apart too)
-    eval_s = sum(b["time"] - a["time"] for a, b in zip(lines, lines[1:]) if "val_loss" in b and "loss" in a)
+    eval_s = eval_seconds(lines)
     it = [x["iteration_s"] for x in steps][2:] or [x["iteration_s"] for x in steps]
     measured = statistics.median(it)
     codec = [sum(p.get("codec_s", 0.0) for p in x["parts"].values()) for x in steps_lines][2:] or [0.0]
@@ -244,6 +243,12 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int,
             "codec_cpu_s_per_step": statistics.median(codec),
             "parts": {n: p["device"] for n, p in plan["parts"].items()},
             "compression": plan.get("compression") or []}
+
+
+def eval_seconds(lines: list[dict]) -> float:
+    """Evaluation time of a run's metrics lines: from the step line before each evaluation line to it (the torch
+    side counts it apart too)."""
+    return sum(b["time"] - a["time"] for a, b in zip(lines, lines[1:]) if "val_loss" in b and "loss" in a)
 
 
 def link_saved_s_per_step(plan_dir: Path, between_mbit: float) -> float:
