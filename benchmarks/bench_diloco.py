@@ -46,6 +46,17 @@ variant, the naive delayed one or both, named ``diloco_h{H}_eager`` / ``_delayed
 
 (docs/runtime.md "DiLoCo" gives the run measured there: ``--outer-momentum 0.5``, tuned on seed 0, ``--jobs 3``.)
 
+``--study wan`` runs DiLoCo against synchronous DP over a real shaped 20 Mbit/s link instead (:mod:`diloco_wan`: two
+network-namespace sites, one replica each, ``fusion executor`` / ``fusion coordinator`` processes as bench_wan.py
+starts them; needs root, ``ip`` and ``tc``, else it says so and prints null figures); its final JSON line holds
+``wall_to_sync_loss_ratio`` (DiLoCo's wall time to synchronous DP's final held-out loss over synchronous DP's wall
+time, the median over the seeds, null if any seed misses; target <= 0.4), ``compute_utilisation`` (target >= 0.9),
+per seed rows, the settings, the bytes between the sites per step and the load average at the start and the end:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study wan [--seeds 0,1,2] [--sync-steps 300]
+        [--diloco-factor 3] [--h 10] [--outer-lr 0.7] [--outer-momentum 0.6] [--sync-warmup 30] [--outer-delay 0]
+        [--pseudo-codec quant:bits=8|none] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
+
 Not measured here: the planner's prediction on ``fusionllm-48``.
 """
 from __future__ import annotations
@@ -58,6 +69,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: --study wan: DiLoCo's synchronous warm-up steps (docs/data-parallel.md "Over a shaped link")
+WAN_WARMUP = 30
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
@@ -105,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per replica")
-    ap.add_argument("--study", choices=["throughput", "convergence"], default="throughput",
-                    help="throughput: the measured runs above (default); convergence: diloco_study.py's figure")
-    ap.add_argument("--sync-steps", type=int, default=300, help="convergence: synchronous DP's steps")
+    ap.add_argument("--study", choices=["throughput", "convergence", "wan"], default="throughput",
+                    help="throughput: the measured runs above (default); convergence: diloco_study.py's figure; "
+                         "wan: diloco_wan.py's, over a real shaped link between two network-namespace sites")
+    ap.add_argument("--sync-steps", type=int, default=None,
+                    help="convergence, wan: synchronous DP's steps (default 300; wan --quick 10)")
     ap.add_argument("--diloco-factor", type=float, default=3.0,
                     help="convergence: DiLoCo's inner steps as a multiple of --sync-steps")
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
-    ap.add_argument("--h", default="10", help="convergence: the inner steps H of the DiLoCo runs (tuned on seeds 100-104: 10)")
+    ap.add_argument("--h", default=None,
+                    help="convergence: the inner steps H of the DiLoCo runs (default 10, tuned on seeds 100-104); "
+                         "wan: H (default 10)")
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
@@ -125,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diloco-lr", type=float, default=None,
                     help="convergence: the DiLoCo replicas' inner learning rate on their quarter batch (default: "
                          "AdamW 2e-3, tuned on seeds 100-104; Muon --lr)")
-    ap.add_argument("--sync-warmup", type=int, default=150,
-                    help="convergence: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights "
-                         "(tuned on seeds 100-104: 150)")
+    ap.add_argument("--sync-warmup", type=int, default=None,
+                    help="convergence, wan: DiLoCo's first N steps are synchronous DP, then DiLoCo from those weights "
+                         "(convergence: default 150, tuned on seeds 100-104; wan: default %d)" % WAN_WARMUP)
     ap.add_argument("--min-rounds", type=int, default=50,
                     help="convergence: DiLoCo runs at least this many outer rounds after the warm-up")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,...",
@@ -137,14 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="convergence: seeds run at once, one process each")
     ap.add_argument("--overlap", default="", metavar="eager,delayed",
                     help="convergence: for every H also the overlapped outer step (dp_sync.delay 1) in these variants")
-    ap.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
-                    help="DiLoCo cases: 0, the outer exchange blocks; 1, it overlaps the next H inner steps")
+    ap.add_argument("--outer-delay", type=int, default=None, choices=(0, 1),
+                    help="DiLoCo cases: 0, the outer exchange blocks (default); 1, it overlaps the next H inner steps "
+                         "(wan's default)")
+    ap.add_argument("--pseudo-codec", default="quant:bits=8", metavar="CODEC|none",
+                    help="wan: DiLoCo's pseudo-gradient codec, with error feedback (default quant:bits=8)")
+    ap.add_argument("--eval-every", type=int, default=None, help="wan: held-out loss every N steps (default H)")
+    ap.add_argument("--eval-batches", type=int, default=None, help="wan: held-out batches per evaluation (default 4)")
+    ap.add_argument("--profile", default="20mbit", help="wan: the network profile between the sites (20mbit, 5mbit)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="wan: seconds one run may take")
+    ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")
+    ap.add_argument("--quick", action="store_true",
+                    help="wan: the tiny model, 10 synchronous steps, H 5, seed 0 only (the test's run)")
     ap.add_argument("--cases", default=None, metavar="A,B",
                     help="run only these cases (default all; measured_2x1_over_1x1 needs 1x1, 2x1_diloco, 1x1_end)")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.study == "convergence":
         return convergence(args, t0)
+    if args.study == "wan":
+        return wan(args)
+    args.outer_delay = args.outer_delay or 0
     h = args.inner_steps
     two = [["cpu-0"], ["cpu-2"]]
     cases = {"1x1": ([["cpu-0"]], None), "2x1_every": (two, None),
@@ -202,6 +232,9 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
     import os
 
     load_start = os.getloadavg()
+    args.sync_steps = args.sync_steps or 300
+    args.h = args.h or "10"
+    args.sync_warmup = 150 if args.sync_warmup is None else args.sync_warmup
     cfg = StudyConfig(steps=args.sync_steps, diloco_factor=args.diloco_factor, lr=args.lr, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, diloco_lr=tuned_inner_lr(args), sync_warmup=args.sync_warmup,
                       min_rounds=args.min_rounds, outer_nesterov=bool(args.outer_nesterov), inner=args.inner)
@@ -239,6 +272,28 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
                       "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                       **res, "wall_s": round(time.time() - t0, 1)}))
     return 0
+
+
+def wan(args: argparse.Namespace) -> int:
+    """The study over a real shaped link (:mod:`diloco_wan`); its final JSON line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from diloco_wan import WanStudy, study_main
+
+    quick = args.quick
+    try:
+        h = int(args.h) if args.h else (5 if quick else 10)
+    except ValueError:
+        print(f"bench_diloco.py: --study wan: --h {args.h}: one integer", file=sys.stderr)
+        return 2
+    study = WanStudy(model="tiny" if quick else "small", sync_steps=args.sync_steps or (10 if quick else 300),
+                     cap_factor=args.diloco_factor, h=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                     sync_warmup=(0 if quick else WAN_WARMUP) if args.sync_warmup is None else args.sync_warmup,
+                     nesterov=bool(args.outer_nesterov), outer_delay=args.outer_delay or 0,
+                     pseudo_codec=None if args.pseudo_codec == "none" else args.pseudo_codec,
+                     eval_every=args.eval_every or h, eval_batches=args.eval_batches or (2 if quick else 4),
+                     profile=args.profile, timeout=args.timeout)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    return study_main(study, seeds[:1] if quick else seeds, args.work)
 
 
 #: a --variant's keys: its DiLoCo settings, then its pseudo-gradient codec's (codec=NAME and that codec's cfg keys;

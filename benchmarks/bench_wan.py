@@ -188,12 +188,16 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
             "losses": res["losses"], "schedule": res.get("schedule"), "stages": res.get("stages")}
 
 
-def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path) -> dict:
+def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path,
+                 dp: tuple[str, ...] = ()) -> dict:
+    """``fusion compile`` of the setup's model, optimizer and seed. ``dp``: data-parallel options (``--replicas R
+    --global-batch ROWS --dp-sync ...``, benchmarks/diloco_wan.py); the global batch then sets the micro-batches
+    per replica, so ``--micro-batches`` is left out."""
     s = setup
-    cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy,
-                  "--micro-batches", str(s.micro_batches), "--optimizer", "adamw", "--lr", repr(s.lr),
-                  "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed), "--compress", compress,
-                  "-o", str(out), "--force"]
+    micro = [] if dp else ["--micro-batches", str(s.micro_batches)]
+    cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy, *micro,
+           "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed),
+           "--compress", compress, "-o", str(out), "--force", *dp]
     if node_times is not None:
         cmd += ["--node-times", str(node_times)]
     _cli(cmd, f"fusion compile ({strategy}, --compress {compress})", s.env)
@@ -227,8 +231,7 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int,
     steps = steps_lines = [x for x in lines if "loss" in x]
     t0 = steps[0]["time"] - steps[0]["iteration_s"]
     wall = max(x["time"] for x in lines) - t0
-    # evaluation time: from the step line before each evaluation line to it (the torch side counts it apart too)
-    eval_s = sum(b["time"] - a["time"] for a, b in zip(lines, lines[1:]) if "val_loss" in b and "loss" in a)
+    eval_s = eval_seconds(lines)
     it = [x["iteration_s"] for x in steps][2:] or [x["iteration_s"] for x in steps]
     measured = statistics.median(it)
     codec = [sum(p.get("codec_s", 0.0) for p in x["parts"].values()) for x in steps_lines][2:] or [0.0]
@@ -240,6 +243,12 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int,
             "codec_cpu_s_per_step": statistics.median(codec),
             "parts": {n: p["device"] for n, p in plan["parts"].items()},
             "compression": plan.get("compression") or []}
+
+
+def eval_seconds(lines: list[dict]) -> float:
+    """Evaluation time of a run's metrics lines: from the step line before each evaluation line to it (the torch
+    side counts it apart too)."""
+    return sum(b["time"] - a["time"] for a, b in zip(lines, lines[1:]) if "val_loss" in b and "loss" in a)
 
 
 def link_saved_s_per_step(plan_dir: Path, between_mbit: float) -> float:

@@ -115,7 +115,7 @@ class StepReport:
 
     loss: mean over micro-batches of the summed loss nodes; iteration_s: from
     sending ``step`` to the last ``done``; parts: each part's stats
-    (forward/backward seconds per micro-batch, idle, bytes sent per peer);
+    (forward/backward seconds per micro-batch, the optimizer step's seconds, idle, bytes sent per peer);
     grads: parameter gradients (when asked for), shared ones once.
     """
 
@@ -144,7 +144,9 @@ class StepReport:
         parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
                      "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
                      "bytes_sent": sum(v["bytes"] for v in s["sent"].values()),
-                     **({"codec_s": round(s["codec_s"], 6)} if s.get("codec_s") else {})}
+                     **({"codec_s": round(s["codec_s"], 6)} if s.get("codec_s") else {}),
+                     # the optimizer step's seconds (compute, as forward_s and backward_s: benchmarks/diloco_wan.py)
+                     **({"optimizer_s": round(s["optimizer_s"], 6)} if "optimizer_s" in s else {})}
                  for p, s in self.parts.items()}
         line = {"step": self.step, "loss": self.loss, "iteration_s": round(self.iteration_s, 6),
                 "samples_per_s": round(self.samples_per_s, 3), "time": time.time(), "parts": parts}
