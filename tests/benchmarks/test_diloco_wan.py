@@ -63,7 +63,7 @@ def test_study_wan_quick(tmp_path, capsys):
     assert out["study"] == "wan" and out["seeds"] == [0] and out["skipped"] is None
     st = out["settings"]
     assert (st["model"], st["sync_steps"], st["h"], st["replicas"], st["between_mbit"]) == ("tiny", 10, 5, 2, 20.0)
-    assert "--dp-sync diloco --inner-steps 5" in st["diloco_options"] and "--outer-delay 1" in st["diloco_options"]
+    assert "--dp-sync diloco --inner-steps 5" in st["diloco_options"] and "--outer-delay 0" in st["diloco_options"]
     (row,) = out["per_seed"]
     sync, dil = row["sync"], row["diloco"]
     assert sync["steps"] == 10 and 0 < dil["steps"] <= st["cap_steps"] == 30
@@ -78,7 +78,7 @@ def test_study_wan_quick(tmp_path, capsys):
     if row["wall_to_sync_loss_ratio"] is None:  # a miss: the gap is said, the headline is null
         assert row["diloco_val_gap"] > 0 and dil["steps"] == st["cap_steps"] and out["wall_to_sync_loss_ratio"] is None
     else:
-        assert row["wall_to_sync_loss_ratio"] == pytest.approx(dil["time_to_target_s"] / sync["wall_s"], rel=1e-3)
+        assert row["wall_to_sync_loss_ratio"] == pytest.approx(dil["time_to_target_s"] / sync["wall_s"], rel=1e-3, abs=5e-3)  # both rounded to 1 ms
         assert out["wall_to_sync_loss_ratio"] == pytest.approx(row["wall_to_sync_loss_ratio"])
         assert dil["val"][-1][2] <= row["sync_final_val_loss"]
     assert out["compute_utilisation"] == dil["compute_utilisation"]
