@@ -70,7 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: --study wan: DiLoCo's synchronous warm-up steps (docs/data-parallel.md "Over a shaped link")
-WAN_WARMUP = 30
+WAN_WARMUP = 30  # diloco_wan.WanStudy.sync_warmup
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 

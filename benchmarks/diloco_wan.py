@@ -19,8 +19,9 @@ Two runs per seed, the same global batch:
 1. **synchronous DP** (``--dp-sync every``, the exact ring all-reduce of the gradients every step, no codec):
    ``--sync-steps`` steps. Its final held-out loss is the **target** and its wall time the **anchor**;
 2. **DiLoCo** (Douillard et al. 2023, arXiv 2311.08105) at the best setting of docs/data-parallel.md: ``H``
-   inner steps (10), outer lr 0.7, Nesterov momentum 0.5, ``--sync-warmup`` synchronous steps first, the exchange
-   overlapped with the next H inner steps (``--outer-delay 1``) and 8-bit pseudo-gradients with error feedback
+   inner steps (10), outer lr 0.7, Nesterov momentum 0.6, ``--sync-warmup`` (30) synchronous steps first, the
+   outer exchange blocking (``--outer-delay 0``: the best in steps of the runs in docs/data-parallel.md; 1 overlaps
+   it with the next H inner steps) and 8-bit pseudo-gradients with error feedback
    (``--pseudo-codec quant:bits=8 --pseudo-error-feedback``), run until its held-out loss is <= the target
    (``--stop-at-val-loss``) or ``cap_factor`` x the synchronous steps.
 
@@ -89,10 +90,10 @@ class WanStudy:
     cap_factor: float = 3.0
     h: int = 10
     outer_lr: float = 0.7
-    outer_momentum: float = 0.5
+    outer_momentum: float = 0.6
     nesterov: bool = True
-    sync_warmup: int = 0
-    outer_delay: int = 1
+    sync_warmup: int = 30
+    outer_delay: int = 0
     pseudo_codec: str | None = "quant:bits=8"
     eval_every: int = 10
     eval_batches: int = 4
