@@ -12,8 +12,10 @@ yet with the stream still open) means this side closed it on a peer still sendin
 over-limit frame or a ZMTP protocol error). A refusal is counted, handed to ``on_refused`` and logged as counts
 (at most one line per interval, :class:`~fusion.executors.runtime.keys.RefusalLog`); then the duplicate is closed.
 
-Used by the transport's keyless sockets (``--insecure``, thread :class:`SocketWatch`) and by the CURVE sockets'
-:class:`~fusion.executors.runtime.keys.HandshakeMonitor` (one monitor per socket).
+Used by the transport's keyless sockets (``--insecure``, :class:`SocketWatch`) and by the CURVE sockets'
+:class:`~fusion.executors.runtime.keys.HandshakeMonitor` (one monitor per socket), both read by the context's
+ZAP handler's thread, which drains them before each handshake's answer: the watch holds a connection before
+libzmq can read a frame of it (a separate reading thread lagged behind libzmq under load and missed refusals).
 """
 from __future__ import annotations
 
@@ -104,32 +106,28 @@ class ConnectionWatch:
         self._dups.clear()
 
 
-class SocketWatch(threading.Thread):
-    """A monitor thread running a :class:`ConnectionWatch` on a keyless bound socket. Create it in the thread that
-    owns ``sock``, right after bind."""
+class SocketWatch:
+    """The monitor reader of a keyless bound socket, running a :class:`ConnectionWatch`. Create it before ``sock``
+    binds and attach it to the context's ZAP handler (:meth:`~fusion.executors.runtime.keys.ZapHandler.attach`),
+    which reads it and drains it before each handshake's answer, so the watch holds every connection before a
+    frame of it is read (module docstring of ``keys.ZapHandler``)."""
 
     def __init__(self, sock: zmq.Socket, owner: str, watch: ConnectionWatch):
-        super().__init__(name=f"watch-{owner}", daemon=True)
-        self.watch = watch
-        self._mon = sock.get_monitor_socket(WATCH_EVENTS)
+        self.owner, self.watch = owner, watch
+        self.sock = sock.get_monitor_socket(WATCH_EVENTS)
         self._done = threading.Event()
 
-    def run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
+    def handle(self, ev: dict, now: float) -> None:
+        if not self._done.is_set():
+            self.watch.event(ev.get("event", 0), ev.get("value", -1))
 
-        try:
-            while not self._done.is_set():
-                if not self._mon.poll(100):
-                    self.watch.log.flush(time.monotonic())
-                    continue
-                ev = recv_monitor_message(self._mon)
-                if not self._done.is_set():
-                    self.watch.event(ev.get("event", 0), ev.get("value", -1))
-        except zmq.ZMQError:
-            pass
-        finally:
-            self._mon.close(linger=0)
-            self.watch.close()
+    def tick(self, now: float) -> None:
+        self.watch.log.flush(now)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.watch.close()
 
     def stop(self) -> None:
+        """Hand on no more events (the socket is closing: its own disconnections are no refusals)."""
         self._done.set()

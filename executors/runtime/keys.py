@@ -235,48 +235,107 @@ class RefusalLog:
 
 
 class ZapHandler(threading.Thread):
-    """The ZAP handler of one ZeroMQ context: accepts CURVE clients whose key is listed, names them.
+    """The gate of one ZeroMQ context's bound sockets: the one thread that answers their ZAP requests (ZeroMQ
+    Authentication Protocol, RFC 27) and reads their monitors (:meth:`attach`).
+
+    With ``security`` it accepts CURVE clients whose key is listed and names them; without (a keyless socket,
+    ``--insecure``, made a gate by :func:`zap_gate`) it admits every NULL client: there the ZAP round trip only
+    orders things. ZeroMQ reads no message frame from a connection before its handshake is over, and the
+    handshake waits for this handler's answer; the connection's ``ACCEPTED`` event was queued on the socket's
+    monitor before its handshake began. So the handler drains every attached monitor before it answers: a reader
+    (the connection watch, ``connwatch.py``) holds each connection before any frame of it can be read or refused.
+    Two threads, one answering and one reading, raced: under load libzmq refused a 960 MiB message and closed the
+    connection before the reading thread had seen it accepted, and the refusal went uncounted. (A hostile client
+    that sends frames before the server's handshake reply is cut off by libzmq as a protocol error; its count can
+    still be missed, never its memory bound.)
 
     ``on_reject(address, key)`` is called for each refused handshake; refusals are logged as counts, at most one
     line per ``log_interval_s`` (:class:`RefusalLog`).
     """
 
-    def __init__(self, ctx: zmq.Context, owner: str, security: Security, on_reject=None, log_interval_s: float = 10.0):
+    #: seconds between two calls of the readers' ``tick`` (their log flushes) while events keep coming
+    TICK_S = 0.1
+
+    def __init__(self, ctx: zmq.Context, owner: str, security: Security | None, on_reject=None,
+                 log_interval_s: float = 10.0):
         super().__init__(name=f"zap-{owner}", daemon=True)
-        self.owner, self.names, self.on_reject = owner, security.name_of(), on_reject
+        self.owner, self.on_reject = owner, on_reject
+        self.names = security.name_of() if security is not None else None
         self.refused = 0
         self.log = RefusalLog(owner, "connection(s) refused at the CURVE handshake", log_interval_s)
         self._done = threading.Event()
+        self._readers: list = []  # MonitorReader: .sock (a monitor socket), .handle(event, now), .tick(now), .close()
+        self._lock = threading.Lock()
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)  # bound before the ROUTER binds: no handshake is ever let through unchecked
 
+    def attach(self, reader) -> None:
+        """Read ``reader.sock`` (a monitor socket, made before its socket binds) on this thread from now on, and
+        drain it before every answer. The reader's socket belongs to this thread after the call."""
+        with self._lock:
+            self._readers.append(reader)
+
     def run(self) -> None:
         import time
 
+        from zmq.utils.monitor import recv_monitor_message
+
+        def drain(readers, now):
+            for r in readers:
+                while True:
+                    try:
+                        ev = recv_monitor_message(r.sock, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    r.handle(ev, now)
+
+        last_tick = time.monotonic()
         try:
             while not self._done.is_set():
-                if not self._sock.poll(100):
-                    self.log.flush(time.monotonic())
-                    continue
-                req = self._sock.recv_multipart()
-                try:
-                    reply = self._reply(req, time.monotonic())
-                except Exception:  # noqa: BLE001 - whatever went wrong, the handshake is refused, never let through
-                    log.exception("%s: ZAP handler failed; refusing the handshake", self.owner)
-                    reply = [b"1.0", req[1] if len(req) > 1 else b"", b"500", b"internal error", b"", b""]
-                self._sock.send_multipart(reply)
+                with self._lock:
+                    readers = list(self._readers)
+                poller = zmq.Poller()
+                poller.register(self._sock, zmq.POLLIN)
+                for r in readers:
+                    poller.register(r.sock, zmq.POLLIN)
+                ready = dict(poller.poll(int(self.TICK_S * 1000)))
+                now = time.monotonic()
+                if self._done.is_set():
+                    break
+                drain([r for r in readers if r.sock in ready], now)
+                if self._sock in ready:
+                    req = self._sock.recv_multipart()
+                    with self._lock:  # (a reader attached while this thread was polling is drained too)
+                        readers = list(self._readers)
+                    drain(readers, now)  # this connection's ACCEPTED event is queued already: its reader holds it
+                    try:
+                        reply = self._reply(req, now)
+                    except Exception:  # noqa: BLE001 - whatever went wrong, the handshake is refused, never let through
+                        log.exception("%s: ZAP handler failed; refusing the handshake", self.owner)
+                        reply = [b"1.0", req[1] if len(req) > 1 else b"", b"500", b"internal error", b"", b""]
+                    self._sock.send_multipart(reply)
+                if now - last_tick >= self.TICK_S:
+                    last_tick = now
+                    self.log.flush(now)
+                    for r in readers:
+                        r.tick(now)
         except zmq.ZMQError:
             pass  # the context is closing
         finally:
             self._sock.close(linger=0)
+            with self._lock:
+                for r in self._readers:
+                    r.close()
 
     def _reply(self, req: list[bytes], now: float) -> list[bytes]:
         if len(req) < 6:
             return [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
         version, rid, domain, address, _identity, mechanism, *creds = req
+        if self.names is None and mechanism == b"NULL":  # a keyless socket: the gate only orders (class docstring)
+            return [b"1.0", rid, b"200", b"OK", b"", b""]
         addr = address.decode("utf-8", "replace")
-        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32 or self.names is None:
             reason = f"mechanism {mechanism.decode('ascii', 'replace')} refused (CURVE only)"
             key = "?"
         else:
@@ -346,16 +405,15 @@ def _handshake_reason(event: int | None, code: int | None) -> str:
     return f"the connection ended during the handshake ({os.strerror(code) if isinstance(code, int) else code})"
 
 
-class HandshakeMonitor(threading.Thread):
+class HandshakeMonitor:
     """Logs connections to a CURVE server that fail the handshake before ZAP is asked (a client without CURVE,
     a client that does not know this server's key, garbage): ``on_fail(reason)`` once per failure, counts logged
     at most once per ``log_interval_s`` (:class:`RefusalLog`). With ``max_connections`` it also bounds the
-    connections that have not finished their handshake (:meth:`_accepted`). Create it in the thread that owns
-    ``sock``, right after bind."""
+    connections that have not finished their handshake (:meth:`_accepted`). A reader of the socket's monitor:
+    create it before ``sock`` binds and :meth:`ZapHandler.attach` it (the ZAP handler's thread reads it)."""
 
     def __init__(self, sock: zmq.Socket, owner: str, on_fail=None, log_interval_s: float = 10.0,
                  max_connections: int | None = None, watch=None, per_source: int = PENDING_PER_SOURCE):
-        super().__init__(name=f"monitor-{owner}", daemon=True)
         self.owner, self.on_fail = owner, on_fail
         #: a connwatch.ConnectionWatch told of every connection (libzmq allows one monitor per socket: this one)
         self.watch = watch
@@ -376,54 +434,51 @@ class HandshakeMonitor(threading.Thread):
         self._open: dict[int, tuple[float, str]] = {}
         #: descriptors a message arrived from (:meth:`admit`): the ZAP handler admitted their key
         self._admitted: set[int] = set()
-        self._local = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: the socket's bound endpoint (set once it is bound): only connections accepted there are shut down
+        self.local = ""
         capped = max_connections is not None
         events = HANDSHAKE_FAILED | (CONNECTION_EVENTS if capped or watch is not None else 0)
         self._done = threading.Event()
-        self._mon = sock.get_monitor_socket(events)
+        self.sock = sock.get_monitor_socket(events)
 
-    def run(self) -> None:
-        import time
+    def handle(self, ev: dict, now: float) -> None:
+        """One monitor event."""
+        kind = ev.get("event")
+        if self._done.is_set():
+            return
+        if self.watch is not None:
+            if self._timed_out(kind, int(ev.get("value", -1)), now):
+                self.watch.forget(int(ev.get("value", -1)))  # (its HANDSHAKE_FAILED event logged it)
+            else:
+                self.watch.event(kind, ev.get("value", -1))
+        if kind == zmq.EVENT_ACCEPTED:
+            self._accepted(int(ev.get("value", -1)), now)
+            return
+        if kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            fd = int(ev.get("value", -1))
+            self._open.pop(fd, None)
+            self._admitted.discard(fd)
+            return
+        if not kind & HANDSHAKE_FAILED:
+            return
+        self.failed += 1
+        why = _handshake_reason(ev.get("event"), ev.get("value"))
+        reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
+        if self.on_fail is not None:
+            self.on_fail(reason)
+        self.log.note(why, now)
 
-        from zmq.utils.monitor import recv_monitor_message
+    def tick(self, now: float) -> None:
+        """Write pending log counts."""
+        self.log.flush(now)
+        self.cap_log.flush(now)
+        if self.watch is not None:
+            self.watch.log.flush(now)
 
-        try:
-            while not self._done.is_set():
-                if not self._mon.poll(100):
-                    self.log.flush(time.monotonic())
-                    self.cap_log.flush(time.monotonic())
-                    if self.watch is not None:
-                        self.watch.log.flush(time.monotonic())
-                    continue
-                ev = recv_monitor_message(self._mon)
-                kind = ev.get("event")
-                if self.watch is not None and not self._done.is_set():
-                    if self._timed_out(kind, int(ev.get("value", -1)), time.monotonic()):
-                        self.watch.forget(int(ev.get("value", -1)))  # (its HANDSHAKE_FAILED event logged it)
-                    else:
-                        self.watch.event(kind, ev.get("value", -1))
-                if kind == zmq.EVENT_ACCEPTED:
-                    self._accepted(int(ev.get("value", -1)), time.monotonic())
-                    continue
-                if kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    fd = int(ev.get("value", -1))
-                    self._open.pop(fd, None)
-                    self._admitted.discard(fd)
-                    continue
-                if not kind & HANDSHAKE_FAILED:
-                    continue
-                self.failed += 1
-                why = _handshake_reason(ev.get("event"), ev.get("value"))
-                reason = f"refused at the CURVE handshake: {why} (a client must use this server's key and its own)"
-                if self.on_fail is not None:
-                    self.on_fail(reason)
-                self.log.note(why, time.monotonic())
-        except zmq.ZMQError:
-            pass
-        finally:
-            self._mon.close(linger=0)
-            if self.watch is not None:
-                self.watch.close()
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.watch is not None:
+            self.watch.close()
 
     def _timed_out(self, kind: int, fd: int, now: float) -> bool:
         """Whether a closing event is libzmq dropping a connection that did not finish its handshake within
@@ -482,7 +537,7 @@ class HandshakeMonitor(threading.Thread):
         try:
             here = s.getsockname()
             # only a connection accepted on this socket's address (never a descriptor reused for something else)
-            if self._local.rpartition(":")[2] == str(here[1]) and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if self.local and self.local.rpartition(":")[2] == str(here[1]) and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 peer = s.getpeername()
                 s.shutdown(socket.SHUT_RDWR)
                 self.capped += 1
@@ -504,6 +559,13 @@ def curve_server(sock: zmq.Socket, security: Security) -> None:
     sock.setsockopt(zmq.CURVE_PUBLICKEY, security.me.public.encode("ascii"))
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never accept
+
+
+def zap_gate(sock: zmq.Socket) -> None:
+    """Make a keyless ``sock`` (before bind) ask the context's ZAP handler before any handshake ends: the handler
+    admits every NULL client, after its monitor readers have seen the connection (:class:`ZapHandler`)."""
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit unseen
 
 
 def curve_client(sock: zmq.Socket, security: Security, peer: str) -> None:

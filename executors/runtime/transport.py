@@ -42,7 +42,8 @@ import zmq
 
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, decode, frames_nbytes
-from fusion.executors.runtime.keys import HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.keys import (HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server,
+                                           zap_gate)
 from fusion.executors.runtime.connwatch import ConnectionWatch, SocketWatch
 from fusion.executors.runtime.liveness import Heartbeat, LinkWatch
 from fusion.executors.runtime.linkemu import EmulatedLink
@@ -302,12 +303,11 @@ class Transport:
         self.max_message_bytes, self.tracer = max_message_bytes, tracer
         self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
         self.ctx = zmq.Context()
-        self.zap: ZapHandler | None = None
         self.monitor: HandshakeMonitor | None = None
         self.watch: SocketWatch | None = None  # keyless sockets: who closed a connection (connwatch.py)
-        if security is not None:  # the ZAP handler is bound in this context before any socket binds
-            self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
-            self.zap.start()
+        # the ZAP handler is bound in this context before any socket binds; keyless, it only orders (keys.py)
+        self.zap = ZapHandler(self.ctx, name, security, on_reject=self._on_refused)
+        self.zap.start()
         self.senders: dict[str, _Sender] = {}
         self.address = ""
         self.rejected = 0
@@ -434,11 +434,11 @@ class Transport:
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
-        for t in (self.zap, self.monitor, self.watch, self.links):
+        for t in (self.zap, self.links):
             if t is not None:
                 t.stop()
                 t.join(1.0)
-        helpers = [t for t in (self._recv, self.zap, self.monitor, self.watch, self.links) if t is not None]
+        helpers = [t for t in (self._recv, self.zap, self.links) if t is not None]
         if not any(s.is_alive() for s in self.senders.values()) and not any(t.is_alive() for t in helpers):
             self.ctx.term()  # a thread still stuck in a socket call would make term() block; daemons die with the process
 
@@ -458,27 +458,32 @@ class Transport:
         # libzmq refuses a frame over the limit when it reads its length, before buffering a byte of it, and closes
         # the connection; the watch below tells that apart from a peer leaving and logs it (connwatch.py)
         sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes + FRAME_SLACK, (1 << 62)))
+        watch = ConnectionWatch(self.name, self.max_message_bytes + FRAME_SLACK,
+                                on_refused=lambda why: self.reject("?refused connection", why, quiet=True))
+        # the monitor exists before the first connection and is read by the ZAP handler, which drains it before each
+        # handshake's answer: the watch holds every connection before a frame of it is read (keys.ZapHandler)
         if self.security is not None:
             # a connection that has not finished its CURVE handshake by then is dropped (libzmq's default: 30 s)
             sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
             curve_server(sock, self.security)
+            self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
+                                                                                          quiet=True),
+                                            max_connections=self.max_connections, watch=watch)
+            reader = self.monitor
+        else:
+            zap_gate(sock)
+            self.watch = reader = SocketWatch(sock, self.name, watch)
         try:
             sock.bind(self.bind_addr)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._bind_error = str(e)
+            reader.close()
             sock.close()
             return None
-        watch = ConnectionWatch(self.name, self.max_message_bytes + FRAME_SLACK,
-                                on_refused=lambda why: self.reject("?refused connection", why, quiet=True))
-        if self.security is not None:
-            self.monitor = HandshakeMonitor(sock, self.name, on_fail=lambda why: self.reject("?unauthenticated", why,
-                                                                                          quiet=True),
-                                            max_connections=self.max_connections, watch=watch)
-            self.monitor.start()
-        else:
-            self.watch = SocketWatch(sock, self.name, watch)
-            self.watch.start()
+        if self.monitor is not None:
+            self.monitor.local = self.address
+        self.zap.attach(reader)
         return sock
 
     def pump(self, timeout_s: float) -> int:
