@@ -209,10 +209,11 @@ def _keep_outer_options(plan, asked, args: CompileOptions) -> None:
 
     if plan.dp_sync.mode != "diloco":
         return
-    plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr, outer_momentum=asked.outer_momentum,
+    momentum_given = args.outer_momentum is not None  # (then the variant's and the codec's own momentum yield)
+    plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr,
+                                       outer_momentum=args.outer_momentum if momentum_given else DEFAULT_OUTER_MOMENTUM,
                                        nesterov=asked.nesterov,
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None)
-    momentum_given = asked.outer_momentum != DEFAULT_OUTER_MOMENTUM
     plan.dp_sync = codec_outer(overlap_outer(plan.dp_sync, args.outer_overlap, momentum_given), momentum_given)
     _set_dp_sync(plan, plan.dp_sync)
 
@@ -414,7 +415,7 @@ def _refuse_diloco_options(args: CompileOptions) -> None:
     from fusion.ir.errors import FusionError
 
     given = [f for f, v, d in (("--inner-steps", args.inner_steps, None), ("--outer-lr", args.outer_lr, 0.7),
-                               ("--outer-momentum", args.outer_momentum, DEFAULT_OUTER_MOMENTUM), ("--no-nesterov", args.no_nesterov, False),
+                               ("--outer-momentum", args.outer_momentum, None), ("--no-nesterov", args.no_nesterov, False),
                                ("--pseudo-codec", args.pseudo_codec, None),
                                ("--pseudo-error-feedback", args.pseudo_error_feedback, False),
                                ("--replica-shares", args.replica_shares, None),
@@ -501,10 +502,11 @@ def dp_sync_from_args(args: CompileOptions):
                           f"({h}), one outer step of a fragment per inner step at most")
     codec = _pseudo_codec(args)
     shares = _replica_shares(args)
-    sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum, not args.no_nesterov, codec,
+    momentum_given = args.outer_momentum is not None  # (a value given equal to the default is given too)
+    sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum if momentum_given else DEFAULT_OUTER_MOMENTUM,
+                  not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
                   sync_warmup=args.sync_warmup or 0, inner_lr=args.inner_lr)
-    momentum_given = args.outer_momentum != DEFAULT_OUTER_MOMENTUM
     return _checked_sync(codec_outer(overlap_outer(sync, overlap, momentum_given), momentum_given))
 
 

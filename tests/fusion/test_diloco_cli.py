@@ -51,6 +51,18 @@ def test_sparseloco_codec_brings_its_outer_step(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("extra", [["--pseudo-codec", "sparseloco"], ["--outer-delay", "1"]])
+def test_an_outer_momentum_given_equal_to_the_default_is_still_given(tmp_path, capsys, extra):
+    """``--outer-momentum 0.6`` is the user's choice even though 0.6 is the default: SparseLoCo and the eager step
+    keep it instead of putting their own 0 (a given value was told from a left-out one by ``!= 0.6`` before)."""
+    for given, want in (([], 0.0), (["--outer-momentum", "0.6"], 0.6)):
+        out = tmp_path / f"m{len(given)}.plan"
+        assert main(["compile", _model(tmp_path), "--cluster", LOCAL, "--replicas", "2", "--global-batch", "8",
+                     "--dp-sync", "diloco", *extra, *given, "-o", str(out)]) == 0
+        assert load_plan(out).dp_sync.outer_momentum == want, given
+    capsys.readouterr()
+
+
 def test_outer_delay_1_is_eager_unless_outer_overlap_delayed(tmp_path, capsys):
     """``--outer-delay 1`` writes the eager outer step (dp_sync.overlap "eager", written into plan.json) with its own
     outer momentum 0 unless ``--outer-momentum`` is given; ``--outer-overlap delayed`` asks for the naive one (not
