@@ -82,8 +82,8 @@ def test_bad_dp_sync_input_exits_2_with_one_line(tmp_path, capsys):
 
 
 def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, capsys):
-    """Issue 34: the DiLoCo planner chooses the synchronous warm-up (100 steps; a tenth of a known run) and the
-    replicas' inner lr (the plan's after a warm-up; AdamW's square-root rule without one), stores its reasons in
+    """Issue 34: the DiLoCo planner chooses the synchronous warm-up (150 steps; a sixth of a known run) and the
+    replicas' inner lr (AdamW: 2/3 of the plan's after a warm-up, the square-root rule without one), stores its reasons in
     ``predicted["diloco_choice"]`` and ``fusion inspect`` prints them; ``--sync-warmup`` / ``--inner-lr`` win."""
     import json
     import math
@@ -98,11 +98,11 @@ def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, caps
         capsys.readouterr()
         plans[name] = load_plan(tmp_path / name)
     a = plans["auto"]
-    assert a.dp_sync.mode == "diloco" and (a.dp_sync.sync_warmup, a.dp_sync.inner_lr) == (100, None)
+    assert a.dp_sync.mode == "diloco" and a.dp_sync.sync_warmup == 150 and a.dp_sync.inner_lr == 0.003 * 2 / 3
     why = a.predicted["diloco_choice"]
-    assert why["warmup_reason"].startswith("100 steps: docs/data-parallel.md tuning")
-    assert why["inner_lr_reason"].startswith("the plan's lr 0.003: after a synchronous warm-up")
-    assert "inner_lr" not in json.loads((tmp_path / "auto" / "plan.json").read_text())["dp_sync"]
+    assert why["warmup_reason"].startswith("150 steps: docs/data-parallel.md tuning")
+    assert why["inner_lr_reason"].startswith("0.002 = lr 0.003 x 2/3: adamw after a synchronous warm-up")
+    assert json.loads((tmp_path / "auto" / "plan.json").read_text())["dp_sync"]["inner_lr"] == a.dp_sync.inner_lr
     assert main(["inspect", str(tmp_path / "auto")]) == 0
     text = capsys.readouterr().out
     assert f"  warm-up (DP planner): {why['warmup_reason']}\n" in text
@@ -117,8 +117,8 @@ def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, caps
     assert "  warm-up (DP planner): none: given by the user (--sync-warmup 0)\n" in text
     assert f"  inner lr (DP planner): {nowarm.inner_lr:.4g} = lr 0.003 x sqrt(1/{R})" in text
 
-    assert plans["decay"].dp_sync.sync_warmup == 5  # a tenth of the 50 steps the schedule spans
-    assert "capped at a tenth of the 50 steps (--lr-decay-steps)" in plans["decay"].predicted["diloco_choice"][
+    assert plans["decay"].dp_sync.sync_warmup == 8  # a sixth of the 50 steps the schedule spans
+    assert "capped at a sixth of the 50 steps (--lr-decay-steps)" in plans["decay"].predicted["diloco_choice"][
         "warmup_reason"]
     assert (plans["given"].dp_sync.sync_warmup, plans["given"].dp_sync.inner_lr) == (7, 0.002)
     # without the planner (--replicas, --dp-sync diloco) the values are the options', and inspect shows them bare
@@ -141,7 +141,7 @@ def test_planner_chooses_warmup_and_inner_lr_and_inspect_says_why(tmp_path, caps
     opts = CompileOptions(strategy="dp", dp_sync="auto", global_batch=16, optimizer="adamw", lr=0.003)
     job = CompileJob(m, LOCAL, opts, steps=30)
     plan = compile_from_args(job, load_model(m), load_cluster(LOCAL))
-    assert plan.dp_sync.sync_warmup == 3 and compile_options(job)["steps"] == 30
+    assert plan.dp_sync.sync_warmup == 5 and compile_options(job)["steps"] == 30  # 30 // 6
     assert "steps" not in compile_options(CompileJob(m, LOCAL, CompileOptions(), steps=30))
 
 
@@ -155,14 +155,14 @@ def test_bad_inner_lr_or_warmup_exits_2_with_one_line(tmp_path, capsys):
         assert main(["compile", m, "--cluster", LOCAL, *opts, "-o", str(tmp_path / "x")]) == 2
         assert says in _one_line(capsys)
     assert not (tmp_path / "x").exists()
-    # a planned warm-up of 100 steps and a run of 50: refused before anything starts, naming the plan's field
+    # a planned warm-up of 150 steps and a run of 50: refused before anything starts, naming the plan's field
     plan = tmp_path / "p.plan"
     assert main(["compile", m, "--cluster", LOCAL, "--strategy", "dp", "--dp-sync", "auto", "--global-batch", "16",
                  "-o", str(plan)]) == 0
     capsys.readouterr()
     assert main(["run", str(plan), "--steps", "50", "--out", str(tmp_path / "run")]) == 2
-    assert (f"{plan}: dp_sync.sync_warmup 100: the synchronous warm-up must be shorter than the run (--steps 50), "
-            "or DiLoCo never starts; give --steps > 100 or recompile with --sync-warmup N" in _one_line(capsys))
+    assert (f"{plan}: dp_sync.sync_warmup 150: the synchronous warm-up must be shorter than the run (--steps 50), "
+            "or DiLoCo never starts; give --steps > 150 or recompile with --sync-warmup N" in _one_line(capsys))
     assert not (tmp_path / "run").exists()
     from fusion.plan import DPSync, PlanError
     import pytest
