@@ -178,7 +178,8 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
                                                "--micro-batches", str(setup.micro_batches),
                                                "--batch", str(setup.batch),
                                                "--eval-every", str(args.eval_every), "--eval-batches",
-                                               str(args.eval_batches), "--model", args.model, "--out", str(out)]),
+                                               str(args.eval_batches), "--model", args.model, "--out", str(out),
+                                               "--precision", args.precision]),
                                   stdout=lf, stderr=subprocess.STDOUT,
                                   env={**_env(), "GLOO_SOCKET_IFNAME": sites.dev[d]})  # the shaped link, not lo
                  for r, d in enumerate(DEVICES)]
@@ -189,7 +190,7 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
 
 
 def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, compress: str, out: Path,
-                 dp: tuple[str, ...] = ()) -> dict:
+                 dp: tuple[str, ...] = (), precision: str = "fp32") -> dict:
     """``fusion compile`` of the setup's model, optimizer and seed. ``dp``: data-parallel options (``--replicas R
     --global-batch ROWS --dp-sync ...``, benchmarks/diloco_wan.py); the global batch then sets the micro-batches
     per replica, so ``--micro-batches`` is left out."""
@@ -197,7 +198,7 @@ def compile_plan(setup, cluster: Path, node_times: Path | None, strategy: str, c
     micro = [] if dp else ["--micro-batches", str(s.micro_batches)]
     cmd = ["compile", f"{_entry(s)}:model", "--cluster", str(cluster), "--strategy", strategy, *micro,
            "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed),
-           "--compress", compress, "-o", str(out), "--force", *dp]
+           "--compress", compress, "--precision", precision, "-o", str(out), "--force", *dp]
     if node_times is not None:
         cmd += ["--node-times", str(node_times)]
     _cli(cmd, f"fusion compile ({strategy}, --compress {compress})", s.env)
@@ -335,18 +336,19 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
     if args.split == "memory":  # the devices hold half the model: OP-Fence must cut, where it prices cheapest
         cluster = split_cluster(setup, cluster, node_times, work)
     strategy = "opfence" if args.split == "memory" else "equal-flops"
-    dense = compile_plan(setup, cluster, node_times, strategy, "none", work / "dense.plan")
+    dense = compile_plan(setup, cluster, node_times, strategy, "none", work / "dense.plan", precision=args.precision)
     row["dense_strategy"] = strategy
     row["dense_cut"] = cut_tensors(work / "dense.plan")
     log.info("%s seed %d: fusion dense (%s, %d parts, cut %s)", profile.name, seed, strategy, len(dense["parts"]),
              row["dense_cut"])
     row["fusion_dense"] = run_fusion(sites, work / "dense.plan", setup, args, work / "dense", port + 1)
     b2 = sites.between_sent_bytes()
-    auto = compile_plan(setup, cluster, node_times, "opfence", "auto", work / "auto.plan")
+    auto = compile_plan(setup, cluster, node_times, "opfence", "auto", work / "auto.plan", precision=args.precision)
     row["auto_strategy"] = "opfence"
     if len(auto["parts"]) < 2:
         row["auto_strategy"] = "equal-flops (OP-Fence kept the model on one device)"
-        auto = compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan")
+        auto = compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan",
+                            precision=args.precision)
     row["auto_cut"] = cut_tensors(work / "auto.plan")
     t = row["torch"]
     target = t["val"][-1][2]
@@ -402,7 +404,7 @@ def summarise(results: dict, args, latency: str | None) -> dict:
            "fusion_auto_vs_torch_samples_per_s": med("20mbit", "fusion_auto_vs_torch_samples_per_s"),
            "codec_cpu_over_link_saved": med(head, "codec_cpu_over_link_saved") if first else None,
            "cap_steps": CAP_FACTOR * args.steps,
-           "model": args.model, "steps": args.steps, "seeds": args.seeds,
+           "model": args.model, "steps": args.steps, "seeds": args.seeds, "precision": args.precision,
            "stages": len(DEVICES), "topology": "2 sites x 1 device, coordinator in site A",
            "latency": latency,
            "profiles": {p: {"between_mbit": PROFILES[p].between_mbit, "within_mbit": PROFILES[p].within_mbit}
@@ -454,6 +456,9 @@ def main(argv=None) -> int:
                     help="the torch.distributed.pipelining side (default benchmarks/wan_torch.py)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds one side may take (900; --quick 400)")
     ap.add_argument("--work", type=Path, default=None, help="keep plans, runs and logs here (default: a temp dir)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: both sides under bfloat16 autocast; torch's stages send bfloat16 (its best wire), "
+                         "fusion compiles with --precision bf16 (docs/wan.md)")
     ap.add_argument("--split", choices=("memory", "equal-flops"), default="memory",
                     help="memory (default): devices hold 0.7 of the model, so OP-Fence cuts it where it prices "
                          "cheapest, for fusion dense (no compression) and auto; equal-flops: dense on the "

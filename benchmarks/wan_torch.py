@@ -5,7 +5,8 @@ batches, same AdamW as fusion gets from ``wan_model.gpt_setup``) cut into ``--wo
 per stage, no compression. One rank per process::
 
     python benchmarks/wan_torch.py --rank R --world W --master ADDR:PORT --steps N --seed S --micro-batches M \\
-        --batch B --eval-every E --eval-batches K --model small|tiny --out FILE.json [--lr LR] [--schedule auto]
+        --batch B --eval-every E --eval-batches K --model small|tiny --out FILE.json [--lr LR] [--schedule auto] \\
+        [--precision fp32|bf16]
 
 Rank 0 (the first stage) listens at ``ADDR:PORT`` (``init_method tcp://``); gloo binds every rank to the interface
 whose address routes to ``ADDR`` (``GLOO_SOCKET_IFNAME``, unless set), so it runs from network namespaces.
@@ -30,7 +31,7 @@ Rank 0 writes ``--out`` (JSON)::
     {"samples_per_s": B x steps / train_s, "wall_s": seconds from the first step to the end of the last evaluation,
      "train_s": wall_s less the evaluations, "eval_s": the evaluations,
      "val": [[step, wall_s, loss], ...], "losses": [training loss per step], "schedule": "gpipe"|"1f1b"|"interleaved1f1b",
-     "stages": W, "model": ..., "seed": S, "batch": B, "micro_batches": M, "lr": ..., "probe_s": ...,
+     "stages": W, "model": ..., "seed": S, "batch": B, "micro_batches": M, "lr": ..., "precision": ..., "probe_s": ...,
      "probe": {schedule: {"s": seconds, "loss": step 0's loss, "grad_sq": its squared gradient norm}}}
 
 ``wall_s`` excludes process start-up (imports, the process group, building the stages, the schedule probe) and
@@ -86,10 +87,19 @@ def units(gpt) -> list:
     return out
 
 
-def build_stage(gpt, subs: list, stage: int, stages: int, head_weight=None):
+def build_stage(gpt, subs: list, stage: int, stages: int, head_weight=None, bf16: bool = False):
     """Stage ``stage`` of ``stages`` as an ``nn.Module`` over the modules of ``gpt`` (``subs``: its
     :func:`units`): embeddings (first), its share of the sub-blocks, final LayerNorm and head (last; its weight
-    ``head_weight``, the copy of the tied embedding the last rank holds, when the first stage is on another rank)."""
+    ``head_weight``, the copy of the tied embedding the last rank holds, when the first stage is on another rank).
+
+    ``bf16`` (``--precision bf16``, torch's best wire): the stage runs under ``torch.autocast`` (bfloat16) and
+    sends bfloat16: its output is cast to bfloat16 before it leaves (half the bytes, and the gradient coming back
+    is bfloat16 too), the next stage casts it back to float32 for its residual stream; the last stage's logits
+    leave as float32 for the loss. Parameters and AdamW's state stay float32, as under fusion's
+    ``--precision bf16``. (What a PyTorch user does to halve the pipeline's wire; fusion's cuts carry whatever
+    dtype autocast gave the tensor, float32 for a residual sum, and its codecs do the rest.)"""
+    import contextlib
+
     import torch
     from torch import nn
 
@@ -109,11 +119,17 @@ def build_stage(gpt, subs: list, stage: int, stages: int, head_weight=None):
                 self.lm_head.weight = gpt.lm_head.weight if first else head_weight
 
         def forward(self, x):
-            if first:
-                x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
-            for b in self.blocks:
-                x = b(x)
-            return self.lm_head(self.ln_f(x)) if last else x
+            cast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            with cast:
+                if first:
+                    x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+                elif bf16:
+                    x = x.float()
+                for b in self.blocks:
+                    x = b(x)
+                if last:
+                    return self.lm_head(self.ln_f(x)).float()
+            return x.to(torch.bfloat16) if bf16 else x
 
     return Stage()
 
@@ -125,13 +141,17 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def stage_shapes(setup, stage: int, stages: int):
-    """(input, output) example tensors of one micro-batch of ``stage``: static metadata for ``PipelineStage``."""
+def stage_shapes(setup, stage: int, stages: int, bf16: bool = False):
+    """(input, output) example tensors of one micro-batch of ``stage``: static metadata for ``PipelineStage``
+    (``bf16``: the activations between stages are bfloat16, :func:`build_stage`)."""
     import torch
 
     mb, t, c = setup.micro_batch, setup.config.seq_len, setup.config
-    x = torch.zeros(mb, t, dtype=torch.int64) if stage == 0 else torch.zeros(mb, t, c.d_model, requires_grad=True)
-    y = torch.zeros(mb, t, c.vocab if stage == stages - 1 else c.d_model, requires_grad=True)
+    wire = torch.bfloat16 if bf16 else torch.float32
+    x = (torch.zeros(mb, t, dtype=torch.int64) if stage == 0
+         else torch.zeros(mb, t, c.d_model, dtype=wire, requires_grad=True))
+    last = stage == stages - 1
+    y = torch.zeros(mb, t, c.vocab if last else c.d_model, dtype=torch.float32 if last else wire, requires_grad=True)
     return x, y  # requires_grad: the activations between stages carry gradients back
 
 
@@ -185,9 +205,10 @@ class Pipeline:
         self.schedules, self.modules = {}, {}
         for name in candidates(args.schedule, setup.micro_batches, w, len(subs)):
             total = w * CANDIDATES[name]  # stage s on rank s % W, as torch places interleaved stages
-            mods = [build_stage(gpt, subs, s, total, self.tied) for s in range(r, total, w)]
+            bf16 = args.precision == "bf16"
+            mods = [build_stage(gpt, subs, s, total, self.tied, bf16) for s in range(r, total, w)]
             stages = [tp.PipelineStage(m, s, total, torch.device("cpu"),
-                                       **dict(zip(("input_args", "output_args"), stage_shapes(setup, s, total))))
+                                       **dict(zip(("input_args", "output_args"), stage_shapes(setup, s, total, bf16))))
                       for m, s in zip(mods, range(r, total, w))]
             cls = getattr(tp, TORCH_SCHEDULES[name][0])
             self.schedules[name] = cls(stages if len(stages) > 1 else stages[0], setup.micro_batches, loss_fn=loss_fn)
@@ -357,7 +378,7 @@ def run(args) -> dict | None:
     train_s = wall - eval_s
     return {"samples_per_s": args.batch * args.steps / train_s, "wall_s": wall, "train_s": train_s, "eval_s": eval_s,
             "val": val, "losses": lt.tolist(), "schedule": schedule, "stages": args.world, "model": args.model,
-            "seed": args.seed, "batch": args.batch, "micro_batches": args.micro_batches, "lr": setup.lr,
+            "seed": args.seed, "batch": args.batch, "micro_batches": args.micro_batches, "lr": setup.lr, "precision": args.precision,
             "probe_s": probe_s, "probe": probe,
             "notes": "wall_s: first step to the end of the last evaluation (evaluations counted, start-up and "
                      "schedule probe not); samples_per_s: training steps only"}
@@ -375,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=0, help="validation loss every E steps (0: at the end only)")
     ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches per validation loss")
     ap.add_argument("--model", default="small", help="small (the convergence study's GPT) or tiny (tests)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: every stage under torch.autocast (bfloat16), bfloat16 activations between stages "
+                         "(torch's best wire); parameters and AdamW state stay float32")
     ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the convergence study's)")
     ap.add_argument("--schedule", default="auto", choices=["auto", *CANDIDATES],
                     help="auto: time GPipe, 1F1B and interleaved 1F1B (where they apply) on step 0's batch and "

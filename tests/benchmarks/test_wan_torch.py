@@ -119,3 +119,69 @@ def test_bad_input_is_one_line_and_status_2(argv, says, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def bf16_reference(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[list[float], list[list[float]]]:
+    """Plain PyTorch of ``--precision bf16`` in this process: the same two stages (``wan_torch.build_stage``, under
+    autocast, a bfloat16 tensor between them) composed in one process, micro-batch by micro-batch with the
+    gradients averaged over them, the tied head sharing the embedding, the setup's AdamW."""
+    m = setup.module()
+    subs = wan_torch.units(m)
+    s0 = wan_torch.build_stage(m, subs, 0, 2, None, bf16=True)
+    s1 = wan_torch.build_stage(m, subs, 1, 2, m.lm_head.weight, bf16=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps,
+                            weight_decay=setup.weight_decay)
+    M, mb = setup.micro_batches, setup.micro_batch
+
+    def mean_loss(batch, train: bool) -> float:
+        total = 0.0
+        for i in range(M):
+            idx, tgt = (torch.from_numpy(batch[k][i * mb:(i + 1) * mb]) for k in ("idx", "targets"))
+            between = s0(idx)
+            assert between.dtype == torch.bfloat16  # what crosses the wire
+            loss = wan_torch.loss_fn(s1(between), tgt)
+            if train:
+                (loss / M).backward()
+            total += float(loss.detach())
+        return total / M
+
+    losses, val = [], []
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean_loss(setup.train_batch(s), True))
+        opt.step()
+        if (s + 1) % eval_every == 0 or s + 1 == steps:
+            with torch.no_grad():
+                v = [mean_loss(setup.val_batch(k), False) for k in range(eval_batches)]
+            val.append([s + 1, sum(v) / len(v)])
+    return losses, val
+
+
+def test_bf16_pipelining_sends_bfloat16_and_trains_as_its_one_process_reference(tmp_path):
+    """``--precision bf16`` (torch's best wire, bench_wan.py --precision bf16): two ranks over gloo equal the same
+    stages composed in one process (losses and validation losses rtol 1e-5), and stay near fp32's (bf16 rounding)."""
+    setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    (port,) = free_ports(1)
+    out = tmp_path / "torch.json"
+    ranks = [subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", "2",
+         "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", "2",
+         "--batch", "8", "--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES), "--model", "tiny",
+         "--schedule", "gpipe", "--precision", "bf16", "--out", str(out), "--timeout", "120"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
+    got = json.loads(out.read_text())
+    assert got["precision"] == "bf16"
+    losses, val = bf16_reference(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose([v[2] for v in got["val"]], [v[1] for v in val], rtol=1e-5)
+    fp32, _, _ = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
+    np.testing.assert_allclose(losses, fp32, rtol=2e-2)  # bfloat16 matmuls, not another model
+    assert losses != fp32  # (and not fp32 under another name)
