@@ -54,17 +54,22 @@ def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[
     return losses, val, grad_sq
 
 
-def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
-    setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def two_ranks(out: Path, env: dict, *extra: str) -> list[subprocess.Popen]:
+    """wan_torch.py's two ranks on loopback: the tiny GPT, seed 3, STEPS steps of 8 rows in 2 micro-batches."""
     (port,) = free_ports(1)
-    out = tmp_path / "torch.json"
-    ranks = [subprocess.Popen(
+    return [subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", "2",
          "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", "2",
          "--batch", "8", "--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES), "--model", "tiny",
-         "--out", str(out), "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)]
+         "--out", str(out), "--timeout", "120", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for r in range(2)]
+
+
+def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
+    setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = tmp_path / "torch.json"
+    ranks = two_ranks(out, env)
     # fusion dense on the same model and batches, 2 parts on loopback, at the same time (2 cores)
     (tmp_path / "two.yaml").write_text(TWO)
     fusion = subprocess.Popen(
@@ -161,15 +166,9 @@ def test_bf16_pipelining_sends_bfloat16_and_trains_as_its_one_process_reference(
     """``--precision bf16`` (torch's best wire, bench_wan.py --precision bf16): two ranks over gloo equal the same
     stages composed in one process (losses and validation losses rtol 1e-5), and stay near fp32's (bf16 rounding)."""
     setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    (port,) = free_ports(1)
     out = tmp_path / "torch.json"
-    ranks = [subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", "2",
-         "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", "2",
-         "--batch", "8", "--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES), "--model", "tiny",
-         "--schedule", "gpipe", "--precision", "bf16", "--out", str(out), "--timeout", "120"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    ranks = two_ranks(out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                      "--schedule", "gpipe", "--precision", "bf16")
     try:
         logs = [p.communicate(timeout=240)[0] for p in ranks]
     finally:
