@@ -125,7 +125,20 @@ def dp_sync_lines(plan: Plan) -> list[str]:
         if "diloco_over_sync_dp" in pr:
             out.append(f"  predicted {pr['samples_per_s']:.4g} samples/s, {pr['diloco_over_sync_dp']:.3g}x "
                        f"synchronous DP's best layout ({pr['sync_dp_samples_per_s']:.4g} samples/s)")
+        out.append(convergence_line(pr, ds))
     return out
+
+
+def convergence_line(pr: dict, ds) -> str:
+    """The convergence price the DP planner chose by (:mod:`fusion.cost.convergence`), or that it had none."""
+    ratio = pr.get("steps_to_sync_loss_ratio")
+    if ratio is None:
+        return (f"  convergence: not priced (H = {ds.inner_steps}, delay {ds.delay} not measured by the convergence "
+                "study); chosen by samples/s")
+    vs = pr.get("diloco_to_loss_over_sync_dp")
+    tail = f"; predicted time to that loss {1 / vs:.3g}x synchronous DP's" if vs else ""
+    return (f"  convergence: {ratio:g}x synchronous DP's steps to its held-out loss (H = {ds.inner_steps}, delay "
+            f"{ds.delay}: the study's tuning seeds, docs/data-parallel.md){tail}")
 
 
 def warmup_lines(plan: Plan) -> list[str]:

@@ -306,6 +306,8 @@ class DiLoCoEstimate:
     samples_per_s: global_batch / iteration_s.
     violations:    memory overflows, one line each.
     recompute:     per replica and stage, whether that part recomputes its activations to fit.
+    steps_ratio:   the convergence price the planner applied: steps to synchronous DP's held-out loss over
+                   synchronous DP's steps (``fusion.cost.convergence``; None: not priced, H and delay not measured).
     """
 
     iteration_s: float
@@ -324,10 +326,17 @@ class DiLoCoEstimate:
     global_batch: int
     violations: list[str] = field(default_factory=list)
     recompute: list[list[bool]] = field(default_factory=list)  # replica r's stage s recomputes its activations
+    steps_ratio: float | None = None
 
     @property
     def feasible(self) -> bool:
         return not self.violations
+
+    @property
+    def samples_per_s_to_loss(self) -> float:
+        """Samples/s worth of synchronous DP's progress toward its loss: ``samples_per_s / steps_ratio`` (the raw
+        samples/s where the convergence is not priced)."""
+        return self.samples_per_s / (self.steps_ratio or 1.0)
 
     @property
     def pipeline_s(self) -> float:
@@ -350,7 +359,8 @@ class DiLoCoEstimate:
                 "dense_bytes_per_step": float(sum(self.dense_bytes)),
                 "sync_s_per_outer_step": sync, "compute_s_per_outer_step": H * self.compute_s,
                 "exposed_sync_s_per_outer_step": self.exposed_s,
-                "sync_hidden": 1.0 - self.exposed_s / sync if sync > 0 else 1.0}
+                "sync_hidden": 1.0 - self.exposed_s / sync if sync > 0 else 1.0,
+                **({} if self.steps_ratio is None else {"steps_to_sync_loss_ratio": float(self.steps_ratio)})}
 
 
 def outer_step_exposed(sync_s: float, compute_s: float, inner_steps: int, delay: int) -> float:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -47,6 +47,7 @@ from fusion.cluster.model import Cluster, Device
 from fusion.cluster.topology import cluster_bandwidth, cluster_path, device_clusters, device_order, start_candidates
 from fusion.cost.dp import (INNER_STEPS, PSEUDO_CODECS, DPEstimate, codec_label, diloco_estimate, diloco_layout,
                              dp_estimate, replica_cost_model)
+from fusion.cost.convergence import steps_ratio
 from fusion.cost.estimate import CostModel, samples_per_micro_batch
 from fusion.cost.flops import NodeCost, measure_costs
 from fusion.ir.errors import FusionError
@@ -105,6 +106,11 @@ class Candidate:
     @property
     def per_sample(self) -> float:
         return self.estimate.iteration_s / self.estimate.global_batch if self.estimate.feasible else np.inf
+
+    @property
+    def per_sample_to_loss(self) -> float:
+        """:attr:`per_sample` times the estimate's convergence price (DiLoCo: ``steps_ratio``; else 1)."""
+        return self.per_sample * (getattr(self.estimate, "steps_ratio", None) or 1.0)
 
 
 def batch_splits(global_batch: int, traced: int, n_devices: int,
@@ -463,19 +469,26 @@ class SyncSearch:
 
 
 def best_sync(layout, search: SyncSearch, allreduce: str = "ring"):
-    """The best :class:`fusion.cost.dp.DiLoCoEstimate` over the search's (codec, H, delay, F) on one layout
-    (ties within :data:`TIE` to the most faithful; F > H skipped)."""
+    """The best :class:`fusion.cost.dp.DiLoCoEstimate` over the search's (codec, H, delay, F) on one layout, by
+    predicted time to synchronous DP's loss: samples/s over the measured steps-to-loss ratio of (H, delay)
+    (:mod:`fusion.cost.convergence`); configs without a measured ratio are left out when any has one, and ranked
+    by samples/s alone when none has (ties within :data:`TIE` to the most faithful; F > H skipped)."""
     ests = []
     for h in sorted(search.inner_steps):
         for ci, codec in enumerate(search.codecs):
             for d in sorted(search.delays):
                 for f in sorted(search.fragments):
                     if f <= h:
-                        ests.append(((ci, h, d, f), diloco_estimate(layout, h, codec, d, f, allreduce)))
+                        est = diloco_estimate(layout, h, codec, d, f, allreduce)
+                        ests.append(((ci, h, d, f), replace(est, steps_ratio=steps_ratio(h, d))))
     if not ests:
         raise DPPlanError(f"sync fragments {search.fragments}: every F exceeds every H {search.inner_steps}")
-    top = max(e.samples_per_s for _, e in ests)
-    return min((k, e) for k, e in ests if e.samples_per_s >= top * (1 - TIE))[1] if top > 0 else ests[0][1]
+    priced = [(k, e) for k, e in ests if e.steps_ratio is not None]
+    ests = priced or ests
+    top = max(e.samples_per_s_to_loss for _, e in ests)
+    if top <= 0:
+        return ests[0][1]
+    return min((k, e) for k, e in ests if e.samples_per_s_to_loss >= top * (1 - TIE))[1]
 
 
 def diloco_splits(global_batch: int, traced: int, n_devices: int, replicas: list[int] | None,
@@ -532,7 +545,7 @@ def plan_diloco_model(cm: CostModel, *, global_batch: int, search: SyncSearch = 
                 rcm.recompute_all = False
             for cand in found:
                 tried += 1
-                if best is None or cand.per_sample < best.per_sample:
+                if best is None or cand.per_sample_to_loss < best.per_sample_to_loss:
                     best = cand
     if best is None or not best.estimate.feasible:
         raise DPPlanError(f"{cluster.source}: devices[].memory_bytes: no DiLoCo layout of {counts[0]} or more replicas "
@@ -595,13 +608,16 @@ def choose_dp_sync(cm: CostModel, *, global_batch: int, mode: str = "auto", sear
     sp, sc = plan_dp_model(cm, global_batch=global_batch, seed=seed, replicas=replicas, allreduce=allreduce,
                            grad_wire_ratio=grad_wire_ratio)
     sync_rate = sp.predicted["samples_per_s"]
-    if dl is None or dl.predicted["samples_per_s"] < DILOCO_MARGIN * sync_rate:
+    to_loss = None if dl is None else dc.estimate.samples_per_s_to_loss
+    if dl is None or to_loss < DILOCO_MARGIN * sync_rate:
         sp.info["dp_sync"] = {"mode": "every"}
         if dl is not None:
             sp.predicted["diloco_samples_per_s"] = dl.predicted["samples_per_s"]
+            sp.predicted["diloco_to_loss_over_sync_dp"] = to_loss / sync_rate
         return sp, sc
     dl.predicted["sync_dp_samples_per_s"] = sync_rate
     dl.predicted["diloco_over_sync_dp"] = dl.predicted["samples_per_s"] / sync_rate
+    dl.predicted["diloco_to_loss_over_sync_dp"] = to_loss / sync_rate
     return dl, dc
 
 

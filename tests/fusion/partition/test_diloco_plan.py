@@ -4,6 +4,7 @@ choice is the best of the search it prices; bad knobs fail with one line."""
 import numpy as np
 import pytest
 
+from fusion.cost.convergence import STEPS_TO_SYNC_LOSS
 from fusion.cost.dp import PSEUDO_CODECS, diloco_estimate, diloco_layout, pseudo_wire_bytes, replica_cost_model
 from fusion.partition.dp import (TIE, DPPlanError, SyncSearch, build_cost_model, choose_dp_sync, diloco_splits,
                                  plan_diloco_model)
@@ -32,13 +33,37 @@ def test_over_a_slow_link_auto_chooses_diloco_on_both_regions(small):
                                                                cand.devices, 32).specs)
     assert p["sync_bytes_per_step"] == pytest.approx(p["sync_bytes_per_outer_step"] / sync.inner_steps)
     assert sum(pl.info["micro_batches"]) == 32
-    # the choice is the best the search prices on this layout (ties within TIE to a finer codec, then fewer H)
+    # the choice is the best the search prices on this layout by predicted time to synchronous DP's loss: samples/s
+    # over the measured steps-to-loss ratio, among the (H, delay) the convergence study measured (ties within TIE
+    # to a finer codec, then fewer H)
     lay = diloco_layout(replica_cost_model(cm, 1), cand.node_part, cand.devices, 32)
-    rates = {(i, h, d): diloco_estimate(lay, h, c, d).samples_per_s for h in SyncSearch().inner_steps
-             for i, c in enumerate(PSEUDO_CODECS) for d in (0, 1)}
-    assert p["samples_per_s"] >= max(rates.values()) * (1 - TIE)
+    rates = {(i, h, d): diloco_estimate(lay, h, c, d).samples_per_s / STEPS_TO_SYNC_LOSS[h, d]
+             for h in SyncSearch().inner_steps for i, c in enumerate(PSEUDO_CODECS) for d in (0, 1)
+             if (h, d) in STEPS_TO_SYNC_LOSS}
+    assert p["steps_to_sync_loss_ratio"] == STEPS_TO_SYNC_LOSS[sync.inner_steps, sync.delay]
+    assert p["samples_per_s"] / p["steps_to_sync_loss_ratio"] >= max(rates.values()) * (1 - TIE)
     chosen = (PSEUDO_CODECS.index(sync.codec), sync.inner_steps, sync.delay)
     assert all(k >= chosen for k, v in rates.items() if v >= max(rates.values()) * (1 - TIE))
+    assert p["diloco_to_loss_over_sync_dp"] == pytest.approx(
+        p["samples_per_s"] / p["steps_to_sync_loss_ratio"] / p["sync_dp_samples_per_s"])
+    # by samples/s alone H = 500 would win here: the convergence price is what keeps H measured
+    raw = {(h, d): diloco_estimate(lay, h, None, d).samples_per_s for h in SyncSearch().inner_steps for d in (0, 1)}
+    assert max(raw, key=raw.get)[0] > 20
+
+
+def test_an_unmeasured_h_is_ranked_by_samples_per_s_and_says_so(small):
+    """``--inner-steps 100,200`` (no H the study measured): the planner ranks by samples/s as before and the plan
+    carries no convergence price; inspect says it was not priced."""
+    from fusion.inspect import convergence_line
+
+    cm = build_cost_model(small.graph, two_regions(slow_bps=20e6, flops=1e11))
+    pl, cand = choose_dp_sync(cm, global_batch=32, mode="diloco", search=SyncSearch(inner_steps=(100, 200)))
+    assert cand.estimate.steps_ratio is None and "steps_to_sync_loss_ratio" not in pl.predicted
+    sync = DPSync.from_dict(pl.info["dp_sync"])
+    assert "convergence: not priced (H = " in convergence_line(pl.predicted, sync)
+    priced = choose_dp_sync(cm, global_batch=32, mode="diloco")[0].predicted
+    assert f"convergence: {priced['steps_to_sync_loss_ratio']:g}x synchronous DP's steps" in convergence_line(
+        priced, DPSync.from_dict(choose_dp_sync(cm, global_batch=32, mode="diloco")[0].info["dp_sync"]))
 
 
 def test_over_fast_links_auto_keeps_synchronous_dp(small):
