@@ -112,8 +112,8 @@ class SocketWatch:
     which reads it and drains it before each handshake's answer, so the watch holds every connection before a
     frame of it is read (module docstring of ``keys.ZapHandler``)."""
 
-    def __init__(self, sock: zmq.Socket, owner: str, watch: ConnectionWatch):
-        self.owner, self.watch = owner, watch
+    def __init__(self, sock: zmq.Socket, watch: ConnectionWatch):
+        self.watch = watch
         self.sock = sock.get_monitor_socket(WATCH_EVENTS)
         self._done = threading.Event()
 

@@ -291,23 +291,23 @@ class ZapHandler(threading.Thread):
                     r.handle(ev, now)
 
         last_tick = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        polled = 0  # readers registered with the poller
         try:
             while not self._done.is_set():
-                with self._lock:
-                    readers = list(self._readers)
-                poller = zmq.Poller()
-                poller.register(self._sock, zmq.POLLIN)
-                for r in readers:
-                    poller.register(r.sock, zmq.POLLIN)
                 ready = dict(poller.poll(int(self.TICK_S * 1000)))
                 now = time.monotonic()
                 if self._done.is_set():
                     break
+                with self._lock:  # taken after the poll: a reader attached meanwhile is drained too
+                    readers = list(self._readers)
+                for r in readers[polled:]:
+                    poller.register(r.sock, zmq.POLLIN)
+                polled = len(readers)
                 drain([r for r in readers if r.sock in ready], now)
                 if self._sock in ready:
                     req = self._sock.recv_multipart()
-                    with self._lock:  # (a reader attached while this thread was polling is drained too)
-                        readers = list(self._readers)
                     drain(readers, now)  # this connection's ACCEPTED event is queued already: its reader holds it
                     try:
                         reply = self._reply(req, now)

@@ -472,7 +472,7 @@ class Transport:
             reader = self.monitor
         else:
             zap_gate(sock)
-            self.watch = reader = SocketWatch(sock, self.name, watch)
+            self.watch = reader = SocketWatch(sock, watch)
         try:
             sock.bind(self.bind_addr)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
