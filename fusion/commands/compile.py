@@ -209,9 +209,8 @@ def _keep_outer_options(plan, asked, args: CompileOptions) -> None:
 
     if plan.dp_sync.mode != "diloco":
         return
-    momentum_given = args.outer_momentum is not None  # (then the variant's and the codec's own momentum yield)
-    plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr,
-                                       outer_momentum=args.outer_momentum if momentum_given else DEFAULT_OUTER_MOMENTUM,
+    momentum, momentum_given = _outer_momentum(args)
+    plan.dp_sync = dataclasses.replace(plan.dp_sync, outer_lr=asked.outer_lr, outer_momentum=momentum,
                                        nesterov=asked.nesterov,
                                        error_feedback=asked.error_feedback and plan.dp_sync.codec is not None)
     plan.dp_sync = codec_outer(overlap_outer(plan.dp_sync, args.outer_overlap, momentum_given), momentum_given)
@@ -502,12 +501,19 @@ def dp_sync_from_args(args: CompileOptions):
                           f"({h}), one outer step of a fragment per inner step at most")
     codec = _pseudo_codec(args)
     shares = _replica_shares(args)
-    momentum_given = args.outer_momentum is not None  # (a value given equal to the default is given too)
-    sync = DPSync("diloco", h, args.outer_lr, args.outer_momentum if momentum_given else DEFAULT_OUTER_MOMENTUM,
-                  not args.no_nesterov, codec,
+    momentum, momentum_given = _outer_momentum(args)
+    sync = DPSync("diloco", h, args.outer_lr, momentum, not args.no_nesterov, codec,
                   args.pseudo_error_feedback, fragments=args.sync_fragments, delay=args.outer_delay or 0, shares=shares,
                   sync_warmup=args.sync_warmup or 0, inner_lr=args.inner_lr)
     return _checked_sync(codec_outer(overlap_outer(sync, overlap, momentum_given), momentum_given))
+
+
+def _outer_momentum(args: CompileOptions) -> tuple[float, bool]:
+    """(``--outer-momentum`` or :data:`DEFAULT_OUTER_MOMENTUM`, whether it was given). A value given is the user's even
+    when it equals the default; one left out yields to the eager step's and the codec's own
+    (:func:`overlap_outer`, :func:`codec_outer`)."""
+    given = args.outer_momentum is not None
+    return (args.outer_momentum if given else DEFAULT_OUTER_MOMENTUM), given
 
 
 def _checked_sync(sync):

@@ -61,9 +61,9 @@ def test_an_unmeasured_h_is_ranked_by_samples_per_s_and_says_so(small):
     assert cand.estimate.steps_ratio is None and "steps_to_sync_loss_ratio" not in pl.predicted
     sync = DPSync.from_dict(pl.info["dp_sync"])
     assert "convergence: not priced (H = " in convergence_line(pl.predicted, sync)
-    priced = choose_dp_sync(cm, global_batch=32, mode="diloco")[0].predicted
-    assert f"convergence: {priced['steps_to_sync_loss_ratio']:g}x synchronous DP's steps" in convergence_line(
-        priced, DPSync.from_dict(choose_dp_sync(cm, global_batch=32, mode="diloco")[0].info["dp_sync"]))
+    priced = choose_dp_sync(cm, global_batch=32, mode="diloco")[0]
+    assert f"convergence: {priced.predicted['steps_to_sync_loss_ratio']:g}x synchronous DP's steps" in convergence_line(
+        priced.predicted, DPSync.from_dict(priced.info["dp_sync"]))
 
 
 def test_over_fast_links_auto_keeps_synchronous_dp(small):
