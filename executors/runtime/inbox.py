@@ -22,6 +22,7 @@ from fusion.kernels.codecs import CODECS, CodecPayload
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import TensorMeta
 from fusion.ir.opdata import OpData
+from fusion.executors.runtime.exact_zeros import unpack
 from fusion.executors.runtime.part import Key, Routes
 
 
@@ -33,7 +34,8 @@ class Inbox:
     raises WireError to refuse it (the CompNode sets it to the compression table's ``check_incoming``,
     which refuses an AQ-SGD delta this end has no buffer for, and decodes a user codec's payload).
     decode_pgrad: with a tied-parameter codec (``Plan.tied_codec``), turns a received tied gradient's
-    payload into the dense gradient, raising WireError for one it cannot decode."""
+    payload into the dense gradient, raising WireError for one it cannot decode; without one a tied gradient
+    arrives dense or as its nonzero elements (:mod:`.exact_zeros`)."""
 
     def __init__(self, graph: OpGraph, me: str, routes: Routes, n_micro: int, shared: Mapping[str, list[str]]):
         self.graph, self.me, self.routes, self.n_micro, self.shared = graph, me, routes, n_micro, shared
@@ -132,6 +134,8 @@ class Inbox:
         spec = self.graph.params[od.name]
         if od.payload is not None and self.decode_pgrad is not None:
             od.payload = self.decode_pgrad(od)
+        elif od.payload is not None:  # dense exchange: a mostly-zero gradient comes as its nonzero elements
+            od.payload = unpack(od.payload, tuple(spec.shape), spec.dtype, f"gradient of parameter {od.name!r}")
         if od.payload is not None and (not isinstance(od.payload, np.ndarray) or tuple(od.payload.shape) != tuple(spec.shape)):
             raise WireError(f"gradient of parameter {od.name!r} has the wrong shape (expected {list(spec.shape)})")
         want = "uint16" if spec.dtype == "bfloat16" else spec.dtype

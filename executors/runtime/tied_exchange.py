@@ -1,11 +1,13 @@
 """Gradients of parameters held by several parts (tied weights): sent to their co-owners and summed in plan part order,
-under ``plan.tied_codec`` when one is set (:mod:`.dp.tied`)."""
+under ``plan.tied_codec`` when one is set (:mod:`.dp.tied`), else dense or, when mostly exact zeros (an embedding's),
+as their nonzero elements (:mod:`.exact_zeros`: the same bits)."""
 from __future__ import annotations
 
 
 import numpy as np
 
 from fusion.executors.runtime.compression import sum_in_order
+from fusion.executors.runtime.exact_zeros import pack
 from fusion.ir.opdata import OpData
 from fusion.ir.wire import encode_opdata
 
@@ -39,6 +41,8 @@ class TiedExchange:
                 spec = self.graph.params[name]
                 payload = self.tied.encode(np.asarray(payload), spec.dtype, name, self.me, it)
                 own[name] = self.tied.decode(payload, tuple(spec.shape), spec.dtype, f"own gradient of {name!r}")
+            elif payload is not None:  # dense: an embedding's gradient (mostly exact zeros) goes as its nonzero elements
+                payload = pack(np.asarray(payload), self.graph.params[name].dtype)
             for o in owners:
                 if o != self.me:
                     od = OpData(name=name, index=None, op_users=tuple(users.get(name, ())), actual_user=local, is_grad=True,
