@@ -39,7 +39,9 @@ Notation (per micro-batch; part p runs on device d(p)):
   ``T_pipe = sum_p (C_p + R_p) + (n_b - 1) * max_p max(C_p, R_p)``.
 - Tied parameters held by several parts have their gradients summed after the
   pipeline drains: owners send to the first owner and get the sum back,
-  ``T_sync = sum_params [max_o T_comm^{o->first}(P) + max_o T_comm^{first->o}(P)]``.
+  ``T_sync = sum_params [max_o T_comm^{o->first}(P_o) + max_o T_comm^{first->o}(P_first)]``, P_o the bytes
+  of owner o's gradient: dense, or for an embedding's the rows a step's ids touch, as values and indices
+  (:mod:`fusion.cost.grad_rows`; the runtime sends it so, ``executors/runtime/exact_zeros.py``).
   With a tied codec (``Plan.tied_codec``, :func:`tied_prices`) P is the codec's
   wire bytes ``Codec.wire_nbytes`` of the parameter and each parameter adds its
   encode + decode seconds.
@@ -82,6 +84,7 @@ import numpy as np
 
 from fusion.cluster.model import Cluster
 from fusion.cost.flops import NodeCost
+from fusion.cost.grad_rows import node_grad_nbytes
 from fusion.ir.boundary import edge_requires_grad
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import IDLE_KINDS, PLACEHOLDER_KINDS, NodeKind, TensorMeta
@@ -238,6 +241,8 @@ class CostModel:
     #: codec (None: ``p_bytes``, dense) and seconds of its encode + decode per step (:func:`tied_prices`)
     tied_wire: np.ndarray | None = field(default=None, init=False)
     tied_codec_s: np.ndarray | None = field(default=None, init=False)
+    #: (parameter-node row, micro-batches) -> that node's share of the tied gradient's wire bytes (a cache)
+    _grad_nbytes: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.speed = np.array([d.peak_flops for d in self.cluster.devices]) * np.array([d.lam for d in self.cluster.devices])
@@ -461,9 +466,13 @@ class CostModel:
             for q in np.nonzero((owners > 1) & self.p_trainable)[0]:
                 holders = sorted(set(ppart[par == q].tolist()))
                 first, others = dev[holders[0]], dev[holders[1:]]
-                nb = self.p_bytes[q] if self.tied_wire is None else self.tied_wire[q]
-                sync += float(np.max(alpha[others, first] + beta[others, first] * nb))
-                sync += float(np.max(alpha[first, others] + beta[first, others] * nb))
+                if self.tied_wire is None:  # dense: each owner's own gradient (an embedding's: its rows)
+                    nb = np.array([self.tied_grad_nbytes(q, node_part, h) for h in holders])
+                    nb_first, nb_others = nb[0], nb[1:]
+                else:
+                    nb_first = nb_others = self.tied_wire[q]
+                sync += float(np.max(alpha[others, first] + beta[others, first] * nb_others))
+                sync += float(np.max(alpha[first, others] + beta[first, others] * nb_first))
                 if self.tied_codec_s is not None:
                     sync += float(self.tied_codec_s[q])
         opt, step = self.step_time(node_part, dev, par, ppart)
@@ -500,6 +509,18 @@ class CostModel:
             for t, a, b, f, g in zip(pt, psrc, pdst, f_pick, b_pick) if f >= 0 or g >= 0}
         return Estimate(parts, sorted(links.values(), key=lambda e: (e.src, e.dst)), pipe, sync, total,
                         n_s / total if total > 0 else float("inf"), violations, codecs, step)
+
+    def tied_grad_nbytes(self, q: int, node_part: np.ndarray, part: int) -> float:
+        """Wire bytes of part ``part``'s gradient of parameter ``q`` without a tied codec: the sum over its nodes
+        that use ``q`` (an embedding's nonzero rows, :func:`fusion.cost.grad_rows.node_grad_nbytes`), at most dense."""
+        total = 0.0
+        for i in np.nonzero((self.pn_param == q) & (node_part[self.pn_node] == part))[0]:
+            key = (int(i), self.micro_batches)
+            if key not in self._grad_nbytes:
+                node = self.graph.nodes[self.names[int(self.pn_node[i])]]
+                self._grad_nbytes[key] = node_grad_nbytes(self.graph, node, self.p_names[q], self.micro_batches)
+            total += self._grad_nbytes[key]
+        return min(total, float(self.p_bytes[q]))
 
     def step_time(self, node_part: np.ndarray, dev: np.ndarray, par: np.ndarray,
                   ppart: np.ndarray) -> tuple[np.ndarray, float]:
