@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         options.check()  # every option check of the command, once, before it does any work
-        return int(importlib.import_module(COMMANDS[args.command].module).run(options) or 0)
+        rc = int(importlib.import_module(COMMANDS[args.command].module).run(options) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that left is a BrokenPipeError below, not a shutdown warning
+        return rc
     except FusionError as e:
         if args.traceback or getattr(args, "traceback_after", False) or level >= 2:
             print_cause(e)
@@ -45,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `fusion inspect PLAN | head`: the reader left; say nothing more, as `cat` does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
 
 
 def print_cause(e: BaseException) -> None:

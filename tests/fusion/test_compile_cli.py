@@ -288,3 +288,17 @@ def test_profile_names_the_file_and_field_of_a_bad_step_cost(tmp_path, capsys):
     err = one_line(capsys)
     assert "bad-cluster.yaml" in err and "optimizer_byte_s.adamw" in err and "cpu-1" in err, err
     assert not (tmp_path / "out.yaml").exists()
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path, model_file):
+    """`fusion inspect PLAN | head -1`: the reader leaves before the table is written; no traceback, status 141."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "tiny.plan"
+    assert main(["compile", f"{model_file}:model", "--cluster", LOCAL, "-o", str(out)]) == 0
+    p = subprocess.Popen([sys.executable, "-m", "fusion.cli", "inspect", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before anything is written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
