@@ -6,7 +6,9 @@ Run:  OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--steps 6] [--checkpoi
 The model is ``examples/models/gpt.py``'s GPT with GPT-2 small's shape (12 layers, width 768, 12 heads,
 vocabulary 50257, tied embeddings) and a 128-token context (``gpt2_small`` below: 123.7 M parameters; GPT-2's
 1024 positions would add 0.7 M), micro-batch 1 x 128 tokens, 4 micro-batches per step (global batch 4 x 128),
-AdamW lr 1e-4, fp32, the equal-flops split over ``examples/clusters/local-4-one-site.yaml``, the batches of
+AdamW lr 1e-4, fp32, the OP-Fence split over ``examples/clusters/local-4-one-site.yaml`` with the schedule the
+compiler picks (``--schedule auto``; ``--strategy``/``--schedule`` choose others; earlier runs used equal-flops and
+gpipe, docs/testing.md), the batches of
 ``gpt2_small_batches`` (seeded random tokens, a pure function of the step). What it runs and measures:
 
   A  ``fusion run MODEL --steps S --checkpoint-every C`` (uninterrupted), sampling each executor's
@@ -112,8 +114,9 @@ def fusion_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "fusion.cli", *args]
 
 
-def run_args(name: str, out: Path, steps: int, every: int, resume: bool = False) -> list[str]:
-    a = ["run", f"{HERE}:{name}", "--cluster", str(CLUSTER), "--strategy", "equal-flops",
+def run_args(name: str, out: Path, steps: int, every: int, resume: bool = False, strategy: str = "opfence",
+             schedule: str = "auto") -> list[str]:
+    a = ["run", f"{HERE}:{name}", "--cluster", str(CLUSTER), "--strategy", strategy, "--schedule", schedule,
          "--micro-batches", str(MICRO_BATCHES), "--optimizer", "adamw", "--lr", str(LR),
          "--data", f"{HERE}:{name}_batches", "--steps", str(steps), "--checkpoint-every", str(every),
          "--out", str(out), "--no-progress", "--log-every", "0"]
@@ -267,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-steps", type=int, default=None, help="one-process steps (default 4; --quick 2)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per fusion run")
+    ap.add_argument("--strategy", default=None, help="partitioner (default opfence, fusion's own; --quick equal-flops: "
+                    "OP-Fence rightly keeps a 0.3 M-parameter model on fewer devices)")
+    ap.add_argument("--schedule", default="auto", help="pipeline schedule (default auto: the compiler's choice)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -280,16 +286,17 @@ def main(argv=None) -> int:
     bsteps = a.baseline_steps or (2 if a.quick else 4)
     if every >= steps:
         ap.error("--checkpoint-every must be below --steps (run B resumes from its first checkpoint)")
+    plan_flags = {"strategy": a.strategy or ("equal-flops" if a.quick else "opfence"), "schedule": a.schedule}
     base = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_scale-"))
     base.mkdir(parents=True, exist_ok=True)
     res: dict = {"model": f"benchmarks/bench_scale.py:{name}", "parts": 4, "micro_batch": MICRO_BATCH,
                  "micro_batches": MICRO_BATCHES, "seq_len": CONFIGS[name].seq_len, "steps": steps,
-                 "checkpoint_every": every, "load_before": loadavg()}
+                 "checkpoint_every": every, **plan_flags, "load_before": loadavg()}
     errors = []
 
     # A: the uninterrupted run
     ra = base / "A"
-    w = Watched(run_args(name, ra, steps, every), ra, base / "A.stderr")
+    w = Watched(run_args(name, ra, steps, every, **plan_flags), ra, base / "A.stderr")
     rc, coord_mb = w.wait(a.timeout)
     if rc:
         errors.append(f"run A exit {rc}: {w.stderr()[-1500:]}")
@@ -302,6 +309,10 @@ def main(argv=None) -> int:
     clean = [r["iteration_s"] for r in rows[1:] if (r["step"] + 1) % every]
     res["step_s"] = round(statistics.median(clean or its[1:] or its), 3) if its else None
     res["step_s_all"] = [round(x, 3) for x in its]
+    if (ra / "plan" / "plan.json").exists():  # what the compiler chose: its schedule, its prediction
+        plan = json.loads((ra / "plan" / "plan.json").read_text())
+        res["schedule_chosen"] = plan.get("schedule")
+        res["predicted_step_s"] = (plan.get("predicted") or {}).get("iteration_s")
     fusion_losses = [r["loss"] for r in rows]
     if (ra / "trace.json").exists():
         spans = checkpoint_spans(ra)
@@ -313,7 +324,7 @@ def main(argv=None) -> int:
     # B: interrupted after its first checkpoint, resumed
     rb = base / "B"
     if interrupt == "kill":
-        w = Watched(run_args(name, rb, steps, every), rb, base / "B1.stderr")
+        w = Watched(run_args(name, rb, steps, every, **plan_flags), rb, base / "B1.stderr")
         marker = rb / "checkpoints" / f"step-{every:08d}" / "COMPLETE.json"
         deadline = time.monotonic() + a.timeout
         while w.p.poll() is None and not marker.exists() and time.monotonic() < deadline:
@@ -325,11 +336,11 @@ def main(argv=None) -> int:
         res["interrupt"] = ("run B finished before the kill" if finished else
                             f"SIGKILL after checkpoint {every} was complete ({killed_at} steps in metrics.jsonl)")
     else:
-        w = Watched(run_args(name, rb, every, every), rb, base / "B1.stderr")
+        w = Watched(run_args(name, rb, every, every, **plan_flags), rb, base / "B1.stderr")
         if w.wait(a.timeout)[0]:
             errors.append(f"run B (stop) failed: {w.stderr()[-1500:]}")
         res["interrupt"] = f"stopped after step {every} (--steps {every}), checkpoint {every} complete"
-    w = Watched(run_args(name, rb, steps, every, resume=True), rb, base / "B2.stderr")
+    w = Watched(run_args(name, rb, steps, every, resume=True, **plan_flags), rb, base / "B2.stderr")
     rc, _ = w.wait(a.timeout)
     if rc:
         errors.append(f"resume exit {rc}: {w.stderr()[-1500:]}")
