@@ -19,12 +19,20 @@ and bit-flipped header bytes.
    connected). Then the same number of steps is run undisturbed: every loss
    must be the same bits.
 
+3. **insider**: mutated messages under the run's *own* identities, into live executors of a CURVE run: this
+   process holds the run's secret keys and connects to each executor as the coordinator and as the other part
+   (a routing id of its own, so the real peer's connection stays), so each message is authenticated and decoded
+   inside the executor as that peer's (:func:`run_insider`). Only mutants a stateless receiver refuses are sent
+   (a well-formed control message from the coordinator is an order, not an attack), at a rate under the
+   transport's cut-off of a misbehaving run peer, after a warm-up that makes the corpus's OP-Data stale; then
+   the same steps undisturbed: same bits, every message counted as refused.
+
 Final line: one JSON object, measured (nothing asserted)::
 
-    {"direct": N, "over_socket": N, "non_wire_error_escapes": 0, "executor_crashes": 0, "hangs_over_5s": 0,
-     "malformed_accepted_changing_training": 0, "peak_rss_mb": X, ...}
+    {"direct": N, "over_socket": N, "insider": N, "insider_decoded_and_refused": N, "non_wire_error_escapes": 0, "executor_crashes": 0, "hangs_over_5s": 0,
+     "malformed_accepted_changing_training": 0, "insider_changed_steps": 0, "peak_rss_mb": X, ...}
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/fuzz_wire.py [--direct 30000] [--socket 1200] [--seed 0]``
+Run: ``OMP_NUM_THREADS=1 python benchmarks/fuzz_wire.py [--direct 30000] [--socket 1200] [--insider 300] [--seed 0]``
 """
 from __future__ import annotations
 
@@ -399,10 +407,156 @@ def run_over_socket(n: int, seed: int, plan_dir: Path, run_root: Path, min_steps
     return res
 
 
+# -- 3. from the run's own identities, into live executors ------------------------------------------------
+
+#: messages per second from one insider identity to one executor: under the transport's cut-off of a run peer
+#: (``REJECT_LIMIT`` refusals in ``REJECT_WINDOW_S``), which would end the run naming it (a misbehaving peer)
+INSIDER_RATE = 6.0
+#: steps trained before the first insider message: the corpus's iteration-0 messages are then stale, so no mutant
+#: can be an input the executor waits for (one it refuses would stop the part, naming it: receiving.py)
+INSIDER_WARMUP = 12
+
+
+def _malformed(frames: list[bytes], to_executor: bool) -> bool:
+    """Whether a stateless receiver refuses ``frames`` (decode, OP-Data fields, control op): only those are sent
+    under a run identity, since a well-formed control message from the coordinator (a Stop, an Abort) is an order."""
+    from fusion.executors.runtime.control import TO_EXECUTOR, decode_ctrl
+    from fusion.ir.wire import opbatch_from_message, opdata_from_message
+
+    try:
+        msg = decode(frames)
+        if msg.kind == "ctrl":
+            decode_ctrl(msg, TO_EXECUTOR) if to_executor else None
+        elif msg.kind == "opbatch":
+            opbatch_from_message(msg)
+        elif msg.kind in ("opdata", "pgrad"):
+            opdata_from_message(msg)
+        return False
+    except WireError:
+        return True
+    except Exception:  # noqa: BLE001 - a decoder bug: send it, the live executor must survive it too
+        return True
+
+
+def run_insider(n: int, seed: int, plan_dir: Path, run_root: Path) -> dict:
+    """Mutated messages from the run's own identities into its live executors, over CURVE.
+
+    A CURVE run of the 2-part MLP; this process holds the run's secret keys (``RUN/keys``) and opens, for each
+    executor, one connection under each other identity of the run (the coordinator and the other part) with a
+    routing id of its own, so ZeroMQ keeps the real peer's connection and the executor decodes each message as
+    coming from that authenticated identity (the key decides the sender, ``Transport._sender``). Each message is a
+    mutant of a valid message that identity could send (its OP-Data for the part, stale after the warm-up; the
+    coordinator's control messages), kept only when a stateless receiver refuses it (:func:`_malformed`). Steps run
+    while they are sent; then the same steps run undisturbed: every loss must be the same bits, every message must
+    be counted as refused by its executor, nothing may escape as another exception."""
+    import zmq
+
+    from fusion.executors.runtime.coordinator import CompNodeFailure, CoordinatorConfig
+    from fusion.executors.runtime.keys import curve_client, security_for
+    from fusion.executors.runtime.launcher import LocalCluster
+    from fusion.executors.runtime.part import make_routes
+    from fusion.ir.boundary import partition
+    from fusion.plan import load_plan
+
+    plan = load_plan(plan_dir)
+    subs = partition(plan.graph, plan.assignment)
+    seeds = {p: corpus(plan.graph, p, make_routes(subs[p], plan.assignment), plan.micro_batches) for p in plan.parts}
+    names = ["coordinator", *plan.parts]
+    rng = random.Random(seed)
+    res = {"insider_sent": 0, "insider_well_formed_skipped": 0, "executor_crashes": 0, "hangs_over_5s": 0}
+    sent: dict[str, int] = {p: 0 for p in plan.parts}
+    losses: list[float] = []
+    cfg = CoordinatorConfig(peer_timeout_s=20)
+    ctx = zmq.Context()
+    lc = LocalCluster(plan_dir, run_root / "insider", cfg, threads=1, trace=False, curve=True)
+    socks: dict[tuple[str, str], Any] = {}
+    try:
+        lc.start()
+        keys = run_root / "insider" / "keys"
+        while len(losses) < INSIDER_WARMUP:
+            losses.append(lc.coordinator.step(batch(len(losses))).loss)
+        for target in plan.parts:
+            for ident in names:
+                if ident == target:
+                    continue
+                s = ctx.socket(zmq.DEALER)
+                curve_client(s, security_for(keys / f"{ident}.secret", keys / "public_keys.json", names, ident), target)
+                s.setsockopt(zmq.IDENTITY, f"insider-{ident}".encode())
+                s.setsockopt(zmq.LINGER, 1000)
+                s.connect(lc.coordinator.addresses[target])
+                socks[(target, ident)] = s
+        pairs = sorted(socks)
+        # every mutant first: a well-formed one is skipped, so what goes out is n malformed ones
+        queue: list[tuple[str, str, list[bytes]]] = []
+        tries = 0
+        while len(queue) < n and tries < 50 * n:
+            tries += 1
+            target, ident = pairs[len(queue) % len(pairs)]
+            own = [f for who, f in seeds[target] if who == ident] or [f for who, f in seeds[target]]
+            frames = mutate(rng, rng.choice(own)) or [b""]
+            if _malformed(frames, ident == "coordinator"):
+                queue.append((target, ident, frames))
+            else:
+                res["insider_well_formed_skipped"] += 1
+        interval = 1.0 / (INSIDER_RATE * len(pairs))
+        step_times: list[float] = []
+        next_send = time.monotonic()
+        i = 0
+        while i < len(queue):
+            while i < len(queue) and time.monotonic() >= next_send:
+                target, ident, frames = queue[i]
+                socks[(target, ident)].send_multipart(frames)
+                sent[target] += 1
+                i += 1
+                next_send += interval
+            t0 = time.monotonic()
+            try:
+                r = lc.coordinator.step(batch(len(losses)))
+            except CompNodeFailure as e:
+                res["executor_crashes"] += 1
+                res["failure"] = str(e)
+                break
+            step_times.append(time.monotonic() - t0)
+            losses.append(r.loss)
+        res["insider_sent"] = i
+        # every message must be counted as refused within 5 s of the last send
+        base = {p: 0 for p in plan.parts}
+        deadline = time.monotonic() + 5
+        rejected = dict(base)
+        escaped = 0
+        while "failure" not in res:
+            r = lc.coordinator.step(batch(len(losses)))
+            losses.append(r.loss)
+            rejected = {p: r.parts[p]["rejected"] for p in plan.parts}
+            escaped = sum(r.parts[p].get("escaped", 0) for p in plan.parts)
+            if all(rejected[p] >= sent[p] for p in plan.parts):
+                break
+            if time.monotonic() > deadline:
+                res["hangs_over_5s"] += 1
+                break
+        res["hangs_over_5s"] += sum(1 for s in step_times if s > 5.0)
+        res["insider_rejected"] = rejected
+        res["insider_sent_per_part"] = dict(sent)
+        res["insider_escaped"] = escaped
+        res["executor_crashes"] += sum(1 for p in lc.processes.values() if p.poll() is not None)
+    finally:
+        for s in socks.values():
+            s.close(linger=0)
+        lc.close(graceful=True)
+        ctx.term()
+    res["insider_steps"] = len(losses)
+    with LocalCluster(plan_dir, run_root / "insider-clean", cfg, threads=1, trace=False, curve=True) as clean:
+        clean.start()
+        ref = [clean.coordinator.step(batch(i)).loss for i in range(len(losses))]
+    res["insider_changed_steps"] = sum(1 for a, b in zip(losses, ref) if a != b)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--direct", type=int, default=30_000)
     ap.add_argument("--socket", type=int, default=1200)
+    ap.add_argument("--insider", type=int, default=300, help="mutants sent under the run's own identities (CURVE)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # tens of thousands of rejects: count them, do not print them
@@ -421,12 +575,22 @@ def main(argv: list[str] | None = None) -> int:
             print("  changed steps (step, fuzzed loss, clean loss):", s["changed_steps"])
         if "failure" in s:
             print("  failure:", s["failure"])
+        ins = run_insider(a.insider, a.seed + 2, plan_dir, Path(tmp))
+        print(f"insider: {ins['insider_sent']} malformed messages under the run's own keys during {ins['insider_steps']} "
+              f"steps (sent per part {ins.get('insider_sent_per_part')}, refused {ins.get('insider_rejected')}; "
+              f"{ins['insider_well_formed_skipped']} well-formed mutants not sent)", flush=True)
+        if "failure" in ins:
+            print("  failure:", ins["failure"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({
         "direct": d["direct"], "over_socket": s["over_socket"],
-        "non_wire_error_escapes": d["escapes"] + s.get("escaped", 0),
-        "executor_crashes": s["executor_crashes"], "hangs_over_5s": s["hangs_over_5s"],
+        "insider": ins["insider_sent"],
+        "insider_decoded_and_refused": sum((ins.get("insider_rejected") or {}).values()),
+        "non_wire_error_escapes": d["escapes"] + s.get("escaped", 0) + ins.get("insider_escaped", 0),
+        "executor_crashes": s["executor_crashes"] + ins["executor_crashes"],
+        "hangs_over_5s": s["hangs_over_5s"] + ins["hangs_over_5s"],
         "malformed_accepted_changing_training": s["malformed_accepted_changing_training"],
+        "insider_changed_steps": ins["insider_changed_steps"],
         "peak_rss_mb": round(peak, 1), "executor_peak_rss_mb": s.get("executor_peak_rss_mb"),
         "direct_accepted": d["accepted"], "steps": s["steps"],
     }))
