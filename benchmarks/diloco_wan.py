@@ -33,7 +33,7 @@ Figures (the final JSON line):
   grid of ``--eval-every`` steps on both sides); the median over the seeds, null when any seed misses (never
   reaches the target within the cap). Target <= 0.4.
 * ``compute_utilisation``: over DiLoCo's replicas and steps (the warm-up's synchronous steps included), the seconds
-  of compute, each part's ``forward_s + backward_s + optimizer_s`` of every step line of ``metrics.jsonl`` (wall
+  of compute, each part's ``forward_s + backward_s + weight_s + optimizer_s`` of every step line of ``metrics.jsonl`` (wall
   seconds inside the forward and backward actions, codecs of cut edges included, and the inner optimizer's step),
   over the replicas' training wall time, ``R x (last step line's time - first step's start - evaluation time)``
   (evaluation: from each step line to the held-out loss line that follows it, as bench_wan takes it out). What is
@@ -162,7 +162,7 @@ def compute_utilisation(lines: list[dict], first_step: int = 0) -> float:
     wall = max(x["time"] for x in tail) - t0
     eval_s = bench_wan.eval_seconds(tail)
     parts = kept[0]["parts"]
-    compute = sum(p["forward_s"] + p["backward_s"] + p.get("optimizer_s", 0.0)
+    compute = sum(p["forward_s"] + p["backward_s"] + p.get("weight_s", 0.0) + p.get("optimizer_s", 0.0)
                   for x in kept for p in x["parts"].values())
     return compute / (len(parts) * (wall - eval_s))
 

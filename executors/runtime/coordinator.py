@@ -142,6 +142,8 @@ class StepReport:
         """The step's line of ``metrics.jsonl`` (also kept in the ``COMPLETE.json`` of a checkpoint it ends, so
         that a crash between the commit and the line loses nothing: ``rundir.restore_committed_line``)."""
         parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
+                     # a split backward's parameter halves (zb1's W actions): compute that backward_s leaves out
+                     **({"weight_s": round(sum(s["weight_s"]), 6)} if s.get("weight_s") else {}),
                      "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
                      "bytes_sent": sum(v["bytes"] for v in s["sent"].values()),
                      **({"codec_s": round(s["codec_s"], 6)} if s.get("codec_s") else {}),

@@ -56,8 +56,9 @@ def test_processes_match_single_process_pytorch(tmp_path, name, n_parts, schedul
         trace = json.loads((tmp_path / "run" / "trace" / f"{p}.json").read_text())
         cats = {e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
         assert {"forward", "backward"} <= cats
-        if schedule == "zb1":  # the weight-gradient actions ran as their own spans
+        if schedule == "zb1":  # the weight-gradient actions ran as their own spans, and the step line counts them
             assert any(e["name"].startswith("W") for e in trace["traceEvents"] if e["ph"] == "X")
+            assert all(r.metrics_line()["parts"][p]["weight_s"] > 0 for r in reports)
     if schedule == "interleaved":  # one process per device runs that device's parts
         pids = json.loads((tmp_path / "run" / "pids.json").read_text())
         n_dev = n_parts // 2
