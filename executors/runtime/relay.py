@@ -47,6 +47,7 @@ from zmq.utils import z85
 from fusion.ir.errors import FusionError, WireError
 from fusion.executors.runtime import framing
 from fusion.executors.runtime.keys import HANDSHAKE_S, Security, ZapHandler, curve_client, curve_server
+from fusion.executors.runtime.liveness import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ RELAY_SCHEME = "relay:"
 RELAY = "relay"
 #: bytes a sealed message adds to its framed plaintext besides the names: nonce (24) and MAC (16)
 SEAL_OVERHEAD = 40
+#: a relay's notice to a client, ``["", GONE, DEST]``: DEST's connection to the relay is gone (relayed messages
+#: are two frames, so a three-frame message with an empty first frame is never one)
+GONE = b"G"
 #: old sessions of one sender a receiver remembers (refused if they come back)
 MAX_SESSIONS = 64
 _NAME = struct.Struct("<H")
@@ -158,11 +162,13 @@ class RelayStats:
     bytes: int = 0
     dropped: int = 0
     refused_oversize: int = 0
+    gone_notices: int = 0  # senders told that their destination's connection is gone
     pairs: dict[str, int] = field(default_factory=dict)  # "src->dst" -> bytes
 
     def to_dict(self) -> dict:
         return {"messages": self.messages, "bytes": self.bytes, "dropped": self.dropped,
-                "refused_oversize": self.refused_oversize, "pairs": dict(self.pairs)}
+                "refused_oversize": self.refused_oversize, "gone_notices": self.gone_notices,
+                "pairs": dict(self.pairs)}
 
 
 class RelayServer:
@@ -173,10 +179,15 @@ class RelayServer:
     max_bytes:  the largest sealed payload forwarded (ZeroMQ drops a larger frame when it reads its length).
     """
 
-    def __init__(self, bind: str, security: Security, max_bytes: int):
+    def __init__(self, bind: str, security: Security, max_bytes: int, heartbeat: "Heartbeat | None" = None):
         self.bind_addr, self.security, self.max_bytes = bind, security, max_bytes
+        #: ZeroMQ heartbeats on every client's connection (``--link-timeout``): a client that died, stopped or was
+        #: cut off loses its connection within ``heartbeat.bound_s``, and the next message for it is answered with
+        #: a gone notice (:data:`GONE`); None: only a closed connection (a process that died) tells
+        self.heartbeat = heartbeat
         self.stats = RelayStats()
         self.routes: dict[str, bytes] = {}  # name -> routing id of its receive connection
+        self.gone: set[str] = set()  # names whose receive connection closed and that have not registered again
         self.address = ""
         self.ctx = zmq.Context()
         self.zap = ZapHandler(self.ctx, RELAY, security)
@@ -193,6 +204,8 @@ class RelayServer:
         sock.setsockopt(zmq.SNDTIMEO, 30_000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes + 4096)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        if self.heartbeat is not None:
+            self.heartbeat.apply(sock)
         curve_server(sock, self.security)
         try:
             sock.bind(self.bind_addr)
@@ -227,6 +240,7 @@ class RelayServer:
         rid, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
         if kind == b"H" and len(frames) == 2:
             self.routes[src] = rid
+            self.gone.discard(src)
             log.info("relay: %s registered", src)
             self._send([rid, b"OK"], src)
             return
@@ -238,14 +252,20 @@ class RelayServer:
         route = self.routes.get(dest)
         if route is None:
             self.stats.dropped += 1
-            log.warning("relay: %s sent to %r, which has not registered here; dropped", src, dest[:64])
+            if dest in self.gone:
+                self._notify_gone(src, dest)
+            else:
+                log.warning("relay: %s sent to %r, which has not registered here; dropped", src, dest[:64])
             return
         n = len(frames[3].buffer)
-        if self._send([route, src.encode(), frames[3]], dest):
-            self.stats.messages += 1
-            self.stats.bytes += n
-            key = f"{src}->{dest}"
-            self.stats.pairs[key] = self.stats.pairs.get(key, 0) + n
+        if not self._send([route, src.encode(), frames[3]], dest):
+            if dest in self.gone:
+                self._notify_gone(src, dest)
+            return
+        self.stats.messages += 1
+        self.stats.bytes += n
+        key = f"{src}->{dest}"
+        self.stats.pairs[key] = self.stats.pairs.get(key, 0) + n
 
     def _send(self, frames: list, dest: str) -> bool:
         try:
@@ -253,8 +273,29 @@ class RelayServer:
             return True
         except zmq.ZMQError as e:  # gone (EHOSTUNREACH), or not taking data for SNDTIMEO
             self.stats.dropped += 1
-            log.warning("relay: cannot forward to %s (%s); dropped", dest, e)
+            if e.errno == zmq.EHOSTUNREACH and self.routes.get(dest) == frames[0]:
+                self._lost(dest)
+            else:
+                log.warning("relay: cannot forward to %s (%s); dropped", dest, e)
             return False
+
+    def _lost(self, dest: str) -> None:
+        """``dest``'s receive connection is gone (its process died, or the heartbeats closed it): forget its route
+        until it registers again; whoever sends to it meanwhile is told (:meth:`_notify_gone`)."""
+        del self.routes[dest]
+        self.gone.add(dest)
+        log.warning("relay: %s's connection is gone (closed, or its heartbeats went unanswered)", dest)
+
+    def _notify_gone(self, src: str, dest: str) -> None:
+        """Tell ``src`` that ``dest`` is gone from this relay (a notice, :data:`GONE`): only as much as dropping
+        its messages would tell, sooner. Nothing when ``src`` has no route here itself."""
+        back = self.routes.get(src)
+        if back is not None:
+            self.stats.gone_notices += 1
+            try:
+                self._sock.send_multipart([back, b"", GONE, dest.encode()], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def stop(self) -> None:
         self._stop.set()
@@ -279,13 +320,14 @@ class RelayClient:
     """
 
     def __init__(self, ctx: zmq.Context, security: Security, address: str, max_frames: int,
-                 on_reject: Callable[[str, str], None], send_timeout_s: float = 30.0, max_bytes: int | None = None):
+                 on_reject: Callable[[str, str], None], send_timeout_s: float = 30.0, max_bytes: int | None = None,
+                 on_gone: Callable[[str], None] | None = None):
         if RELAY not in security.peers:
             raise RelayError(f"the run's key list has no key for {RELAY!r}: make the keys with `fusion keys PLAN "
                              "--relay` and start `fusion relay` with relay.secret")
         self.ctx, self.security, self.address = ctx, security, address
         self.me = security.me.name
-        self.max_frames, self.on_reject = max_frames, on_reject
+        self.max_frames, self.on_reject, self.on_gone = max_frames, on_reject, on_gone
         #: the largest sealed message taken from the relay (ZMQ_MAXMSGSIZE of the receive connection): this
         #: process's own limit, framed and sealed; None: unbounded
         self.max_bytes = max_bytes
@@ -340,6 +382,10 @@ class RelayClient:
                 if not self._registered.is_set():
                     if len(frames) == 1 and frames[0].bytes == b"OK":
                         self._registered.set()
+                    continue
+                if len(frames) == 3 and not frames[0].bytes and frames[1].bytes == GONE:
+                    if self.on_gone is not None:
+                        self.on_gone(frames[2].bytes[:256].decode("utf-8", "replace"))
                     continue
                 if len(frames) != 2:
                     self.on_reject("?relay", f"relayed message of {len(frames)} frames (2 expected)")

@@ -377,7 +377,8 @@ class Transport:
         try:
             client = RelayClient(self.ctx, self.security, address, MAX_FRAMES - 1,
                                  on_reject=lambda who, why: self.reject(who, why), send_timeout_s=self.send_timeout_s,
-                                 max_bytes=self.max_message_bytes + FRAME_SLACK + relay_overhead(MAX_FRAMES))
+                                 max_bytes=self.max_message_bytes + FRAME_SLACK + relay_overhead(MAX_FRAMES),
+                                 on_gone=self._relay_gone)
         except FusionError as e:
             raise TransportError(str(e)) from None
         try:
@@ -388,6 +389,19 @@ class Transport:
                 raise TransportError(str(e)) from None
             raise
         self.relay = client
+
+    def _relay_gone(self, peer: str) -> None:
+        """The relay says ``peer``'s connection to it is gone (the peer died, stopped or was cut off, and its
+        heartbeats went unanswered): a link this transport sends on through the relay has failed. (A relay could
+        only lie here as it could drop the peer's traffic: the run would stop either way.)"""
+        from fusion.executors.runtime.relay import RelayedLink
+
+        link = self.senders.get(peer)
+        if isinstance(link, RelayedLink) and link.failed is None and self.relay is not None:
+            link.failed = f"{peer}'s connection to the relay at {self.relay.address} is gone"
+            log.warning("%s: %s", self.name, link.failed)
+            self.report_error(peer, f"its connection to the relay at {self.relay.address} is gone (closed, or its "
+                                    "heartbeats went unanswered: the process died, stopped or was cut off)")
 
     def send(self, peer: str, frames: list, label: str = "") -> None:
         """Send a message to ``peer`` without waiting for it to leave. ``label`` names its trace span."""

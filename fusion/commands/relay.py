@@ -30,6 +30,7 @@ def relay_limit(plan) -> int:
 def run(args: "Relay") -> int:
     """``fusion relay`` with its options (:class:`fusion.options.commands.Relay`)."""
     from fusion.executors.runtime.keys import PUBLIC_KEYS_FILE, security_for
+    from fusion.executors.runtime.liveness import Heartbeat
     from fusion.executors.runtime.relay import RELAY, RelayServer
     from fusion.plan import load_plan
 
@@ -37,7 +38,8 @@ def run(args: "Relay") -> int:
     plan_dir = Path(args.plan).parent if Path(args.plan).name == "plan.json" else Path(args.plan)
     public = Path(args.public_keys) if args.public_keys else plan_dir / PUBLIC_KEYS_FILE
     security = security_for(args.key, public, ["coordinator", *plan.parts, RELAY], RELAY)
-    server = RelayServer(args.bind, security, args.max_message_bytes or relay_limit(plan))
+    heartbeat = Heartbeat(args.link_timeout) if args.link_timeout > 0 else None
+    server = RelayServer(args.bind, security, args.max_message_bytes or relay_limit(plan), heartbeat)
     address = server.start()
 
     def write_stats() -> None:

@@ -14,6 +14,7 @@ from fusion.options.field import Section, option
 from fusion.options.joins import check_join_options
 from fusion.options.launch import Listen, LocalLaunch, Security
 from fusion.options.train import DataOptions, TrainOptions
+from fusion.options.types import non_negative_seconds
 from fusion.options.types import positive_float, zmq_address
 
 
@@ -214,6 +215,7 @@ class Relay:
     public_keys: str | None = option("--public-keys", metavar="FILE", help="the run's public keys (default: PLAN/public_keys.json)")
     max_message_bytes: int | None = option("--max-message-bytes", type=int, help="forward sealed messages up to this size (default: the largest any process of the plan receives, sealed; raise it for data-parallel or DiLoCo plans given --max-message-bytes)")
     stats: str | None = option("--stats", metavar="FILE", help="write what was forwarded (messages, bytes, per sender -> receiver) here as JSON, every second")
+    link_timeout: float = option("--link-timeout", default=2.0, type=non_negative_seconds, metavar="SECONDS", help="ZeroMQ heartbeats on each client's connection: a CompNode behind NAT that dies, stops or is cut off loses its connection within this long, and whoever sends to it next (the coordinator's heartbeats) is told it is gone (0: off; a process that dies is still told at once)")
 
     def check(self) -> None:
         pass

@@ -157,3 +157,103 @@ def test_a_relayed_link_needs_keys_and_a_relay_that_answers():
     finally:
         plain.close(linger_s=0)
         keyed.close(linger_s=0)
+
+
+def _sender_with_errors(sec, relay_address):
+    errors = {}
+    a = Transport("a", "tcp://127.0.0.1:*", {"b"}, lambda s, m: None, security=sec["a"],
+                  on_error=lambda peer, why: errors.setdefault(peer, (time.monotonic(), why)))
+    a.start()
+    a.connect("b", RELAY_SCHEME + relay_address)
+    return a, errors
+
+
+def _send_until(a, errors, timeout_s):
+    deadline, i = time.monotonic() + timeout_s, 0
+    while "b" not in errors and time.monotonic() < deadline:
+        a.send("b", _msg(i))  # as the coordinator's heartbeats do, every 0.1 s
+        i += 1
+        time.sleep(0.1)
+
+
+def test_a_peer_whose_relay_connection_closes_is_reported_gone_to_whoever_sends_to_it():
+    """The relay cannot route to a client whose connection closed: it tells the sender (a notice, no more than
+    dropping the messages would tell) and the sender's transport reports the link failed, naming the relay."""
+    from fusion.executors.runtime.liveness import Heartbeat
+
+    sec = _keys("a", "b")
+    relay = _Relay.__new__(_Relay)
+    relay.server = RelayServer("tcp://127.0.0.1:*", sec[RELAY], 1 << 20, Heartbeat(1.0))
+    relay.address = relay.server.start()
+    relay.thread = threading.Thread(target=relay.server.serve, daemon=True)
+    relay.thread.start()
+    got = []
+    b = Transport("b", "tcp://127.0.0.1:*", {"a"}, lambda s, m: got.append(m), security=sec["b"])
+    b.start()
+    b.join_relay(relay.address)
+    a, errors = _sender_with_errors(sec, relay.address)
+    try:
+        a.send("b", _msg(0))
+        assert wait_for(lambda: len(got) == 1, timeout=20)
+        b.close(linger_s=0)  # b's process ends: its connections to the relay close
+        t0 = time.monotonic()
+        _send_until(a, errors, 10)
+        assert "b" in errors, "the sender was never told"
+        assert "relay" in errors["b"][1] and "gone" in errors["b"][1]
+        assert errors["b"][0] - t0 < 5 and relay.server.stats.gone_notices >= 1
+    finally:
+        a.close(linger_s=0)
+        relay.close()
+
+
+def test_a_stopped_peer_behind_the_relay_is_reported_within_the_heartbeat_bound(tmp_path):
+    """A SIGSTOPped process answers no heartbeat: the relay closes its connection after ``--link-timeout`` and the
+    next message for it is answered with a gone notice (the coordinator's heartbeats send one every second)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fusion.executors.runtime.keys import write_public, write_secret
+    from fusion.executors.runtime.liveness import Heartbeat
+
+    pairs = {n: generate(n) for n in ("a", "b", RELAY)}
+    peers = {n: p.public for n, p in pairs.items()}
+    sec = {n: Security(p, peers) for n, p in pairs.items()}
+    write_secret(pairs["b"], tmp_path / "b.secret")
+    write_public(peers, tmp_path / "public.json")
+    relay = _Relay.__new__(_Relay)
+    relay.server = RelayServer("tcp://127.0.0.1:*", sec[RELAY], 1 << 20, Heartbeat(1.0))
+    relay.address = relay.server.start()
+    relay.thread = threading.Thread(target=relay.server.serve, daemon=True)
+    relay.thread.start()
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from fusion.executors.runtime.keys import security_for
+from fusion.executors.runtime.transport import Transport
+sec = security_for({str(tmp_path / 'b.secret')!r}, {str(tmp_path / 'public.json')!r}, ["a", "b", "relay"], "b")
+b = Transport("b", "tcp://127.0.0.1:*", {{"a"}}, lambda s, m: None, security=sec)
+b.start()
+b.join_relay({relay.address!r})
+print("ready", flush=True)
+time.sleep(120)
+"""], stdout=subprocess.PIPE, text=True)
+    a = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        a, errors = _sender_with_errors(sec, relay.address)
+        a.send("b", _msg(0))
+        time.sleep(0.5)
+        assert "b" not in errors  # alive: no notice
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _send_until(a, errors, 15)
+        assert "b" in errors, "a stopped peer was never reported"
+        detect = errors["b"][0] - t0
+        assert detect < 1.0 + 4.0, detect  # the bound, plus a margin for a loaded host
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        if a is not None:
+            a.close(linger_s=0)
+        relay.close()
