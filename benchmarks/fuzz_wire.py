@@ -303,10 +303,27 @@ def _vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
+def timed_step(lc, losses: list, step_times: list, res: dict):
+    """One training step of the live run (its loss and seconds appended); None when a CompNode failed (counted in
+    ``res`` with the failure's line)."""
+    from fusion.executors.runtime.coordinator import CompNodeFailure
+
+    t0 = time.monotonic()
+    try:
+        r = lc.coordinator.step(batch(len(losses)))
+    except CompNodeFailure as e:
+        res["executor_crashes"] += 1
+        res["failure"] = str(e)
+        return None
+    step_times.append(time.monotonic() - t0)
+    losses.append(r.loss)
+    return r
+
+
 def run_over_socket(n: int, seed: int, plan_dir: Path, run_root: Path, min_steps: int = 10) -> dict:
     import zmq
 
-    from fusion.executors.runtime.coordinator import CompNodeFailure, CoordinatorConfig
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.plan import load_plan
 
@@ -362,15 +379,9 @@ def run_over_socket(n: int, seed: int, plan_dir: Path, run_root: Path, min_steps
         rejected: dict = {}
         escaped = 0
         while not done.is_set() or len(losses) < min_steps:
-            t0 = time.monotonic()
-            try:
-                r = lc.coordinator.step(batch(len(losses)))
-            except CompNodeFailure as e:
-                res["executor_crashes"] += 1
-                res["failure"] = str(e)
+            r = timed_step(lc, losses, step_times, res)
+            if r is None:
                 break
-            step_times.append(time.monotonic() - t0)
-            losses.append(r.loss)
             rejected = {p: r.parts[p]["rejected"] for p in plan.parts}
             escaped = sum(r.parts[p].get("escaped", 0) for p in plan.parts)
         th.join()
@@ -451,7 +462,7 @@ def run_insider(n: int, seed: int, plan_dir: Path, run_root: Path) -> dict:
     be counted as refused by its executor, nothing may escape as another exception."""
     import zmq
 
-    from fusion.executors.runtime.coordinator import CompNodeFailure, CoordinatorConfig
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
     from fusion.executors.runtime.keys import curve_client, security_for
     from fusion.executors.runtime.launcher import LocalCluster
     from fusion.executors.runtime.part import make_routes
@@ -509,15 +520,8 @@ def run_insider(n: int, seed: int, plan_dir: Path, run_root: Path) -> dict:
                 sent[target] += 1
                 i += 1
                 next_send += interval
-            t0 = time.monotonic()
-            try:
-                r = lc.coordinator.step(batch(len(losses)))
-            except CompNodeFailure as e:
-                res["executor_crashes"] += 1
-                res["failure"] = str(e)
+            if timed_step(lc, losses, step_times, res) is None:
                 break
-            step_times.append(time.monotonic() - t0)
-            losses.append(r.loss)
         res["insider_sent"] = i
         # every message must be counted as refused within 5 s of the last send
         base = {p: 0 for p in plan.parts}
