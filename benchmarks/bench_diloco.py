@@ -69,8 +69,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: --study wan: DiLoCo's synchronous warm-up steps (docs/data-parallel.md "Over a shaped link")
-WAN_WARMUP = 30  # diloco_wan.WanStudy.sync_warmup
+#: --study wan: DiLoCo's synchronous warm-up steps and H, tuned on seeds 100-101 on a quiet host (warm-up 10 / 20 / 30
+#: at H 10, then H 20: docs/data-parallel.md "Over a shaped link")
+WAN_WARMUP = 20  # diloco_wan.WanStudy.sync_warmup
+WAN_H = 20  # diloco_wan.WanStudy.h
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2", help="convergence: seeds (model init and data order)")
     ap.add_argument("--h", default=None,
                     help="convergence: the inner steps H of the DiLoCo runs (default 10, tuned on seeds 100-104); "
-                         "wan: H (default 10)")
+                         "wan: H (default %d, tuned on seeds 100-101)" % WAN_H)
     ap.add_argument("--quant8-h", type=int, default=0,
                     help="convergence: H of an 8-bit run with error feedback (0: none)")
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
@@ -281,7 +283,7 @@ def wan(args: argparse.Namespace) -> int:
 
     quick = args.quick
     try:
-        h = int(args.h) if args.h else (5 if quick else 10)
+        h = int(args.h) if args.h else (5 if quick else WAN_H)
     except ValueError:
         print(f"bench_diloco.py: --study wan: --h {args.h}: one integer", file=sys.stderr)
         return 2

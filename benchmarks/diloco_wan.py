@@ -88,11 +88,11 @@ class WanStudy:
     model: str = "small"
     sync_steps: int = 300
     cap_factor: float = 3.0
-    h: int = 10
+    h: int = 20
     outer_lr: float = 0.7
     outer_momentum: float = 0.6
     nesterov: bool = True
-    sync_warmup: int = 30
+    sync_warmup: int = 20
     outer_delay: int = 0
     pseudo_codec: str | None = "quant:bits=8"
     eval_every: int = 10
