@@ -14,6 +14,9 @@
       between:      [{groups: [site-a, site-b], latency: 30 ms, bandwidth: 20 Mbit/s}]
       pairs:        [{src: cpu-0, dst: cpu-2, latency: 25 ms, bandwidth: 40 Mbit/s, symmetric: true}]
 
+A top-level ``relay: {via: DEVICE, behind_nat: [DEVICE or GROUP, ...]}`` prices every link into a device behind
+NAT as the two hops through the relay on ``via``'s host (:mod:`fusion.cluster.relayed`).
+
 ``count: k`` expands one entry into devices ``name-0 .. name-(k-1)`` (group
 defaults to ``name``). Later rules override earlier ones in the order
 default < within_group < groups < between < pairs; ``between`` and ``pairs``
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fusion.cluster.model import Cluster, ClusterError, Device, check_unique, overheads_from_dict, require_fields
+from fusion.cluster.relayed import relay_links
 from fusion.cluster.units import UnitError, forgotten_unit, parse_quantity
 
 _DEVICE_KEYS = {"name", "count", "group", "peak_flops", "memory", "memory_bytes", "lambda", "memory_bandwidth", "address",
@@ -47,6 +51,7 @@ def cluster_from_yaml(data: Any, source: str) -> Cluster:
         devices.extend(_devices(e, f"{source}: devices[{i}]"))
     check_unique(devices, source)
     alpha, bandwidth = _links(data["links"], devices, f"{source}: links")
+    alpha, bandwidth = relay_links(data.get("relay"), devices, alpha, bandwidth, f"{source}: relay")
     return Cluster.from_bandwidth(str(data.get("name", "cluster")), devices, alpha, bandwidth, source)
 
 
