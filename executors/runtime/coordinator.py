@@ -144,6 +144,8 @@ class StepReport:
         parts = {p: {"forward_s": round(sum(s["forward_s"]), 6), "backward_s": round(sum(s["backward_s"]), 6),
                      # a split backward's parameter halves (zb1's W actions): compute that backward_s leaves out
                      **({"weight_s": round(sum(s["weight_s"]), 6)} if s.get("weight_s") else {}),
+                     # an owner of a tied parameter: from sending its gradient to holding every owner's (the wait)
+                     **({"tied_sync_s": round(s["sync_s"], 6)} if s.get("sync_s") else {}),
                      "idle_s": round(s["idle_s"], 6), "rejected": s["rejected"],
                      "bytes_sent": sum(v["bytes"] for v in s["sent"].values()),
                      **({"codec_s": round(s["codec_s"], 6)} if s.get("codec_s") else {}),

@@ -165,7 +165,8 @@ class StepLoop:
     def _sum_tied(self, st: "_Step") -> None:
         with self.tracer.span("grad-sync", "sync"):
             self._sync_wait(st.it, st.own)
-        st.stats["sync_s"] = time.perf_counter() - st.t_sync
+        # an owner of a tied parameter: the exchange's seconds; a part that holds none exchanges nothing
+        st.stats["sync_s"] = time.perf_counter() - st.t_sync if self.spec.shared else 0.0
 
     def _reduce(self, st: "_Step") -> None:
         if self.sync is not None:  # every-step DP: the gradients averaged over the group

@@ -114,6 +114,10 @@ def test_a_tied_gpt_sends_its_embedding_gradient_sparse_and_still_equals_plain_p
     reports, state = run_distributed(save_plan(plan, tmp_path / "plan", params=model.params), tmp_path / "run", batches)
     module.train()
     assert_matches_plain(reports, state, plain_sgd(dict(module.named_parameters()), module, batches, MICRO))
+    for r in reports:  # the owners' wait for each other's gradient is in the step line; the other parts have none
+        line = r.metrics_line()["parts"]
+        assert all(line[p]["tied_sync_s"] > 0 for p in owners)
+        assert all("tied_sync_s" not in v for p, v in line.items() if p not in owners)
 
     dense = 1024 * cfg.d_model * 4
     sent = {}
