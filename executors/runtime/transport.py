@@ -392,14 +392,13 @@ class Transport:
 
     def _relay_gone(self, peer: str) -> None:
         """The relay says ``peer``'s connection to it is gone (the peer died, stopped or was cut off, and its
-        heartbeats went unanswered): a link this transport sends on through the relay has failed. (A relay could
-        only lie here as it could drop the peer's traffic: the run would stop either way.)"""
+        heartbeats went unanswered): a link this transport sends on through the relay has failed, reported through
+        ``on_error`` like any failed link (each notice; the owner keeps the first). The link is not marked failed:
+        :meth:`send` would then raise in the sender's thread (the coordinator's heartbeats) instead of the run
+        stopping by its failure path. (A relay could only lie here as it could drop the peer's traffic.)"""
         from fusion.executors.runtime.relay import RelayedLink
 
-        link = self.senders.get(peer)
-        if isinstance(link, RelayedLink) and link.failed is None and self.relay is not None:
-            link.failed = f"{peer}'s connection to the relay at {self.relay.address} is gone"
-            log.warning("%s: %s", self.name, link.failed)
+        if isinstance(self.senders.get(peer), RelayedLink) and self.relay is not None:
             self.report_error(peer, f"its connection to the relay at {self.relay.address} is gone (closed, or its "
                                     "heartbeats went unanswered: the process died, stopped or was cut off)")
 
