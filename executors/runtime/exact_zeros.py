@@ -18,17 +18,17 @@ import numpy as np
 from fusion.ir.errors import WireError
 from fusion.kernels.dtypes import index_dtype_for
 from fusion.kernels.codecs.topk import densify
-from fusion.kernels.sparse import SparsePayload
+from fusion.kernels.sparse import EXACT_SPARSE_MAX_FRACTION, SparsePayload
 
-#: the largest share of nonzero elements sent sparse: beyond it the values and indices are no smaller than dense
-MAX_FRACTION = 0.25
+#: the largest share of nonzero elements sent sparse (the compiler's price follows the same rule)
+MAX_FRACTION = EXACT_SPARSE_MAX_FRACTION
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def nonzero_elements(arr: np.ndarray) -> np.ndarray:
-    """Flat indices of the elements whose bits are not all zero (``-0.0`` counts as nonzero), ascending."""
-    flat = np.ascontiguousarray(arr).reshape(-1)
+def nonzero_elements(flat: np.ndarray) -> np.ndarray:
+    """Indices of the elements of the contiguous 1-D ``flat`` whose bits are not all zero (``-0.0`` counts as
+    nonzero), ascending."""
     bits = _BITS.get(flat.dtype.itemsize)
     return np.flatnonzero(flat.view(bits) if bits is not None else flat)
 
@@ -39,10 +39,10 @@ def pack(arr: Any, dtype: str) -> Any:
     (bfloat16 arrays hold uint16 bits)."""
     if not isinstance(arr, np.ndarray) or arr.size == 0:
         return arr
-    idx = nonzero_elements(arr)
+    flat = np.ascontiguousarray(arr).reshape(-1)  # (a copy only when arr is not contiguous: once)
+    idx = nonzero_elements(flat)
     if idx.size > MAX_FRACTION * arr.size:
         return arr
-    flat = np.ascontiguousarray(arr).reshape(-1)
     it = np.int32 if index_dtype_for(arr.size) == "int32" else np.int64
     return SparsePayload(flat[idx], idx.astype(it), tuple(arr.shape), dtype, dtype)
 

@@ -57,12 +57,11 @@ def relay_links(spec: Any, devices: list[Device], alpha: np.ndarray, bandwidth: 
     v = index[via]
     if v in homes:
         raise ClusterError(f"{where}.via: {via!r} is listed behind NAT too; the relay must run on a reachable host")
-    alpha, bandwidth = alpha.copy(), bandwidth.copy()
-    a0, b0 = alpha.copy(), bandwidth.copy()
+    relayed_alpha, relayed_bw = alpha.copy(), bandwidth.copy()  # written here; read from the link table as given
     for j in sorted(homes):
         for i in range(len(devices)):
             if i in (j, v):
                 continue
-            alpha[i, j] = a0[i, v] + a0[v, j]
-            bandwidth[i, j] = 1.0 / (1.0 / b0[i, v] + 1.0 / b0[v, j])
-    return alpha, bandwidth
+            relayed_alpha[i, j] = alpha[i, v] + alpha[v, j]
+            relayed_bw[i, j] = 1.0 / (1.0 / bandwidth[i, v] + 1.0 / bandwidth[v, j])
+    return relayed_alpha, relayed_bw
