@@ -23,6 +23,11 @@ from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import PayloadCodec, register_payload_codec
 from fusion.kernels.dtypes import INDEX_DTYPES, VALUE_DTYPES, dtype_size, index_dtype_for
 
+#: a dense gradient travels as its exact nonzero elements (``executors/runtime/exact_zeros.py``) only when at most
+#: this share of it is nonzero: beyond, values and indices are barely smaller than dense. The compiler prices a tied
+#: gradient by the same rule (``fusion/cost/grad_rows.py``)
+EXACT_SPARSE_MAX_FRACTION = 0.25
+
 
 @dataclass(frozen=True)
 class SparsePayload:

@@ -14,6 +14,7 @@ import math
 from fusion.ir.graph import OpGraph
 from fusion.ir.node import OpNode, TensorMeta
 from fusion.kernels.dtypes import dtype_size, index_dtype_for
+from fusion.kernels.sparse import EXACT_SPARSE_MAX_FRACTION
 
 
 def is_embedding(node: OpNode) -> bool:
@@ -36,13 +37,15 @@ def _ids_numel(graph: OpGraph, node: OpNode) -> int | None:
 
 def node_grad_nbytes(graph: OpGraph, node: OpNode, param: str, micro_batches: int) -> float:
     """Wire bytes of ``node``'s contribution to the gradient of ``param`` over one step: an embedding's nonzero rows
-    as values and indices when that is smaller than dense, else the dense size."""
+    as values and indices when they are at most the runtime's share for the sparse form, else the dense size."""
     spec = graph.params[param]
     dense = float(spec.nbytes)
     ids = _ids_numel(graph, node) if is_embedding(node) else None
     if ids is None or len(spec.shape) != 2 or spec.dtype not in ("float16", "bfloat16", "float32", "float64"):
         return dense
     rows = min(int(spec.shape[0]), ids * micro_batches)
+    if rows > EXACT_SPARSE_MAX_FRACTION * spec.shape[0]:  # the runtime would send it dense (exact_zeros.py's rule)
+        return dense
     numel = math.prod(spec.shape)
     per = dtype_size(spec.dtype) + dtype_size(index_dtype_for(numel))
     return min(dense, float(rows * spec.shape[1] * per))

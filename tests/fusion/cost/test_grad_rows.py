@@ -52,3 +52,8 @@ def test_an_embedding_owner_is_priced_by_its_rows_and_the_output_layer_dense():
 def test_a_table_no_larger_than_a_steps_ids_counts_dense():
     g = _tied_lm(20)  # 30 ids a step can touch all 20 rows
     assert node_grad_nbytes(g, g.nodes["emb"], "emb.weight", MB) == 20 * D * 4
+
+
+def test_a_table_a_step_touches_more_than_a_quarter_of_counts_dense_as_the_runtime_sends_it():
+    g = _tied_lm(100)  # 30 of 100 rows: sparse would be smaller (30 x 8 x 8 < 100 x 8 x 4), but the runtime sends dense
+    assert node_grad_nbytes(g, g.nodes["emb"], "emb.weight", MB) == 100 * D * 4
