@@ -1,6 +1,8 @@
 """Devices behind NAT priced through the relay (``fusion/cluster/relayed.py``): a link into a home is the two hops
 through the relay's host (latencies add, seconds per byte add), links out of a home and the relay's own link into
 it stay as written, and a relay entry the loader cannot use is one line naming the file and field, exit 2."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from fusion.cli import main
 from fusion.cluster import load_cluster
 from fusion.cluster.model import ClusterError
 
+GPT = f"{Path(__file__).resolve().parents[3] / 'examples' / 'models' / 'gpt.py'}:tiny"  # from any working folder
 BASE = """name: homes
 devices:
   - {name: lab, count: 2, peak_flops: 50 GFLOPS, memory: 4 GB}
@@ -49,7 +52,7 @@ def test_links_into_a_home_are_the_relays_two_hops(tmp_path):
 def test_a_relay_entry_that_cannot_be_used_is_one_line_exit_2(tmp_path, capsys, relay, words):
     with pytest.raises(ClusterError, match="homes.yaml"):
         _load(tmp_path, relay)
-    assert main(["compile", "examples/models/gpt.py:tiny", "--cluster", str(tmp_path / "homes.yaml"),
+    assert main(["compile", GPT, "--cluster", str(tmp_path / "homes.yaml"),
                  "-o", str(tmp_path / "plan")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "homes.yaml" in err[0] and words in err[0], err
@@ -61,7 +64,7 @@ def test_the_compiler_prices_a_cut_into_a_home_through_the_relay(tmp_path):
     from fusion.compile import compile_model
     from fusion.loader import load_model
 
-    model = load_model("examples/models/gpt.py:tiny")
+    model = load_model(GPT)
     times = {}
     for tag, relay in (("direct", ""), ("relayed", "relay: {via: lab-0, behind_nat: [home-a]}\n")):
         c = _load(tmp_path, relay)
