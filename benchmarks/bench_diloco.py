@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=None, help="wan: held-out batches per evaluation (default 4)")
     ap.add_argument("--profile", default="20mbit", help="wan: the network profile between the sites (20mbit, 5mbit)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="wan: seconds one run may take")
+    ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
+                    help="wan: the coordinators' --steps-ahead (1, fusion's default; 0: lock step, as before 2026-11-28)")
     ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true",
                     help="wan: the tiny model, 10 synchronous steps, H 5, seed 0 only (the test's run)")
@@ -293,7 +295,7 @@ def wan(args: argparse.Namespace) -> int:
                      nesterov=bool(args.outer_nesterov), outer_delay=args.outer_delay or 0,
                      pseudo_codec=None if args.pseudo_codec == "none" else args.pseudo_codec,
                      eval_every=args.eval_every or h, eval_batches=args.eval_batches or (2 if quick else 4),
-                     profile=args.profile, timeout=args.timeout)
+                     profile=args.profile, timeout=args.timeout, steps_ahead=args.steps_ahead)
     seeds = [int(s) for s in args.seeds.split(",")]
     return study_main(study, seeds[:1] if quick else seeds, args.work)
 

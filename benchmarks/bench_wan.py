@@ -221,7 +221,8 @@ def run_fusion(sites: Sites, plan_dir: Path, setup, args, work: Path, port: int,
         procs = [subprocess.Popen(sites.cmd("coord", _fusion(
             "coordinator", str(plan_dir), "--bind", coord, "--steps", str(steps), *stop, "--out", str(run),
             "--overwrite", "--data", f"{_entry(setup)}:batches", "--no-progress", "--eval-every", str(args.eval_every),
-            "--eval-batches", str(args.eval_batches), "--peer-timeout", "60", "--key", str(keys / "coordinator.secret"))),
+            "--eval-batches", str(args.eval_batches), "--peer-timeout", "60", "--key", str(keys / "coordinator.secret"),
+            "--steps-ahead", str(getattr(args, "steps_ahead", 1)))),
             stdout=lf, stderr=subprocess.STDOUT, env=env)]
         for name, part in plan["parts"].items():
             procs.append(subprocess.Popen(sites.cmd(part["device"], _fusion(

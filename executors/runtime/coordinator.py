@@ -48,6 +48,7 @@ from fusion.executors.runtime.liveness import Heartbeat
 from fusion.executors.runtime.plandigest import digest_mismatch
 from fusion.executors.runtime.sample_ids import batch_ids, per_sample_edges
 from fusion.executors.runtime.schedule import TailKind, step_tail
+from fusion.executors.runtime.step_ahead import MAX_AHEAD, Ahead, lock_step_reason
 from fusion.executors.runtime.transport import Transport
 from fusion.plan import OptimizerConfig, Plan
 
@@ -107,6 +108,9 @@ class CoordinatorConfig:
     #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
     #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/dp/join.py)
     joins: dict[int, int] = field(default_factory=dict)
+    #: steps sent before the previous one's ``done`` arrived (:mod:`.step_ahead`; ``--steps-ahead``): 0 lock step,
+    #: at most :data:`~.step_ahead.MAX_AHEAD`; :meth:`Coordinator.step` sends one ahead only when given the next batch
+    steps_ahead: int = MAX_AHEAD
 
 
 @dataclass
@@ -255,6 +259,10 @@ class Coordinator:
         #: the plan's optimizer (its schedule gives each step's lr for the metrics line); None without one
         self.optimizer = OptimizerConfig.from_dict(plan.optimizer) if plan.optimizer else None
         self._norms: dict[int, float] = {}
+        self._ahead: Ahead | None = None  # the step sent before the one in progress was done (:mod:`.step_ahead`)
+        self._ahead_batch: Mapping[str, Any] | None = None  # the next step's batch, given to :meth:`step`
+        self.sent_ahead = 0  # steps sent before the previous one was done (:mod:`.step_ahead`)
+        self._t_done = 0.0  # when the previous step's last ``done`` was collected (a step sent ahead counts from it)
 
     # -- receiving ------------------------------------------------------------------
     def _on_message(self, sender: str, msg: Message) -> None:
@@ -594,17 +602,25 @@ class Coordinator:
     def live_replicas(self) -> list[int]:
         return sorted({self.replica_of[p] for p in self.live})
 
-    def stepping(self) -> list[str]:
-        """The live parts whose replica takes an inner step in the step in progress (all of them unless the plan
-        gives replicas their own inner steps: :func:`~.dp.inner_steps.steps_at`); the others are idle in it."""
-        return [p for p in self.live if steps_at(self.plan.dp_sync, self.replica_of[p], self.step_index + 1)]
+    def stepping(self, step: int | None = None) -> list[str]:
+        """The live parts whose replica takes an inner step in step ``step`` (default: the one in progress; all of
+        them unless the plan gives replicas their own inner steps: :func:`~.dp.inner_steps.steps_at`); the others
+        are idle in it."""
+        step = self.step_index if step is None else step
+        return [p for p in self.live if steps_at(self.plan.dp_sync, self.replica_of[p], step + 1)]
 
-    def step(self, batch: Mapping[str, Any], want_grads: bool = False) -> StepReport:
+    def step(self, batch: Mapping[str, Any], want_grads: bool = False,
+             ahead: Mapping[str, Any] | None = None) -> StepReport:
         """Run one iteration on ``batch`` (placeholder -> array with all micro-batches).
+
+        ahead: the next step's batch, when the caller runs it right after this one (no evaluation between, not the
+        last step): it is sent to the CompNodes now, before this step's ``done`` arrives, where the run allows it
+        (:mod:`.step_ahead`), and the next call (with that same batch) only collects it.
 
         With ``drop_failed_replicas``, a CompNode failure drops its replica (:meth:`_drop_replica`) and the
         step goes on with the surviving replicas; the report lists the drops in ``dropped``.
         """
+        self._ahead_batch = ahead
         joined = self._admit_due() if self.pending else []
         drops: list[dict] = []
         self._drops = drops  # (the same list: a checkpoint's metrics line lists the drops of its step)
@@ -678,14 +694,53 @@ class Coordinator:
         log.warning("dropped replica %d at step %d: %s", r, self.step_index, e)
         return rec
 
-    def _send_step(self, batch: Mapping[str, Any], want_grads: bool, ckpt: bool) -> int:
-        exec_it = self.step_index + self.iter_offset
-        rows, arrays = self._part_arrays(batch)
+    def _send_step(self, batch: Mapping[str, Any], want_grads: bool, ckpt: bool, step: int | None = None) -> int:
+        """Send step ``step`` (default: the one in progress) to every live part; its rows."""
+        step = self.step_index if step is None else step
+        exec_it = step + self.iter_offset
+        rows, arrays = self._part_arrays(batch, step)
         for p in self.live:
             # save_step: the files are named by completed steps, which redone attempts have put behind exec_it
             self.transport.send(p, Step(arrays=arrays[p], it=exec_it, want_grads=want_grads, checkpoint=ckpt,
-                                        save_step=self.step_index + 1).frames())
+                                        save_step=step + 1).frames())
         return rows
+
+    def _checkpoints(self, step: int) -> bool:
+        """Whether the parts save after step ``step`` (after a drop only the survivors save; their copy of each
+        stage resumes the dropped replica's parts)."""
+        every = self.cfg.checkpoint_every
+        return bool(self.cfg.checkpoint_dir and every and (step + 1) % every == 0)
+
+    def lock_step_reason(self, want_grads: bool = False) -> str | None:
+        """Why this run's next step may not be sent before the current one is done (None: it may;
+        :mod:`.step_ahead`)."""
+        if self.cfg.steps_ahead < 1:
+            return "--steps-ahead 0"
+        return lock_step_reason(clip=self.clip, failover=self._failover, joining=bool(self.pending),
+                                interleaved=any(len(ps) > 1 for ps in self.plan.lanes().values()),
+                                want_grads=want_grads)
+
+    def _send_ahead(self, want_grads: bool) -> None:
+        """Send the next step (:attr:`_ahead_batch`) now, where the run allows it (:mod:`.step_ahead`)."""
+        batch, self._ahead_batch = self._ahead_batch, None
+        if batch is None or self.lock_step_reason(want_grads) is not None:
+            return
+        nxt = self.step_index + 1
+        ckpt = self._checkpoints(nxt)
+        rows = self._send_step(batch, False, ckpt, nxt)
+        self._ahead = Ahead(nxt, rows, ckpt, time.monotonic())
+        self.sent_ahead += 1
+
+    def settle(self) -> StepReport | None:
+        """The report of a step sent ahead whose ``done`` was not collected (the loop stopped before running it,
+        e.g. on Ctrl-C): the parts run it anyway, so it is collected and counted here; None when there is none."""
+        if self._ahead is None or self._ahead.step != self.step_index:
+            return None
+        done: dict[str, Done] = {}
+        self._collect("done", self.live, self.cfg.step_timeout_s, f"step {self.step_index}", got=done)
+        a, self._ahead = self._ahead, None
+        return self._report(a.step, a.step + self.iter_offset, a.rows, done, max(a.sent_at, self._t_done),
+                            a.checkpoint)
 
     def evaluate(self, batch: Mapping[str, Any]) -> float:
         """The loss of ``batch`` forward only (``--eval-every``): every live replica's share of it through its
@@ -708,9 +763,12 @@ class Coordinator:
             raise FusionError("evaluation: no part computed a loss (the model has no loss node)")
         return float(np.sum(losses) / len(covered))
 
-    def _part_arrays(self, batch: Mapping[str, Any]) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
-        """The rows of ``batch`` and each live part's tensors of it: its placeholders of its replica's micro-batches
-        (``"<micro-batch>/<placeholder>"``), and the sample ids where the plan has per-sample edges."""
+    def _part_arrays(self, batch: Mapping[str, Any], step: int | None = None
+                     ) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+        """The rows of ``batch`` and each live part's tensors of it for step ``step`` (default: the one in
+        progress): its placeholders of its replica's micro-batches (``"<micro-batch>/<placeholder>"``), and the
+        sample ids where the plan has per-sample edges."""
+        step = self.step_index if step is None else step
         from fusion.ir.opdata import SAMPLE_IDS
 
         n, reps = self.n_micro, self.live_replicas()
@@ -727,10 +785,10 @@ class Coordinator:
             for ph, spec in self.feed_specs.items():
                 why = feed_problem(spec, np.asarray(mb[ph])) if ph in mb else None
                 if why:
-                    raise FusionError(f"step {self.step_index}: batch field {ph!r} (micro-batch {m}) {why}")
+                    raise FusionError(f"step {step}: batch field {ph!r} (micro-batch {m}) {why}")
         mb_ids = None if ids is None else split_micro_batches({SAMPLE_IDS: ids}, sum(counts))
         out: dict[str, dict[str, np.ndarray]] = {}
-        stepping = set(self.stepping())
+        stepping = set(self.stepping(step))
         if len(stepping) < len(self.live):  # per-replica inner steps: the idle replicas' shares are not trained on
             rows = rows * sum(counts[reps.index(r)] for r in {self.replica_of[p] for p in stepping}) // sum(counts)
         for p in self.live:
@@ -753,11 +811,14 @@ class Coordinator:
                    done: dict[str, Done]) -> StepReport:
         it = self.step_index
         exec_it = it + self.iter_offset
-        every = self.cfg.checkpoint_every
-        # after a drop only the survivors save; their copy of each stage resumes the dropped replica's parts
-        ckpt = bool(self.cfg.checkpoint_dir and every and (it + 1) % every == 0)
-        t0 = time.monotonic()
-        rows = self._send_step(batch, want_grads, ckpt)
+        a, self._ahead = self._ahead, None
+        if a is not None and a.step == it:  # sent with the previous step (:mod:`.step_ahead`)
+            t0, rows, ckpt = max(a.sent_at, self._t_done), a.rows, a.checkpoint
+        else:
+            ckpt = self._checkpoints(it)
+            t0 = time.monotonic()
+            rows = self._send_step(batch, want_grads, ckpt)
+        self._send_ahead(want_grads)
         committed[1] = ckpt
         self._norms = {}
         # the end of the step as every part runs it (fusion.ir.schedule.step_tail); the coordinator's kinds
@@ -803,7 +864,8 @@ class Coordinator:
         return r
 
     def _report(self, it: int, exec_it: int, rows: int, done: dict[str, Done], t0: float, ckpt: bool) -> StepReport:
-        dt = time.monotonic() - t0
+        self._t_done = time.monotonic()
+        dt = self._t_done - t0
         n, R = self.n_micro, len(self.live_replicas())
         losses = []
         covered: set[tuple[int, int]] = set()  # (replica, micro-batch) whose losses arrived

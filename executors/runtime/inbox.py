@@ -24,6 +24,7 @@ from fusion.ir.node import TensorMeta
 from fusion.ir.opdata import OpData
 from fusion.executors.runtime.exact_zeros import unpack
 from fusion.executors.runtime.part import Key, Routes
+from fusion.executors.runtime.step_ahead import accepts, expected_text
 
 
 class Inbox:
@@ -61,8 +62,8 @@ class Inbox:
             raise WireError(f"message for {od.dst!r} arrived at {self.me!r}")
         if not self.open:
             raise WireError("OP-Data before this part is set up")
-        if od.local_iter != self.expected_iter:
-            raise WireError(f"{od.key} for iteration {od.local_iter}, this part is at iteration {self.expected_iter}")
+        if not accepts(od.local_iter, self.expected_iter):  # (a part one step ahead: .step_ahead)
+            raise WireError(f"{od.key} for iteration {od.local_iter}, {expected_text(self.expected_iter)}")
         if param_grad:
             self._accept_pgrad(sender, od)
         else:
@@ -180,7 +181,8 @@ class Inbox:
             del self._data[k]
 
     def finish(self, it: int) -> None:
-        """Iteration ``it`` is over: from now on only messages of ``it + 1`` are accepted."""
+        """Iteration ``it`` is over: from now on messages of ``it + 1`` are accepted (and of the step after it,
+        :mod:`.step_ahead`); what arrived early for ``it + 1`` is kept."""
         self.expected_iter = it + 1
         for k in [k for k in self._pgrads if k[0] <= it]:
             del self._pgrads[k]

@@ -37,7 +37,7 @@ def listen(opts: "Coordinator", plan, out: Path, joins: dict, security):
     cfg = CoordinatorConfig(bind=lis.bind, emulate_links=t.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=t.checkpoint_every, peer_timeout_s=t.peer_timeout, link_timeout_s=t.link_timeout,
                             startup_timeout_s=lis.startup_timeout, security=security,
-                            plan_digest=plan_digest(opts.plan), drop_failed_replicas=t.drop_failed_replicas,
+                            plan_digest=plan_digest(opts.plan), drop_failed_replicas=t.drop_failed_replicas, steps_ahead=t.steps_ahead,
                             joins=joins)
     coord = Coordinator(plan, cfg, report=say)
     return WaitForParts(coord, lambda c: Coordinator(plan, c, report=say), lis.restart_wait, say)

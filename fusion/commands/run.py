@@ -131,7 +131,7 @@ def make_cluster(opts: "Run", plan_dir: Path, out: Path, joins: dict, trust: boo
     t, launch = opts.train, opts.launch
     cfg = CoordinatorConfig(emulate_links=t.emulate_links, checkpoint_dir=str(out / "checkpoints"),
                             checkpoint_every=t.checkpoint_every, peer_timeout_s=t.peer_timeout, link_timeout_s=t.link_timeout,
-                            drop_failed_replicas=t.drop_failed_replicas, joins=joins)
+                            drop_failed_replicas=t.drop_failed_replicas, steps_ahead=t.steps_ahead, joins=joins)
     common = dict(threads=launch.threads, report=say, trace=launch.trace == "on",
                   executor_args=launch.executor_flags(trust), curve=not launch.insecure)
     if launch.ray:

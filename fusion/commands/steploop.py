@@ -55,10 +55,15 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     ctrl_c = _StopAtStepEnd(bar)
     try:
         with open(metrics, "a" if resumed else "w") as mf:
+            batches = _Batches(batch_fn)
             for step in range(first, steps):
                 if ctrl_c.asked:
                     raise KeyboardInterrupt
-                r = coord.step(batch_fn(step))
+                evaluates = evaluation is not None and (step + 1) % evaluation.every == 0
+                # the next step goes to the CompNodes before this one is done (executors/runtime/step_ahead.py),
+                # unless an evaluation or the end comes between them
+                ahead = batches.get(step + 1) if step + 1 < steps and not evaluates and not ctrl_c.asked else None
+                r = coord.step(batches.pop(step), ahead=ahead)
                 last, done = r, step + 1
                 _write_line(mf, board, r.metrics_line())
                 _advance(bar, r)
@@ -66,13 +71,14 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                     t_logged = time.monotonic()
                     _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
                               f"({t_logged - t0:.0f} s)")
-                if evaluation is not None and (step + 1) % evaluation.every == 0 and _evaluate(
+                if evaluates and _evaluate(
                         coord, evaluation, r.step, mf, board, lambda t, s=step: _say(bar, f"step {s + 1}/{steps}: {t}")):
                     break  # --stop-at-val-loss reached
             if ctrl_c.asked:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
+        last, done = _settle(coord, metrics, board, bar, last, done)
     finally:
         ctrl_c.restore()
         board.close()
@@ -85,6 +91,40 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
     if interrupted:
         raise KeyboardInterrupt(summary)
     return summary
+
+
+class _Batches:
+    """``batch_fn``'s batches, each made once: the next step's is made a step early to be sent ahead."""
+
+    def __init__(self, batch_fn: Callable[[int], dict]):
+        self.batch_fn = batch_fn
+        self._made: dict[int, dict] = {}
+
+    def get(self, step: int) -> dict:
+        if step not in self._made:
+            self._made[step] = self.batch_fn(step)
+        return self._made[step]
+
+    def pop(self, step: int) -> dict:
+        return self._made.pop(step) if step in self._made else self.batch_fn(step)
+
+
+def _settle(coord, metrics: Path, board, bar, last, done: int):
+    """On Ctrl-C: a step already sent ahead runs on the CompNodes anyway, so its line is written and it is counted
+    (the final weights include it); ``(last report, steps done)``. Nothing to settle, or a coordinator that cannot
+    (a second Ctrl-C during a step): unchanged."""
+    settle = getattr(coord, "settle", None)
+    try:
+        r = settle() if settle is not None else None
+    except Exception as e:  # noqa: BLE001 - the weights are still saved; the line says what was not counted
+        log.warning("a step sent ahead could not be collected after Ctrl-C: %s", e)
+        return last, done
+    if r is None:
+        return last, done
+    with open(metrics, "a") as mf:
+        _write_line(mf, board, r.metrics_line())
+    _advance(bar, r)
+    return r, r.step + 1
 
 
 def _open_metrics(coord, out: Path, first: int, resumed: bool) -> None:

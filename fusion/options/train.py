@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fusion.options.field import Section, option
 from fusion.options.types import (join_at, non_negative_int, non_negative_seconds, percentage, positive_float,
-                                  positive_int)
+                                  positive_int, steps_ahead_count)
 
 
 @dataclass
@@ -24,6 +24,7 @@ class TrainOptions(Section):
     link_timeout: float = option("--link-timeout", default=2.0, type=non_negative_seconds, metavar="SECONDS", help="a CompNode that dies, stops or is cut off is detected within this long on a quiet host: ZeroMQ heartbeats on the coordinator's link to each CompNode, answered by ZeroMQ's I/O thread even while the CompNode computes (0: off; raise it for links that need longer to send one message; docs/runtime.md)")
     drop_failed_replicas: bool = option("--drop-failed-replicas", kind="flag", help="with data-parallel replicas: when a CompNode dies or falls silent, drop its replica and go on with the others (the step is redone on them with the global batch re-split; metrics.jsonl records the replica and step)")
     join_at: list = option("--join-at", default=[], type=join_at, metavar="STEP:REPLICA", help="DiLoCo: replica REPLICA of the plan starts late and joins the running job before step STEP (an outer boundary, a multiple of --inner-steps): it takes the global weights and outer momentum of a live replica and the global batch is re-split (`fusion run` starts its executors then; under `fusion coordinator` start them by hand, with a --startup-timeout that covers the wait). Repeatable")
+    steps_ahead: int = option("--steps-ahead", default=1, type=steps_ahead_count, metavar="N", help="send each step to the CompNodes before the previous one is done, so a part starts it as soon as its own last step is over instead of waiting a round trip and the slowest part (DiLoCo's replicas run their inner steps apart); the same steps and results as lock step. Not with gradient clipping, --drop-failed-replicas, joins or an interleaved schedule, nor across an evaluation (0: lock step; docs/runtime.md)")
     no_progress: bool = option("--no-progress", kind="flag", help="no progress bar")
     log_every: float = option("--log-every", default=30.0, type=non_negative_seconds, metavar="SECONDS", help="when stderr is not a terminal (a log file, CI), a one-line step log at most this often, even with --no-progress (0: every step)")
 

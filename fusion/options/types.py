@@ -31,6 +31,11 @@ positive_finite = _number(float, "a number", lambda v: 0 < v < float("inf"), "mu
 seed_int = _number(int, "a whole number", lambda v: 0 <= v < 2 ** 32, "must be 0 to 4294967295")
 #: a finite number of seconds >= 0
 non_negative_seconds = _number(float, "a number", lambda v: 0 <= v < float("inf"), "must be 0 or more seconds")
+#: ``--steps-ahead``: 0 (lock step) up to executors/runtime/step_ahead.py's MAX_AHEAD (1; the options layer may not
+#: import the executors: tests/fusion/test_step_ahead_option.py holds the two equal)
+STEPS_AHEAD_MAX = 1
+steps_ahead_count = _number(int, "a whole number", lambda v: 0 <= v <= STEPS_AHEAD_MAX,
+                            f"must be 0 (lock step) to {STEPS_AHEAD_MAX}")
 #: a percentage in [0, 100)
 percentage = _number(float, "a percentage", lambda v: 0 <= v < 100, "must be in [0, 100)")
 

@@ -64,6 +64,7 @@ import numpy as np
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode_payload
 from fusion.executors.runtime.dp.header import KIND, ChunkHeader
+from fusion.executors.runtime.step_ahead import accepts, expected_text
 from fusion.kernels.codecs.base import Role
 from fusion.kernels.codecs.registry import FlatCodec
 
@@ -267,8 +268,8 @@ class RingInbox:
         if h.get("src") != sender or h.get("dst") != self.me:
             raise WireError(f"all-reduce message says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{self.me!r}")
         it, b, step, chunk = (_nat(h, k) for k in ("it", "bucket", "step", "chunk"))
-        if it != self.expected_iter:
-            raise WireError(f"all-reduce message for iteration {it}, this part is at iteration {self.expected_iter}")
+        if not accepts(it, self.expected_iter):  # (a replica one step ahead: ..step_ahead)
+            raise WireError(f"all-reduce message for iteration {it}, {expected_text(self.expected_iter)}")
         if b >= len(self.buckets):
             raise WireError(f"all-reduce message for bucket {b}; this part has {len(self.buckets)}")
         want = self._expected_chunk(sender, step)
@@ -296,7 +297,8 @@ class RingInbox:
         return self._got.pop((it, bucket, step), None)
 
     def finish(self, it: int) -> None:
-        """Iteration ``it`` is over: only messages of ``it + 1`` are accepted from now on."""
+        """Iteration ``it`` is over: messages of ``it + 1`` (and the step after it, :mod:`..step_ahead`) are accepted
+        from now on; what arrived early for ``it + 1`` is kept."""
         self.expected_iter = it + 1
         for k in [k for k in self._got if k[0] <= it]:
             del self._got[k]

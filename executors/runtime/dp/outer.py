@@ -95,6 +95,7 @@ import numpy as np
 from fusion.ir.errors import FusionError, WireError
 from fusion.ir.wire import Message, decode_payload, encode_payload
 from fusion.executors.runtime.dp.header import DelayedHeader, PseudoHeader
+from fusion.executors.runtime.step_ahead import accepts, expected_text
 from fusion.executors.runtime.dp.allreduce import (Bucket, RingInbox, average, check_group, flatten, make_buckets,
                                                 unflatten)
 from fusion.kernels.codecs.base import Role
@@ -207,8 +208,8 @@ class PseudoInbox:
         if h.get("src") != sender or h.get("dst") != r.me:
             raise WireError(f"pseudo-gradient says {h.get('src')!r}->{h.get('dst')!r} but came {sender!r}->{r.me!r}")
         it, b = h.get("it"), h.get("bucket")
-        if it != r.expected_iter:
-            raise WireError(f"pseudo-gradient for iteration {it!r}, this part is at iteration {r.expected_iter}")
+        if type(it) is not int or not accepts(it, r.expected_iter):  # (a replica one step ahead: ..step_ahead)
+            raise WireError(f"pseudo-gradient for iteration {it!r}, {expected_text(r.expected_iter)}")
         if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < len(r.buckets):
             raise WireError(f"pseudo-gradient for bucket {b!r}; this part has {len(r.buckets)}")
         if self.codec is None:
@@ -222,7 +223,7 @@ class PseudoInbox:
         if a.shape != (want.total,) or a.dtype.name != want.dtype:
             raise WireError(f"pseudo-gradient of bucket {b} is {a.dtype.name}{list(a.shape)}, expected "
                             f"{want.dtype}[{want.total}]")
-        for k in [k for k in self._got if k[0] < it]:
+        for k in [k for k in self._got if k[0] < r.expected_iter]:  # rounds that are over
             del self._got[k]
         self._got[key] = a
 

@@ -409,7 +409,7 @@ def test_pseudo_inbox_rejects_what_the_group_did_not_send():
     for sender, m, says in [("r9.p0", msg(src="r9.p0"), "not in p0's data-parallel group"),
                             ("r1.p0", msg(group=None), "says it was sent in the group None"),
                             ("r1.p0", msg(src="r2.p0"), "but came"),
-                            ("r1.p0", msg(it=1), "iteration 1, this part is at iteration 0"),
+                            ("r1.p0", msg(it=2), "iteration 2, this part is at iteration 0"),  # (1: a step ahead, kept)
                             ("r1.p0", msg(bucket=1), "bucket 1"),
                             ("r1.p0", msg(n=9), r"expected float32\[10\]"),
                             ("r1.p0", msg(c={"algo": "topk", "ratio": 2}), "not what quant makes")]:

@@ -102,8 +102,8 @@ def test_a_refused_input_stops_the_part_at_once_naming_it_and_other_refusals_do_
         stops = [  # inputs this part waits for: refused means lost, so the part stops naming it
             (msg(payload=np.zeros((2, 4, 6, 5), np.float32)), "activation relu_a of micro-batch 0 of iteration 0 "
              "from p1, which this part waits for: ('relu_a', None): payload float32[2, 4, 6, 5] does not match"),
-            (msg(local_iter=1), "of iteration 1 from p1, which this part waits for: ('relu_a', None) for iteration 1, "
-             "this part is at iteration 0"),  # one that arrives early is lost too
+            (msg(local_iter=1, payload=np.zeros((2, 4, 6, 5), np.float32)), "of iteration 1 from p1, which this "
+             "part waits for: ('relu_a', None): payload float32[2, 4, 6, 5]"),  # one a step ahead (kept when good)
             (msg(payload=dup), "refused the activation relu_a of micro-batch 0 of iteration 0 from p1, which this "
              "part waits for: sparse payload: duplicate index 5"),  # its payload failed: the header still says what
         ]
