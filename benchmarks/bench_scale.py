@@ -115,11 +115,11 @@ def fusion_cmd(*args: str) -> list[str]:
 
 
 def run_args(name: str, out: Path, steps: int, every: int, resume: bool = False, strategy: str = "opfence",
-             schedule: str = "auto") -> list[str]:
+             schedule: str = "auto", steps_ahead: int = 1) -> list[str]:
     a = ["run", f"{HERE}:{name}", "--cluster", str(CLUSTER), "--strategy", strategy, "--schedule", schedule,
          "--micro-batches", str(MICRO_BATCHES), "--optimizer", "adamw", "--lr", str(LR),
          "--data", f"{HERE}:{name}_batches", "--steps", str(steps), "--checkpoint-every", str(every),
-         "--out", str(out), "--no-progress", "--log-every", "0"]
+         "--out", str(out), "--no-progress", "--log-every", "0", "--steps-ahead", str(steps_ahead)]
     return a + (["--resume"] if resume else [])
 
 
@@ -273,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", default=None, help="partitioner (default opfence, fusion's own; --quick equal-flops: "
                     "OP-Fence rightly keeps a 0.3 M-parameter model on fewer devices)")
     ap.add_argument("--schedule", default="auto", help="pipeline schedule (default auto: the compiler's choice)")
+    ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
+                    help="fusion run --steps-ahead (default 1, fusion's default; 0: lock step, as before 2026-11-28)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -286,7 +288,8 @@ def main(argv=None) -> int:
     bsteps = a.baseline_steps or (2 if a.quick else 4)
     if every >= steps:
         ap.error("--checkpoint-every must be below --steps (run B resumes from its first checkpoint)")
-    plan_flags = {"strategy": a.strategy or ("equal-flops" if a.quick else "opfence"), "schedule": a.schedule}
+    plan_flags = {"strategy": a.strategy or ("equal-flops" if a.quick else "opfence"), "schedule": a.schedule,
+                  "steps_ahead": a.steps_ahead}
     base = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_scale-"))
     base.mkdir(parents=True, exist_ok=True)
     res: dict = {"model": f"benchmarks/bench_scale.py:{name}", "parts": 4, "micro_batch": MICRO_BATCH,

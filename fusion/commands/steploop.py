@@ -60,13 +60,10 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
                 if ctrl_c.asked:
                     raise KeyboardInterrupt
                 evaluates = evaluation is not None and (step + 1) % evaluation.every == 0
-                # the next step goes to the CompNodes before this one is done (executors/runtime/step_ahead.py),
-                # unless an evaluation or the end comes between them
-                ahead = batches.get(step + 1) if step + 1 < steps and not evaluates and not ctrl_c.asked else None
-                r = coord.step(batches.pop(step), ahead=ahead)
+                last_one = step + 1 == steps or evaluates or ctrl_c.asked
+                r = coord.step(batches.pop(step), ahead=None if last_one else batches.ahead(coord, step + 1))
                 last, done = r, step + 1
-                _write_line(mf, board, r.metrics_line())
-                _advance(bar, r)
+                _record(mf, board, bar, r)
                 if step_log and (time.monotonic() - t_logged >= log_every_s or step + 1 == steps):
                     t_logged = time.monotonic()
                     _say(bar, f"step {step + 1}/{steps} loss {r.loss:.4f} {r.samples_per_s:.1f} samples/s "
@@ -80,10 +77,7 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
         interrupted = True
         last, done = _settle(coord, metrics, board, bar, last, done)
     finally:
-        ctrl_c.restore()
-        board.close()
-        if bar is not None:
-            bar.close()
+        _close(ctrl_c, board, bar)
     if interrupted:
         print(f"interrupted after {done} steps; saving the latest weights (Ctrl-C again to skip)", file=sys.stderr)
     _save_final(coord, out)
@@ -94,13 +88,19 @@ def train(coord, batch_fn: Callable[[int], dict], first: int, steps: int, out: P
 
 
 class _Batches:
-    """``batch_fn``'s batches, each made once: the next step's is made a step early to be sent ahead."""
+    """``batch_fn``'s batches, each made once: the next step's is made a step early when the coordinator sends it
+    before the current one is done (executors/runtime/step_ahead.py; the loop passes none when an evaluation or the
+    end comes between the two). Otherwise ``batch_fn(step)`` is called when step ``step`` starts, as before."""
 
     def __init__(self, batch_fn: Callable[[int], dict]):
         self.batch_fn = batch_fn
         self._made: dict[int, dict] = {}
 
-    def get(self, step: int) -> dict:
+    def ahead(self, coord, step: int) -> dict | None:
+        """Step ``step``'s batch to send ahead, or None where the run goes in lock step (nothing is made early)."""
+        why = getattr(coord, "lock_step_reason", lambda: "")()
+        if why is not None:
+            return None
         if step not in self._made:
             self._made[step] = self.batch_fn(step)
         return self._made[step]
@@ -122,9 +122,22 @@ def _settle(coord, metrics: Path, board, bar, last, done: int):
     if r is None:
         return last, done
     with open(metrics, "a") as mf:
-        _write_line(mf, board, r.metrics_line())
-    _advance(bar, r)
+        _record(mf, board, bar, r)
     return r, r.step + 1
+
+
+def _record(mf, board, bar, r) -> None:
+    """A step's metrics line written and shown on the progress bar."""
+    _write_line(mf, board, r.metrics_line())
+    _advance(bar, r)
+
+
+def _close(ctrl_c, board, bar) -> None:
+    """The step loop is over: Ctrl-C's handler back, the live board and the progress bar closed."""
+    ctrl_c.restore()
+    board.close()
+    if bar is not None:
+        bar.close()
 
 
 def _open_metrics(coord, out: Path, first: int, resumed: bool) -> None:

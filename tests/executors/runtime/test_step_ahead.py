@@ -187,3 +187,22 @@ def test_pseudo_inbox_keeps_the_next_iterations_round_without_dropping_the_curre
     with pytest.raises(WireError, match="iteration 2"):
         box.accept("r1.p0", msg(2, 3.0))
     assert box.take(0, 0, "r1.p0") is not None and box.take(1, 0, "r1.p0") is not None
+
+
+def test_a_step_sent_ahead_and_not_run_by_the_loop_is_settled(tmp_path):
+    """Ctrl-C between two steps: the step already sent runs on the CompNodes anyway; ``settle`` collects it (the
+    step loop writes its line) so the final weights are never a step past the metrics."""
+    from fusion.executors.runtime.coordinator import CoordinatorConfig
+    from fusion.executors.runtime.launcher import LocalCluster
+
+    plan_dir, batches = _mlp_diloco(tmp_path)
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30), threads=1) as lc:
+        lc.start()
+        c = lc.coordinator
+        assert c.settle() is None  # nothing in flight
+        r0 = c.step(batches[0], ahead=batches[1])
+        r1 = c.settle()
+        assert (r0.step, r1.step, c.step_index, c.sent_ahead) == (0, 1, 2, 1) and r1.iteration_s > 0
+        assert c.settle() is None
+        r2 = c.step(batches[2])  # the loop goes on in lock step from there
+        assert r2.step == 2
