@@ -154,16 +154,17 @@ class Watched:
         """(exit status, fusion run's own peak RSS in MB: its VmHWM as last polled; wait4's ru_maxrss would be
         the largest of it and the executors it waited for)."""
         deadline = time.monotonic() + timeout
-        while True:
+        while self.p.returncode is None:  # (not reaped yet: poll() reaps a process it finds ended)
             pid, status, ru = os.wait4(self.p.pid, os.WNOHANG)
             if pid:
+                self.p.returncode = os.waitstatus_to_exitcode(status)
                 break
             if time.monotonic() > deadline:
                 self.kill()
                 pid, status, ru = os.wait4(self.p.pid, 0)
+                self.p.returncode = os.waitstatus_to_exitcode(status)
                 break
             time.sleep(0.2)
-        self.p.returncode = os.waitstatus_to_exitcode(status)
         self.stdout = self.p.stdout.read()
         self.seconds = time.monotonic() - self.t0
         self._stop = True

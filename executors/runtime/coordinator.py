@@ -718,7 +718,7 @@ class Coordinator:
             return "--steps-ahead 0"
         return lock_step_reason(clip=self.clip, failover=self._failover, joining=bool(self.pending),
                                 interleaved=any(len(ps) > 1 for ps in self.plan.lanes().values()),
-                                want_grads=want_grads)
+                                want_grads=want_grads, checkpoint=self._checkpoints(self.step_index))
 
     def _send_ahead(self, want_grads: bool) -> None:
         """Send the next step (:attr:`_ahead_batch`) now, where the run allows it (:mod:`.step_ahead`)."""

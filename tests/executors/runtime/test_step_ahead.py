@@ -105,7 +105,7 @@ def test_lock_step_reasons():
     free = dict(clip=False, failover=False, joining=False, interleaved=False, want_grads=False)
     assert lock_step_reason(**free) is None
     for k, says in [("clip", "clipping"), ("failover", "--drop-failed-replicas"), ("joining", "joins"),
-                    ("interleaved", "interleaved"), ("want_grads", "gradients")]:
+                    ("interleaved", "interleaved"), ("want_grads", "gradients"), ("checkpoint", "checkpointed")]:
         assert says in lock_step_reason(**{**free, k: True})
     assert MAX_AHEAD == 1 and accepts(3, 3) and accepts(4, 3) and not accepts(5, 3) and not accepts(2, 3)
 
