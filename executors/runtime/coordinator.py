@@ -261,6 +261,7 @@ class Coordinator:
         self._norms: dict[int, float] = {}
         self._ahead: Ahead | None = None  # the step sent before the one in progress was done (:mod:`.step_ahead`)
         self._ahead_batch: Mapping[str, Any] | None = None  # the next step's batch, given to :meth:`step`
+        self._reported: dict[str, Done] = {}  # the ``done`` reports of the step in progress collected so far
         self.sent_ahead = 0  # steps sent before the previous one was done (:mod:`.step_ahead`)
         self._t_done = 0.0  # when the previous step's last ``done`` was collected (a step sent ahead counts from it)
 
@@ -731,6 +732,14 @@ class Coordinator:
         self._ahead = Ahead(nxt, rows, ckpt, time.monotonic())
         self.sent_ahead += 1
 
+    def failed_step(self, part: str) -> int:
+        """The step ``part`` failed in: the one in progress, or the next one when that was sent ahead
+        (:mod:`.step_ahead`) and ``part`` had already reported the one in progress."""
+        a = self._ahead
+        if a is not None and a.step == self.step_index + 1 and part in self._reported:
+            return a.step
+        return self.step_index
+
     def settle(self) -> StepReport | None:
         """The report of a step sent ahead whose ``done`` was not collected (the loop stopped before running it,
         e.g. on Ctrl-C): the parts run it anyway, so it is collected and counted here; None when there is none."""
@@ -819,6 +828,7 @@ class Coordinator:
             t0 = time.monotonic()
             rows = self._send_step(batch, want_grads, ckpt)
         self._send_ahead(want_grads)
+        self._reported = done
         committed[1] = ckpt
         self._norms = {}
         # the end of the step as every part runs it (fusion.ir.schedule.step_tail); the coordinator's kinds

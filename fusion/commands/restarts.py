@@ -105,7 +105,7 @@ def train_with_restarts(cluster, batch_fn: Callable[[int], dict], first: int, st
                                               f"--max-restarts {max_restarts})", parts=e.parts) from None
             restarts += 1
             if failure is None:  # (a failure while restarting keeps the step the run had reached)
-                failed_step = cluster.coordinator.step_index
+                failed_step = cluster.coordinator.failed_step(e.part)
             failure, t_fail, t_detected = e, time.monotonic(), time.time()
             report(f"{e}; restarting every CompNode from the latest checkpoint (restart {restarts} of {max_restarts})")
 
