@@ -275,7 +275,7 @@ def main(argv=None) -> int:
                     "OP-Fence rightly keeps a 0.3 M-parameter model on fewer devices)")
     ap.add_argument("--schedule", default="auto", help="pipeline schedule (default auto: the compiler's choice)")
     ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
-                    help="fusion run --steps-ahead (default 1, fusion's default; 0: lock step, as before 2026-11-28)")
+                    help="fusion run --steps-ahead (default 1 here; fusion's default is 0, lock step)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

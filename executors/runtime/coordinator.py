@@ -108,9 +108,9 @@ class CoordinatorConfig:
     #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
     #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/dp/join.py)
     joins: dict[int, int] = field(default_factory=dict)
-    #: steps sent before the previous one's ``done`` arrived (:mod:`.step_ahead`; ``--steps-ahead``): 0 lock step,
+    #: steps sent before the previous one's ``done`` arrived (:mod:`.step_ahead`; ``--steps-ahead``): 0 lock step (the default),
     #: at most :data:`~.step_ahead.MAX_AHEAD`; :meth:`Coordinator.step` sends one ahead only when given the next batch
-    steps_ahead: int = MAX_AHEAD
+    steps_ahead: int = 0
 
 
 @dataclass

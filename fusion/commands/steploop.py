@@ -98,8 +98,7 @@ class _Batches:
 
     def ahead(self, coord, step: int) -> dict | None:
         """Step ``step``'s batch to send ahead, or None where the run goes in lock step (nothing is made early)."""
-        why = getattr(coord, "lock_step_reason", lambda: "")()
-        if why is not None:
+        if coord.lock_step_reason() is not None:
             return None
         if step not in self._made:
             self._made[step] = self.batch_fn(step)
@@ -113,9 +112,8 @@ def _settle(coord, metrics: Path, board, bar, last, done: int):
     """On Ctrl-C: a step already sent ahead runs on the CompNodes anyway, so its line is written and it is counted
     (the final weights include it); ``(last report, steps done)``. Nothing to settle, or a coordinator that cannot
     (a second Ctrl-C during a step): unchanged."""
-    settle = getattr(coord, "settle", None)
     try:
-        r = settle() if settle is not None else None
+        r = coord.settle()
     except Exception as e:  # noqa: BLE001 - the weights are still saved; the line says what was not counted
         log.warning("a step sent ahead could not be collected after Ctrl-C: %s", e)
         return last, done

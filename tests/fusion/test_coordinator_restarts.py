@@ -102,8 +102,6 @@ def test_a_killed_executor_started_again_resumes_the_standalone_run_with_the_sam
     assert f"step {STEPS}/{STEPS} loss" in err_b and "step 1/8 loss" in err_b  # --log-every 0: every step
     rows = _rows(b)
     events = [r for r in rows if "event" in r]
-    # p1 dies as step 3 starts; step 3 is sent ahead (executors/runtime/step_ahead.py), and the coordinator may still
-    # be collecting step 2's reports when it finds out: p1 had reported step 2, so the failure is step 3's
     assert [(e["event"], e["part"], e["failed_step"], e["resumed_step"]) for e in events] == [("restart", "p1", 3, 2)]
     ra = _rows(a)
     train = lambda rs: [(r["step"], r["loss"]) for r in rs if "loss" in r and "event" not in r]

@@ -196,7 +196,7 @@ def test_a_step_sent_ahead_and_not_run_by_the_loop_is_settled(tmp_path):
     from fusion.executors.runtime.launcher import LocalCluster
 
     plan_dir, batches = _mlp_diloco(tmp_path)
-    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30), threads=1) as lc:
+    with LocalCluster(plan_dir, tmp_path / "run", CoordinatorConfig(peer_timeout_s=30, steps_ahead=1), threads=1) as lc:
         lc.start()
         c = lc.coordinator
         assert c.settle() is None  # nothing in flight
