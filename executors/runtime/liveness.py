@@ -17,6 +17,13 @@ nothing listens there any more; connected but no handshake: the process is stopp
 
 A heartbeat waits behind whatever the link is still sending: a link that needs longer than the timeout to send
 one message (many MiB over a slow WAN link) needs a larger ``--link-timeout`` (or 0: off).
+
+Each process's ZeroMQ context has two I/O threads, one for the bound socket that receives (the PONGs a peer's
+PINGs get, its handshakes) and one for the links it sends on (:func:`io_context`): under CURVE, libzmq encrypts or
+decrypts a whole frame in one call on the connection's I/O thread, so with one thread a part sending the
+coordinator a large frame (a 1.5 GB frame takes over 1.25 s here) could not answer the coordinator's PING on the
+other connection and was reported failed while alive (``bench_scale.py``'s final weights fetch at GPT-2 small;
+``tests/executors/runtime/test_liveness.py``).
 """
 from __future__ import annotations
 
@@ -35,6 +42,29 @@ GRACE_S = 0.25
 #: the monitor events a watch reads: the link up (handshake done), down, and how its reconnection fares
 EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
           | zmq.EVENT_MONITOR_STOPPED)
+
+
+#: a process's ZeroMQ I/O threads: the first serves the bound (receiving) socket, the second the links it sends on
+IO_THREADS = 2
+RECEIVING, SENDING = 0b01, 0b10  # ``ZMQ_AFFINITY`` masks of the two
+
+
+def io_context() -> zmq.Context:
+    """A process's ZeroMQ context: one I/O thread receives, one sends (module docstring); pass each socket through
+    :func:`receiving` or :func:`sending` before it binds or connects."""
+    return zmq.Context(io_threads=IO_THREADS)
+
+
+def receiving(sock: zmq.Socket) -> zmq.Socket:
+    """Serve the bound socket ``sock`` on the receiving I/O thread (before it binds)."""
+    sock.setsockopt(zmq.AFFINITY, RECEIVING)
+    return sock
+
+
+def sending(sock: zmq.Socket) -> zmq.Socket:
+    """Serve the outbound link ``sock`` on the sending I/O thread (before it connects)."""
+    sock.setsockopt(zmq.AFFINITY, SENDING)
+    return sock
 
 
 @dataclass(frozen=True)

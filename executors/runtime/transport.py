@@ -45,7 +45,7 @@ from fusion.ir.wire import DEFAULT_MAX_MESSAGE_BYTES, MAX_TENSORS, Message, deco
 from fusion.executors.runtime.keys import (HANDSHAKE_S, HandshakeMonitor, Security, ZapHandler, curve_client, curve_server,
                                            zap_gate)
 from fusion.executors.runtime.connwatch import ConnectionWatch, SocketWatch
-from fusion.executors.runtime.liveness import Heartbeat, LinkWatch
+from fusion.executors.runtime.liveness import Heartbeat, LinkWatch, io_context, receiving, sending
 from fusion.executors.runtime.linkemu import EmulatedLink
 from fusion.executors.runtime.trace_events import Tracer
 
@@ -135,7 +135,7 @@ class _Pending:
 
 
 def _dealer(t: "Transport", address: str, peer: str):
-    sock = t.ctx.socket(zmq.DEALER)
+    sock = sending(t.ctx.socket(zmq.DEALER))
     if t.security is not None:
         curve_client(sock, t.security, peer)  # the receiver names this socket by its key, not by an identity
     else:
@@ -302,7 +302,7 @@ class Transport:
         self.on_message, self.on_reject, self.on_error = on_message, on_reject, on_error
         self.max_message_bytes, self.tracer = max_message_bytes, tracer
         self.send_timeout_s, self.linger_s = send_timeout_s, linger_s
-        self.ctx = zmq.Context()
+        self.ctx = io_context()  # one I/O thread receives, one sends (liveness.py)
         self.monitor: HandshakeMonitor | None = None
         self.watch: SocketWatch | None = None  # keyless sockets: who closed a connection (connwatch.py)
         # the ZAP handler is bound in this context before any socket binds; keyless, it only orders (keys.py)
@@ -465,7 +465,7 @@ class Transport:
     # -- receiving --------------------------------------------------------------------
     def _bind(self):
         """The bound ROUTER socket, or None (``_bind_error`` says why)."""
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock = receiving(self.ctx.socket(zmq.ROUTER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         # libzmq refuses a frame over the limit when it reads its length, before buffering a byte of it, and closes

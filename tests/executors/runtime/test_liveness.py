@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -143,3 +144,44 @@ def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
         assert "also failed: CompNode 'p1': sending to p1 failed: boom" in both.reason, str(both)
     finally:
         c.transport.close(timeout_s=1)
+
+
+def test_a_peer_sending_a_large_frame_under_curve_still_answers_heartbeats(tmp_path):
+    """libzmq encrypts a whole frame in one call on the connection's I/O thread: with one I/O thread per process a
+    part sending the coordinator a large frame (final weights at GPT-2 small) could not answer the PING on the
+    coordinator's link to it and was reported failed while alive. Receiving and sending have an I/O thread each
+    (``liveness.io_context``); with the single thread this failed 3 times of 3 (a 768 MB frame encrypts for about a
+    second here, twice the 0.5 s heartbeat timeout of a 1 s bound); with the two it passed 3 of 3 with three busy
+    loops beside it on the 2 cores."""
+    from fusion.executors.runtime.keys import make_run_keys, security_for
+    from fusion.executors.runtime.transport import Transport
+    from fusion.ir.wire import encode
+
+    secrets, public = make_run_keys(["c", "p"], tmp_path / "keys")
+    got = []
+    c = Transport("c", "tcp://127.0.0.1:*", ["p"], lambda s, m: got.append(m),
+                  security=security_for(secrets["c"], public, ["c", "p"], "c"), heartbeat=Heartbeat(1.0),
+                  max_message_bytes=1 << 31)
+    p = Transport("p", "tcp://127.0.0.1:*", ["c"], lambda s, m: None,
+                  security=security_for(secrets["p"], public, ["c", "p"], "p"), max_message_bytes=1 << 31)
+    try:
+        c_addr, p_addr = c.start(), p.start()
+        c.connect("p", p_addr)
+        p.connect("c", c_addr)
+        c.send("p", encode("ctrl", {}))
+        p.send("c", encode("ctrl", {}))
+        assert wait_for(lambda: len(got) == 1, timeout=GENEROUS_S)
+        time.sleep(0.5)  # handshaken, heartbeats going
+        p.send("c", encode("ctrl", {}, [np.ones(768 << 20, np.uint8)]))
+        downs = []
+        t0 = time.monotonic()
+        while len(got) == 1 and time.monotonic() - t0 < 60:
+            why = c.links.down("p")
+            if why:
+                downs.append(why)
+            time.sleep(0.005)
+        assert len(got) == 2, "the large frame never arrived"
+        assert not downs, downs[0]
+    finally:
+        c.close()
+        p.close()
