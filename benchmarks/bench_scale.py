@@ -1,6 +1,6 @@
 """Real size on any CPU (issue 38): a GPT-2-small-shaped model across 4 CompNodes on loopback.
 
-Run:  OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--steps 6] [--checkpoint-every 3] [--out DIR]
+Run:  OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--steps 12] [--checkpoint-every 6] [--out DIR]
       OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --quick          (a 0.3 M-parameter GPT, 2 steps)
 
 The model is ``examples/models/gpt.py``'s GPT with GPT-2 small's shape (12 layers, width 768, 12 heads,
@@ -264,8 +264,8 @@ def median_after_first(xs: list[float]) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the 0.3 M-parameter GPT, 2 steps, checkpoint at 1")
-    ap.add_argument("--steps", type=int, default=None, help="steps of each run (default 6; --quick 2)")
-    ap.add_argument("--checkpoint-every", type=int, default=None, help="default 3; --quick 1")
+    ap.add_argument("--steps", type=int, default=None, help="steps of each run (default 12; --quick 2)")
+    ap.add_argument("--checkpoint-every", type=int, default=None, help="default 6; --quick 1")
     ap.add_argument("--interrupt", choices=("kill", "stop"), default=None,
                     help="how run B is interrupted after its first checkpoint (default kill; --quick stop)")
     ap.add_argument("--baseline-steps", type=int, default=None, help="one-process steps (default 4; --quick 2)")
@@ -274,8 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", default=None, help="partitioner (default opfence, fusion's own; --quick equal-flops: "
                     "OP-Fence rightly keeps a 0.3 M-parameter model on fewer devices)")
     ap.add_argument("--schedule", default="auto", help="pipeline schedule (default auto: the compiler's choice)")
-    ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
-                    help="fusion run --steps-ahead (default 1 here; fusion's default is 0, lock step)")
+    ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=0,
+                    help="fusion run --steps-ahead (default 0, lock step: fusion's default)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
         print(json.dumps(one_process(a.one_process, a.steps or 2, a.threads)))
         return 0
     name = "quick" if a.quick else "gpt2_small"
-    steps = a.steps or (2 if a.quick else 6)
-    every = a.checkpoint_every or (1 if a.quick else 3)
+    steps = a.steps or (2 if a.quick else 12)
+    every = a.checkpoint_every or (1 if a.quick else 6)
     interrupt = a.interrupt or ("stop" if a.quick else "kill")
     bsteps = a.baseline_steps or (2 if a.quick else 4)
     if every >= steps:
