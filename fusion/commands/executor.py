@@ -3,19 +3,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from fusion.options.commands import Executor
 
 
-def default_threads(plan, names: list[str], cores: int) -> int | None:
+def default_threads(plan, names: list[str], cores: int, env: Mapping[str, str] | None = None) -> int | None:
     """Intra-op threads for the process running parts ``names`` when ``--threads`` is not given: the host's
     ``cores`` shared among the plan's CompNode processes (lanes) whose address names the same host as this one's,
-    at least 1; None (torch's default) when the plan gives this part no address. Several executors started by
-    hand on one box, each with torch's default of every core, ran 27x slower per step than with one thread each
-    (issue 38); ``fusion run`` divides the cores the same way (``LocalCluster.threads``)."""
+    at least 1; None (torch's default) when the plan gives this part no address, or when ``env`` (default: this
+    process's environment) sets ``OMP_NUM_THREADS``, which torch already honours: the user said how many. Several
+    executors started by hand on one box, each with torch's default of every core, ran 27x slower per step than
+    with one thread each (issue 38); ``fusion run`` divides the cores the same way (``LocalCluster.threads``).
+    (Overriding ``OMP_NUM_THREADS=1`` with every core made two executors in network namespaces of one 2-core box,
+    hosts of their own by address, run their parts 3.7x slower: bench_wan, issue 36.)"""
     from urllib.parse import urlsplit
+
+    if (os.environ if env is None else env).get("OMP_NUM_THREADS"):
+        return None
 
     def host(part: str) -> str | None:
         addr = plan.parts[part].address

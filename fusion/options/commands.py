@@ -151,7 +151,7 @@ class Executor:
     advertise: str | None = option("--advertise", type=zmq_address, metavar="ADDR", help="address peers connect to (default: the plan's address, else the bound one)")
     dial_out: str | None = option("--dial-out", type=zmq_address, metavar="RELAY_ADDR", help="behind NAT: make only outbound connections; peers and the coordinator reach this CompNode through `fusion relay` at RELAY_ADDR, sealed end to end (needs --key; docs/security.md)")
     device: str = option("--device", essential=True, default="cpu", help="torch device of this CompNode's engine (cpu, cuda, cuda:0, ...)")
-    threads: int | None = option("--threads", type=int, help="intra-op threads of the engine (default: the host's cores shared among the plan's CompNode processes whose address names this part's host; torch's own default when the plan has no addresses)")
+    threads: int | None = option("--threads", type=int, help="intra-op threads of the engine (default: OMP_NUM_THREADS where the environment sets it; else the host's cores shared among the plan's CompNode processes whose address names this part's host; torch's own default when the plan has no addresses)")
     startup_timeout: float = option("--startup-timeout", default=120.0, type=positive_float, help="give up when the coordinator has not answered after this long (s)")
     peer_timeout: float = option("--peer-timeout", default=10.0, type=positive_float, help="once in touch, give up when the coordinator is silent this long (s)")
     data_timeout: float = option("--data-timeout", default=300.0, type=positive_float, help="longest wait for one action's inputs (s)")
