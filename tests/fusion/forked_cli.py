@@ -129,5 +129,7 @@ class ForkedCli:
         except subprocess.TimeoutExpired:
             os.kill(pid, signal.SIGKILL)
             self._reply(120)
-            raise
+            # the command and what it wrote, so that a hang names itself (TimeoutExpired's text shows the command)
+            raise subprocess.TimeoutExpired(["fusion", *argv], timeout, output=out.read_text(errors="replace"),
+                                            stderr=err.read_text(errors="replace")) from None
         return subprocess.CompletedProcess(["fusion", *argv], rc, out.read_text(), err.read_text())

@@ -81,7 +81,10 @@ def ran_once() -> dict[str, str]:
 def _run(cli: ForkedCli, cmd: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     argv = shlex.split(cmd)
     assert argv[0] == "fusion"
-    return cli.run(argv[1:], cwd, timeout)
+    try:
+        return cli.run(argv[1:], cwd, timeout)
+    except subprocess.TimeoutExpired as e:  # name the command and show where it stopped
+        pytest.fail(f"`{cmd}` did not end within {timeout:g} s; its stderr ended:\n{(e.stderr or '')[-4000:]}")
 
 
 def reads_only_the_examples(cmd: str) -> bool:
