@@ -3,6 +3,7 @@ and ``fusion run`` ends with exit status 2 and a one-line message (issue 15; a d
 Here without the link's heartbeats (``--link-timeout 0``): the peer timeout alone (test_liveness.py has the link)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def test_a_stopped_compnode_is_named_within_the_peer_timeout(tmp_path):
     assert proc.returncode == 2, err[-3000:]
     errors = [ln for ln in err.splitlines() if ln.startswith("fusion run: error:")]
     assert len(errors) == 1 and "CompNode 'p1' failed: stopped answering" in errors[0], err[-3000:]
-    assert f"nothing received for {PEER_TIMEOUT:.1f} s" in errors[0]  # named as soon as the peer timeout ran out
+    silent = re.search(r"nothing received for ([0-9.]+) s", errors[0])
+    assert silent, errors[0]
+    # Named once the peer timeout ran out: the message gives the silence measured, which is past the timeout by the
+    # coordinator's poll interval plus however long this (possibly busy) host kept the coordinator from running.
+    assert PEER_TIMEOUT <= float(silent.group(1)) < PEER_TIMEOUT + 5, errors[0]
     assert took < PEER_TIMEOUT + 15, took  # the run ended (teardown and the loss plot take the rest)
     print(f"named after {took:.1f} s (peer timeout {PEER_TIMEOUT} s): {errors[0]}")
