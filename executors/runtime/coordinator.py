@@ -63,6 +63,11 @@ MAX_QUEUED_PER_PART = 64
 #: the abort that names it reaches them too) before the start fails
 HELLO_GRACE_S = 5.0
 
+#: how long a part's exited process is watched before its exit counts as its failure: what it sent before it exited
+#: (a ``done`` of the step it finished, read by this process's I/O thread a moment after ``poll()`` already sees the
+#: exit) is still taken, so a part killed as a step sent ahead starts fails in that step, not in the one it finished
+EXIT_DRAIN_S = 0.3
+
 
 class CompNodeFailure(FusionError):
     """A CompNode failed or stopped answering; ``part`` names it (the first cause when several failed)."""
@@ -108,8 +113,8 @@ class CoordinatorConfig:
     #: DiLoCo replicas that start late: replica -> the step (an outer boundary) before which it joins
     #: (``fusion run|coordinator --join-at STEP:REPLICA``; executors/runtime/dp/join.py)
     joins: dict[int, int] = field(default_factory=dict)
-    #: steps sent before the previous one's ``done`` arrived (:mod:`.step_ahead`; ``--steps-ahead``): 0 lock step (the default),
-    #: at most :data:`~.step_ahead.MAX_AHEAD`; :meth:`Coordinator.step` sends one ahead only when given the next batch
+    #: steps sent before the previous one's ``done`` arrived (:mod:`.step_ahead`; ``--steps-ahead``, whose default is 1):
+    #: 0 lock step (this config's default, for code that builds a coordinator itself), at most :data:`~.step_ahead.MAX_AHEAD`; :meth:`Coordinator.step` sends one ahead only when given the next batch
     steps_ahead: int = 0
 
 
@@ -222,6 +227,8 @@ class Coordinator:
         self._errors: dict[str, str] = {}
         #: part -> when its failure was first known (an error report's arrival, else the first look that saw it)
         self._failed_at: dict[str, float] = {}
+        #: (part, pid) -> when a look first saw that process exited (EXIT_DRAIN_S)
+        self._exited_at: dict[tuple[str, int], float] = {}
         self._lasting: set[str] = set()  # parts whose Error said a restart would fail the same way (a full disk)
         #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
         #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
@@ -328,19 +335,23 @@ class Coordinator:
         now = time.monotonic()
         watched = list(dict.fromkeys([*self.live, *parts]))  # (parts: a joining replica's too)
         out: dict[str, tuple[str, str, bool]] = {}
+        draining: set[str] = set()
         for p in watched:
             if p in self._errors:
                 out[p] = (p, self._errors[p], p in self._lasting)
         for p in watched:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None and p not in self._refused and p not in out else None
+            if rc is not None and now - self._exited_at.setdefault((p, proc.pid), now) < EXIT_DRAIN_S:
+                draining.add(p)  # what it sent before it exited may still be on its way in (EXIT_DRAIN_S)
+                continue
             if rc is not None:
                 why = last_error(self.logs.get(p))
                 out[p] = (p, f"its process (pid {proc.pid}) exited with status {rc}"
                              + (f" ({why}; log {self.logs[p]})" if why else ""), False)
         links = self.transport.links
         for p in parts:
-            if p in out or p in self._refused:
+            if p in out or p in self._refused or p in draining:
                 continue
             down = links.down(p, now) if links is not None else None
             seen = self._last_seen.get(p)

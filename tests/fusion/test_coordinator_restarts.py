@@ -102,7 +102,10 @@ def test_a_killed_executor_started_again_resumes_the_standalone_run_with_the_sam
     assert f"step {STEPS}/{STEPS} loss" in err_b and "step 1/8 loss" in err_b  # --log-every 0: every step
     rows = _rows(b)
     events = [r for r in rows if "event" in r]
-    assert [(e["event"], e["part"], e["failed_step"], e["resumed_step"]) for e in events] == [("restart", "p1", 3, 2)]
+    assert [(e["event"], e["part"], e["resumed_step"]) for e in events] == [("restart", "p1", 2)]
+    # 3, or 2 when p1's SIGKILL at the start of step 3 (sent ahead) took its unsent ``done`` of step 2 with it
+    # (tests/executors/runtime/test_restart.py says more)
+    assert events[0]["failed_step"] in (2, 3), events
     ra = _rows(a)
     train = lambda rs: [(r["step"], r["loss"]) for r in rs if "loss" in r and "event" not in r]
     evals = lambda rs: [(r["step"], r["val_loss"]) for r in rs if "val_loss" in r]
