@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-delay", type=int, default=None, choices=(0, 1),
                     help="DiLoCo cases: 0, the outer exchange blocks (default); 1, it overlaps the next H inner steps "
                          "(wan's default)")
+    ap.add_argument("--sync-fragments", type=int, default=1, metavar="F",
+                    help="wan: Streaming DiLoCo's fragments (fusion compile --sync-fragments; default 1)")
     ap.add_argument("--pseudo-codec", default="quant:bits=8", metavar="CODEC|none",
                     help="wan: DiLoCo's pseudo-gradient codec, with error feedback (default quant:bits=8)")
     ap.add_argument("--eval-every", type=int, default=None, help="wan: held-out loss every N steps (default H)")
@@ -293,6 +295,7 @@ def wan(args: argparse.Namespace) -> int:
                      cap_factor=args.diloco_factor, h=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                      sync_warmup=(0 if quick else WAN_WARMUP) if args.sync_warmup is None else args.sync_warmup,
                      nesterov=bool(args.outer_nesterov), outer_delay=args.outer_delay or 0,
+                     fragments=args.sync_fragments,
                      pseudo_codec=None if args.pseudo_codec == "none" else args.pseudo_codec,
                      eval_every=args.eval_every or h, eval_batches=args.eval_batches or (2 if quick else 4),
                      profile=args.profile, timeout=args.timeout, steps_ahead=args.steps_ahead)

@@ -355,11 +355,12 @@ def one_seed(sites: Sites, profile, args, seed: int, work: Path, cluster: Path, 
              row["dense_cut"])
     row["fusion_dense"] = run_fusion(sites, work / "dense.plan", setup, args, work / "dense", port + 1)
     b2 = sites.between_sent_bytes()
-    auto = compile_plan(setup, cluster, node_times, "opfence", "auto", work / "auto.plan", precision=args.precision)
+    auto = compile_plan(setup, cluster, node_times, "opfence", args.compress, work / "auto.plan",
+                        precision=args.precision)
     row["auto_strategy"] = "opfence"
     if len(auto["parts"]) < 2:
         row["auto_strategy"] = "equal-flops (OP-Fence kept the model on one device)"
-        auto = compile_plan(setup, cluster, node_times, "equal-flops", "auto", work / "auto.plan",
+        auto = compile_plan(setup, cluster, node_times, "equal-flops", args.compress, work / "auto.plan",
                             precision=args.precision)
     row["auto_cut"] = cut_tensors(work / "auto.plan")
     t = row["torch"]
@@ -417,6 +418,7 @@ def summarise(results: dict, args, latency: str | None) -> dict:
            "codec_cpu_over_link_saved": med(head, "codec_cpu_over_link_saved") if first else None,
            "cap_steps": CAP_FACTOR * args.steps,
            "model": args.model, "steps": args.steps, "seeds": args.seeds, "precision": args.precision,
+           "compress": args.compress,
            "stages": len(DEVICES), "topology": "2 sites x 1 device, coordinator in site A",
            "latency": latency,
            "profiles": {p: {"between_mbit": PROFILES[p].between_mbit, "within_mbit": PROFILES[p].within_mbit}
@@ -471,6 +473,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: both sides under bfloat16 autocast; torch's stages send bfloat16 (its best wire), "
                          "fusion compiles with --precision bf16 (docs/wan.md)")
+    ap.add_argument("--compress", default="auto",
+                    help="the compressed side's --compress (default auto; a codec spec such as hadamard-quant:bits=4 "
+                         "compares one codec against torch; the JSON keeps the side's name fusion_auto)")
     ap.add_argument("--split", choices=("memory", "equal-flops"), default="memory",
                     help="memory (default): devices hold 0.7 of the model, so OP-Fence cuts it where it prices "
                          "cheapest, for fusion dense (no compression) and auto; equal-flops: dense on the "

@@ -79,6 +79,8 @@ class WanStudy:
     nesterov:       Nesterov outer momentum (False: heavy-ball, ``--no-nesterov``).
     sync_warmup:    DiLoCo's first steps that are synchronous DP (``--sync-warmup``; 0: none).
     outer_delay:    1: the outer exchange overlaps the next H inner steps; 0: it blocks.
+    fragments:      Streaming DiLoCo's fragments (``--sync-fragments``): the parameters in F runs, each exchanged
+                    at its own step of the H, so the slow link carries 1/F of the pseudo-gradient at a time.
     pseudo_codec:   the pseudo-gradients' codec (``--pseudo-codec``, with error feedback); None: exact float32.
     eval_every, eval_batches: held-out loss every N steps over so many held-out batches (fusion's ``--eval-every``).
     profile:        the network profile (:data:`netns_sites.PROFILES`).
@@ -96,6 +98,7 @@ class WanStudy:
     nesterov: bool = True
     sync_warmup: int = 20
     outer_delay: int = 0
+    fragments: int = 1
     pseudo_codec: str | None = "quant:bits=8"
     eval_every: int = 10
     eval_batches: int = 4
@@ -120,7 +123,7 @@ class WanStudy:
         return ("--replicas", "2", "--global-batch", str(ROWS[self.model]), "--dp-sync", "diloco",
                 "--inner-steps", str(self.h), "--outer-lr", repr(self.outer_lr), "--outer-momentum",
                 repr(self.outer_momentum), *(() if self.nesterov else ("--no-nesterov",)),
-                "--outer-delay", str(self.outer_delay),
+                "--outer-delay", str(self.outer_delay), "--sync-fragments", str(self.fragments),
                 "--sync-warmup", str(self.sync_warmup), *codec)
 
 
