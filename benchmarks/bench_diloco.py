@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="20mbit", help="wan: the network profile between the sites (20mbit, 5mbit)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="wan: seconds one run may take")
     ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
-                    help="wan: the coordinators' --steps-ahead (default 1 here; fusion's default is 0, lock step)")
+                    help="wan: the coordinators' --steps-ahead (default 1, as fusion's; 0: lock step)")
     ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true",
                     help="wan: the tiny model, 10 synchronous steps, H 5, seed 0 only (the test's run)")

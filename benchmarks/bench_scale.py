@@ -275,7 +275,8 @@ def main(argv=None) -> int:
                     "OP-Fence rightly keeps a 0.3 M-parameter model on fewer devices)")
     ap.add_argument("--schedule", default="auto", help="pipeline schedule (default auto: the compiler's choice)")
     ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=0,
-                    help="fusion run --steps-ahead (default 0, lock step: fusion's default)")
+                    help="fusion run --steps-ahead (default 0 here, lock step, as docs/testing.md's figures were measured; "
+                         "fusion run's default is 1)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

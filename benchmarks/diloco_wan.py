@@ -85,8 +85,8 @@ class WanStudy:
     eval_every, eval_batches: held-out loss every N steps over so many held-out batches (fusion's ``--eval-every``).
     profile:        the network profile (:data:`netns_sites.PROFILES`).
     timeout:        seconds one run may take before it is killed and reported.
-    steps_ahead:    the coordinators' ``--steps-ahead`` on both sides (1 here: each step sent before the previous one
-                    is done; 0: lock step, fusion's default).
+    steps_ahead:    the coordinators' ``--steps-ahead`` on both sides (1, fusion's default: each step sent before the
+                    previous one is done; 0: lock step).
     """
 
     model: str = "small"

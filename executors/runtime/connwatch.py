@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Callable
@@ -54,11 +55,7 @@ class ConnectionWatch:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
             return
-        try:
-            host, port = s.getpeername()[:2]
-            who = f"{host}:{port}"
-        except OSError:
-            who = "?"
+        who = _peer(s)
         old = self._dups.pop(fd, None)
         if old is not None:
             old[0].close()
@@ -131,3 +128,16 @@ class SocketWatch:
     def stop(self) -> None:
         """Hand on no more events (the socket is closing: its own disconnections are no refusals)."""
         self._done.set()
+
+
+def _peer(s: socket.socket) -> str:
+    """Who is at the other end of connection ``s``: ``host:port`` over TCP, the process over a Unix socket (its pid
+    and user, from the kernel: ``SO_PEERCRED``), else ``?``."""
+    try:
+        if s.family == socket.AF_UNIX:
+            pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            return f"pid {pid} (uid {uid})"
+        host, port = s.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, ValueError, struct.error):
+        return "?"

@@ -342,16 +342,17 @@ class Coordinator:
         for p in watched:
             proc = self.processes.get(p)
             rc = proc.poll() if proc is not None and p not in self._refused and p not in out else None
-            if rc is not None and now - self._exited_at.setdefault((p, proc.pid), now) < EXIT_DRAIN_S:
-                draining.add(p)  # what it sent before it exited may still be on its way in (EXIT_DRAIN_S)
-                continue
             if rc is not None:
+                seen = self._exited_at.setdefault((p, proc.pid), now)
+                self._failed_at.setdefault(p, seen)  # known since the first look saw it (named in that order)
+                if now - seen < EXIT_DRAIN_S:
+                    draining.add(p)
                 why = last_error(self.logs.get(p))
                 out[p] = (p, f"its process (pid {proc.pid}) exited with status {rc}"
                              + (f" ({why}; log {self.logs[p]})" if why else ""), False)
         links = self.transport.links
         for p in parts:
-            if p in out or p in self._refused or p in draining:
+            if p in out or p in self._refused:
                 continue
             down = links.down(p, now) if links is not None else None
             seen = self._last_seen.get(p)
@@ -359,6 +360,8 @@ class Coordinator:
                 out[p] = (p, down, False)
             elif seen is not None and now - seen > self.cfg.peer_timeout_s:
                 out[p] = (p, f"stopped answering (nothing received for {now - seen:.1f} s)", False)
+        if out and set(out) <= draining:  # only exits seen under EXIT_DRAIN_S ago: what they sent last comes in first
+            return []
         return list(out.values())
 
     def _collect(self, op: str, parts: list[str], timeout_s: float, what: str,

@@ -386,7 +386,8 @@ def _source(fd: int) -> str:
     except OSError:
         return ""
     try:
-        return str(s.getpeername()[0])
+        peer = s.getpeername()
+        return str(peer[0]) if isinstance(peer, tuple) else "local"  # a Unix socket's peer has no address
     except OSError:
         return ""
     finally:

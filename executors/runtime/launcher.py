@@ -19,11 +19,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fusion.ir.errors import FusionError
+from fusion.executors.runtime import local_links
 from fusion.executors.runtime.coordinator import Coordinator, CoordinatorConfig
 from fusion.executors.runtime.warm import WarmProcess, WarmServer, can_warm_start
 
@@ -81,6 +83,9 @@ class LocalCluster:
     curve:     authenticate and encrypt every link with CURVE: fresh key pairs for this run in
                ``run_dir/keys`` (secret files 0600), the executors get theirs with ``--key``; False runs
                plain TCP on loopback (``--insecure``).
+    ipc:       link the processes by Unix sockets in a fresh directory of mode 0700 instead of loopback TCP
+               (:mod:`~fusion.executors.runtime.local_links`; ``fusion run``'s default, ``--links ipc``): only this
+               user's processes can connect, and no cipher runs; ``curve`` is then not used.
     warm:      fork the executors of torch parts from one process that imported torch once
                (:mod:`~fusion.executors.runtime.warm`) where the platform allows; a part with its own environment
                (``part_env``), another engine or another ``python`` gets a process of its own as before.
@@ -90,7 +95,8 @@ class LocalCluster:
                  threads: int | None = None, trace: bool = True, python: str = sys.executable,
                  executor_args: list[str] | None = None, verbose: int = 1,
                  part_env: Mapping[str, Mapping[str, str]] | None = None,
-                 report: Callable[[str], None] | None = None, curve: bool = False, warm: bool = True):
+                 report: Callable[[str], None] | None = None, curve: bool = False, warm: bool = True,
+                 ipc: bool = False):
         from fusion.plan import load_plan
 
         self.plan_dir, self.run_dir = Path(plan_dir), Path(run_dir)
@@ -110,7 +116,9 @@ class LocalCluster:
         self.coordinator: Coordinator | None = None
         self._logs: list = []
         self.report = report
-        self.curve = curve
+        self.curve = curve and not ipc
+        #: the run's private socket directory (``ipc``), made at the first start; one subfolder per start
+        self.ipc, self._sockets, self._start_dir = ipc, None, None
         self._warm = None
         if warm and python == sys.executable and can_warm_start() and any(
                 p.engine == "torch" and not self.part_env.get(n) for n, p in self.plan.parts.items()):
@@ -125,6 +133,11 @@ class LocalCluster:
 
         self.cfg.plan_digest = self.cfg.plan_digest or plan_digest(self.plan_dir)
         key_args = self._keys()
+        if self.ipc:  # a subfolder per start: a restart's coordinator and executors bind fresh paths
+            if self._sockets is None:
+                self._sockets = local_links.private_socket_dir()
+            self._start_dir = Path(tempfile.mkdtemp(prefix="", dir=self._sockets))
+            self.cfg.bind = local_links.ipc_address(self._start_dir, "c")
         self.coordinator = Coordinator(self.plan, self.cfg, self.processes, report=self.report)
         self._addr = self.coordinator.bind()
         self._key_args = key_args
@@ -144,15 +157,18 @@ class LocalCluster:
         """Start the executor processes of the parts in ``only`` (whole lanes) and record their pids."""
         addr, key_args = self._addr, self._key_args
         env = self._env()
-        for parts in self.plan.lanes().values():  # one process per part; under interleaved, one per device
+        for k, parts in enumerate(self.plan.lanes().values()):  # one process per part; under interleaved, per device
             if parts[0] not in only:
                 continue
+            bind = "tcp://127.0.0.1:*"
+            if self.ipc:
+                bind = local_links.ipc_address(self._start_dir, k)
             name = ",".join(parts)
             keys = [key_args[p] for p in parts]
             key = keys[0] if len(parts) == 1 or keys[0] == ["--insecure"] else \
                 ["--key", ",".join(k[1] for k in keys), *keys[0][2:]]
             argv = [*(["-" + "v" * (self.verbose - 1)] if self.verbose > 1 else []), "executor",
-                    str(self.plan_dir), "--node", name, "--coordinator", addr, "--bind", "tcp://127.0.0.1:*",
+                    str(self.plan_dir), "--node", name, "--coordinator", addr, "--bind", bind,
                     "--threads", str(self.threads), "--peer-timeout", str(self.cfg.peer_timeout_s),
                     *(["--max-message-bytes", str(self.cfg.max_message_bytes)] if self.cfg.max_message_bytes else []),
                     "--fast-exit", *key, *self.executor_args]
@@ -197,7 +213,7 @@ class LocalCluster:
 
     def _keys(self) -> dict[str, list[str]]:
         """Each executor's security arguments; with CURVE, fresh keys for this run (the coordinator's set in cfg)."""
-        if not self.curve:
+        if not self.curve:  # plain TCP on loopback, or Unix sockets only this user can open (ipc)
             return {p: ["--insecure"] for p in self.plan.parts}
         from fusion.executors.runtime.keys import coordinator_run_keys
 
@@ -230,6 +246,9 @@ class LocalCluster:
         self._logs.clear()
         if self._warm is not None:
             self._warm.close()
+        if self._sockets is not None:
+            local_links.remove(self._sockets)
+            self._sockets = None
         return status
 
     def __enter__(self) -> "LocalCluster":

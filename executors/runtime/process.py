@@ -9,6 +9,7 @@ import time
 
 from fusion.executors.runtime.control import Error, Hb, Hello, Ready, Setup, lasting_failure
 from fusion.executors.runtime.keys import insecure_warning
+from fusion.executors.runtime.local_links import is_private_ipc
 from fusion.executors.runtime.limits import coordinator_message_limit
 from fusion.executors.runtime.relay import relay_target
 from fusion.executors.runtime.node_common import COORDINATOR, ExecutorAbort
@@ -40,7 +41,9 @@ class Process:
         """Say hello to the coordinator (this part's name and address) and start heartbeating."""
         log.info("%s: plan and %d weights checked (%s engine); listening on %s", self.me, len(self._weights),
                  self.spec.engine, self.cfg.advertise or address)
-        if self.cfg.security is None:
+        if self.cfg.security is None and is_private_ipc(address):
+            log.info("%s: listening on a Unix socket only this user's processes can open (no CURVE needed)", self.me)
+        elif self.cfg.security is None:
             log.warning("%s", insecure_warning(self.me, address))
         relay = relay_target(self.cfg.advertise or "")
         if relay:  # --dial-out: registered with the relay before anyone is told to reach this part there

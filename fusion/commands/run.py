@@ -140,7 +140,7 @@ def make_cluster(opts: "Run", plan_dir: Path, out: Path, joins: dict, trust: boo
         return RayCluster(launch.ray, plan_dir, out, cfg, verbose=1 + _verbosity(), **common)
     from fusion.executors.runtime.launcher import LocalCluster
 
-    return LocalCluster(plan_dir, out, cfg, **common)
+    return LocalCluster(plan_dir, out, cfg, **common, ipc=launch.links == "ipc" and not launch.insecure)
 
 
 def _verbosity() -> int:

@@ -34,7 +34,8 @@ class LocalLaunch(Section):
 
     threads: int | None = option("--threads", type=positive_int, help="threads per executor (default: cores / CompNodes; with --ray, torch's default on each node)")
     trace: str = option("--trace", default="on", choices=("on", "off"), help="write a Chrome trace per CompNode under OUT/trace (default on; spilled to disk as it grows)")
-    insecure: bool = option("--insecure", kind="flag", help="no CURVE: links between the local processes are neither authenticated nor encrypted, and any process on this host can send them messages (default: fresh keys for this run in OUT/keys)")
+    links: str = option("--links", default="ipc", choices=("ipc", "curve"), help="how the processes of a run on this host talk (not with --ray, whose links are CURVE): ipc (default): Unix sockets in a fresh directory of mode 0700, which only your user's processes can open, no cipher; curve: loopback TCP authenticated and encrypted with fresh keys in OUT/keys (docs/runtime.md)")
+    insecure: bool = option("--insecure", kind="flag", help="plain loopback TCP: links between the local processes are neither authenticated nor encrypted, and any process on this host can send them messages (default: --links)")
     trust_plugins: bool = option("--trust-plugins", kind="flag", help="let executors import the plugin files (Python code) the plan lists; without it such a plan is refused")
     device: str = option("--device", essential=True, default="cpu", metavar="DEV", help="torch device of every CompNode's engine (cpu, cuda, cuda:0, ...); CompNodes may share one GPU")
     compile_parts: bool = option("--compile-parts", kind="flag", exclusive="parts", help="torch engine: torch.compile each part's generated module (slow first step)")

@@ -125,7 +125,7 @@ class _Proc:
 def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
     """Whatever the order the kinds are looked at in, the part whose failure was known first is named first, and
     the others follow with their own causes (``CompNodeFailure.parts``)."""
-    from fusion.executors.runtime.coordinator import Coordinator
+    from fusion.executors.runtime.coordinator import EXIT_DRAIN_S, Coordinator
     from fusion.plan import load_plan
 
     plan = load_plan(plan_dir)
@@ -134,6 +134,9 @@ def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
     try:
         assert c._failure(["p0", "p1"]) is None
         procs["p0"].rc = -9  # p0's process dies first ...
+        # seen, but not yet a failure: for EXIT_DRAIN_S what it sent before it died (a step's done) is taken first
+        assert c._failure(["p0", "p1"]) is None
+        time.sleep(EXIT_DRAIN_S)
         first = c._failure(["p0", "p1"])
         assert first.parts == ("p0",) and "exited with status -9" in first.reason
         time.sleep(0.01)
@@ -142,6 +145,18 @@ def test_a_failure_names_every_failed_part_the_first_known_first(plan_dir):
         assert both.part == "p0" and both.parts == ("p0", "p1"), str(both)
         assert "exited with status -9" in both.reason.split("; also failed:")[0]
         assert "also failed: CompNode 'p1': sending to p1 failed: boom" in both.reason, str(both)
+    finally:
+        c.transport.close(timeout_s=1)
+    # an exit under EXIT_DRAIN_S old is named at once beside another failure, in the order they were known
+    procs = {"p0": _Proc(101), "p1": _Proc(102)}
+    c = Coordinator(plan, CoordinatorConfig(link_timeout_s=0), procs)
+    try:
+        procs["p0"].rc = -9
+        assert c._failure(["p0", "p1"]) is None
+        time.sleep(0.01)
+        c._on_send_error("p1", "sending to p1 failed: boom")
+        both = c._failure(["p0", "p1"])
+        assert both.part == "p0" and both.parts == ("p0", "p1"), str(both)
     finally:
         c.transport.close(timeout_s=1)
 
