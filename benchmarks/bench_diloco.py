@@ -55,7 +55,7 @@ per seed rows, the settings, the bytes between the sites per step and the load a
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study wan [--seeds 0,1,2] [--sync-steps 300]
         [--diloco-factor 3] [--h 10] [--outer-lr 0.7] [--outer-momentum 0.6] [--sync-warmup 30] [--outer-delay 0]
-        [--pseudo-codec quant:bits=8|none] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
+        [--sync-fragments 1] [--pseudo-codec quant:bits=8|none] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
 
 Not measured here: the planner's prediction on ``fusionllm-48``.
 """

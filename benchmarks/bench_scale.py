@@ -115,11 +115,12 @@ def fusion_cmd(*args: str) -> list[str]:
 
 
 def run_args(name: str, out: Path, steps: int, every: int, resume: bool = False, strategy: str = "opfence",
-             schedule: str = "auto", steps_ahead: int = 1) -> list[str]:
+             schedule: str = "auto", steps_ahead: int = 1, links: str = "ipc") -> list[str]:
     a = ["run", f"{HERE}:{name}", "--cluster", str(CLUSTER), "--strategy", strategy, "--schedule", schedule,
          "--micro-batches", str(MICRO_BATCHES), "--optimizer", "adamw", "--lr", str(LR),
          "--data", f"{HERE}:{name}_batches", "--steps", str(steps), "--checkpoint-every", str(every),
-         "--out", str(out), "--no-progress", "--log-every", "0", "--steps-ahead", str(steps_ahead)]
+         "--out", str(out), "--no-progress", "--log-every", "0", "--steps-ahead", str(steps_ahead),
+         "--links", links]
     return a + (["--resume"] if resume else [])
 
 
@@ -277,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=0,
                     help="fusion run --steps-ahead (default 0 here, lock step, as docs/testing.md's figures were measured; "
                          "fusion run's default is 1)")
+    ap.add_argument("--links", choices=("ipc", "curve"), default="ipc",
+                    help="fusion run --links (default ipc, fusion's: Unix sockets; curve: CURVE over loopback TCP)")
     ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -291,7 +294,7 @@ def main(argv=None) -> int:
     if every >= steps:
         ap.error("--checkpoint-every must be below --steps (run B resumes from its first checkpoint)")
     plan_flags = {"strategy": a.strategy or ("equal-flops" if a.quick else "opfence"), "schedule": a.schedule,
-                  "steps_ahead": a.steps_ahead}
+                  "steps_ahead": a.steps_ahead, "links": a.links}
     base = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_scale-"))
     base.mkdir(parents=True, exist_ok=True)
     res: dict = {"model": f"benchmarks/bench_scale.py:{name}", "parts": 4, "micro_batch": MICRO_BATCH,
