@@ -157,12 +157,12 @@ class LocalCluster:
         """Start the executor processes of the parts in ``only`` (whole lanes) and record their pids."""
         addr, key_args = self._addr, self._key_args
         env = self._env()
-        for k, parts in enumerate(self.plan.lanes().values()):  # one process per part; under interleaved, per device
+        for lane, parts in enumerate(self.plan.lanes().values()):  # one process per part; under interleaved, per device
             if parts[0] not in only:
                 continue
             bind = "tcp://127.0.0.1:*"
             if self.ipc:
-                bind = local_links.ipc_address(self._start_dir, k)
+                bind = local_links.ipc_address(self._start_dir, lane)
             name = ",".join(parts)
             keys = [key_args[p] for p in parts]
             key = keys[0] if len(parts) == 1 or keys[0] == ["--insecure"] else \
