@@ -8,7 +8,8 @@ GPT-2 small's 154 MB tied gradient each step that cost 0.44 s of a 3.67 s step o
 sockets in a fresh directory of mode 0700 (``private_socket_dir``) are opened only by processes of this user (and
 root), the same set that could read the keys, without the cipher: the kernel checks who connects. A socket whose
 directory others may enter is not treated as private (:func:`is_private_ipc`), and a process listening on one
-warns as it would without CURVE.
+warns as it would without CURVE. A process that runs several parts (the interleaved schedule) is given one path and
+binds ``PATH.<part>`` for each (``fusion executor``'s ``lane_bind``).
 """
 from __future__ import annotations
 

@@ -77,15 +77,25 @@ def per_part(args: "Executor", names: list[str]) -> tuple[list, list]:
     keys = args.security.key.split(",") if args.security.key else [None] * len(names)
     if len(keys) != len(names):
         raise FusionError(f"--key: give one secret key file per part of --node ({len(names)}), comma-separated")
-    if len(names) > 1 and (args.advertise or (args.bind and not args.bind.endswith(":*"))):
+    if len(names) > 1 and (args.advertise or (args.bind and not args.bind.endswith(":*")
+                                              and not args.bind.startswith("ipc://"))):
         raise FusionError("--node with several parts: each part listens on its own port; use the plan's addresses "
-                          "or --bind with port * (e.g. tcp://10.0.0.1:*), and no --advertise")
+                          "or --bind with port * (e.g. tcp://10.0.0.1:*) or an ipc:// path (each part binds "
+                          "PATH.<part>), and no --advertise")
     traces = args.trace.split(",") if args.trace else [None] * len(names)
     if len(traces) == 1 and len(names) > 1:  # one Chrome trace per part: NAME.json -> NAME.<part>.json
         traces = [f"{os.path.splitext(traces[0])[0]}.{n}{os.path.splitext(traces[0])[1]}" for n in names]
     if len(traces) != len(names):
         raise FusionError(f"--trace: give one file, or one per part of --node ({len(names)}), comma-separated")
     return keys, traces
+
+
+def lane_bind(args: "Executor", name: str, parts: int) -> "Executor":
+    """``args`` for part ``name`` of a process running ``parts`` parts: with an ``ipc://PATH`` bind and several parts
+    each binds ``PATH.<name>`` (one socket file each; a TCP bind with port ``*`` gives each its own port already)."""
+    if parts > 1 and args.bind and args.bind.startswith("ipc://"):
+        return dataclasses.replace(args, bind=f"{args.bind}.{name}")
+    return args
 
 
 def executor_config(args: "Executor", plan, name: str, key, trace, device: str, digest: str):
@@ -146,7 +156,8 @@ def run(args: "Executor") -> int:
             torch.set_num_threads(threads)
     keys, traces = per_part(args, names)
     digest = plan_digest(args.plan)
-    cfgs = [executor_config(args, plan, n, k, t, device, digest) for n, k, t in zip(names, keys, traces)]
+    cfgs = [executor_config(lane_bind(args, n, len(names)), plan, n, k, t, device, digest)
+            for n, k, t in zip(names, keys, traces)]
     if args.heap == "steady":  # after the checks (a bad argument stays a one-line error), before the engines' tensors
         from fusion.executors.runtime.heap import steady_heap
 

@@ -234,8 +234,10 @@ def test_run_on_a_two_node_ray_cluster_equals_local_run(request, tmp_path):
     assert "CompNode 'part1' failed" in on_ray.stderr and "restart 1 of 1" in on_ray.stderr, on_ray.stderr
     rows, local_rows = _rows(tmp_path / "ray"), _rows(tmp_path / "local")
     events = [r for r in rows if "event" in r]
-    assert [(e["event"], e["part"], e["failed_step"], e["resumed_step"]) for e in events] == \
-        [("restart", "part1", 3, 2)], events
+    assert [(e["event"], e["part"], e["resumed_step"]) for e in events] == [("restart", "part1", 2)], events
+    # 3, or 2 when the SIGKILL at the start of step 3 (sent ahead, --steps-ahead 1) took part1's unsent done of step 2
+    # with it (tests/executors/runtime/test_restart.py says more); the checkpoint and the bits are the same either way
+    assert events[0]["failed_step"] in (2, 3), events
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == list(range(5)), rows  # each step exactly once
     assert [r["loss"] for r in steps] == [r["loss"] for r in local_rows], (steps, local_rows)
