@@ -29,13 +29,11 @@ def private_socket_dir() -> Path:
     """A fresh directory of mode 0700 for this run's sockets, under a short temporary folder (socket paths are
     limited to :data:`MAX_PATH` bytes, which a deep run folder would exceed)."""
     base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
-    path = Path(tempfile.mkdtemp(prefix="fusion-", dir=base))  # mkdtemp makes it 0700, owned by this user
-    os.chmod(path, 0o700)
-    return path
+    return Path(tempfile.mkdtemp(prefix="fusion-", dir=base))  # mkdtemp makes it 0700, owned by this user
 
 
 def ipc_address(folder: Path, index: int | str) -> str:
-    """The address of socket ``index`` (``coordinator`` or a process's number) in ``folder``."""
+    """The address of socket ``index`` (``"c"``, the coordinator's, or an executor process's number) in ``folder``."""
     path = f"{folder}/{index}"
     if len(path.encode()) > MAX_PATH:
         raise ValueError(f"socket path {path!r} is longer than a Unix socket takes ({MAX_PATH} bytes)")

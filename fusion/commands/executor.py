@@ -5,6 +5,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Mapping
 
+from fusion.executors.runtime.local_links import IPC
+
 if TYPE_CHECKING:
     from fusion.options.commands import Executor
 
@@ -78,7 +80,7 @@ def per_part(args: "Executor", names: list[str]) -> tuple[list, list]:
     if len(keys) != len(names):
         raise FusionError(f"--key: give one secret key file per part of --node ({len(names)}), comma-separated")
     if len(names) > 1 and (args.advertise or (args.bind and not args.bind.endswith(":*")
-                                              and not args.bind.startswith("ipc://"))):
+                                              and not args.bind.startswith(IPC))):
         raise FusionError("--node with several parts: each part listens on its own port; use the plan's addresses "
                           "or --bind with port * (e.g. tcp://10.0.0.1:*) or an ipc:// path (each part binds "
                           "PATH.<part>), and no --advertise")
@@ -93,7 +95,7 @@ def per_part(args: "Executor", names: list[str]) -> tuple[list, list]:
 def lane_bind(args: "Executor", name: str, parts: int) -> "Executor":
     """``args`` for part ``name`` of a process running ``parts`` parts: with an ``ipc://PATH`` bind and several parts
     each binds ``PATH.<name>`` (one socket file each; a TCP bind with port ``*`` gives each its own port already)."""
-    if parts > 1 and args.bind and args.bind.startswith("ipc://"):
+    if parts > 1 and args.bind and args.bind.startswith(IPC):
         return dataclasses.replace(args, bind=f"{args.bind}.{name}")
     return args
 
