@@ -126,3 +126,15 @@ def test_a_unix_socket_peer_is_named_by_its_process():
         assert _peer(t) == "?"  # not connected
     finally:
         t.close()
+
+
+def test_an_unknown_links_value_is_one_line_exit_2(tmp_path, capsys):
+    from fusion.cli import main
+    from tests.fusion.cli_helpers import one_line
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(tmp_path / "plan"), "--links", "tcp", "--out", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    line = one_line(capsys)
+    assert "--links" in line and "'tcp'" in line and "ipc" in line and "curve" in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything is made
