@@ -83,9 +83,10 @@ def test_killed_and_stopped_compnodes_are_restarted_and_a_lost_metrics_line_is_r
     events = [r for r in rows if "event" in r]
     # p1 died as it started step 3, which was sent ahead (--steps-ahead 1, the default) while step 2 ran: its SIGKILL
     # may take its ``done`` of step 2 with it (ZeroMQ's I/O thread had not written it yet), and then the coordinator
-    # never saw step 2 finish and records it as the failed one; the restart resumes from the same checkpoint either way
+    # never saw step 2 finish and records it as the failed one; the restart resumes from the same checkpoint either way.
+    # SIGSTOP freezes p0's I/O thread with its process, so the same holds for p0's ``done`` of step 4 (CI saw 4 once)
     assert [(e["event"], e["part"], e["resumed_step"]) for e in events] == [("restart", "p1", 2), ("restart", "p0", 4)]
-    assert events[0]["failed_step"] in (2, 3) and events[1]["failed_step"] == 5, events
+    assert events[0]["failed_step"] in (2, 3) and events[1]["failed_step"] in (4, 5), events
     assert all(e["recovery_s"] > 0 for e in events)
     steps = [r["step"] for r in rows if "event" not in r]
     assert sorted(steps) == list(range(STEPS)) and len(steps) == STEPS  # each step exactly once
