@@ -6,7 +6,7 @@ per stage, no compression. One rank per process::
 
     python benchmarks/wan_torch.py --rank R --world W --master ADDR:PORT --steps N --seed S --micro-batches M \\
         --batch B --eval-every E --eval-batches K --model small|tiny --out FILE.json [--lr LR] [--schedule auto] \\
-        [--precision fp32|bf16]
+        [--precision fp32|bf16] [--replicas R]
 
 Rank 0 (the first stage) listens at ``ADDR:PORT`` (``init_method tcp://``); gloo binds every rank to the interface
 whose address routes to ``ADDR`` (``GLOO_SOCKET_IFNAME``, unless set), so it runs from network namespaces.
@@ -18,6 +18,15 @@ backward, add their gradients (an all-reduce between the two, Megatron's way), s
 step and the run trains what the single-process GPT trains. Every micro-batch's loss is its mean cross-entropy and
 the schedule divides the gradients by the micro-batches (``scale_grads``): the gradient of the whole batch's mean.
 ``PipelineStage`` gets the stages' input and output shapes (static metadata: no pickled shape exchange).
+
+``--replicas R`` (DP x PP, issue 36's row): the ``--world`` ranks are R pipelines of ``W = world / R`` stages,
+rank ``r`` is stage ``r % W`` of replica ``r // W`` (a replica's ranks are consecutive, so started site after
+site each pipeline stays inside its site). Each step's ``B`` rows are split into R equal shares (replica k takes
+the k-th, as fusion's ``--replicas`` does) of ``M / R`` micro-batches each, and after the backward each stage's
+replicas average their gradients (one flat all-reduce over the stage's data-parallel group: what DDP does with a
+single bucket, and this model's gradients fit DDP's first 25 MB bucket, which it reduces once the backward is
+over), so every step trains on the whole batch's mean gradient, as one process would. Losses and validation
+losses are the mean over the replicas (each evaluates its share of every held-out batch).
 
 Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``
 (two stages per rank, the model cut into 2 x W stages, stage s on rank s mod W), each where torch and the split
@@ -195,26 +204,32 @@ class Pipeline:
         from torch.distributed import pipelining as tp
 
         self.args, self.setup = args, setup
-        r, w = args.rank, args.world
-        self.first, self.last = r == 0, r == w - 1
+        r, R = args.rank, args.replicas
+        w = args.world // R  # stages of one replica
+        self.stage, self.replica, self.stages = r % w, r // w, w
+        self.first, self.last = self.stage == 0, self.stage == w - 1
+        groups = process_groups(args.world, R)
+        self.pipe_group = groups["pipe"][self.replica]
+        self.tied_group = groups["tied"][self.replica]  # the tied weight's two copies: first and last stage
+        self.dp_group = groups["dp"][self.stage]  # this stage's replicas (None: one replica)
+        micro = setup.micro_batches // R
         gpt = setup.module()
         subs = units(gpt)
         # the tied embedding: rank 0 holds the GPT's own, the last rank a copy (the same values) for the head
         self.tied = gpt.transformer.wte.weight if self.first else (
             torch.nn.Parameter(gpt.lm_head.weight.detach().clone()) if self.last else None)
         self.schedules, self.modules = {}, {}
-        for name in candidates(args.schedule, setup.micro_batches, w, len(subs)):
+        for name in candidates(args.schedule, micro, w, len(subs)):
             total = w * CANDIDATES[name]  # stage s on rank s % W, as torch places interleaved stages
             bf16 = args.precision == "bf16"
-            mods = [build_stage(gpt, subs, s, total, self.tied, bf16) for s in range(r, total, w)]
-            stages = [tp.PipelineStage(m, s, total, torch.device("cpu"),
+            own = range(self.stage, total, w)
+            mods = [build_stage(gpt, subs, s, total, self.tied, bf16) for s in own]
+            stages = [tp.PipelineStage(m, s, total, torch.device("cpu"), group=self.pipe_group,
                                        **dict(zip(("input_args", "output_args"), stage_shapes(setup, s, total, bf16))))
-                      for m, s in zip(mods, range(r, total, w))]
+                      for m, s in zip(mods, own)]
             cls = getattr(tp, TORCH_SCHEDULES[name][0])
-            self.schedules[name] = cls(stages if len(stages) > 1 else stages[0], setup.micro_batches, loss_fn=loss_fn)
+            self.schedules[name] = cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
             self.modules[name] = mods  # every schedule's stages hold the same parameters (gpt's, and the copy)
-        # the tied weight's two copies live on ranks 0 and W-1: their gradients are added over this group
-        self.tied_group = dist.new_group([0, w - 1]) if w > 2 else None
         self.opt = None  # AdamW over the chosen schedule's parameters (use())
 
     def params(self, schedule: str) -> list:
@@ -233,8 +248,20 @@ class Pipeline:
         """One forward (+ backward) of ``batch`` through the pipeline; the mean micro-batch loss on the last rank."""
         import torch
 
-        return torch_pipeline_step(self.schedules[schedule], self.args.rank, self.args.world,
-                                   torch.from_numpy(batch["idx"]), torch.from_numpy(batch["targets"]), train)
+        rows = len(batch["idx"]) // self.args.replicas  # this replica's share of the rows
+        share = slice(self.replica * rows, (self.replica + 1) * rows)
+        return torch_pipeline_step(self.schedules[schedule], self.stage, self.stages,
+                                   torch.from_numpy(batch["idx"][share]), torch.from_numpy(batch["targets"][share]),
+                                   train)
+
+    def replica_mean(self, value: float | None) -> float:
+        """The mean over the replicas of a loss their last stages hold (None elsewhere); every rank gets it."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value if self.last else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0]) / self.args.replicas
 
     def train_step(self, schedule: str, batch: dict, update: bool = True) -> float | None:
         """Forward and backward of ``batch``, the tied gradients added, then (``update``) AdamW's step."""
@@ -245,19 +272,29 @@ class Pipeline:
         loss = self._run(schedule, batch, train=True)
         if self.tied is not None:
             dist.all_reduce(self.tied.grad, group=self.tied_group)
+        if self.dp_group is not None:  # DDP's arithmetic: the replicas' mean gradient, one flat buffer
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+            grads = [p.grad for p in self.params(schedule)]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.args.replicas
+            for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(v)
         if update:
             self.opt.step()
         return loss
 
     def grad_sq(self, schedule: str) -> float:
-        """Sum of squared gradients over every rank's parameters (the tied weight on both of its ranks)."""
+        """Sum of squared gradients over one replica's parameters (the tied weight on both of its ranks; after
+        the data-parallel average every replica holds the same gradients)."""
         import torch
         import torch.distributed as dist
 
         t = torch.tensor([sum(float((p.grad.double() ** 2).sum()) for p in self.params(schedule))],
                          dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t[0])
+        return float(t[0]) / self.args.replicas
 
     def evaluate(self, schedule: str) -> float:
         """Mean held-out loss over ``--eval-batches`` batches, forward only; every rank gets it (from the last)."""
@@ -266,9 +303,22 @@ class Pipeline:
 
         with torch.no_grad():
             vals = [self._run(schedule, self.setup.val_batch(k), train=False) for k in range(self.args.eval_batches)]
-        t = torch.tensor([sum(vals) / len(vals) if self.last else 0.0], dtype=torch.float64)
-        dist.broadcast(t, src=self.args.world - 1)
-        return float(t[0])
+        return self.replica_mean(sum(vals) / len(vals) if self.last else None)
+
+
+def process_groups(world: int, replicas: int) -> dict:
+    """Every rank's groups, made in the same order on every rank (``new_group`` is collective): ``pipe`` per
+    replica (its stages; None with one replica: the world), ``tied`` per replica (its first and last stage, which
+    add the tied weight's gradients; None where that is the world) and ``dp`` per stage (its replicas; None with
+    one replica)."""
+    import torch.distributed as dist
+
+    w = world // replicas
+    reps = [list(range(k * w, (k + 1) * w)) for k in range(replicas)]
+    solo = replicas == 1
+    return {"pipe": [None if solo else dist.new_group(r) for r in reps],
+            "tied": [None if solo and w == 2 else dist.new_group([r[0], r[-1]]) for r in reps],
+            "dp": [None if solo else dist.new_group(list(range(s, world, w))) for s in range(w)]}
 
 
 def choose_schedule(pipe: Pipeline) -> tuple[str, dict, float]:
@@ -289,9 +339,7 @@ def choose_schedule(pipe: Pipeline) -> tuple[str, dict, float]:
                 t = time.perf_counter()
                 loss = pipe.train_step(n, batch, update=False)
                 dt = time.perf_counter() - t
-                lt = torch.tensor([loss or 0.0], dtype=torch.float64)
-                dist.broadcast(lt, src=pipe.args.world - 1)
-                probe[n] = {"s": min(dt, probe.get(n, {}).get("s", dt)), "loss": float(lt[0]),
+                probe[n] = {"s": min(dt, probe.get(n, {}).get("s", dt)), "loss": pipe.replica_mean(loss),
                             "grad_sq": pipe.grad_sq(n)}
                 for p in pipe.params(n):
                     p.grad = None
@@ -340,7 +388,8 @@ def run(args) -> dict | None:
     except ValueError as e:
         raise UsageError(f"wan_torch.py: {e}") from None
     # a split or schedule that cannot run: said before the group forms (2 residual sub-blocks per layer, units())
-    candidates(args.schedule, args.micro_batches, args.world, 2 * setup.config.n_layer)
+    candidates(args.schedule, args.micro_batches // args.replicas, args.world // args.replicas,
+               2 * setup.config.n_layer)
     addr, port = parse_master(args.master)
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = interface_for(addr)
@@ -369,7 +418,8 @@ def run(args) -> dict | None:
         wall = time.perf_counter() - t0
         # the training losses live on the last rank
         lt = torch.tensor([x if x is not None else 0.0 for x in losses], dtype=torch.float64)
-        dist.broadcast(lt, src=args.world - 1)
+        dist.all_reduce(lt)  # only the replicas' last stages hold losses: their sum
+        lt /= args.replicas
         dist.barrier()  # no rank tears down (rank 0 holds the TCP store) while another still uses the group
     finally:
         dist.destroy_process_group()
@@ -377,7 +427,8 @@ def run(args) -> dict | None:
         return None
     train_s = wall - eval_s
     return {"samples_per_s": args.batch * args.steps / train_s, "wall_s": wall, "train_s": train_s, "eval_s": eval_s,
-            "val": val, "losses": lt.tolist(), "schedule": schedule, "stages": args.world, "model": args.model,
+            "val": val, "losses": lt.tolist(), "schedule": schedule, "stages": args.world // args.replicas,
+            "replicas": args.replicas, "model": args.model,
             "seed": args.seed, "batch": args.batch, "micro_batches": args.micro_batches, "lr": setup.lr, "precision": args.precision,
             "probe_s": probe_s, "probe": probe,
             "notes": "wall_s: first step to the end of the last evaluation (evaluations counted, start-up and "
@@ -387,7 +438,10 @@ def run(args) -> dict | None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, required=True, help="this process's rank = its stage (0: the first)")
-    ap.add_argument("--world", type=int, required=True, help="processes = stages")
+    ap.add_argument("--world", type=int, required=True, help="processes = stages x replicas")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="data-parallel pipelines (DP x PP): the ranks' R pipelines of world/R stages each, gradients "
+                         "averaged across them every step (default 1)")
     ap.add_argument("--master", required=True, metavar="ADDR:PORT", help="rank 0's address for the process group")
     ap.add_argument("--steps", type=int, required=True, help="training steps")
     ap.add_argument("--seed", type=int, default=0, help="initialisation and data seed (wan_model.gpt_setup)")
@@ -409,8 +463,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(args) -> None:
-    if args.world < 2:
-        raise UsageError(f"--world {args.world}: a pipeline needs at least 2 stages")
+    if args.replicas < 1 or args.world % args.replicas:
+        raise UsageError(f"--replicas {args.replicas}: expected a divisor of --world {args.world}")
+    if args.world // args.replicas < 2:
+        raise UsageError(f"--world {args.world}: a pipeline needs at least 2 stages"
+                         + (f" per replica ({args.replicas} replicas)" if args.replicas > 1 else ""))
+    if args.micro_batches % args.replicas:
+        raise UsageError(f"--micro-batches {args.micro_batches}: does not split over {args.replicas} replicas")
     if not 0 <= args.rank < args.world:
         raise UsageError(f"--rank {args.rank}: expected 0..{args.world - 1} (--world {args.world})")
     for name in ("steps", "eval_batches", "micro_batches", "batch"):

@@ -54,15 +54,16 @@ def one_process(setup, steps: int, eval_every: int, eval_batches: int) -> tuple[
     return losses, val, grad_sq
 
 
-def two_ranks(out: Path, env: dict, *extra: str) -> list[subprocess.Popen]:
-    """wan_torch.py's two ranks on loopback: the tiny GPT, seed 3, STEPS steps of 8 rows in 2 micro-batches."""
+def two_ranks(out: Path, env: dict, *extra: str, world: int = 2, micro_batches: int = 2) -> list[subprocess.Popen]:
+    """wan_torch.py's ranks on loopback (two unless ``world``): the tiny GPT, seed 3, STEPS steps of 8 rows in
+    ``micro_batches`` micro-batches."""
     (port,) = free_ports(1)
     return [subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", "2",
-         "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", "2",
+        [sys.executable, str(REPO / "benchmarks" / "wan_torch.py"), "--rank", str(r), "--world", str(world),
+         "--master", f"127.0.0.1:{port}", "--steps", str(STEPS), "--seed", "3", "--micro-batches", str(micro_batches),
          "--batch", "8", "--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES), "--model", "tiny",
          "--out", str(out), "--timeout", "120", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for r in range(2)]
+        text=True) for r in range(world)]
 
 
 def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
@@ -108,8 +109,40 @@ def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp
     np.testing.assert_allclose(first["loss"], losses[0], rtol=1e-5)
 
 
+def test_two_pipelines_averaging_gradients_train_as_one_process_on_the_whole_batch(tmp_path):
+    """``--replicas 2 --world 4`` (issue 36's DP x PP baseline): two 2-stage pipelines, each on its half of every
+    batch's rows (2 of the 4 micro-batches), gradients averaged across them after the backward: every step's loss,
+    every held-out loss and step 0's gradient equal one process on the whole batch (rtol 1e-5)."""
+    setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = tmp_path / "torch.json"
+    ranks = two_ranks(out, env, "--replicas", "2", world=4, micro_batches=4)
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
+    got = json.loads(out.read_text())
+    assert (got["stages"], got["replicas"]) == (2, 2)
+    losses, val, grad_sq = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose([v[2] for v in got["val"]], [v[1] for v in val], rtol=1e-5)
+    assert set(got["probe"]) == {"gpipe", "1f1b", "interleaved1f1b"}  # every schedule, each with its groups
+    for name, p in got["probe"].items():
+        np.testing.assert_allclose([p["loss"], p["grad_sq"]], [losses[0], grad_sq], rtol=1e-5, err_msg=name)
+    # one replica alone (no gradient average) would not: its half of the rows has another loss
+    half = {k: torch.from_numpy(v[:4]) for k, v in setup.train_batch(0).items()}
+    with torch.no_grad():
+        assert abs(float(setup.module()(half["idx"], half["targets"])) - losses[0]) > 1e-4
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--world", "3"], "do not split into 3 equal stages"),
+    (["--world", "4", "--replicas", "3"], "--replicas 3: expected a divisor of --world 4"),
+    (["--world", "2", "--replicas", "2"], "at least 2 stages per replica"),
+    (["--world", "4", "--replicas", "2", "--micro-batches", "3"], "does not split over 2 replicas"),
     (["--batch", "7"], "batch 7 does not split into 2"),
     (["--rank", "2"], "--rank 2"),
     (["--master", "127.0.0.1"], "--master"),
