@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per replica")
-    ap.add_argument("--study", choices=["throughput", "convergence", "wan"], default="throughput",
+    ap.add_argument("--study", choices=["throughput", "convergence", "wan", "dpxpp"], default="throughput",
                     help="throughput: the measured runs above (default); convergence: diloco_study.py's figure; "
-                         "wan: diloco_wan.py's, over a real shaped link between two network-namespace sites")
+                         "wan: diloco_wan.py's, over a real shaped link between two network-namespace sites; "
+                         "dpxpp: dpxpp_wan.py's, 2 sites x 2 devices, fusion's plan against torch's pipelining + DDP "
+                         "(the wan flags set fusion's DiLoCo; --sync-steps: torch's steps)")
     ap.add_argument("--sync-steps", type=int, default=None,
                     help="convergence, wan: synchronous DP's steps (default 300; wan --quick 10)")
     ap.add_argument("--diloco-factor", type=float, default=3.0,
@@ -169,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="wan: seconds one run may take")
     ap.add_argument("--steps-ahead", type=int, choices=[0, 1], default=1,
                     help="wan: the coordinators' --steps-ahead (default 1, as fusion's; 0: lock step)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="dpxpp: both sides' precision (bf16: torch under autocast sends bfloat16; default fp32)")
+    ap.add_argument("--compress", default="auto", metavar="auto|none|CODEC",
+                    help="dpxpp: fusion's --compress on the pipeline's cut inside a site (default auto)")
     ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true",
                     help="wan: the tiny model, 10 synchronous steps, H 5, seed 0 only (the test's run)")
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if args.study == "convergence":
         return convergence(args, t0)
-    if args.study == "wan":
+    if args.study in ("wan", "dpxpp"):
         return wan(args)
     args.outer_delay = args.outer_delay or 0
     h = args.inner_steps
@@ -281,15 +287,22 @@ def convergence(args: argparse.Namespace, t0: float) -> int:
 
 
 def wan(args: argparse.Namespace) -> int:
-    """The study over a real shaped link (:mod:`diloco_wan`); its final JSON line."""
+    """The study over a real shaped link (:mod:`diloco_wan`, or :mod:`dpxpp_wan` for ``--study dpxpp``); its final
+    JSON line."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from diloco_wan import WanStudy, study_main
+    if args.study == "dpxpp":
+        from functools import partial
+
+        from dpxpp_wan import DpPpStudy, study_main
+        WanStudy = partial(DpPpStudy, precision=args.precision, compress=args.compress)
+    else:
+        from diloco_wan import WanStudy, study_main
 
     quick = args.quick
     try:
         h = int(args.h) if args.h else (5 if quick else WAN_H)
     except ValueError:
-        print(f"bench_diloco.py: --study wan: --h {args.h}: one integer", file=sys.stderr)
+        print(f"bench_diloco.py: --study {args.study}: --h {args.h}: one integer", file=sys.stderr)
         return 2
     study = WanStudy(model="tiny" if quick else "small", sync_steps=args.sync_steps or (10 if quick else 300),
                      cap_factor=args.diloco_factor, h=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,

@@ -95,13 +95,13 @@ def _entry(setup) -> str:
 
 # -- the cluster file -------------------------------------------------------------------------
 
-def cluster_yaml(sites: Sites, profile, peak_gflops: float) -> str:
-    """The shaped network as a cluster file: one device per stage host, its site its group."""
+def cluster_yaml(sites: Sites, profile, peak_gflops: float, devices: tuple[str, ...] = DEVICES) -> str:
+    """The shaped network as a cluster file: one device per stage host (``devices``), its site its group."""
     lat_between = profile.latency_ms if sites.latency_method.startswith("netem") else 0.1
     lines = [f"# written by benchmarks/bench_wan.py: profile {profile.name}, latency: {sites.latency_method}",
              f"name: wan-{profile.name}", "devices:"]
-    for i, d in enumerate(DEVICES):
-        lines.append(f"  - {{name: {d}, group: {HOSTS[d]}, peak_flops: {peak_gflops:g} GFLOPS, memory: 4 GB, "
+    for i, d in enumerate(devices):
+        lines.append(f"  - {{name: {d}, group: {sites.hosts[d]}, peak_flops: {peak_gflops:g} GFLOPS, memory: 4 GB, "
                      f"address: \"tcp://{sites.ip[d]}:{6100 + i}\"}}")
     lines += ["links:",
               f"  default:      {{latency: {lat_between:g} ms, bandwidth: {profile.between_mbit:g} Mbit/s}}",
@@ -168,13 +168,17 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str, logf: Pa
 
 # -- the three sides --------------------------------------------------------------------------
 
-def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) -> dict:
+def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int, devices: tuple[str, ...] = DEVICES,
+              replicas: int = 1, steps: int | None = None) -> dict:
+    """torch's side (``wan_torch.py``): one rank per host of ``devices`` in order (``replicas`` pipelines of
+    consecutive ranks), ``steps`` (default ``args.steps``) steps."""
     work.mkdir(parents=True, exist_ok=True)
     out, logf = work / "torch.json", work / "torch.log"
     with open(logf, "wb") as lf:
         procs = [subprocess.Popen(sites.cmd(d, [sys.executable, str(script), "--rank", str(r), "--world",
-                                               str(len(DEVICES)), "--master", f"{sites.ip[DEVICES[0]]}:{port}",
-                                               "--steps", str(args.steps), "--seed", str(setup.seed),
+                                               str(len(devices)), "--replicas", str(replicas),
+                                               "--master", f"{sites.ip[devices[0]]}:{port}",
+                                               "--steps", str(steps or args.steps), "--seed", str(setup.seed),
                                                "--micro-batches", str(setup.micro_batches),
                                                "--batch", str(setup.batch),
                                                "--eval-every", str(args.eval_every), "--eval-batches",
@@ -182,7 +186,7 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int) ->
                                                "--precision", args.precision]),
                                   stdout=lf, stderr=subprocess.STDOUT,
                                   env={**_env(), "GLOO_SOCKET_IFNAME": sites.dev[d]})  # the shaped link, not lo
-                 for r, d in enumerate(DEVICES)]
+                 for r, d in enumerate(devices)]
         _wait_all(procs, args.timeout, f"torch seed {setup.seed}", logf)
     res = json.loads(out.read_text())
     return {"samples_per_s": res["samples_per_s"], "wall_s": res["wall_s"], "val": res["val"],
