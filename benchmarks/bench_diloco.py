@@ -57,6 +57,16 @@ per seed rows, the settings, the bytes between the sites per step and the load a
         [--diloco-factor 3] [--h 10] [--outer-lr 0.7] [--outer-momentum 0.6] [--sync-warmup 30] [--outer-delay 0]
         [--sync-fragments 1] [--pseudo-codec quant:bits=8|none] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
 
+``--study dpxpp`` runs issue 36's DP x PP row instead (:mod:`dpxpp_wan`: two sites of two network-namespace hosts
+each; torch's ``torch.distributed.pipelining`` inside a site with DDP's gradient average across the sites, against
+fusion's ``--strategy opfence --replicas 2 --compress auto`` plan with DiLoCo across them at the wan flags'
+settings, run to torch's final held-out loss); its final JSON line holds ``wall_to_torch_loss_ratio`` (the median
+over the seeds, null if any seed misses), ``steps_to_torch_loss_ratio``, fusion's ``compute_utilisation``, the
+bytes between the sites per step of each side, per seed rows and the load average:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study dpxpp [--seeds 0,1,2] [--sync-steps 300]
+        [--precision fp32|bf16] [--compress auto|none|CODEC] [the wan flags] [--work DIR] [--quick]
+
 Not measured here: the planner's prediction on ``fusionllm-48``.
 """
 from __future__ import annotations

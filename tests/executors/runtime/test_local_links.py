@@ -138,3 +138,43 @@ def test_an_unknown_links_value_is_one_line_exit_2(tmp_path, capsys):
     line = one_line(capsys)
     assert "--links" in line and "'tcp'" in line and "ipc" in line and "curve" in line, line
     assert not (tmp_path / "run").exists()  # refused before anything is made
+
+
+def test_the_socket_folders_of_killed_runs_are_swept_and_nothing_else(tmp_path):
+    """A run killed with SIGKILL cannot remove its socket folder; the next run of this user does, by the folder's
+    owner file: a dead owner, or a pid since reused by another process, is swept; a live owner, a folder of another
+    pid namespace, one without the owner file (another program's) or one others may enter is left alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = str(tmp_path)
+    dead = Path(subprocess.run(
+        [sys.executable, "-c", "import sys; from fusion.executors.runtime import local_links as l; "
+                               "print(l.private_socket_dir(sys.argv[1]))", base],
+        capture_output=True, text=True, check=True).stdout.strip())
+    (dead / "abcd1234").mkdir()  # a start's folder, as the launcher makes them
+    assert (dead / local_links.OWNER).exists()
+
+    def made(name: str, owner: str | None, mode: int = 0o700) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        if owner is not None:
+            (d / local_links.OWNER).write_text(owner + "\n")
+        os.chmod(d, mode)
+        return d
+
+    me, started, ns = os.getpid(), local_links._start_time(os.getpid()), local_links._pid_namespace()
+    reused = made("fusion-reused", f"{me} 1 {ns}")  # our pid, but another start time: the pid was reused
+    other_ns = made("fusion-otherns", "999999 1 pid:[1]")
+    foreign = made("fusion-wan-bench", None)  # a benchmark's temporary folder: no owner file
+    opened = made("fusion-open", f"999999 1 {ns}", 0o755)
+    live = local_links.private_socket_dir(base)  # sweeps first, then makes its own
+    try:
+        assert not dead.exists() and not reused.exists()
+        assert other_ns.exists() and foreign.exists() and opened.exists() and live.exists()
+        assert (live / local_links.OWNER).read_text().split() == [str(me), str(started), ns]
+        assert local_links.sweep_stale(base) == []  # its own owner (this process) is alive
+        assert live.exists()
+    finally:
+        local_links.remove(live)
