@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wan: the coordinators' --steps-ahead (default 1, as fusion's; 0: lock step)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="dpxpp: both sides' precision (bf16: torch under autocast sends bfloat16; default fp32)")
+    ap.add_argument("--torch-dp-wire", choices=("fp32", "bf16"), default="fp32",
+                    help="dpxpp: torch's gradient all-reduce across the sites (bf16: DDP's bf16_compress_hook)")
     ap.add_argument("--compress", default="auto", metavar="auto|none|CODEC",
                     help="dpxpp: fusion's --compress on the pipeline's cut inside a site (default auto)")
     ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")
@@ -304,7 +306,8 @@ def wan(args: argparse.Namespace) -> int:
         from functools import partial
 
         from dpxpp_wan import DpPpStudy, study_main
-        WanStudy = partial(DpPpStudy, precision=args.precision, compress=args.compress)
+        WanStudy = partial(DpPpStudy, precision=args.precision, compress=args.compress,
+                           torch_dp_wire=args.torch_dp_wire)
     else:
         from diloco_wan import WanStudy, study_main
 

@@ -169,9 +169,9 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str, logf: Pa
 # -- the three sides --------------------------------------------------------------------------
 
 def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int, devices: tuple[str, ...] = DEVICES,
-              replicas: int = 1, steps: int | None = None) -> dict:
+              replicas: int = 1, steps: int | None = None, extra: tuple[str, ...] = ()) -> dict:
     """torch's side (``wan_torch.py``): one rank per host of ``devices`` in order (``replicas`` pipelines of
-    consecutive ranks), ``steps`` (default ``args.steps``) steps."""
+    consecutive ranks), ``steps`` (default ``args.steps``) steps; ``extra``: more ``wan_torch.py`` options."""
     work.mkdir(parents=True, exist_ok=True)
     out, logf = work / "torch.json", work / "torch.log"
     with open(logf, "wb") as lf:
@@ -183,7 +183,7 @@ def run_torch(sites: Sites, script: Path, args, setup, work: Path, port: int, de
                                                "--batch", str(setup.batch),
                                                "--eval-every", str(args.eval_every), "--eval-batches",
                                                str(args.eval_batches), "--model", args.model, "--out", str(out),
-                                               "--precision", args.precision]),
+                                               "--precision", args.precision, *extra]),
                                   stdout=lf, stderr=subprocess.STDOUT,
                                   env={**_env(), "GLOO_SOCKET_IFNAME": sites.dev[d]})  # the shaped link, not lo
                  for r, d in enumerate(devices)]

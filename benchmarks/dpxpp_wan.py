@@ -61,10 +61,13 @@ class DpPpStudy(WanStudy):
     precision: both sides' ``--precision`` (fp32, or bf16: torch's stages under autocast send bfloat16, fusion
                compiles ``--precision bf16``).
     compress:  fusion's ``--compress`` on the pipeline's cut inside a site (``auto``: the compiler's choice).
+    torch_dp_wire: torch's gradient all-reduce across the sites: ``fp32`` (DDP's default) or ``bf16`` (DDP's
+               ``bf16_compress_hook``: half the bytes; ``wan_torch.py --dp-wire``).
     """
 
     precision: str = "fp32"
     compress: str = "auto"
+    torch_dp_wire: str = "fp32"
 
     def fusion_options(self) -> tuple[str, ...]:
         return self.diloco_options()
@@ -79,6 +82,8 @@ def check(study: DpPpStudy) -> str | None:
         return problem
     if study.precision not in ("fp32", "bf16"):
         return f"--precision {study.precision}: expected fp32 or bf16"
+    if study.torch_dp_wire not in ("fp32", "bf16"):
+        return f"--torch-dp-wire {study.torch_dp_wire}: expected fp32 or bf16"
     from fusion.compress.policy import parse_spec
     from fusion.ir.errors import FusionError
     from fusion.kernels.codecs import CODECS, Role
@@ -113,7 +118,7 @@ def one_seed(sites: Sites, study: DpPpStudy, seed: int, work: Path, cluster: Pat
     log.info("seed %d: torch, pipelining inside the sites and DDP across, %d steps", seed, study.sync_steps)
     b0 = sites.between_sent_bytes()
     torch_res = bench_wan.run_torch(sites, BENCH / "wan_torch.py", study, setup, work / "torch", port, DEVICES,
-                                    REPLICAS, study.sync_steps)
+                                    REPLICAS, study.sync_steps, ("--dp-wire", study.torch_dp_wire))
     torch_bytes = (sites.between_sent_bytes() - b0) / study.sync_steps
     target = torch_res["val"][-1][2]
     plan_dir = work / "fusion.plan"
@@ -168,7 +173,8 @@ def summarise(rows: list[dict], study: DpPpStudy, load_start, latency: str | Non
                          "topology": "2 sites x 2 devices, coordinator in site A",
                          "fusion": (f"fusion compile --strategy opfence --compress {study.compress} "
                                     + " ".join(study.fusion_options())),
-                         "torch": "wan_torch.py --world 4 --replicas 2 (pipelining inside a site, DDP across)"},
+                         "torch": (f"wan_torch.py --world 4 --replicas 2 --dp-wire {study.torch_dp_wire} "
+                                   "(pipelining inside a site, DDP across)")},
             "seeds": [r["seed"] for r in rows], "per_seed": rows, "skipped": skipped,
             "loadavg_start": [round(x, 2) for x in load_start],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()]}

@@ -25,7 +25,9 @@ site each pipeline stays inside its site). Each step's ``B`` rows are split into
 the k-th, as fusion's ``--replicas`` does) of ``M / R`` micro-batches each, and after the backward each stage's
 replicas average their gradients (one flat all-reduce over the stage's data-parallel group: what DDP does with a
 single bucket, and this model's gradients fit DDP's first 25 MB bucket, which it reduces once the backward is
-over), so every step trains on the whole batch's mean gradient, as one process would. Losses and validation
+over), so every step trains on the whole batch's mean gradient, as one process would. ``--dp-wire bf16`` does
+what DDP's ``bf16_compress_hook`` does instead: divide by R, all-reduce in bfloat16 (half the bytes), back to
+float32. Losses and validation
 losses are the mean over the replicas (each evaluates its share of every held-out batch).
 
 Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``
@@ -264,7 +266,9 @@ class Pipeline:
         return float(t[0]) / self.args.replicas
 
     def train_step(self, schedule: str, batch: dict, update: bool = True) -> float | None:
-        """Forward and backward of ``batch``, the tied gradients added, then (``update``) AdamW's step."""
+        """Forward and backward of ``batch``, the tied gradients added, the replicas' gradients averaged, then
+        (``update``) AdamW's step."""
+        import torch
         import torch.distributed as dist
 
         for p in self.params(schedule):
@@ -277,8 +281,13 @@ class Pipeline:
 
             grads = [p.grad for p in self.params(schedule)]
             flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.args.replicas
+            if self.args.dp_wire == "bf16":  # DDP's bf16_compress_hook: divide, all-reduce in bfloat16, back
+                wire = flat.div_(self.args.replicas).to(torch.bfloat16)
+                dist.all_reduce(wire, group=self.dp_group)
+                flat.copy_(wire)
+            else:
+                dist.all_reduce(flat, group=self.dp_group)
+                flat /= self.args.replicas
             for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(v)
         if update:
@@ -428,7 +437,7 @@ def run(args) -> dict | None:
     train_s = wall - eval_s
     return {"samples_per_s": args.batch * args.steps / train_s, "wall_s": wall, "train_s": train_s, "eval_s": eval_s,
             "val": val, "losses": lt.tolist(), "schedule": schedule, "stages": args.world // args.replicas,
-            "replicas": args.replicas, "model": args.model,
+            "replicas": args.replicas, "dp_wire": args.dp_wire, "model": args.model,
             "seed": args.seed, "batch": args.batch, "micro_batches": args.micro_batches, "lr": setup.lr, "precision": args.precision,
             "probe_s": probe_s, "probe": probe,
             "notes": "wall_s: first step to the end of the last evaluation (evaluations counted, start-up and "
@@ -442,6 +451,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", type=int, default=1,
                     help="data-parallel pipelines (DP x PP): the ranks' R pipelines of world/R stages each, gradients "
                          "averaged across them every step (default 1)")
+    ap.add_argument("--dp-wire", choices=("fp32", "bf16"), default="fp32",
+                    help="with --replicas: the gradient all-reduce's dtype; bf16 is DDP's bf16_compress_hook (half "
+                         "the bytes, lossy; default fp32, exact)")
     ap.add_argument("--master", required=True, metavar="ADDR:PORT", help="rank 0's address for the process group")
     ap.add_argument("--steps", type=int, required=True, help="training steps")
     ap.add_argument("--seed", type=int, default=0, help="initialisation and data seed (wan_model.gpt_setup)")

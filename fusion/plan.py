@@ -750,6 +750,11 @@ class Plan:
             CODECS.check_role(c, Role.DP_GRADIENT, f"{source}: dp_codec")
         except FusionError as e:
             raise PlanError(str(e)) from None
+        ds = self.dp_sync
+        if ds is not None and ds.mode == "diloco" and not (ds.sync_warmup and ds.codec is not None):
+            raise PlanError(f"{source}: dp_codec: DiLoCo runs the per-step gradient all-reduce only in its synchronous "
+                            "warm-up, and averages exact pseudo-gradients over the same ring: it needs "
+                            "dp_sync.sync_warmup > 0 and a dp_sync.codec")
 
     def _check_replicas(self, source: str) -> None:
         """Replicas run the same cut on disjoint devices; the global batch divides over them."""

@@ -484,9 +484,10 @@ def dp_sync_from_args(args: CompileOptions):
     h = DILOCO_INNER_STEPS if hs is None else hs[0]
     if args.strategy not in DP_STRATEGIES and args.replicas < 2:
         raise FusionError("--dp-sync diloco needs --replicas 2 or more (one replica has nobody to average with)")
-    if args.dp_codec is not None and args.dp_sync == "diloco":
-        raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco does not run; "
-                          "use --pseudo-codec")
+    if args.dp_codec is not None and args.dp_sync == "diloco" and not (args.sync_warmup and args.pseudo_codec not in (None, "none")):
+        raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco runs only in "
+                          "its synchronous warm-up: give --sync-warmup N and a --pseudo-codec (the exact "
+                          "pseudo-gradients would travel by the same ring), or drop --dp-codec")
     if args.outer_delay not in (None, 0, 1):
         raise FusionError(f"--outer-delay {args.outer_delay}: an outer step is applied at once (0) or one outer step "
                           "late, its exchange overlapping the next H inner steps (1)")
@@ -738,6 +739,9 @@ def describe_plan(plan, cluster) -> str:
                  + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else "")
                  + (f", outer step one round late ({ds.overlap})" if ds.delay else "")
                  + (f", {ds.sync_warmup} synchronous warm-up steps" if ds.sync_warmup else "")
+                 + (" (all-reduce " + ":".join([plan.dp_codec["algo"], ",".join(
+                     f"{k}={v}" for k, v in plan.dp_codec.items() if k != "algo")]) + ")"
+                    if ds.sync_warmup and plan.dp_codec else "")
                  + (f", inner lr {ds.inner_lr:g}" if ds.inner_lr is not None else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")

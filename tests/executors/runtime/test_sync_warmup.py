@@ -142,4 +142,44 @@ def test_warmup_of_the_whole_run_or_with_shares_is_one_line(tmp_path, capsys):
     assert main(["compile", missing, "--cluster", LOCAL, "--replicas", "2", "--sync-warmup", "3",
                  "-o", str(tmp_path / "x")]) == 2
     assert "--sync-warmup is an option of --dp-sync diloco" in one_line(capsys)
+    for opts in (["--pseudo-codec", "quant:bits=8"], ["--sync-warmup", "3"]):  # a warm-up codec needs both
+        assert main(["compile", missing, "--cluster", LOCAL, "--replicas", "2", "--dp-sync", "diloco", "--dp-codec",
+                     "quant:bits=8", *opts, "-o", str(tmp_path / "x")]) == 2
+        assert "runs only in its synchronous warm-up: give --sync-warmup N and a --pseudo-codec" in one_line(capsys)
     assert not (tmp_path / "run").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_warm_up_under_dp_codec_is_synchronous_dp_under_that_codec(tmp_path):
+    """``--dp-codec`` with DiLoCo (``--sync-warmup N --pseudo-codec ...``): the warm-up's gradient all-reduce travels
+    under the plan's ``dp_codec``. Its steps equal synchronous DP under the same codec (``--dp-sync every
+    --dp-codec``, checked against plain PyTorch in test_dp.py) bit for bit, through step N's loss (the first
+    computed from the warm-up's weights); they differ from the exact warm-up (so the codec ran), DiLoCo's outer
+    steps follow at N + H, and a plan whose DiLoCo has no warm-up or no pseudo-gradient codec is refused."""
+    from fusion.plan import PlanError, save_plan
+
+    build, _, _, batch_fn = ALL["mlp"]
+    model = build(mb=MB)
+    R, N, H = 2, 3, 2
+    q8 = {"algo": "quant", "bits": 8}
+    batches = [batch_fn(s, R * MB) for s in range(N + H + 1)]
+
+    def plan_with(name: str, sync: DPSync | None, codec: dict | None):
+        plan_dir = save_dp_plan(tmp_path / name, model, one_stage(model), R, micro_batches=1, optimizer=ADAMW[0])
+        plan = load_plan(plan_dir)
+        plan.dp_codec = codec
+        if sync is not None:
+            plan.dp_sync = sync
+        save_plan(plan, plan_dir, params=model.params)
+        return plan_dir
+
+    diloco = DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.6, sync_warmup=N, codec=q8)
+    got, _, _ = run_dp(plan_with("warm", diloco, q8), tmp_path / "warm" / "run", batches)
+    every, _, _ = run_dp(plan_with("every", None, q8), tmp_path / "every" / "run", batches[:N + 1])
+    exact, _, _ = run_dp(plan_with("exact", diloco, None), tmp_path / "exact" / "run", batches[:N + 1])
+    np.testing.assert_array_equal([r.loss for r in got[:N + 1]], [r.loss for r in every])
+    assert [r.loss for r in got[1:N + 1]] != [r.loss for r in exact[1:]]
+    assert [o["step"] for o in (r.parts["p0"].get("outer") for r in got) if o] == [N + H]
+    for bad in (DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.6, sync_warmup=N),
+                DPSync("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.6, codec=q8)):
+        with pytest.raises(PlanError, match="dp_codec: DiLoCo runs the per-step gradient all-reduce only in its"):
+            load_plan(plan_with(f"bad{bad.sync_warmup}", bad, q8))
