@@ -41,6 +41,9 @@ Figures (the final JSON line):
   its codec, the outer Nesterov update, the exchange), the step's messages. The median over the seeds. Target
   >= 0.9. ``compute_utilisation_after_warmup`` counts only the steps after the synchronous warm-up; the
   synchronous side's own utilisation is reported for contrast.
+* ``wall_to_best_sync_ratio`` (with ``--sync-codec``): a second synchronous baseline, synchronous DP with that
+  all-reduce codec, runs to the same target (the exact run's final held-out loss, at most the cap); DiLoCo's time
+  to the target over the faster baseline's (the exact run's wall time or the coded run's time to the target).
 * ``between_sites_bytes_per_step``: what crossed the slow link (both ways, the inter-site veth's tc counters around
   each run, start-up, the coordinator's batches and evaluations included) over the run's steps.
 """
@@ -82,6 +85,11 @@ class WanStudy:
     fragments:      Streaming DiLoCo's fragments (``--sync-fragments``): the parameters in F runs, each exchanged
                     at its own step of the H, so the slow link carries 1/F of the pseudo-gradient at a time.
     pseudo_codec:   the pseudo-gradients' codec (``--pseudo-codec``, with error feedback); None: exact float32.
+    sync_codec:     a second synchronous baseline: synchronous DP with this all-reduce codec (``--dp-codec``, e.g.
+                    ``quant:bits=8``: a quarter of the bytes a step), run like DiLoCo until the exact run's final
+                    held-out loss or the cap; None: only the exact one.
+    warmup_codec:   the synchronous warm-up's all-reduce codec (``--dp-codec``, e.g. ``quant:bits=8``: a quarter of
+                    the bytes); None: exact. Needs a warm-up and a pseudo-gradient codec.
     eval_every, eval_batches: held-out loss every N steps over so many held-out batches (fusion's ``--eval-every``).
     profile:        the network profile (:data:`netns_sites.PROFILES`).
     timeout:        seconds one run may take before it is killed and reported.
@@ -100,6 +108,8 @@ class WanStudy:
     outer_delay: int = 0
     fragments: int = 1
     pseudo_codec: str | None = "quant:bits=8"
+    warmup_codec: str | None = None
+    sync_codec: str | None = None
     eval_every: int = 10
     eval_batches: int = 4
     profile: str = "20mbit"
@@ -118,8 +128,12 @@ class WanStudy:
     def sync_options(self) -> tuple[str, ...]:
         return ("--replicas", "2", "--global-batch", str(ROWS[self.model]), "--dp-sync", "every")
 
+    def coded_sync_options(self) -> tuple[str, ...]:
+        return (*self.sync_options(), "--dp-codec", self.sync_codec)
+
     def diloco_options(self) -> tuple[str, ...]:
         codec = ("--pseudo-codec", self.pseudo_codec, "--pseudo-error-feedback") if self.pseudo_codec else ()
+        codec += ("--dp-codec", self.warmup_codec) if self.warmup_codec else ()
         return ("--replicas", "2", "--global-batch", str(ROWS[self.model]), "--dp-sync", "diloco",
                 "--inner-steps", str(self.h), "--outer-lr", repr(self.outer_lr), "--outer-momentum",
                 repr(self.outer_momentum), *(() if self.nesterov else ("--no-nesterov",)),
@@ -137,6 +151,20 @@ def check(study: WanStudy) -> str | None:
         return f"--diloco-factor {study.cap_factor}: DiLoCo needs at least synchronous DP's steps (>= 1)"
     if study.profile not in PROFILES:
         return f"--profile {study.profile}: unknown (known: {', '.join(PROFILES)})"
+    if study.warmup_codec is not None and not (study.sync_warmup and study.pseudo_codec):
+        return (f"--warmup-codec {study.warmup_codec}: compresses the synchronous warm-up's all-reduce; needs "
+                "--sync-warmup N > 0 and a --pseudo-codec")
+    for flag, spec in (("--warmup-codec", study.warmup_codec), ("--sync-codec", study.sync_codec)):
+        if spec is None:
+            continue
+        from fusion.compress.policy import parse_spec
+        from fusion.ir.errors import FusionError
+        from fusion.kernels.codecs import CODECS, Role
+
+        try:
+            CODECS.check_role(parse_spec(spec, flag), Role.DP_GRADIENT, f"{flag} {spec}")
+        except (FusionError, ValueError) as e:
+            return str(e)
     if study.pseudo_codec is not None:
         from fusion.compress.policy import parse_spec
         from fusion.ir.errors import FusionError
@@ -218,6 +246,19 @@ def one_seed(sites: Sites, study: WanStudy, seed: int, work: Path, cluster: Path
                      "between_sites_bytes_per_step": round(r["between_sites_bytes_per_step"]),
                      "outer_rounds": r["outer_rounds"], "val": [[s, round(t, 3), round(v, 4)] for s, t, v in r["val"]]}
     row["diloco"]["time_to_target_s"] = None if hit is None else round(hit, 3)
+    if study.sync_codec:  # the second baseline races to the same target; the faster baseline is the anchor
+        log.info("seed %d: synchronous DP with --dp-codec %s until %.4f, at most %d steps", seed, study.sync_codec,
+                 target, study.cap_steps)
+        coded = run_side(sites, study, setup, cluster, work, "sync_coded", study.coded_sync_options(), port + 2,
+                         study.cap_steps, stop_at=target)
+        coded_hit = bench_wan.time_to(coded["val"], target)
+        row["sync_coded"] = {"codec": study.sync_codec, "steps": coded["steps"], "wall_s": round(coded["wall_s"], 3),
+                             "time_to_target_s": None if coded_hit is None else round(coded_hit, 3),
+                             "final_val_loss": round(coded["val"][-1][2], 4),
+                             "between_sites_bytes_per_step": round(coded["between_sites_bytes_per_step"]),
+                             "val": [[s, round(t, 3), round(v, 4)] for s, t, v in coded["val"]]}
+        best = min(sync["wall_s"], coded_hit if coded_hit is not None else float("inf"))
+        row["wall_to_best_sync_ratio"] = None if hit is None else hit / best
     log.info("seed %d: DiLoCo reached %.4f in %s s (%d steps) vs synchronous DP's %.1f s (%d steps): ratio %s; "
              "utilisation %.3f", seed, target, row["diloco"]["time_to_target_s"], dil["steps"], sync["wall_s"],
              sync["steps"], row["wall_to_sync_loss_ratio"], dil["compute_utilisation"])
@@ -235,6 +276,9 @@ def summarise(rows: list[dict], study: WanStudy, load_start, latency: str | None
     return {"bench": "diloco", "study": "wan",
             # the headline: DiLoCo's wall time to synchronous DP's final held-out loss over synchronous DP's wall time
             "wall_to_sync_loss_ratio": _median([r["wall_to_sync_loss_ratio"] for r in rows]),
+            # with --sync-codec: over the faster of the two synchronous baselines to the same (exact) target
+            "wall_to_best_sync_ratio": (_median([r.get("wall_to_best_sync_ratio") for r in rows])
+                                        if study.sync_codec else None),
             "compute_utilisation": _median(util),
             "compute_utilisation_after_warmup": _median(util_after),
             "sync_compute_utilisation": _median([r["sync"]["compute_utilisation"] for r in rows]),
@@ -242,6 +286,7 @@ def summarise(rows: list[dict], study: WanStudy, load_start, latency: str | None
             "between_sites_bytes_per_step": {
                 side: _median([r[side]["between_sites_bytes_per_step"] for r in rows]) for side in ("sync", "diloco")},
             "targets": {"wall_to_sync_loss_ratio": 0.4, "compute_utilisation": 0.9},
+            "sync_compute_utilisation_note": "synchronous DP's own utilisation, for contrast",
             "settings": {**asdict(study), "cap_steps": study.cap_steps, "replicas": 2, "global_batch": ROWS[study.model],
                          "between_mbit": PROFILES[study.profile].between_mbit,
                          "within_mbit": PROFILES[study.profile].within_mbit, "latency": latency,

@@ -82,6 +82,9 @@ def check(study: DpPpStudy) -> str | None:
         return problem
     if study.precision not in ("fp32", "bf16"):
         return f"--precision {study.precision}: expected fp32 or bf16"
+    if study.sync_codec is not None:
+        return (f"--sync-codec {study.sync_codec}: the second synchronous baseline is --study wan's; this row's "
+                "baseline is torch's (--torch-dp-wire bf16 for its compressed all-reduce)")
     if study.torch_dp_wire not in ("fp32", "bf16"):
         return f"--torch-dp-wire {study.torch_dp_wire}: expected fp32 or bf16"
     from fusion.compress.policy import parse_spec

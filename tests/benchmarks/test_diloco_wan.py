@@ -45,7 +45,10 @@ def test_bad_settings_exit_2_with_one_line(capsys):
 
     for argv, words in ((["--pseudo-codec", "nosuchcodec"], "nosuchcodec"),
                         (["--sync-warmup", "900"], "--sync-warmup 900"), (["--h", "x"], "--h x"),
-                        (["--profile", "9mbit"], "--profile 9mbit")):
+                        (["--profile", "9mbit"], "--profile 9mbit"),
+                        (["--sync-codec", "nosuchcodec"], "nosuchcodec"),
+                        (["--warmup-codec", "quant:bits=8", "--pseudo-codec", "none"], "needs --sync-warmup N > 0 and"),
+                        (["--warmup-codec", "quant:bits=8", "--sync-warmup", "0"], "needs --sync-warmup N > 0 and")):
         assert bench_diloco.main(["--study", "wan", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and words in err, (argv, err)

@@ -42,7 +42,8 @@ def test_bad_settings_exit_2_with_one_line(capsys):
     import bench_diloco
 
     for argv, words in ((["--compress", "nosuchcodec"], "nosuchcodec"), (["--compress", "quant:bits=99"], "bits"),
-                        (["--pseudo-codec", "nosuchcodec"], "nosuchcodec"), (["--sync-warmup", "900"], "--sync-warmup")):
+                        (["--pseudo-codec", "nosuchcodec"], "nosuchcodec"), (["--sync-warmup", "900"], "--sync-warmup"),
+                        (["--sync-codec", "quant:bits=8"], "this row's baseline is torch's")):
         assert bench_diloco.main(["--study", "dpxpp", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and words in err and "dpxpp" in err, (argv, err)
