@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="wan: the coordinators' --steps-ahead (default 1, as fusion's; 0: lock step)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="dpxpp: both sides' precision (bf16: torch under autocast sends bfloat16; default fp32)")
-    ap.add_argument("--torch-dp-wire", choices=("fp32", "bf16"), default="fp32",
-                    help="dpxpp: torch's gradient all-reduce across the sites (bf16: DDP's bf16_compress_hook)")
+    ap.add_argument("--torch-dp-wire", choices=("fp32", "bf16"), default="bf16",
+                    help="dpxpp: torch's gradient all-reduce across the sites (default bf16: DDP's bf16_compress_hook, "
+                         "torch's best here, 1.8x faster at the same loss; fp32: DDP's default)")
     ap.add_argument("--compress", default="auto", metavar="auto|none|CODEC",
                     help="dpxpp: fusion's --compress on the pipeline's cut inside a site (default auto)")
     ap.add_argument("--work", type=Path, default=None, help="wan: keep plans, runs and logs here (default: a temp dir)")

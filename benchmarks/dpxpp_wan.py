@@ -10,8 +10,9 @@ Two runs per seed, the same model, data, batches and AdamW (:func:`bench_wan.wan
 
 1. **torch**, what a PyTorch user runs on two sites of two GPUs: ``torch.distributed.pipelining`` inside each site
    (2 stages, the fastest of GPipe / 1F1B / interleaved 1F1B by ``wan_torch.py``'s probe) and DDP across the sites
-   (each stage's gradients averaged between its two replicas every step, over the slow link;
-   ``wan_torch.py --replicas 2``, equal to one process on the whole batch: tests/benchmarks/test_wan_torch.py).
+   (each stage's gradients averaged between its two replicas every step, over the slow link, in bfloat16 as DDP's
+   ``bf16_compress_hook`` sends them unless ``--torch-dp-wire fp32``; ``wan_torch.py --replicas 2``, with fp32
+   equal to one process on the whole batch: tests/benchmarks/test_wan_torch.py).
    ``--sync-steps`` steps; its final held-out loss is the **target**, its wall time the **anchor**;
 2. **fusion**, its plan for the same four devices: ``fusion compile --strategy opfence --replicas 2 --compress auto``
    (each replica inside one site, one per site: the checked layout; OP-Fence cuts the ``small`` model into 2 stages
@@ -61,13 +62,14 @@ class DpPpStudy(WanStudy):
     precision: both sides' ``--precision`` (fp32, or bf16: torch's stages under autocast send bfloat16, fusion
                compiles ``--precision bf16``).
     compress:  fusion's ``--compress`` on the pipeline's cut inside a site (``auto``: the compiler's choice).
-    torch_dp_wire: torch's gradient all-reduce across the sites: ``fp32`` (DDP's default) or ``bf16`` (DDP's
-               ``bf16_compress_hook``: half the bytes; ``wan_torch.py --dp-wire``).
+    torch_dp_wire: torch's gradient all-reduce across the sites: ``bf16`` (DDP's ``bf16_compress_hook``: half the
+               bytes, the same held-out loss, torch's best here; ``wan_torch.py --dp-wire``) or ``fp32`` (DDP's
+               default).
     """
 
     precision: str = "fp32"
     compress: str = "auto"
-    torch_dp_wire: str = "fp32"
+    torch_dp_wire: str = "bf16"
 
     def fusion_options(self) -> tuple[str, ...]:
         return self.diloco_options()
