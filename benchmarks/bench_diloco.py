@@ -81,14 +81,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: --study wan: DiLoCo's synchronous warm-up steps and H, tuned on seeds 100-101 on a quiet host (warm-up 10 / 20 / 30
 #: at H 10, then H 20: docs/data-parallel.md "Over a shaped link")
-WAN_WARMUP = 20  # diloco_wan.WanStudy.sync_warmup
+WAN_WARMUP = 10  # diloco_wan.WanStudy.sync_warmup (20 with an exact warm-up; 10 once it was 4-bit, seeds 100-101)
 WAN_H = 20  # diloco_wan.WanStudy.h
-#: --study wan, dpxpp: the warm-up's all-reduce in 8 bits (fusion compile --dp-codec) where there is a warm-up and a
-#: pseudo-gradient codec: tuned on seeds 100-101 (DiLoCo to exact synchronous DP's loss in 0.130 / 0.135 of its wall
-#: time, against 0.261 / 0.255 with an exact warm-up; docs/data-parallel.md)
-WAN_WARMUP_CODEC = "quant:bits=8"
-#: --study wan: the second synchronous baseline's all-reduce codec (``none``: only the exact one)
-WAN_SYNC_CODEC = "quant:bits=8"
+#: --study wan, dpxpp: the warm-up's all-reduce in 4 bits (fusion compile --dp-codec) where there is a warm-up and a
+#: pseudo-gradient codec: tuned on seeds 100-101 (DiLoCo to exact synchronous DP's loss in 0.107 / 0.096 of its wall
+#: time with 10 such steps, 0.130 / 0.135 with 20 8-bit ones, 0.261 / 0.255 with 20 exact; docs/data-parallel.md)
+WAN_WARMUP_CODEC = "quant:bits=4"
+#: --study wan: the second synchronous baseline's all-reduce codec, the baseline's best on seeds 100-101 (2-bit
+#: synchronous DP reached the exact run's loss in 4.5 / 2.3 s, 4-bit in 4.7 / 4.9 s, 8-bit in 8.8 / 7.5 s)
+WAN_SYNC_CODEC = "quant:bits=2"
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 

@@ -297,32 +297,41 @@ def summarise(rows: list[dict], study: WanStudy, load_start, latency: str | None
             "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
 
 
-def study_main(study: WanStudy, seeds: list[int], work: Path | None = None) -> int:
-    """Run the study over ``seeds``; print a JSON line per seed and the summary as the last line."""
+def run_study(name: str, study, seeds: list[int], work: Path | None, *, problem: str | None, hosts: dict[str, str],
+              devices: tuple[str, ...], port: int, one_seed, summarise) -> int:
+    """A study over a shaped two-site network (``--study wan`` and ``dpxpp``): ``problem`` (the settings' check) is
+    one line, exit 2; without namespaces the summary says why, exit 0; else the sites of ``hosts`` (the cluster file
+    lists ``devices`` in that order), ``one_seed(sites, study, seed, work, cluster, port)`` per seed, a JSON line
+    each, and ``summarise(rows, study, load_start, latency)`` as the last line."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     load_start = os.getloadavg()
-    problem = check(study)
     if problem:
-        print(f"bench_diloco.py: --study wan: {problem}", file=sys.stderr)
+        print(f"bench_diloco.py: --study {name}: {problem}", file=sys.stderr)
         return 2
     reason = namespaces_available()
     if reason:
-        print(f"bench_diloco.py: --study wan: skipped: {reason}")
+        print(f"bench_diloco.py: --study {name}: skipped: {reason}")
         print(json.dumps(summarise([], study, load_start, None, skipped=reason)))
         return 0
     rows: list[dict] = []
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="fusion-diloco-wan-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"fusion-diloco-{name}-") as tmp:
         base = work or Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
-        with Sites(bench_wan.HOSTS, PROFILES[study.profile]) as sites:
+        with Sites(hosts, PROFILES[study.profile]) as sites:
             cluster = base / "cluster.yaml"
-            cluster.write_text(bench_wan.cluster_yaml(sites, PROFILES[study.profile], 50.0))
+            cluster.write_text(bench_wan.cluster_yaml(sites, PROFILES[study.profile], 50.0, devices))
             for i, seed in enumerate(seeds):
-                rows.append(one_seed(sites, study, seed, base / f"seed{seed}", cluster, port=29700 + 10 * i))
+                rows.append(one_seed(sites, study, seed, base / f"seed{seed}", cluster, port=port + 10 * i))
                 print(json.dumps(rows[-1]), flush=True)
             latency = sites.latency_method
     out = summarise(rows, study, load_start, latency)
     out["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(out))
     return 0
+
+
+def study_main(study: WanStudy, seeds: list[int], work: Path | None = None) -> int:
+    """Run the study over ``seeds``; print a JSON line per seed and the summary as the last line."""
+    return run_study("wan", study, seeds, work, problem=check(study), hosts=bench_wan.HOSTS,
+                     devices=bench_wan.DEVICES, port=29700, one_seed=one_seed, summarise=summarise)

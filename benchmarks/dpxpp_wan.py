@@ -28,12 +28,9 @@ step of each side; the load average at the start and the end.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,8 +38,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import bench_wan  # noqa: E402
-from diloco_wan import ROWS, WanStudy, _median, compute_utilisation, metrics_lines  # noqa: E402
-from netns_sites import PROFILES, Sites, namespaces_available  # noqa: E402
+from diloco_wan import ROWS, WanStudy, _median, compute_utilisation, metrics_lines, run_study  # noqa: E402
+from netns_sites import PROFILES, Sites  # noqa: E402
 
 log = logging.getLogger("dpxpp_wan")
 #: host -> site: two devices per site, the coordinator in site A
@@ -187,30 +184,5 @@ def summarise(rows: list[dict], study: DpPpStudy, load_start, latency: str | Non
 
 def study_main(study: DpPpStudy, seeds: list[int], work: Path | None = None) -> int:
     """Run the row over ``seeds``; a JSON line per seed and the summary as the last line."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    load_start = os.getloadavg()
-    problem = check(study)
-    if problem:
-        print(f"bench_diloco.py: --study dpxpp: {problem}", file=sys.stderr)
-        return 2
-    reason = namespaces_available()
-    if reason:
-        print(f"bench_diloco.py: --study dpxpp: skipped: {reason}")
-        print(json.dumps(summarise([], study, load_start, None, skipped=reason)))
-        return 0
-    rows: list[dict] = []
-    t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="fusion-dpxpp-") as tmp:
-        base = work or Path(tmp)
-        base.mkdir(parents=True, exist_ok=True)
-        with Sites(HOSTS, PROFILES[study.profile]) as sites:
-            cluster = base / "cluster.yaml"
-            cluster.write_text(bench_wan.cluster_yaml(sites, PROFILES[study.profile], 50.0, CLUSTER_ORDER))
-            for i, seed in enumerate(seeds):
-                rows.append(one_seed(sites, study, seed, base / f"seed{seed}", cluster, port=29800 + 10 * i))
-                print(json.dumps(rows[-1]), flush=True)
-            latency = sites.latency_method
-    out = summarise(rows, study, load_start, latency)
-    out["wall_s"] = round(time.time() - t0, 1)
-    print(json.dumps(out))
-    return 0
+    return run_study("dpxpp", study, seeds, work, problem=check(study), hosts=HOSTS, devices=CLUSTER_ORDER,
+                     port=29800, one_seed=one_seed, summarise=summarise)

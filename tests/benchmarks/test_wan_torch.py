@@ -66,6 +66,18 @@ def two_ranks(out: Path, env: dict, *extra: str, world: int = 2, micro_batches: 
         text=True) for r in range(world)]
 
 
+def finished(ranks: list[subprocess.Popen], out: Path) -> dict:
+    """Wait for every rank (each is killed if the test fails first); all must exit 0; rank 0's JSON."""
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
+    return json.loads(out.read_text())
+
+
 def test_pipelining_trains_as_one_process_and_fusion_starts_at_the_same_loss(tmp_path):
     setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -119,15 +131,7 @@ def test_two_pipelines_averaging_gradients_train_as_one_process_on_the_whole_bat
     setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out = tmp_path / "torch.json"
-    ranks = two_ranks(out, env, "--replicas", "2", "--dp-wire", wire, world=4, micro_batches=4)
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
-    got = json.loads(out.read_text())
+    got = finished(two_ranks(out, env, "--replicas", "2", "--dp-wire", wire, world=4, micro_batches=4), out)
     assert (got["stages"], got["replicas"], got["dp_wire"]) == (2, 2, wire)
     losses, val, grad_sq = one_process(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
     if wire == "bf16":
@@ -209,16 +213,8 @@ def test_bf16_pipelining_sends_bfloat16_and_trains_as_its_one_process_reference(
     stages composed in one process (losses and validation losses rtol 1e-5), and stay near fp32's (bf16 rounding)."""
     setup = gpt_setup("tiny", seed=3, batch=8, micro_batches=2)
     out = tmp_path / "torch.json"
-    ranks = two_ranks(out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-                      "--schedule", "gpipe", "--precision", "bf16")
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in ranks), "\n".join(x[-3000:] for x in logs)
-    got = json.loads(out.read_text())
+    got = finished(two_ranks(out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                             "--schedule", "gpipe", "--precision", "bf16"), out)
     assert got["precision"] == "bf16"
     losses, val = bf16_reference(setup, STEPS, EVAL_EVERY, EVAL_BATCHES)
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
