@@ -750,8 +750,12 @@ class Plan:
             CODECS.check_role(c, Role.DP_GRADIENT, f"{source}: dp_codec")
         except FusionError as e:
             raise PlanError(str(e)) from None
+
+    def _check_warmup_codec(self, source: str) -> None:
+        """A ``dp_codec`` under DiLoCo quantises only its synchronous warm-up: the plan needs a warm-up, and a
+        pseudo-gradient codec (exact pseudo-gradients are averaged over the same ring, which would quantise them)."""
         ds = self.dp_sync
-        if ds is not None and ds.mode == "diloco" and not (ds.sync_warmup and ds.codec is not None):
+        if ds.mode == "diloco" and not (ds.sync_warmup and ds.codec is not None):
             raise PlanError(f"{source}: dp_codec: DiLoCo runs the per-step gradient all-reduce only in its synchronous "
                             "warm-up, and averages exact pseudo-gradients over the same ring: it needs "
                             "dp_sync.sync_warmup > 0 and a dp_sync.codec")
@@ -809,6 +813,8 @@ class Plan:
         if not isinstance(self.dp_sync, DPSync):
             raise PlanError(f"{source}: dp_sync must be a DPSync, got {type(self.dp_sync).__name__}")
         self.dp_sync.check(f"{source}: dp_sync")
+        if self.dp_codec is not None:
+            self._check_warmup_codec(source)
         if any(r >= r_count for r in self.dp_sync.shares):
             raise PlanError(f"{source}: dp_sync.shares names replica {max(self.dp_sync.shares)}, the plan has {r_count}")
         per = self.dp_sync.inner_steps_per_replica

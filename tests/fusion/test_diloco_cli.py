@@ -108,7 +108,7 @@ BAD = [  # (options, what the one line says)
     (["--replicas", "2", "--dp-sync", "diloco", "--pseudo-codec", "sparseloco:k=0"],
      "--pseudo-codec 'sparseloco:k=0': sparseloco cfg: k 0 must be an integer 1..chunk (4096)"),
     (["--replicas", "2", "--dp-sync", "diloco", "--pseudo-error-feedback"], "--pseudo-error-feedback needs a lossy"),
-    (["--replicas", "2", "--dp-sync", "diloco", "--dp-codec", "quant:bits=8"], "use --pseudo-codec"),
+    (["--replicas", "2", "--dp-sync", "diloco", "--dp-codec", "quant:bits=8"], "runs only in its synchronous warm-up"),
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum must be < 1"),
     (["--replicas", "2", "--dp-sync", "diloco", "--outer-lr", "-1"], "--outer-lr must be a finite number >= 0"),
     (["--replicas", "2", "--inner-steps", "4"], "--inner-steps is an option of --dp-sync diloco"),
