@@ -212,7 +212,7 @@ class _StopAtStepEnd:
         import signal
         import threading
 
-        self.asked, self.bar, self._previous = False, bar, None
+        self.asked, self.bar, self._previous, self._SIGINT = False, bar, None, signal.SIGINT
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
                 signal.default_int_handler:
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
@@ -221,7 +221,8 @@ class _StopAtStepEnd:
         if self.asked:
             raise KeyboardInterrupt
         self.asked = True
-        _say(self.bar, "Ctrl-C: stopping after this step (Ctrl-C again to stop now)")
+        what = "Ctrl-C" if signum == self._SIGINT else "SIGTERM"  # fusion run hands SIGTERM here too
+        _say(self.bar, f"{what}: stopping after this step ({what} again to stop now)")
 
     def restore(self) -> None:
         if self._previous is not None:
