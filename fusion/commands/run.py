@@ -167,21 +167,16 @@ def announce(opts: "Run", cluster, out: Path) -> None:
 
 
 def _sigterm_as_interrupt():
-    """SIGTERM (kill, a scheduler, systemd) stops a run like Ctrl-C: the executors are stopped, not orphaned. It is
-    handed to whatever handles Ctrl-C at that moment: inside the step loop the step in flight finishes first (a
-    KeyboardInterrupt raised inside the coordinator's waits could leave it unable to fetch the final weights until
-    the peer timeout: CI saw a SIGTERMed run take over 20 s to exit), a second one stops at once; outside it,
-    KeyboardInterrupt."""
+    """SIGTERM (kill, a scheduler, systemd) stops a run like Ctrl-C: the executors are stopped, not orphaned. The
+    handler is marked ``graceful``: the step loop takes it over as it does Ctrl-C (the step in flight ends first, a
+    second one stops at once; steploop._StopAtStepEnd); outside the loop it raises KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def interrupt(signum, frame):
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(signum, frame)
-        else:
-            raise KeyboardInterrupt
+        raise KeyboardInterrupt
 
+    interrupt.graceful = True
     return signal.signal(signal.SIGTERM, interrupt)
 
 

@@ -206,27 +206,32 @@ class _StopAtStepEnd:
     """Ctrl-C during the step loop: the first one lets the step in flight finish (its line written) and then stops
     the loop; a second one stops at once (KeyboardInterrupt where the main thread is). A KeyboardInterrupt raised in
     the middle of a step (inside the coordinator's waits and receives) had left it unable to fetch the weights now
-    and then (the Ctrl-C test hung after 'saving the latest weights'). Outside the main thread nothing changes."""
+    and then (the Ctrl-C test hung after 'saving the latest weights'). SIGTERM is taken over the same way where the
+    command marked its handler ``graceful`` (``fusion run``: CI saw a SIGTERMed run take over 20 s to exit),
+    also when SIGINT is ignored (a background job). Outside the main thread nothing changes."""
 
     def __init__(self, bar=None):
         import signal
         import threading
 
-        self.asked, self.bar, self._previous, self._SIGINT = False, bar, None, signal.SIGINT
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
-                signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self.asked, self.bar, self._previous, self._SIGINT = False, bar, {}, signal.SIGINT
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        if getattr(signal.getsignal(signal.SIGTERM), "graceful", False):
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if self.asked:
             raise KeyboardInterrupt
         self.asked = True
-        what = "Ctrl-C" if signum == self._SIGINT else "SIGTERM"  # fusion run hands SIGTERM here too
+        what = "Ctrl-C" if signum == self._SIGINT else "SIGTERM"
         _say(self.bar, f"{what}: stopping after this step ({what} again to stop now)")
 
     def restore(self) -> None:
-        if self._previous is not None:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
