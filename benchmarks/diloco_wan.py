@@ -141,6 +141,23 @@ class WanStudy:
                 "--sync-warmup", str(self.sync_warmup), *codec)
 
 
+def codec_problem(flag: str, spec: str, role: str, allow: tuple = ()) -> str | None:
+    """One line if ``spec`` (``flag``'s codec spec) names no codec the registry lets carry ``role`` (a
+    :class:`Role` name) with that cfg, or None; ``allow``: what :func:`parse_spec` may also return (None for
+    ``none``, ``"auto"``) without a check."""
+    from fusion.compress.policy import parse_spec
+    from fusion.ir.errors import FusionError
+    from fusion.kernels.codecs import CODECS, Role
+
+    try:
+        cfg = parse_spec(spec, flag)
+        if cfg not in allow:
+            CODECS.check_role(cfg, getattr(Role, role), f"{flag} {spec}")
+    except (FusionError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def check(study: WanStudy) -> str | None:
     """One line saying what is wrong with the settings, or None."""
     if study.sync_steps < 1 or study.h < 1 or study.eval_every < 1 or study.eval_batches < 1:
@@ -154,27 +171,12 @@ def check(study: WanStudy) -> str | None:
     if study.warmup_codec is not None and not (study.sync_warmup and study.pseudo_codec):
         return (f"--warmup-codec {study.warmup_codec}: compresses the synchronous warm-up's all-reduce; needs "
                 "--sync-warmup N > 0 and a --pseudo-codec")
-    for flag, spec in (("--warmup-codec", study.warmup_codec), ("--sync-codec", study.sync_codec)):
-        if spec is None:
-            continue
-        from fusion.compress.policy import parse_spec
-        from fusion.ir.errors import FusionError
-        from fusion.kernels.codecs import CODECS, Role
-
-        try:
-            CODECS.check_role(parse_spec(spec, flag), Role.DP_GRADIENT, f"{flag} {spec}")
-        except (FusionError, ValueError) as e:
-            return str(e)
-    if study.pseudo_codec is not None:
-        from fusion.compress.policy import parse_spec
-        from fusion.ir.errors import FusionError
-        from fusion.kernels.codecs import CODECS, Role
-
-        try:
-            CODECS.check_role(parse_spec(study.pseudo_codec, "--pseudo-codec"), Role.PSEUDO_GRADIENT,
-                              f"--pseudo-codec {study.pseudo_codec}")
-        except (FusionError, ValueError) as e:
-            return str(e)
+    for flag, spec, role in (("--warmup-codec", study.warmup_codec, "DP_GRADIENT"),
+                             ("--sync-codec", study.sync_codec, "DP_GRADIENT"),
+                             ("--pseudo-codec", study.pseudo_codec, "PSEUDO_GRADIENT")):
+        problem = None if spec is None else codec_problem(flag, spec, role)
+        if problem:
+            return problem
     return None
 
 
@@ -182,6 +184,11 @@ def check(study: WanStudy) -> str | None:
 
 def metrics_lines(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def rounded_val(val: list) -> list:
+    """A run's ``[step, seconds, held-out loss]`` rows as the JSON gives them (ms, 4 decimals)."""
+    return [[s, round(t, 3), round(v, 4)] for s, t, v in val]
 
 
 def compute_utilisation(lines: list[dict], first_step: int = 0) -> float:
@@ -244,7 +251,7 @@ def one_seed(sites: Sites, study: WanStudy, seed: int, work: Path, cluster: Path
                      "compute_utilisation_after_warmup": (None if r["compute_utilisation_after_warmup"] is None
                                                           else round(r["compute_utilisation_after_warmup"], 4)),
                      "between_sites_bytes_per_step": round(r["between_sites_bytes_per_step"]),
-                     "outer_rounds": r["outer_rounds"], "val": [[s, round(t, 3), round(v, 4)] for s, t, v in r["val"]]}
+                     "outer_rounds": r["outer_rounds"], "val": rounded_val(r["val"])}
     row["diloco"]["time_to_target_s"] = None if hit is None else round(hit, 3)
     if study.sync_codec:  # the second baseline races to the same target; the faster baseline is the anchor
         log.info("seed %d: synchronous DP with --dp-codec %s until %.4f, at most %d steps", seed, study.sync_codec,
@@ -256,7 +263,7 @@ def one_seed(sites: Sites, study: WanStudy, seed: int, work: Path, cluster: Path
                              "time_to_target_s": None if coded_hit is None else round(coded_hit, 3),
                              "final_val_loss": round(coded["val"][-1][2], 4),
                              "between_sites_bytes_per_step": round(coded["between_sites_bytes_per_step"]),
-                             "val": [[s, round(t, 3), round(v, 4)] for s, t, v in coded["val"]]}
+                             "val": rounded_val(coded["val"])}
         best = min(sync["wall_s"], coded_hit if coded_hit is not None else float("inf"))
         row["wall_to_best_sync_ratio"] = None if hit is None else hit / best
     log.info("seed %d: DiLoCo reached %.4f in %s s (%d steps) vs synchronous DP's %.1f s (%d steps): ratio %s; "

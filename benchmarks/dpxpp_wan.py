@@ -16,9 +16,10 @@ Two runs per seed, the same model, data, batches and AdamW (:func:`bench_wan.wan
    ``--sync-steps`` steps; its final held-out loss is the **target**, its wall time the **anchor**;
 2. **fusion**, its plan for the same four devices: ``fusion compile --strategy opfence --replicas 2 --compress auto``
    (each replica inside one site, one per site: the checked layout; OP-Fence cuts the ``small`` model into 2 stages
-   per replica and ``auto`` puts a 4-bit codec on the cut, the ``tiny`` one of ``--quick`` stays one stage) with DiLoCo across the sites at :mod:`diloco_wan`'s settings (H, outer lr and Nesterov
-   momentum, the synchronous warm-up, 8-bit pseudo-gradients with error feedback), run until its held-out loss is
-   <= the target (``--stop-at-val-loss``) or ``cap_factor x`` the synchronous steps.
+   per replica and ``auto`` puts a 4-bit codec on the cut, the ``tiny`` one of ``--quick`` stays one stage) with
+   DiLoCo across the sites at :mod:`diloco_wan`'s settings (H, outer lr and Nesterov momentum, the synchronous
+   warm-up and its codec, 8-bit pseudo-gradients with error feedback), run until its held-out loss is <= the target
+   (``--stop-at-val-loss``) or ``cap_factor x`` the synchronous steps.
 
 Figures (the final JSON line): ``wall_to_torch_loss_ratio``: fusion's wall time to the first evaluation at or below
 the target over torch's wall time to its final evaluation (both from the first step's start, evaluations counted,
@@ -38,7 +39,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import bench_wan  # noqa: E402
-from diloco_wan import ROWS, WanStudy, _median, compute_utilisation, metrics_lines, run_study  # noqa: E402
+from diloco_wan import (ROWS, WanStudy, _median, codec_problem, compute_utilisation, metrics_lines,  # noqa: E402
+                        rounded_val, run_study)
 from netns_sites import PROFILES, Sites  # noqa: E402
 
 log = logging.getLogger("dpxpp_wan")
@@ -86,17 +88,7 @@ def check(study: DpPpStudy) -> str | None:
                 "baseline is torch's (--torch-dp-wire bf16 for its compressed all-reduce)")
     if study.torch_dp_wire not in ("fp32", "bf16"):
         return f"--torch-dp-wire {study.torch_dp_wire}: expected fp32 or bf16"
-    from fusion.compress.policy import parse_spec
-    from fusion.ir.errors import FusionError
-    from fusion.kernels.codecs import CODECS, Role
-
-    try:
-        spec = parse_spec(study.compress, "--compress")
-        if isinstance(spec, dict):
-            CODECS.check_role(spec, Role.ACTIVATION, f"--compress {study.compress}")
-    except (FusionError, ValueError) as e:
-        return str(e)
-    return None
+    return codec_problem("--compress", study.compress, "ACTIVATION", allow=(None, "auto"))
 
 
 def check_layout(plan: dict, sites: Sites) -> str | None:
@@ -144,7 +136,7 @@ def one_seed(sites: Sites, study: DpPpStudy, seed: int, work: Path, cluster: Pat
                      "schedule": torch_res["schedule"], "first_loss": torch_res["losses"][0],
                      "samples_per_s": round(torch_res["samples_per_s"], 3),
                      "between_sites_bytes_per_step": round(torch_bytes),
-                     "val": [[s, round(t, 3), round(v, 4)] for s, t, v in torch_res["val"]]},
+                     "val": rounded_val(torch_res["val"])},
            "fusion": {"steps": fus["steps"], "wall_s": round(fus["wall_s"], 3), "eval_s": round(fus["eval_s"], 3),
                       "time_to_target_s": None if hit is None else round(hit, 3), "first_loss": fus["losses"][0],
                       "samples_per_s": round(fus["samples_per_s"], 3), "parts": fus["parts"],
@@ -154,7 +146,7 @@ def one_seed(sites: Sites, study: DpPpStudy, seed: int, work: Path, cluster: Pat
                       "compute_utilisation_after_warmup": (round(compute_utilisation(lines, study.sync_warmup), 4)
                                                            if fus["steps"] > study.sync_warmup else None),
                       "between_sites_bytes_per_step": round(fusion_bytes),
-                      "val": [[s, round(t, 3), round(v, 4)] for s, t, v in fus["val"]]}}
+                      "val": rounded_val(fus["val"])}}
     log.info("seed %d: fusion reached %.4f in %s s (%d steps) vs torch's %.1f s (%d steps): ratio %s", seed, target,
              row["fusion"]["time_to_target_s"], fus["steps"], torch_res["wall_s"], study.sync_steps,
              row["wall_to_torch_loss_ratio"])

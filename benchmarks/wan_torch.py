@@ -27,8 +27,8 @@ replicas average their gradients (one flat all-reduce over the stage's data-para
 single bucket, and this model's gradients fit DDP's first 25 MB bucket, which it reduces once the backward is
 over), so every step trains on the whole batch's mean gradient, as one process would. ``--dp-wire bf16`` does
 what DDP's ``bf16_compress_hook`` does instead: divide by R, all-reduce in bfloat16 (half the bytes), back to
-float32. Losses and validation
-losses are the mean over the replicas (each evaluates its share of every held-out batch).
+float32. Losses and validation losses are the mean over the replicas (each evaluates its share of every held-out
+batch).
 
 Schedule: ``--schedule auto`` (default) times ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``
 (two stages per rank, the model cut into 2 x W stages, stage s on rank s mod W), each where torch and the split
@@ -202,7 +202,6 @@ class Pipeline:
 
     def __init__(self, args, setup):
         import torch
-        import torch.distributed as dist
         from torch.distributed import pipelining as tp
 
         self.args, self.setup = args, setup

@@ -149,7 +149,7 @@ def warmup_lines(plan: Plan) -> list[str]:
     why = plan.predicted.get("diloco_choice") or {}
     warm = f"{ds.sync_warmup} synchronous steps, then DiLoCo" if ds.sync_warmup else "none"
     if ds.sync_warmup and plan.dp_codec:  # the warm-up's all-reduce travels under the plan's dp_codec
-        warm += " (its gradient all-reduce " + ", ".join(f"{k}={v}" for k, v in plan.dp_codec.items()) + ")"
+        warm += f" (its gradient all-reduce {codec_label(plan.dp_codec)})"
     inner = f"{ds.inner_lr:g}" if ds.inner_lr is not None else (f"the plan's lr {lr:g}" if lr is not None else "the plan's lr")
     # the planner's reasons begin with the value it chose
     return [f"  warm-up{' (DP planner)' if why.get('warmup_reason') else ''}: {why.get('warmup_reason') or warm}",

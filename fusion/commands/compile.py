@@ -484,7 +484,8 @@ def dp_sync_from_args(args: CompileOptions):
     h = DILOCO_INNER_STEPS if hs is None else hs[0]
     if args.strategy not in DP_STRATEGIES and args.replicas < 2:
         raise FusionError("--dp-sync diloco needs --replicas 2 or more (one replica has nobody to average with)")
-    if args.dp_codec is not None and args.dp_sync == "diloco" and not (args.sync_warmup and args.pseudo_codec not in (None, "none")):
+    warmup_coded = args.sync_warmup and args.pseudo_codec not in (None, "none")
+    if args.dp_codec is not None and args.dp_sync == "diloco" and not warmup_coded:
         raise FusionError("--dp-codec compresses the per-step gradient all-reduce, which --dp-sync diloco runs only in "
                           "its synchronous warm-up: give --sync-warmup N and a --pseudo-codec (the exact "
                           "pseudo-gradients would travel by the same ring), or drop --dp-codec")
@@ -731,17 +732,16 @@ def describe_plan(plan, cluster) -> str:
     reps = f" ({plan.replicas} replicas x {stages} stage{'s' if stages > 1 else ''})" if plan.replicas > 1 else ""
     ds = plan.dp_sync
     if plan.replicas > 1 and ds.mode == "diloco":
-        codec = ",".join(f"{k}={v}" for k, v in ds.codec.items() if k != "algo") if ds.codec else ""
+        from fusion.cost.dp import codec_label
+
         per = ds.inner_steps_per_replica
         reps += (f", DiLoCo H={ds.inner_steps}"
                  + (f" (by speed: {', '.join(f'r{r} {h}' for r, h in sorted(per.items()))})" if per else "")
                  + f" outer lr {ds.outer_lr:g} momentum {ds.outer_momentum:g}"
-                 + (f" pseudo-gradients {ds.codec['algo']}:{codec}" if ds.codec else "")
+                 + (f" pseudo-gradients {codec_label(ds.codec)}" if ds.codec else "")
                  + (f", outer step one round late ({ds.overlap})" if ds.delay else "")
                  + (f", {ds.sync_warmup} synchronous warm-up steps" if ds.sync_warmup else "")
-                 + (" (all-reduce " + ":".join([plan.dp_codec["algo"], ",".join(
-                     f"{k}={v}" for k, v in plan.dp_codec.items() if k != "algo")]) + ")"
-                    if ds.sync_warmup and plan.dp_codec else "")
+                 + (f" (all-reduce {codec_label(plan.dp_codec)})" if ds.sync_warmup and plan.dp_codec else "")
                  + (f", inner lr {ds.inner_lr:g}" if ds.inner_lr is not None else ""))
     chunks = (f", {len(plan.parts) // len(plan.lanes())} virtual stages per device (interleaved 1F1B)"
               if plan.schedule == "interleaved" else "")

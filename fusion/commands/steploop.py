@@ -214,7 +214,7 @@ class _StopAtStepEnd:
         import signal
         import threading
 
-        self.asked, self.bar, self._previous, self._SIGINT = False, bar, {}, signal.SIGINT
+        self.asked, self.bar, self._previous = False, bar, {}
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -223,10 +223,12 @@ class _StopAtStepEnd:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        import signal
+
         if self.asked:
             raise KeyboardInterrupt
         self.asked = True
-        what = "Ctrl-C" if signum == self._SIGINT else "SIGTERM"
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         _say(self.bar, f"{what}: stopping after this step ({what} again to stop now)")
 
     def restore(self) -> None:
