@@ -233,6 +233,9 @@ class Coordinator:
         #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
         #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
         self._greeted: set[str] = set()
+        #: part -> (pid, address) of the executor whose hello was taken: the same again is that executor repeating
+        #: its hello until answered (``process.HELLO_REPEAT_S``), a heartbeat, not a new executor
+        self._hello_of: dict[str, tuple[int, str]] = {}
         #: parts whose executor said hello a second time: a new executor replaces one that stopped (a supervisor
         #: restarted it); it is not sent this coordinator's abort, and its hello waits for the next coordinator
         self._replaced: set[str] = set()
@@ -278,7 +281,11 @@ class Coordinator:
             raise WireError(f"{msg.kind} message sent to the coordinator")
         c = decode_ctrl(msg, TO_COORDINATOR)
         with self._cv:
+            if c.op == "hello" and self._hello_of.get(sender) == (c.pid, c.address):
+                self._last_seen[sender] = time.monotonic()  # a repeat: the executor has not heard us yet
+                return
             if c.op == "hello":
+                self._hello_of[sender] = (c.pid, c.address)
                 if sender in self._greeted:  # a new executor of a part that is set up: the previous one is gone
                     self._replaced.add(sender)
                     self._errors.setdefault(sender, f"a new executor said hello (pid {c.pid}): "
@@ -959,6 +966,7 @@ class Coordinator:
         with self._cv:
             for p, c in hellos:
                 self._greeted.add(p)
+                self._hello_of[p] = (c.pid, c.address)
                 self._last_seen[p] = time.monotonic()
                 self._inbox[p].append(c)
             self._cv.notify_all()

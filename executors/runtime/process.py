@@ -17,14 +17,26 @@ from fusion.ir.errors import FusionError
 
 log = logging.getLogger(__name__)
 
+#: seconds between repeats of the hello while the coordinator has not answered: a hello that reached a coordinator
+#: in the moment it closed (``fusion coordinator --max-restarts`` rebinding its address) is lost with its socket, and
+#: ZeroMQ does not send a message twice; the coordinator takes a repeat from the same process as a heartbeat
+HELLO_REPEAT_S = 2.0
+
 
 class Process:
     """A part of :class:`~.compnode.CompNode` (mixed in): the CompNode process around the steps: listening, hello and
     heartbeats to the coordinator, ready, the report of why it stops, closing."""
 
     def _heartbeat(self) -> None:
+        """A heartbeat to the coordinator every ``heartbeat_s``; until the coordinator is first heard, the hello
+        again every :data:`HELLO_REPEAT_S` instead."""
+        last_hello = time.monotonic()
         while not self._hb_stop.wait(self.cfg.heartbeat_s):
-            self.transport.send(COORDINATOR, Hb().frames())
+            if not self._heard_coord and time.monotonic() - last_hello >= HELLO_REPEAT_S:
+                last_hello = time.monotonic()
+                self.transport.send(COORDINATOR, self._hello_msg.frames())
+            else:
+                self.transport.send(COORDINATOR, Hb().frames())
 
     def _listen(self) -> str:
         """Check the plan's weights for this part and bind its socket. FusionError: the user's to fix (exit 2)."""
@@ -50,9 +62,9 @@ class Process:
             self.transport.join_relay(relay, self.cfg.startup_timeout_s)
         self.transport.connect(COORDINATOR, self.cfg.coordinator,
                                max_bytes=self.cfg.max_message_bytes or coordinator_message_limit(self.plan))
-        self.transport.send(COORDINATOR, Hello(part=self.me, address=self.cfg.advertise or address,
-                                                pid=os.getpid(), engine=self.spec.engine,
-                                                digest=self.cfg.plan_digest).frames())
+        self._hello_msg = Hello(part=self.me, address=self.cfg.advertise or address, pid=os.getpid(),
+                                engine=self.spec.engine, digest=self.cfg.plan_digest)
+        self.transport.send(COORDINATOR, self._hello_msg.frames())
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
         log.info("%s: said hello to the coordinator at %s; waiting for its setup (gives up after %g s)",
                  self.me, self.cfg.coordinator, self.cfg.startup_timeout_s)

@@ -145,9 +145,13 @@ def test_a_second_hello_names_the_replaced_part_and_is_handed_to_the_next_coordi
         old._on_message("p0", msg(Hb()))
         assert not old._inbox["p0"] and "p0" not in old._last_seen
         old._on_message("p1", hello(11))
-        assert old._failure(["p1"]) is None  # the first hello is start-up
+        old._on_message("p1", hello(11))  # repeated until answered (process.HELLO_REPEAT_S): not queued twice
+        assert old._failure(["p1"]) is None and len(old._inbox["p1"]) == 1  # the first hello is start-up
         old._inbox["p1"].clear()  # (taken by start)
+        old._on_message("p1", hello(11))  # a late repeat is a sign of life, not a new executor
+        assert old._failure(["p0", "p1"]) is None and not old._inbox["p1"]
         old._on_message("p1", hello(12))  # a new executor of p1 while the run trains
+        old._on_message("p1", hello(12))
         fail = old._failure(["p0", "p1"])
         assert fail is not None and fail.part == "p1" and "a new executor said hello (pid 12)" in fail.reason
         sent = []
@@ -158,6 +162,7 @@ def test_a_second_hello_names_the_replaced_part_and_is_handed_to_the_next_coordi
         pending = old.pending_hellos()
         assert [(p, c.pid) for p, c in pending] == [("p1", 12)]
         new.take_hellos(pending)
+        new._on_message("p1", hello(12))  # its repeat reaching the next coordinator as well
         assert [c.pid for c in new._inbox["p1"]] == [12] and new._failure(["p0", "p1"]) is None
     finally:
         old.transport.senders.clear()
