@@ -154,6 +154,9 @@ class LinkWatch(threading.Thread):
                         self._links[peer] = _Link(mon)
                         by_mon[mon] = peer
                         poller.register(mon, zmq.POLLIN)
+                if not by_mon:  # (pyzmq returns at once from a poll with nothing registered: it would spin)
+                    self._done.wait(0.1)
+                    continue
                 for mon, _ in poller.poll(100):
                     ev = recv_monitor_message(mon)
                     self._event(by_mon[mon], mon, ev.get("event", 0), poller, by_mon)

@@ -114,7 +114,7 @@ class Receiving:
         the plan says that placeholder takes (:mod:`.feeds`: dimensions, dtype kind, finite, index range). A step
         that fails is refused and this part stops naming the field and node: the coordinator checked the same
         before sending, so a step that fails here cannot be trained on, and waiting for another would hang."""
-        mine = {n for n in self.spec.sub.nodes if self.graph[n].kind.value in ("input", "label")}
+        mine = self.spec.feed_specs  # this part's placeholders (input and label nodes)
         for name, arr in c.arrays.items():
             mb, _, ph = name.partition("/")
             if ph == SAMPLE_IDS and (arr.ndim != 1 or arr.dtype != np.int64):  # every part gets the sample ids
