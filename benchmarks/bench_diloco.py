@@ -54,8 +54,9 @@ time, the median over the seeds, null if any seed misses; target <= 0.4), ``comp
 per seed rows, the settings, the bytes between the sites per step and the load average at the start and the end:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --study wan [--seeds 0,1,2] [--sync-steps 300]
-        [--diloco-factor 3] [--h 10] [--outer-lr 0.7] [--outer-momentum 0.6] [--sync-warmup 30] [--outer-delay 0]
-        [--sync-fragments 1] [--pseudo-codec quant:bits=8|none] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
+        [--diloco-factor 3] [--h 20] [--outer-lr 1.0] [--outer-momentum 0] [--sync-warmup 10] [--outer-delay 1]
+        [--sync-fragments 1] [--pseudo-codec sparseloco|quant:bits=8|none] [--warmup-codec quant:bits=4]
+        [--sync-codec quant:bits=2] [--eval-every H] [--profile 20mbit] [--work DIR] [--quick]
 
 ``--study dpxpp`` runs issue 36's DP x PP row instead (:mod:`dpxpp_wan`: two sites of two network-namespace hosts
 each; torch's ``torch.distributed.pipelining`` inside a site with DDP's gradient average across the sites, against
@@ -90,6 +91,16 @@ WAN_WARMUP_CODEC = "quant:bits=4"
 #: --study wan: the second synchronous baseline's all-reduce codec, the baseline's best on seeds 100-101 (2-bit
 #: synchronous DP reached the exact run's loss in 4.5 / 2.3 s, 4-bit in 4.7 / 4.9 s, 8-bit in 8.8 / 7.5 s)
 WAN_SYNC_CODEC = "quant:bits=2"
+#: the outer step's settings of each study where the flags are not given: wan's were tuned on seeds 100-101 after
+#: the runtime's per-step costs fell (SparseLoCo's own setting: chunk Top-k + 2-bit pseudo-gradients with error
+#: feedback, no outer momentum, outer lr 1, the exchange overlapped with the next H inner steps; docs/data-parallel.md
+#: "SparseLoCo on the shaped link"); the others keep the DiLoCo setting they were measured with
+OUTER_DEFAULTS = {
+    "wan": {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_delay": 1, "pseudo_codec": "sparseloco"},
+    "dpxpp": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
+    "convergence": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
+    "throughput": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
+}
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 
@@ -155,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="convergence: the inner AdamW's learning rate")
     ap.add_argument("--inner", default="adamw", choices=("adamw", "muon"),
                     help="convergence: the optimizer of synchronous DP (the target) and of the replicas")
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="convergence: DiLoCo's outer learning rate")
-    ap.add_argument("--outer-momentum", type=float, default=0.6,
-                    help="convergence: DiLoCo's outer momentum (tuned on seeds 100-104: 0.6)")
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="convergence, wan, dpxpp: DiLoCo's outer learning rate (default: OUTER_DEFAULTS, 0.7; wan 1.0)")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="convergence, wan, dpxpp: DiLoCo's outer momentum (default: OUTER_DEFAULTS, 0.6, tuned on "
+                         "seeds 100-104; wan 0, SparseLoCo's)")
     ap.add_argument("--outer-nesterov", type=int, default=1, choices=(0, 1),
                     help="convergence: 1, Nesterov outer momentum; 0, heavy-ball")
     ap.add_argument("--diloco-lr", type=float, default=None,
@@ -176,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", default="", metavar="eager,delayed",
                     help="convergence: for every H also the overlapped outer step (dp_sync.delay 1) in these variants")
     ap.add_argument("--outer-delay", type=int, default=None, choices=(0, 1),
-                    help="DiLoCo cases: 0, the outer exchange blocks (default); 1, it overlaps the next H inner steps "
-                         "(wan's default)")
+                    help="DiLoCo cases: 0, the outer exchange blocks (the default but for wan); 1, it overlaps the "
+                         "next H inner steps (wan's default)")
     ap.add_argument("--sync-fragments", type=int, default=1, metavar="F",
                     help="wan: Streaming DiLoCo's fragments (fusion compile --sync-fragments; default 1)")
-    ap.add_argument("--pseudo-codec", default="quant:bits=8", metavar="CODEC|none",
-                    help="wan: DiLoCo's pseudo-gradient codec, with error feedback (default quant:bits=8)")
+    ap.add_argument("--pseudo-codec", default=None, metavar="CODEC|none",
+                    help="wan, dpxpp: DiLoCo's pseudo-gradient codec, with error feedback (default: wan sparseloco, "
+                         "dpxpp quant:bits=8)")
     ap.add_argument("--warmup-codec", default=None, metavar="CODEC|none",
                     help="wan, dpxpp: the synchronous warm-up's all-reduce codec (fusion compile --dp-codec; default "
                          "%s where there is a warm-up and a pseudo-gradient codec, else none: exact)" % WAN_WARMUP_CODEC)
@@ -208,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=None, metavar="A,B",
                     help="run only these cases (default all; measured_2x1_over_1x1 needs 1x1, 2x1_diloco, 1x1_end)")
     args = ap.parse_args(argv)
+    for key, value in OUTER_DEFAULTS[args.study].items():  # the study's own where the flag is not given
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     t0 = time.time()
     if args.study == "convergence":
         return convergence(args, t0)
     if args.study in ("wan", "dpxpp"):
         return wan(args)
-    args.outer_delay = args.outer_delay or 0
     h = args.inner_steps
     two = [["cpu-0"], ["cpu-2"]]
     cases = {"1x1": ([["cpu-0"]], None), "2x1_every": (two, None),
@@ -341,7 +357,7 @@ def wan(args: argparse.Namespace) -> int:
     study = WanStudy(model="tiny" if quick else "small", sync_steps=args.sync_steps or (10 if quick else 300),
                      cap_factor=args.diloco_factor, h=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                      sync_warmup=warmup,
-                     nesterov=bool(args.outer_nesterov), outer_delay=args.outer_delay or 0,
+                     nesterov=bool(args.outer_nesterov), outer_delay=args.outer_delay,
                      fragments=args.sync_fragments,
                      pseudo_codec=pseudo, warmup_codec=warmup_codec, sync_codec=sync_codec,
                      eval_every=args.eval_every or h, eval_batches=args.eval_batches or (2 if quick else 4),

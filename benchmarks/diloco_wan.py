@@ -18,12 +18,13 @@ Two runs per seed, the same global batch:
 
 1. **synchronous DP** (``--dp-sync every``, the exact ring all-reduce of the gradients every step, no codec):
    ``--sync-steps`` steps. Its final held-out loss is the **target** and its wall time the **anchor**;
-2. **DiLoCo** (Douillard et al. 2023, arXiv 2311.08105) at the best setting of docs/data-parallel.md: ``H``
-   inner steps (10), outer lr 0.7, Nesterov momentum 0.6, ``--sync-warmup`` (30) synchronous steps first, the
-   outer exchange blocking (``--outer-delay 0``: the best in steps of the runs in docs/data-parallel.md; 1 overlaps
-   it with the next H inner steps) and 8-bit pseudo-gradients with error feedback
-   (``--pseudo-codec quant:bits=8 --pseudo-error-feedback``), run until its held-out loss is <= the target
-   (``--stop-at-val-loss``) or ``cap_factor`` x the synchronous steps.
+2. **DiLoCo** (Douillard et al. 2023, arXiv 2311.08105) at the study's tuned setting (``bench_diloco.py``'s
+   ``WAN_*`` and ``OUTER_DEFAULTS["wan"]``, tuned on seeds 100-101, docs/data-parallel.md): ``H`` inner steps (20),
+   ``--sync-warmup`` (10) synchronous steps first with a 4-bit all-reduce, then SparseLoCo's outer step (Sarfi et
+   al. 2025, arXiv 2508.15706: chunk Top-k + 2-bit pseudo-gradients with error feedback, ``--pseudo-codec
+   sparseloco``, outer lr 1, no outer momentum) with the exchange overlapped with the next H inner steps
+   (``--outer-delay 1``, the eager step); run until its held-out loss is <= the target (``--stop-at-val-loss``) or
+   ``cap_factor`` x the synchronous steps.
 
 Figures (the final JSON line):
 

@@ -66,7 +66,8 @@ def test_study_wan_quick(tmp_path, capsys):
     assert out["study"] == "wan" and out["seeds"] == [0] and out["skipped"] is None
     st = out["settings"]
     assert (st["model"], st["sync_steps"], st["h"], st["replicas"], st["between_mbit"]) == ("tiny", 10, 5, 2, 20.0)
-    assert "--dp-sync diloco --inner-steps 5" in st["diloco_options"] and "--outer-delay 0" in st["diloco_options"]
+    assert "--dp-sync diloco --inner-steps 5" in st["diloco_options"] and "--outer-delay 1" in st["diloco_options"]
+    assert "--pseudo-codec sparseloco" in st["diloco_options"] and "--outer-momentum 0.0" in st["diloco_options"]
     (row,) = out["per_seed"]
     sync, dil = row["sync"], row["diloco"]
     assert sync["steps"] == 10 and 0 < dil["steps"] <= st["cap_steps"] == 30
@@ -85,7 +86,7 @@ def test_study_wan_quick(tmp_path, capsys):
         assert out["wall_to_sync_loss_ratio"] == pytest.approx(row["wall_to_sync_loss_ratio"])
         assert dil["val"][-1][2] <= row["sync_final_val_loss"]
     assert out["compute_utilisation"] == dil["compute_utilisation"]
-    # every step's gradients crossing the link against a few 8-bit pseudo-gradients: several times fewer bytes
+    # every step's gradients crossing the link against a few sparse 2-bit pseudo-gradients: several times fewer bytes
     assert 0 < out["between_sites_bytes_per_step"]["diloco"] < out["between_sites_bytes_per_step"]["sync"] / 3
     assert len(out["loadavg_start"]) == len(out["loadavg_end"]) == 3
     lines = [json.loads(x) for x in (tmp_path / "seed0" / "diloco" / "run" / "metrics.jsonl").read_text().splitlines()]
