@@ -70,6 +70,23 @@ def split_global_batch(global_batch: int, replicas: int, micro_batches: int, row
     return micro_batches
 
 
+def replica_zero_share(stages: int, cluster: Cluster, replicas: int) -> list[str] | None:
+    """The devices replica 0's pipeline is compiled on again when the one compiled on the whole cluster, of
+    ``stages`` stages, leaves too few for ``replicas`` copies (OP-Fence is free to use every device for one
+    pipeline): its 1/R share, the first floor(N/R) devices taking whole groups (sites) in the order their first
+    device appears in the cluster file, so a replica's stages stay inside a site where one holds them. None when the
+    pipeline already leaves room (stages x R <= N), or when a share would be empty (the grid's own error then names
+    what is missing)."""
+    n = len(cluster)
+    if stages * replicas <= n or n // replicas < 1:
+        return None
+    first: dict[str, int] = {}
+    for i, d in enumerate(cluster.devices):
+        first.setdefault(d.group, i)
+    by_site = sorted(range(n), key=lambda i: (first[cluster.devices[i].group], i))
+    return [cluster.devices[i].name for i in by_site[:n // replicas]]
+
+
 def next_free_devices(plan: Plan, cluster: Cluster, replicas: int) -> list[list[str]]:
     """The device grid for ``replicas`` copies of ``plan``'s single pipeline.
 

@@ -1,6 +1,7 @@
 """``fusion compile MODEL --cluster FILE -o PLAN``: partition a model over a cluster into a plan."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -8,6 +9,8 @@ from fusion.options.compile import DEFAULT_OUTER_MOMENTUM, DP_STRATEGIES, EAGER_
 
 if TYPE_CHECKING:
     from fusion.options.commands import Compile
+
+log = logging.getLogger(__name__)
 
 
 def optimizer_from_args(args: CompileOptions, steps: int | None = None):
@@ -79,12 +82,26 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
         micro = split_global_batch(args.global_batch, args.replicas, 0 if micro == MICRO_BATCHES else micro,
                                    rows.pop() if len(rows) == 1 else None)
     bneck = bottleneck_from_args(args)
-    plan = compile_model(model, cluster, strategy=args.strategy, micro_batches=micro,
-                         compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
-                         compress=compress, recompute=args.recompute, tied_codec=tied,
-                         virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
-                         precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
-                         architecture=architecture_from_args(args))
+
+    def pipeline(on):
+        return compile_model(model, on, strategy=args.strategy, micro_batches=micro,
+                             compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
+                             compress=compress, recompute=args.recompute, tied_codec=tied,
+                             virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
+                             precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
+                             architecture=architecture_from_args(args))
+
+    plan = pipeline(cluster)
+    if args.replicas > 1:
+        from dataclasses import replace
+
+        from fusion.replicas import replica_zero_share
+
+        share = replica_zero_share(len(plan.parts), cluster, args.replicas)
+        if share is not None:  # that pipeline took the devices the other replicas need: cut it on its 1/R share
+            log.info("replica 0's pipeline used %d of %d devices, too many for %d replicas: cut again on its share, "
+                     "%s", len(plan.parts), len(cluster), args.replicas, ", ".join(share))
+            plan = replace(pipeline(cluster.subset(share)), cluster=cluster.to_dict())
     if plan.subspace is not None:  # the model is now the confined one: its graph and initial weights
         from fusion.compress.subspace import SubspaceSpec, initial_params
 

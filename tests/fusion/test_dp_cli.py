@@ -33,6 +33,39 @@ def test_compile_places_replicas_on_the_next_fastest_free_devices(tmp_path, caps
     assert "replica" in text and "r1.part0" in text
 
 
+def test_replicas_fit_when_the_single_pipeline_took_every_device(tmp_path, capsys):
+    """OP-Fence cuts GPT "small" over both devices of two-hosts; with --replicas 2 that left replica 1 nothing
+    (exit 2, "no free device for replica 1"). Replica 0 is now cut again on its half of the devices."""
+    gpt = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:small"
+    two_hosts = str(ROOT / "examples" / "clusters" / "two-hosts.yaml")
+    assert main(["compile", gpt, "--cluster", two_hosts, "-o", str(tmp_path / "one")]) == 0
+    assert len(load_plan(tmp_path / "one").parts) == 2  # the single pipeline: both devices
+    capsys.readouterr()
+    assert main(["compile", gpt, "--cluster", two_hosts, "--replicas", "2", "-o", str(tmp_path / "dp")]) == 0
+    assert "2 replicas x 1 stage)" in capsys.readouterr().out
+    plan = load_plan(tmp_path / "dp")
+    assert {p: (x.device, x.replica) for p, x in plan.parts.items()} == {"part0": ("host-a", 0), "r1.part0": ("host-b", 1)}
+    assert [d["name"] for d in plan.cluster["devices"]] == ["host-a", "host-b"]  # the whole cluster, not the share
+    assert [r["devices"] for r in plan.predicted["replicas"]] == [["host-a"], ["host-b"]]
+
+
+def test_replica_zero_share_keeps_a_site_together(tmp_path):
+    from fusion.cluster import load_cluster
+    from fusion.replicas import replica_zero_share
+
+    (tmp_path / "c.yaml").write_text(
+        "name: interleaved\ndevices:\n"
+        + "".join(f"  - {{name: {n}, group: site-{n[0]}, peak_flops: 50 GFLOPS, memory: 4 GB}}\n"
+                  for n in ("a0", "b0", "a1", "b1", "c0", "c1"))
+        + "links:\n  default: {latency: 30 ms, bandwidth: 20 Mbit/s}\n"
+          "  within_group: {latency: 1 ms, bandwidth: 1 Gbit/s}\n")
+    cluster = load_cluster(str(tmp_path / "c.yaml"))
+    assert replica_zero_share(6, cluster, 2) == ["a0", "a1", "b0"]  # site a whole, then site b's first
+    assert replica_zero_share(6, cluster, 3) == ["a0", "a1"]
+    assert replica_zero_share(3, cluster, 2) is None  # 3 stages x 2 replicas fit in 6 devices
+    assert replica_zero_share(2, cluster, 7) is None  # a share of no device: the grid's own error says so
+
+
 def test_bad_global_batch_and_too_many_replicas_exit_2_with_one_line(tmp_path, capsys):
     m = _model(tmp_path)
     assert main(["compile", m, "--cluster", LOCAL, "--replicas", "2", "--global-batch", "13", "-o", str(tmp_path / "a")]) == 2
