@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fusion.cluster.model import Cluster
+from fusion.cost.dp import codec_label
 from fusion.cost.estimate import tensor_bytes
 from fusion.ir.boundary import part_order
 from fusion.plan import Plan
@@ -29,14 +30,6 @@ def _fmt_bw(bps: float) -> str:
     from fusion.cluster.units import format_bandwidth
 
     return format_bandwidth(bps)
-
-
-def codec_label(cfg: dict | None) -> str:
-    """``quant:bits=4,block=64``-style text of a codec cfg; ``dense`` for None."""
-    if cfg is None:
-        return "dense"
-    args = ",".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in cfg.items() if k != "algo")
-    return cfg["algo"] + (f":{args}" if args else "")
 
 
 def cut_edges(plan: Plan) -> list[dict]:

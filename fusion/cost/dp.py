@@ -214,10 +214,12 @@ INNER_STEPS = (10, 20, 50, 100, 200, 500)
 
 
 def codec_label(cfg: dict | None) -> str:
-    """``dense``, ``quant:bits=4``, ``topk:ratio=100`` ... (the CLI's spelling)."""
+    """``dense`` for None, else ``quant:bits=4``, ``topk:ratio=100``, ``sparseloco:chunk=4096,k=64,beta=0.95`` ...:
+    the CLI's spelling of a codec cfg (floats in their shortest ``g`` form), as the compile summary, the planner's
+    prediction and ``fusion inspect`` print it."""
     if cfg is None:
         return "dense"
-    rest = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "algo")
+    rest = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in cfg.items() if k != "algo")
     return f"{cfg['algo']}:{rest}" if rest else str(cfg["algo"])
 
 

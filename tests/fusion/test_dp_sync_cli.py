@@ -189,3 +189,17 @@ def test_bad_inner_lr_or_warmup_exits_2_with_one_line(tmp_path, capsys):
         DPSync.from_dict({"mode": "diloco", "inner_lr": 0})
     with pytest.raises(PlanError, match=r"sync_warmup and inner_lr are DiLoCo's"):
         DPSync.from_dict({"mode": "every", "inner_lr": 0.1})
+
+
+def test_codec_label_is_the_cli_spelling_everywhere():
+    """One spelling of a codec cfg for the compile summary, the planner's prediction and ``fusion inspect`` (there
+    were two, one printing ``ratio=1000.0``, the other ``1e+03``); what it prints parses back to the same cfg."""
+    from fusion.compress.policy import parse_spec
+    from fusion.cost.dp import codec_label
+
+    assert codec_label(None) == "dense"
+    assert codec_label({"algo": "quant", "bits": 4}) == "quant:bits=4"
+    assert codec_label({"algo": "topk", "ratio": 1000.0}) == "topk:ratio=1000"
+    assert codec_label({"algo": "sparseloco", "chunk": 4096, "k": 64, "beta": 0.95}) == "sparseloco:chunk=4096,k=64,beta=0.95"
+    for cfg in ({"algo": "quant", "bits": 8}, {"algo": "topk", "ratio": 100}):
+        assert parse_spec(codec_label(cfg)) == cfg
