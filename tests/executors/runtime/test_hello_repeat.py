@@ -5,7 +5,6 @@ rebind, was lost with that socket, and the new coordinator waited out ``--restar
 Here a ROUTER at the coordinator's address reads the executor's hello and closes without answering, as the closing
 coordinator did; a new ROUTER bound at the same address must get the same hello again (same pid and address, so the
 coordinator takes it as a repeat, not as a new executor: tests/fusion/test_coordinator_restarts.py)."""
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,10 @@ import time
 import zmq
 
 from tests.executors.dist_models import CNN_SPLITS, branching_cnn, save_hand_plan
+from tests.fusion.cli_helpers import free_ports
 from fusion.executors.runtime.control import TO_COORDINATOR, decode_ctrl
 from fusion.executors.runtime.process import HELLO_REPEAT_S
 from fusion.ir.wire import decode
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _hello(ctx, addr: str, timeout_s: float):
@@ -53,7 +45,7 @@ def _hello(ctx, addr: str, timeout_s: float):
 
 def test_an_executor_says_hello_again_until_the_coordinator_answers(tmp_path):
     plan_dir = save_hand_plan(tmp_path, branching_cnn(mb=2), CNN_SPLITS[2], micro_batches=2)
-    coord = f"tcp://127.0.0.1:{_free_port()}"
+    coord = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     log = open(tmp_path / "p1.log", "wb")
     ex = subprocess.Popen([sys.executable, "-m", "fusion.cli", "executor", str(plan_dir), "--node", "p1",
                            "--coordinator", coord, "--bind", "tcp://127.0.0.1:*", "--insecure",
