@@ -70,7 +70,6 @@ def compile_from_args(job: CompileJob, model, cluster):
 def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_codec, dp_sync, tied, node_times):
     """The plan of every strategy but the data-parallel planners: one pipeline compiled (compile_model), then
     replicated over the fastest free devices for ``--replicas`` / ``--global-batch``."""
-    from fusion.compile import compile_model
     from fusion.ir.errors import FusionError
 
     micro = args.micro_batches
@@ -81,37 +80,8 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
         # the default --micro-batches gives way to what the global batch makes; another value must agree with it
         micro = split_global_batch(args.global_batch, args.replicas, 0 if micro == MICRO_BATCHES else micro,
                                    rows.pop() if len(rows) == 1 else None)
-    bneck = bottleneck_from_args(args)
-
-    def pipeline(on):
-        return compile_model(model, on, strategy=args.strategy, micro_batches=micro,
-                             compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
-                             compress=compress, recompute=args.recompute, tied_codec=tied,
-                             virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
-                             precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
-                             architecture=architecture_from_args(args))
-
-    plan = pipeline(cluster)
-    if args.replicas > 1:
-        from dataclasses import replace
-
-        from fusion.replicas import replica_zero_share
-
-        share = replica_zero_share(len(plan.parts), cluster, args.replicas)
-        if share is not None:  # that pipeline took the devices the other replicas need: cut it on its 1/R share
-            log.info("replica 0's pipeline used %d of %d devices, too many for %d replicas: cut again on its share, "
-                     "%s", len(plan.parts), len(cluster), args.replicas, ", ".join(share))
-            plan = replace(pipeline(cluster.subset(share)), cluster=cluster.to_dict())
-    if plan.subspace is not None:  # the model is now the confined one: its graph and initial weights
-        from fusion.compress.subspace import SubspaceSpec, initial_params
-
-        model.graph, model.params = plan.graph, initial_params(SubspaceSpec.from_dict(plan.subspace), model.params)
-    if plan.bottlenecks:  # the model is now the one with bottlenecks: its graph and initial weights
-        from fusion.compress.bottleneck import initial_values
-
-        model.graph = plan.graph
-        if model.params:
-            model.params = {**model.params, **initial_values(plan.bottlenecks)}
+    plan = _replica_zero_pipeline(args, model, cluster, micro, opt, compress, tied, node_times)
+    _adopt_plan_graph(model, plan)
     if dp_codec is not None and args.replicas < 2:
         raise FusionError("--dp-codec needs --replicas 2 or more")
     if args.replicas > 1 or args.global_batch is not None:
@@ -132,6 +102,49 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
     record_codec_plugins(plan)
     return plan
 
+
+
+def _replica_zero_pipeline(args: CompileOptions, model, cluster, micro: int, opt, compress, tied, node_times):
+    """The single pipeline (compile_model on the whole cluster); with ``--replicas R``, cut again on replica 0's
+    1/R share of the devices when it took those the other replicas need (:func:`fusion.replicas.replica_zero_share`;
+    the plan keeps the whole cluster)."""
+    from dataclasses import replace
+
+    from fusion.compile import compile_model
+    from fusion.replicas import replica_zero_share
+
+    bneck = bottleneck_from_args(args)
+
+    def pipeline(on):
+        return compile_model(model, on, strategy=args.strategy, micro_batches=micro,
+                             compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
+                             compress=compress, recompute=args.recompute, tied_codec=tied,
+                             virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
+                             precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
+                             architecture=architecture_from_args(args))
+
+    plan = pipeline(cluster)
+    share = replica_zero_share(len(plan.parts), cluster, args.replicas) if args.replicas > 1 else None
+    if share is None:
+        return plan
+    log.info("replica 0's pipeline used %d of %d devices, too many for %d replicas: cut again on its share, %s",
+             len(plan.parts), len(cluster), args.replicas, ", ".join(share))
+    return replace(pipeline(cluster.subset(share)), cluster=cluster.to_dict())
+
+
+def _adopt_plan_graph(model, plan) -> None:
+    """The model becomes the plan's when a pass changed it: the confined one of a subspace cut, the one with
+    bottlenecks (their graph and initial weights)."""
+    if plan.subspace is not None:
+        from fusion.compress.subspace import SubspaceSpec, initial_params
+
+        model.graph, model.params = plan.graph, initial_params(SubspaceSpec.from_dict(plan.subspace), model.params)
+    if plan.bottlenecks:
+        from fusion.compress.bottleneck import initial_values
+
+        model.graph = plan.graph
+        if model.params:
+            model.params = {**model.params, **initial_values(plan.bottlenecks)}
 
 def bottleneck_from_args(args: CompileOptions):
     """The :class:`~fusion.compress.bottleneck.BottleneckRequest` of ``--bottleneck`` and ``--bottleneck-edges``
