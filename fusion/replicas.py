@@ -87,6 +87,17 @@ def replica_zero_share(stages: int, cluster: Cluster, replicas: int) -> list[str
     return [cluster.devices[i].name for i in by_site[:n // replicas]]
 
 
+def on_whole_cluster(plan: Plan, cluster: Cluster, seed: int = 0) -> Plan:
+    """``plan``, compiled on a share of ``cluster`` (:func:`replica_zero_share`), as a plan of the whole cluster:
+    its ``cluster`` and its ``predicted["clusters"]`` (the Louvain clusters ``fusion inspect`` draws the devices
+    by) name every device, so :func:`replicate` can place the other replicas and they are drawn."""
+    from fusion.cluster.topology import device_clusters
+
+    names = [d.name for d in cluster.devices]
+    clusters = [[names[i] for i in c] for c in device_clusters(cluster, seed)]
+    return replace(plan, cluster=cluster.to_dict(), predicted={**plan.predicted, "clusters": clusters})
+
+
 def next_free_devices(plan: Plan, cluster: Cluster, replicas: int) -> list[list[str]]:
     """The device grid for ``replicas`` copies of ``plan``'s single pipeline.
 

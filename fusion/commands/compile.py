@@ -103,25 +103,22 @@ def _compile_pipeline(args: CompileOptions, model, cluster, opt, compress, dp_co
     return plan
 
 
-
 def _replica_zero_pipeline(args: CompileOptions, model, cluster, micro: int, opt, compress, tied, node_times):
     """The single pipeline (compile_model on the whole cluster); with ``--replicas R``, cut again on replica 0's
     1/R share of the devices when it took those the other replicas need (:func:`fusion.replicas.replica_zero_share`;
     the plan keeps the whole cluster)."""
-    from dataclasses import replace
-
     from fusion.compile import compile_model
-    from fusion.replicas import replica_zero_share
+    from fusion.replicas import on_whole_cluster, replica_zero_share
 
-    bneck = bottleneck_from_args(args)
+    bneck, subspace, architecture = bottleneck_from_args(args), subspace_from_args(args), architecture_from_args(args)
 
     def pipeline(on):
         return compile_model(model, on, strategy=args.strategy, micro_batches=micro,
                              compress_ratio=args.compress_ratio, schedule=args.schedule, optimizer=opt, seed=args.seed,
                              compress=compress, recompute=args.recompute, tied_codec=tied,
                              virtual_stages=args.virtual_stages, node_times=node_times, bottleneck=bneck,
-                             precision=getattr(args, "precision", "fp32"), subspace=subspace_from_args(args),
-                             architecture=architecture_from_args(args))
+                             precision=getattr(args, "precision", "fp32"), subspace=subspace,
+                             architecture=architecture)
 
     plan = pipeline(cluster)
     share = replica_zero_share(len(plan.parts), cluster, args.replicas) if args.replicas > 1 else None
@@ -129,7 +126,7 @@ def _replica_zero_pipeline(args: CompileOptions, model, cluster, micro: int, opt
         return plan
     log.info("replica 0's pipeline used %d of %d devices, too many for %d replicas: cut again on its share, %s",
              len(plan.parts), len(cluster), args.replicas, ", ".join(share))
-    return replace(pipeline(cluster.subset(share)), cluster=cluster.to_dict())
+    return on_whole_cluster(pipeline(cluster.subset(share)), cluster, args.seed)
 
 
 def _adopt_plan_graph(model, plan) -> None:

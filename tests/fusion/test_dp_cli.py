@@ -46,6 +46,7 @@ def test_replicas_fit_when_the_single_pipeline_took_every_device(tmp_path, capsy
     plan = load_plan(tmp_path / "dp")
     assert {p: (x.device, x.replica) for p, x in plan.parts.items()} == {"part0": ("host-a", 0), "r1.part0": ("host-b", 1)}
     assert [d["name"] for d in plan.cluster["devices"]] == ["host-a", "host-b"]  # the whole cluster, not the share
+    assert sorted(d for c in plan.predicted["clusters"] for d in c) == ["host-a", "host-b"]  # inspect draws both
     assert [r["devices"] for r in plan.predicted["replicas"]] == [["host-a"], ["host-b"]]
 
 
