@@ -95,12 +95,9 @@ WAN_SYNC_CODEC = "quant:bits=2"
 #: the runtime's per-step costs fell (SparseLoCo's own setting: chunk Top-k + 2-bit pseudo-gradients with error
 #: feedback, no outer momentum, outer lr 1, the exchange overlapped with the next H inner steps; docs/data-parallel.md
 #: "SparseLoCo on the shaped link"); the others keep the DiLoCo setting they were measured with
-OUTER_DEFAULTS = {
-    "wan": {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_delay": 1, "pseudo_codec": "sparseloco"},
-    "dpxpp": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
-    "convergence": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
-    "throughput": {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"},
-}
+_DILOCO_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.6, "outer_delay": 0, "pseudo_codec": "quant:bits=8"}
+OUTER_DEFAULTS = {"wan": {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_delay": 1, "pseudo_codec": "sparseloco"},
+                  **dict.fromkeys(("dpxpp", "convergence", "throughput"), _DILOCO_OUTER)}
 CLUSTER = ROOT / "examples" / "clusters" / "local-4-two-sites.yaml"
 MODEL = f"{ROOT / 'examples' / 'models' / 'gpt.py'}:tiny"
 

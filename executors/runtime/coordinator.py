@@ -230,11 +230,10 @@ class Coordinator:
         #: (part, pid) -> when a look first saw that process exited (EXIT_DRAIN_S)
         self._exited_at: dict[tuple[str, int], float] = {}
         self._lasting: set[str] = set()  # parts whose Error said a restart would fail the same way (a full disk)
-        #: parts whose executor has said hello to this coordinator; anything else from a part before its hello is a
-        #: late message of an executor of a previous coordinator at this address (``--max-restarts``): dropped
-        self._greeted: set[str] = set()
-        #: part -> (pid, address) of the executor whose hello was taken: the same again is that executor repeating
-        #: its hello until answered (``process.HELLO_REPEAT_S``), a heartbeat, not a new executor
+        #: part -> (pid, address) of the executor whose hello this coordinator took. The same again is that executor
+        #: repeating its hello until answered (``process.HELLO_REPEAT_S``), a heartbeat, not a new executor; anything
+        #: else from a part not in here is a late message of an executor of a previous coordinator at this address
+        #: (``--max-restarts``): dropped
         self._hello_of: dict[str, tuple[int, str]] = {}
         #: parts whose executor said hello a second time: a new executor replaces one that stopped (a supervisor
         #: restarted it); it is not sent this coordinator's abort, and its hello waits for the next coordinator
@@ -285,14 +284,13 @@ class Coordinator:
                 self._last_seen[sender] = time.monotonic()  # a repeat: the executor has not heard us yet
                 return
             if c.op == "hello":
-                self._hello_of[sender] = (c.pid, c.address)
-                if sender in self._greeted:  # a new executor of a part that is set up: the previous one is gone
+                if sender in self._hello_of:  # a new executor of a part that is set up: the previous one is gone
                     self._replaced.add(sender)
                     self._errors.setdefault(sender, f"a new executor said hello (pid {c.pid}): "
                                                     "the one it replaces has stopped")
                     self._failed_at.setdefault(sender, time.monotonic())
-                self._greeted.add(sender)
-            elif sender not in self._greeted:
+                self._hello_of[sender] = (c.pid, c.address)
+            elif sender not in self._hello_of:
                 return  # from an executor of a previous coordinator at this address, not of this run's parts
             self._last_seen[sender] = time.monotonic()
             if isinstance(c, Error):
@@ -965,7 +963,6 @@ class Coordinator:
         """Hellos received by a previous coordinator at this address (:meth:`pending_hellos`), as if sent here."""
         with self._cv:
             for p, c in hellos:
-                self._greeted.add(p)
                 self._hello_of[p] = (c.pid, c.address)
                 self._last_seen[p] = time.monotonic()
                 self._inbox[p].append(c)
